@@ -1,0 +1,3 @@
+"""tether: KL-regularized reinforcement learning from feedback for language models."""
+
+__version__ = "0.1.0"
