@@ -1,0 +1,153 @@
+"""Turning a :class:`~tether.data.rows.PromptRow` into the text the policy is conditioned on.
+
+Rules (:func:`render_prompt`):
+
+* **chat prompts** (a list of messages) with ``apply_chat_template=True`` and a tokenizer that has a
+  chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+  tokenize=False)``, as verl does for its ``prompt`` column. The instruction suffix is appended to
+  the *content of the last user message* before templating (so it lands inside the user turn, not
+  after the assistant header).
+* **chat prompts without a chat template** (or ``apply_chat_template=False``): the message contents
+  joined with a blank line (``"\\n\\n"``), roles dropped, no generation prompt, suffix appended to the
+  last user message. A single-message prompt is therefore just its content: what a base model
+  should see. Give the tokenizer a chat template when roles matter.
+* **plain string prompts** are used raw (plus the suffix appended to the end), never wrapped in a
+  user message, even when the tokenizer has a chat template: a string prompt is taken to be already
+  formatted (e.g. a completion-style prompt, or one rendered elsewhere). Store prompts as a list of
+  messages to get the chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import MAX_REPORTED_ERRORS, DataError, PromptRow
+
+__all__ = ["check_prompt_lengths", "has_chat_template", "render_prompt", "render_prompts"]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when ``tokenizer`` has a non-empty ``chat_template`` (a string or a dict of templates)."""
+    tpl = getattr(tokenizer, "chat_template", None)
+    return bool(tpl)
+
+
+def _with_suffix(messages: list[dict], suffix: str) -> list[dict]:
+    msgs = [dict(m) for m in messages]
+    if suffix:
+        for m in reversed(msgs):
+            if m.get("role") == "user":
+                m["content"] = m["content"] + suffix
+                break
+        else:  # no user message: append to the last message, whatever its role
+            msgs[-1]["content"] = msgs[-1]["content"] + suffix
+    return msgs
+
+
+def render_prompt(
+    row: PromptRow,
+    tokenizer: Any,
+    *,
+    apply_chat_template: bool = True,
+    instruction_suffix: str = "",
+) -> str:
+    """Render one row's prompt as text (see the module docstring for the exact rules).
+
+    Args:
+        row: the row; ``row.prompt`` is a string or a list of chat messages.
+        tokenizer: a Hugging Face tokenizer (only ``chat_template`` and ``apply_chat_template`` are
+            used); may be None for string prompts and for ``apply_chat_template=False``.
+        apply_chat_template: use the tokenizer's chat template for message prompts when it has one.
+        instruction_suffix: text appended to the prompt (to the last user message for chat
+            prompts), e.g. ``" Let's think step by step..."``. Default: nothing.
+
+    Returns:
+        The prompt text. Special tokens (e.g. ``<|im_start|>``) appear literally in the text, so
+        tokenize it with ``add_special_tokens=False`` when the template already holds them.
+
+    Raises:
+        TypeError: ``row.prompt`` is neither a string nor a list (rows from ``load_rows`` never are).
+    """
+    prompt = row.prompt
+    if isinstance(prompt, str):
+        return prompt + instruction_suffix
+    if not isinstance(prompt, list):
+        raise TypeError(f"row {row.index}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
+    msgs = _with_suffix(prompt, instruction_suffix)
+    if apply_chat_template and tokenizer is not None and has_chat_template(tokenizer):
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        if not isinstance(out, str):  # some versions return a list for batched input
+            out = out[0]
+        return out
+    return "\n\n".join(m["content"] for m in msgs)
+
+
+def render_prompts(
+    rows: list[PromptRow],
+    tokenizer: Any,
+    *,
+    apply_chat_template: bool = True,
+    instruction_suffix: str = "",
+) -> list[str]:
+    """:func:`render_prompt` over a list of rows."""
+    return [render_prompt(r, tokenizer, apply_chat_template=apply_chat_template,
+                          instruction_suffix=instruction_suffix) for r in rows]
+
+
+def check_prompt_lengths(
+    rows: list[PromptRow],
+    tokenizer: Any,
+    max_prompt_length: int,
+    *,
+    apply_chat_template: bool = True,
+    instruction_suffix: str = "",
+    drop: bool = False,
+) -> list[PromptRow]:
+    """Find prompts longer than ``max_prompt_length`` tokens before training starts.
+
+    Each prompt is rendered with :func:`render_prompt` and tokenized with
+    ``add_special_tokens=False`` when a chat template was applied (the template already holds the
+    special tokens), with the tokenizer's default otherwise.
+
+    Args:
+        rows: the dataset.
+        tokenizer: the policy's tokenizer.
+        max_prompt_length: the maximum prompt length in tokens (>= 1).
+        apply_chat_template, instruction_suffix: as in :func:`render_prompt`.
+        drop: drop the long rows (with a ``UserWarning`` giving the count) instead of failing.
+
+    Returns:
+        The rows that fit (all of them, or a :class:`DataError` is raised, unless ``drop``).
+
+    Raises:
+        DataError: some prompts are too long (the first few named by row index and length) and
+            ``drop`` is False, or every prompt is too long.
+        ValueError: ``max_prompt_length < 1``.
+    """
+    import warnings
+
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    templated = apply_chat_template and tokenizer is not None and has_chat_template(tokenizer)
+    keep: list[PromptRow] = []
+    long: list[str] = []
+    n_long = 0
+    for r in rows:
+        text = render_prompt(r, tokenizer, apply_chat_template=apply_chat_template,
+                             instruction_suffix=instruction_suffix)
+        kw = {"add_special_tokens": False} if templated and isinstance(r.prompt, list) else {}
+        n = len(tokenizer(text, **kw)["input_ids"])
+        if n > max_prompt_length:
+            n_long += 1
+            if len(long) < MAX_REPORTED_ERRORS:
+                long.append(f"row {r.index}: {n} tokens")
+        else:
+            keep.append(r)
+    if n_long and (not drop or not keep):
+        raise DataError(
+            f"{n_long} prompt(s) of {len(rows)} longer than max_prompt_length={max_prompt_length} tokens: "
+            + "; ".join(long) + (" ..." if n_long > len(long) else ""), long, n_long)
+    if n_long:
+        warnings.warn(f"dropped {n_long} prompt(s) longer than {max_prompt_length} tokens: "
+                      + "; ".join(long[:3]), stacklevel=2)
+    return keep
