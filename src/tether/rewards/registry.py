@@ -1,0 +1,205 @@
+"""Reward function registry (per ``data_source``) and loading of user reward functions.
+
+Built-in functions have verl's per-sample signature
+``compute_score(solution_str: str, ground_truth, extra_info: dict | None = None) -> float`` and are
+imported lazily from a ``"module:function"`` path, so importing ``tether.rewards`` never imports a
+task module.
+
+User functions (``reward.function=path/to/file.py:name`` or ``package.module:name``) are **batch**
+functions::
+
+    def my_reward(data_sources: list[str], solution_strs: list[str],
+                  ground_truths: list, extra_infos: list[dict]) -> list[float]: ...
+
+A verl-style per-sample function ``fn(data_source, solution_str, ground_truth, extra_info)`` can be
+adapted with the :func:`batched` decorator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "BatchRewardFn",
+    "SampleRewardFn",
+    "batched",
+    "get_reward_function",
+    "load_user_function",
+    "register_reward_function",
+    "resolve_import_path",
+]
+
+SampleRewardFn = Callable[..., Any]
+BatchRewardFn = Callable[[list, list, list, list], Sequence]
+
+_GSM8K = "tether.rewards.math:gsm8k_compute_score"
+_MATH = "tether.rewards.math:math_compute_score"
+
+#: ``data_source`` → ``"module:function"`` of a per-sample reward function (imported on first use).
+REWARD_FUNCTIONS: dict[str, str] = {
+    "tether/digitsum": "tether.tasks.digitsum:compute_score",
+    "openai/gsm8k": _GSM8K,
+    "gsm8k": _GSM8K,
+    "lighteval/MATH": _MATH,
+    "DigitalLearningGmbH/MATH-lighteval": _MATH,
+    "HuggingFaceH4/MATH-500": _MATH,
+    "math": _MATH,
+}
+
+_cache: dict[str, Callable] = {}
+
+
+def resolve_import_path(path: str) -> Callable:
+    """Import ``"package.module:attr"`` and return the attribute (cached).
+
+    Raises:
+        ValueError: malformed path, module not importable, attribute missing or not callable.
+    """
+    if path in _cache:
+        return _cache[path]
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"reward function path {path!r} must look like 'package.module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {mod_name!r} for reward function {path!r}: {e}") from e
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (reward function {path!r})")
+    if not callable(fn):
+        raise ValueError(f"{path!r} is not callable (it is a {type(fn).__name__})")
+    _cache[path] = fn
+    return fn
+
+
+def register_reward_function(data_source: str, fn: str | Callable, *, overwrite: bool = False) -> None:
+    """Register a per-sample reward function for ``data_source``.
+
+    Args:
+        data_source: the ``data_source`` value of the rows it scores.
+        fn: a ``"module:function"`` path (imported lazily) or a callable.
+        overwrite: replace an existing entry (otherwise that is an error).
+
+    Raises:
+        ValueError: ``data_source`` already registered and not ``overwrite``.
+    """
+    if data_source in REWARD_FUNCTIONS and not overwrite:
+        raise ValueError(f"data_source {data_source!r} is already registered ({REWARD_FUNCTIONS[data_source]})")
+    if callable(fn):
+        key = f"<callable {data_source}>"
+        _cache[key] = fn
+        REWARD_FUNCTIONS[data_source] = key
+    else:
+        REWARD_FUNCTIONS[data_source] = fn
+        _cache.pop(fn, None)
+
+
+def get_reward_function(data_source: str) -> SampleRewardFn:
+    """The per-sample reward function registered for ``data_source``.
+
+    Args:
+        data_source: a row's ``data_source``.
+
+    Returns:
+        ``compute_score(solution_str, ground_truth, extra_info=None) -> float``.
+
+    Raises:
+        ValueError: unknown ``data_source`` (the message lists the known ones and how to supply
+            a function), or its module cannot be imported.
+    """
+    path = REWARD_FUNCTIONS.get(data_source)
+    if path is None:
+        known = ", ".join(sorted(REWARD_FUNCTIONS))
+        raise ValueError(
+            f"no built-in reward function for data_source {data_source!r}; known: {known}. "
+            "Set reward.function=path/to/file.py:name or reward.reward_model=/path/to/model."
+        )
+    if path in _cache:
+        return _cache[path]
+    return resolve_import_path(path)
+
+
+def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> BatchRewardFn:
+    """Load a user reward function from ``"path/to/file.py:name"`` or ``"package.module:name"``.
+
+    A spec whose part before the last ``:`` ends in ``.py`` or contains a path separator is a file:
+    relative paths are taken relative to ``base_dir`` (default: the current directory). The file is
+    executed as a fresh module (named ``tether_user_reward_<stem>_<hash>`` and registered in
+    ``sys.modules``, so pickling and dataclasses inside it work).
+
+    Args:
+        spec: the function spec.
+        base_dir: directory for relative file paths (e.g. the config file's directory).
+
+    Returns:
+        The function (called in batches, see the module docstring).
+
+    Raises:
+        ValueError: malformed spec; file not found (naming the file); the file fails to import
+            (naming the file, with the original exception chained); the name is missing (naming the
+            file and the name, and listing the callables it defines) or not callable.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
+    if not (target.endswith(".py") or "/" in target or "\\" in target):
+        return resolve_import_path(f"{target}:{name}")
+
+    path = Path(target).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ValueError(f"reward function file not found: {path} (from reward.function={spec!r}, name {name!r})")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    mod_name = f"tether_user_reward_{path.stem.replace('-', '_')}_{digest}"
+    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if mod_spec is None or mod_spec.loader is None:  # pragma: no cover - .py files always have a loader
+        raise ValueError(f"cannot load {path} as a Python module")
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_name] = mod
+    try:
+        mod_spec.loader.exec_module(mod)
+    except (Exception, SystemExit) as e:  # a script calling sys.exit() at import is reported too
+        sys.modules.pop(mod_name, None)
+        raise ValueError(f"reward function file {path} failed to import: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, name, None)
+    if fn is None:
+        defined = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == mod_name)
+        raise ValueError(f"reward function file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}")
+    if not callable(fn):
+        raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
+    return fn
+
+
+def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:
+    """Turn a verl-style per-sample function ``fn(data_source, solution_str, ground_truth,
+    extra_info) -> float`` into a tether batch function.
+
+    Example (in ``my_reward.py``, used as ``reward.function=my_reward.py:compute_score``)::
+
+        from tether.rewards import batched
+
+        @batched
+        def compute_score(data_source, solution_str, ground_truth, extra_info):
+            return float(solution_str.strip() == str(ground_truth))
+    """
+
+    def batch(data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list) -> list:
+        return [fn(d, s, g, e) for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)]
+
+    batch.__name__ = getattr(fn, "__name__", "batched")
+    batch.__doc__ = fn.__doc__
+    batch.__wrapped__ = fn  # type: ignore[attr-defined]
+    return batch
