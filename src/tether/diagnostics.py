@@ -1,0 +1,837 @@
+"""Training health checks over the per-step metrics history (``tether doctor`` and live warnings).
+
+A *history* is a list of dicts, one per logged step, as written line by line to ``metrics.jsonl``
+in a run directory: each has an integer ``"step"`` and metric keys such as ``kl/ref_mean``. Every
+check reads the series of one or two metrics from it:
+
+* only finite real numbers count (a step where a metric is missing, ``None``, NaN or not a number
+  is skipped for that metric), so metrics logged at different rates mix freely;
+* steps are deduplicated (the last record of a step wins, as after a resumed run re-logs steps)
+  and sorted.
+
+Checks (the thresholds are keyword arguments of each function; defaults in brackets; every
+window counts *logged points* of the metric, not training steps):
+
+========================  =========================  ==========================================
+check                     metric                     fires when
+========================  =========================  ==========================================
+``kl_rising``             ``kl/ref_mean``            over the last ``window`` [20] points
+                                                     (at least ``min_points`` [10]): Kendall τ
+                                                     ≥ ``min_tau`` [0.5], the Theil–Sen fit rises
+                                                     by ≥ ``min_rel_rise`` [20 %] and ends at ≥
+                                                     ``floor`` [0.05 nats/token]
+``entropy_collapse``      ``policy/entropy``         the median of the last ``recent`` [5]
+                                                     points fell by more than ``max_drop`` [50 %]
+                                                     from the median of the first ``early`` [5],
+                                                     or is below ``floor`` [0.05 nats/token]
+``length_shrinking``      ``response/length_mean``   recent median fell by more than
+                                                     ``max_drop`` [30 %] from the early median
+``reward_flat_kl_growing`` ``reward/score_mean``     over the last ``window`` [20] points the
+                                                     reward has Kendall τ ≤ ``max_reward_tau``
+                                                     [0.2] while the KL rises (τ ≥ 0.5, fit +20 %,
+                                                     ends ≥ ``kl_floor`` [0.02])
+``clipfrac_high``         ``policy/clipfrac``        the last ``patience`` [5] points all exceed
+                                                     ``threshold`` [0.2]
+``collapse_rising``       ``diversity/collapse_rate`` recent median exceeds the early median by
+                                                     ≥ ``min_rise`` [0.2] (absolute)
+========================  =========================  ==========================================
+
+Each :class:`Finding` names the metric, carries the evidence (``steps`` and ``values`` of the
+points the check looked at, plus the statistics it computed) and a concrete suggestion naming the
+config key to change, with its current value where the run's config (or ``kl/coef``) says it.
+
+Robust statistics: Theil–Sen slope (Theil 1950; Sen 1968: the median of pairwise slopes) and
+Kendall's τ-a (Kendall 1938), both insensitive to a few outlying steps. See ``docs/diagnostics.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import statistics
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+__all__ = [
+    "CHECKS",
+    "Finding",
+    "LiveDiagnostics",
+    "MetricsFileWarning",
+    "check_clipfrac_high",
+    "check_collapse_rising",
+    "check_entropy_collapse",
+    "check_kl_rising",
+    "check_length_shrinking",
+    "check_reward_flat_kl_growing",
+    "diagnose",
+    "doctor",
+    "format_findings",
+    "read_metrics",
+]
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+
+History = Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnostic result.
+
+    Attributes:
+        check: name of the check that fired (a key of :data:`CHECKS`, or ``"metrics_file"`` for a
+            problem reading ``metrics.jsonl``).
+        metric: the metric the finding is about, e.g. ``"kl/ref_mean"``.
+        message: one human sentence with the numbers.
+        evidence: ``{"steps": [...], "values": [...], ...}``: the points the check looked at and
+            the statistics it computed (all JSON-serialisable).
+        suggestion: a concrete change naming the config key(s), e.g. ``"raise kl.coef (now 0.05) ..."``.
+        severity: ``"warning"`` (something is likely wrong) or ``"info"``.
+    """
+
+    check: str
+    metric: str
+    message: str
+    evidence: dict = field(default_factory=dict)
+    suggestion: str = ""
+    severity: Literal["warning", "info"] = "warning"
+
+
+class MetricsFileWarning(UserWarning):
+    """A line of ``metrics.jsonl`` could not be read (truncated last line or a malformed line)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# series and robust statistics
+# --------------------------------------------------------------------------------------------------
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _series(history: History, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key``: finite numbers only, deduplicated by step (last wins), sorted."""
+    by_step: dict[int, float] = {}
+    for rec in history:
+        step = rec.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            continue
+        v = _number(rec.get(key))
+        if v is not None:
+            by_step[step] = v
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def _theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Theil–Sen line: slope = median of pairwise slopes, intercept = median of y − slope·x."""
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i])
+        for i in range(len(xs))
+        for j in range(i + 1, len(xs))
+        if xs[j] != xs[i]
+    ]
+    slope = statistics.median(slopes) if slopes else 0.0
+    intercept = statistics.median([y - slope * x for x, y in zip(xs, ys, strict=True)])
+    return slope, intercept
+
+
+def _kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Kendall's τ-a: (concordant − discordant pairs) / all pairs; ties count 0. In [−1, 1]."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    s = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            d = (xs[j] - xs[i]) * (ys[j] - ys[i])
+            s += (d > 0) - (d < 0)
+    return s / (n * (n - 1) / 2)
+
+
+def _trend(steps: list[int], values: list[float]) -> dict[str, float]:
+    slope, intercept = _theil_sen(steps, values)
+    start = intercept + slope * steps[0]
+    end = intercept + slope * steps[-1]
+    rel = (end - start) / start if start > 0 else (math.inf if end > start else 0.0)
+    return {
+        "slope_per_step": slope,
+        "kendall_tau": _kendall_tau(steps, values),
+        "fit_start": start,
+        "fit_end": end,
+        "rel_rise": rel,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# suggestion helpers
+# --------------------------------------------------------------------------------------------------
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _cfg(config: Any, dotted: str) -> Any:
+    """Value of ``dotted`` (``"kl.coef"``) in a nested mapping or attribute config; None if absent."""
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+    return node
+
+
+def _now(config: Any, dotted: str, value: Any = None) -> str:
+    """``"kl.coef (now 0.05)"``, or just ``"kl.coef"`` when the current value is unknown."""
+    if value is None:
+        value = _cfg(config, dotted)
+    return f"{dotted} (now {_fmt(value)})" if value is not None else dotted
+
+
+def _kl_coef_now(history: History, config: Any) -> float | None:
+    _, coefs = _series(history, "kl/coef")
+    if coefs:
+        return coefs[-1]
+    v = _cfg(config, "kl.coef")
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _raise_kl_coef(history: History, config: Any) -> str:
+    coef = _kl_coef_now(history, config)
+    if coef is None:
+        return "raise kl.coef"
+    if coef == 0:
+        return "set kl.coef=0.05 (now 0: nothing tethers the policy to the reference)"
+    return f"raise kl.coef (now {_fmt(coef)}) to {_fmt(2 * coef)}"
+
+
+def _head_tail(steps: list[int], values: list[float], early: int, recent: int) -> dict[str, Any]:
+    e_steps, e_vals = steps[:early], values[:early]
+    r_steps, r_vals = steps[-recent:], values[-recent:]
+    return {
+        "steps": e_steps + r_steps,
+        "values": e_vals + r_vals,
+        "early_median": statistics.median(e_vals),
+        "recent_median": statistics.median(r_vals),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------------
+def check_kl_rising(
+    history: History,
+    *,
+    window: int = 20,
+    min_points: int = 10,
+    min_tau: float = 0.5,
+    min_rel_rise: float = 0.2,
+    floor: float = 0.05,
+    config: Any = None,
+) -> list[Finding]:
+    """KL to the reference rising steadily (``kl/ref_mean``, nats per token).
+
+    Looks at the last ``window`` points (needs at least ``min_points``). Fires when all hold:
+    Kendall's τ between step and KL is ≥ ``min_tau`` (a mostly monotone rise); the Theil–Sen fit
+    rises by at least ``min_rel_rise`` of its starting value over the window; and the fit ends at
+    or above ``floor`` (a rise among tiny values is not worth a warning; 0.05 nats/token is the top
+    of the range a fixed β = 0.05 is reported to hold). When ``config`` says the controller is
+    adaptive or exponential, the floor is raised to ``kl.target`` (``kl.high`` for band): rising
+    up to the target is what such a controller is for.
+
+    Suggests raising ``kl.coef`` or the adaptive controller; if ``kl/coef`` already rose over the
+    window, lowering ``kl.target``; if the run measures KL without penalising it, ``kl.placement``.
+    """
+    steps, values = _series(history, "kl/ref_mean")
+    steps, values = steps[-window:], values[-window:]
+    if len(steps) < max(2, min_points):
+        return []
+    t = _trend(steps, values)
+    if not (t["kendall_tau"] >= min_tau and t["slope_per_step"] > 0 and t["rel_rise"] >= min_rel_rise):
+        return []
+    controller = _cfg(config, "kl.controller")
+    target = _cfg(config, "kl.high" if controller == "band" else "kl.target")
+    if controller in ("adaptive", "exponential", "band") and isinstance(target, (int, float)):
+        floor = max(floor, float(target))  # rising up to the controller's target is intended
+    if t["fit_end"] < floor:
+        return []
+    c_steps, c_vals = _series(history, "kl/coef")
+    c_vals = [v for s, v in zip(c_steps, c_vals, strict=True) if steps[0] <= s <= steps[-1]]
+    placement = _cfg(config, "kl.placement")
+    if placement == "none":
+        suggestion = (
+            "set kl.placement=reward or kl.placement=loss (now none: the KL is measured but never "
+            f"penalised), with {_now(config, 'kl.coef', _kl_coef_now(history, config))}"
+        )
+    elif c_vals and c_vals[0] > 0 and c_vals[-1] > 1.05 * c_vals[0]:
+        suggestion = (
+            f"kl/coef already rose from {_fmt(c_vals[0])} to {_fmt(c_vals[-1])} and the KL still climbs: "
+            f"lower {_now(config, 'kl.target')} or raise kl.beta_max, and lower {_now(config, 'actor.lr')} "
+            "to slow the drift"
+        )
+    else:
+        suggestion = (
+            f"{_raise_kl_coef(history, config)}, or set kl.controller=adaptive with kl.target={_fmt(floor)} "
+            f"(nats/token, the kl/ref_mean scale) so β grows while KL exceeds the target; lowering "
+            f"{_now(config, 'actor.lr')} also slows the drift"
+        )
+    msg = (
+        f"kl/ref_mean rose steadily from {_fmt(t['fit_start'])} to {_fmt(t['fit_end'])} nats/token over steps "
+        f"{steps[0]}–{steps[-1]} (Theil–Sen slope {_fmt(t['slope_per_step'])}/step, Kendall τ "
+        f"{t['kendall_tau']:.2f}), above the {_fmt(floor)} floor"
+    )
+    evidence = {"steps": steps, "values": values, **t, "floor": floor}
+    return [Finding("kl_rising", "kl/ref_mean", msg, evidence, suggestion)]
+
+
+def check_entropy_collapse(
+    history: History,
+    *,
+    early: int = 5,
+    recent: int = 5,
+    max_drop: float = 0.5,
+    floor: float = 0.05,
+    config: Any = None,
+) -> list[Finding]:
+    """Policy entropy collapsing (``policy/entropy``, nats per token).
+
+    Early level = median of the first ``early`` points, current level = median of the last
+    ``recent`` points. Fires when the current level is below ``floor`` (needs ``recent`` points),
+    or when it fell by more than ``max_drop`` (a fraction) from the early level (needs
+    ``early + recent`` points, so the two never overlap).
+
+    Suggests a higher ``rollout.temperature``, an entropy bonus ``algo.entropy_coef`` and a larger
+    ``kl.coef`` (the KL term keeps the policy near the reference's entropy).
+    """
+    steps, values = _series(history, "policy/entropy")
+    if len(steps) < recent:
+        return []
+    if len(steps) >= early + recent:
+        ev = _head_tail(steps, values, early, recent)
+        drop = 1.0 - ev["recent_median"] / ev["early_median"] if ev["early_median"] > 0 else 0.0
+    else:
+        ev = {
+            "steps": steps[-recent:],
+            "values": values[-recent:],
+            "recent_median": statistics.median(values[-recent:]),
+        }
+        drop = None
+    below_floor = ev["recent_median"] < floor
+    if not (below_floor or (drop is not None and drop > max_drop)):
+        return []
+    ev.update(drop=drop, max_drop=max_drop, floor=floor)
+    if drop is not None:
+        msg = (
+            f"policy/entropy fell {100 * drop:.0f}% from {_fmt(ev['early_median'])} (median of steps "
+            f"{steps[0]}–{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps "
+            f"{steps[-recent]}–{steps[-1]})"
+        )
+    else:
+        msg = f"policy/entropy is {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]})"
+    if below_floor:
+        msg += f", below the {_fmt(floor)} nats/token floor"
+    ent = _cfg(config, "algo.entropy_coef")
+    bonus = (
+        f"raise algo.entropy_coef (now {_fmt(ent)}) to {_fmt(2 * ent)}"
+        if isinstance(ent, (int, float)) and ent > 0
+        else f"add an entropy bonus, e.g. algo.entropy_coef=0.001{' (now 0)' if ent == 0 else ''}"
+    )
+    suggestion = (
+        f"raise {_now(config, 'rollout.temperature')}, {bonus}, or {_raise_kl_coef(history, config)} "
+        "to keep the policy closer to the reference's entropy"
+    )
+    return [Finding("entropy_collapse", "policy/entropy", msg, ev, suggestion)]
+
+
+def check_length_shrinking(
+    history: History,
+    *,
+    early: int = 5,
+    recent: int = 5,
+    max_drop: float = 0.3,
+    config: Any = None,
+) -> list[Finding]:
+    """Response length shrinking (``response/length_mean``, tokens).
+
+    Fires when the median of the last ``recent`` points fell by more than ``max_drop`` (a fraction)
+    from the median of the first ``early`` points (needs ``early + recent`` points).
+
+    Suggests ``kl.placement=loss`` (a per-token KL penalty summed into the reward makes every extra
+    token cost, so shorter responses pay less), a lower ``kl.coef``, and checking the reward for a
+    length bias.
+    """
+    steps, values = _series(history, "response/length_mean")
+    if len(steps) < early + recent:
+        return []
+    ev = _head_tail(steps, values, early, recent)
+    if ev["early_median"] <= 0:
+        return []
+    drop = 1.0 - ev["recent_median"] / ev["early_median"]
+    if not drop > max_drop:
+        return []
+    ev.update(drop=drop, max_drop=max_drop)
+    msg = (
+        f"response/length_mean shrank {100 * drop:.0f}% from {_fmt(ev['early_median'])} tokens (median of "
+        f"steps {steps[0]}–{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps "
+        f"{steps[-recent]}–{steps[-1]})"
+    )
+    placement = _cfg(config, "kl.placement")
+    coef = _kl_coef_now(history, config)
+    coef_txt = f"lower {_now(config, 'kl.coef', coef)}"
+    if placement in ("reward", "both", None):
+        now = f" (now {placement})" if placement else ""
+        suggestion = (
+            f"a KL penalty in the reward{now} is summed over tokens, so shorter responses pay less: try "
+            f"kl.placement=loss, or {coef_txt}; also check the reward function for a length bias"
+        )
+    else:
+        suggestion = f"check the reward function for a length bias, or {coef_txt}"
+    return [Finding("length_shrinking", "response/length_mean", msg, ev, suggestion)]
+
+
+def check_reward_flat_kl_growing(
+    history: History,
+    *,
+    window: int = 20,
+    min_points: int = 10,
+    max_reward_tau: float = 0.2,
+    min_kl_tau: float = 0.5,
+    min_kl_rel_rise: float = 0.2,
+    kl_floor: float = 0.02,
+    config: Any = None,
+) -> list[Finding]:
+    """Reward flat (or falling) while the KL to the reference grows: drift without gain.
+
+    Over the last ``window`` points of each (at least ``min_points``): Kendall's τ of
+    ``reward/score_mean`` against step is ≤ ``max_reward_tau`` (no upward trend; scale-free, so no
+    reward units are assumed), while ``kl/ref_mean`` has τ ≥ ``min_kl_tau``, a Theil–Sen fit rising
+    by ≥ ``min_kl_rel_rise`` and ending at ≥ ``kl_floor`` nats/token.
+
+    Suggests a lower ``actor.lr``, a larger ``kl.coef``, and checking the reward signal.
+    """
+    r_steps, r_vals = _series(history, "reward/score_mean")
+    k_steps, k_vals = _series(history, "kl/ref_mean")
+    r_steps, r_vals = r_steps[-window:], r_vals[-window:]
+    k_steps, k_vals = k_steps[-window:], k_vals[-window:]
+    if min(len(r_steps), len(k_steps)) < max(2, min_points):
+        return []
+    r_tau = _kendall_tau(r_steps, r_vals)
+    kt = _trend(k_steps, k_vals)
+    if not (r_tau <= max_reward_tau and kt["kendall_tau"] >= min_kl_tau and kt["slope_per_step"] > 0):
+        return []
+    if kt["rel_rise"] < min_kl_rel_rise or kt["fit_end"] < kl_floor:
+        return []
+    r_med = statistics.median(r_vals)
+    msg = (
+        f"reward/score_mean shows no upward trend over steps {r_steps[0]}–{r_steps[-1]} (Kendall τ {r_tau:.2f}, "
+        f"median {_fmt(r_med)}) while kl/ref_mean grew from {_fmt(kt['fit_start'])} to {_fmt(kt['fit_end'])} "
+        "nats/token: the policy drifts from the reference without gaining reward"
+    )
+    evidence = {
+        "steps": r_steps,
+        "values": r_vals,
+        "reward_kendall_tau": r_tau,
+        "reward_median": r_med,
+        "kl_steps": k_steps,
+        "kl_values": k_vals,
+        **{f"kl_{k}": v for k, v in kt.items()},
+    }
+    suggestion = (
+        f"lower {_now(config, 'actor.lr')}, e.g. halve it, and {_raise_kl_coef(history, config)}; check that "
+        "the reward function still separates good from bad responses (a saturated or mis-wired reward "
+        "gives no gradient signal)"
+    )
+    return [Finding("reward_flat_kl_growing", "reward/score_mean", msg, evidence, suggestion)]
+
+
+def check_clipfrac_high(
+    history: History,
+    *,
+    threshold: float = 0.2,
+    patience: int = 5,
+    config: Any = None,
+) -> list[Finding]:
+    """PPO clip fraction high for several steps (``policy/clipfrac``, fraction of tokens clipped).
+
+    Fires when each of the last ``patience`` points exceeds ``threshold``. Evidence includes
+    ``run_length``, the number of consecutive points above the threshold up to the latest one.
+
+    Suggests a lower ``actor.lr`` or fewer ``algo.ppo_epochs``; widening ``algo.clip_eps_high`` /
+    ``algo.clip_eps_low`` would only hide the symptom.
+    """
+    steps, values = _series(history, "policy/clipfrac")
+    if len(steps) < patience or not all(v > threshold for v in values[-patience:]):
+        return []
+    run = 0
+    for v in reversed(values):
+        if v <= threshold:
+            break
+        run += 1
+    ev = {"steps": steps[-patience:], "values": values[-patience:], "run_length": run, "threshold": threshold}
+    msg = (
+        f"policy/clipfrac has exceeded {_fmt(threshold)} for the last {run} logged steps "
+        f"({steps[-run]}–{steps[-1]}; latest {_fmt(values[-1])}): the updates move the policy well past "
+        "the clip range"
+    )
+    suggestion = (
+        f"lower {_now(config, 'actor.lr')} or {_now(config, 'algo.ppo_epochs')}; widening "
+        f"{_now(config, 'algo.clip_eps_high')} would only hide the symptom"
+    )
+    return [Finding("clipfrac_high", "policy/clipfrac", msg, ev, suggestion)]
+
+
+def check_collapse_rising(
+    history: History,
+    *,
+    early: int = 5,
+    recent: int = 5,
+    min_rise: float = 0.2,
+    config: Any = None,
+) -> list[Finding]:
+    """Mode collapse rising (``diversity/collapse_rate``, share of prompts whose samples are identical).
+
+    Fires when the median of the last ``recent`` points exceeds the median of the first ``early``
+    points by at least ``min_rise`` (absolute, the rate is in [0, 1]); needs ``early + recent`` points.
+
+    Suggests a larger ``kl.coef`` (the tether keeps the reference's diversity), a higher
+    ``rollout.temperature`` and an entropy bonus ``algo.entropy_coef``.
+    """
+    steps, values = _series(history, "diversity/collapse_rate")
+    if len(steps) < early + recent:
+        return []
+    ev = _head_tail(steps, values, early, recent)
+    rise = ev["recent_median"] - ev["early_median"]
+    if not rise >= min_rise:
+        return []
+    ev.update(rise=rise, min_rise=min_rise)
+    msg = (
+        f"diversity/collapse_rate rose from {_fmt(ev['early_median'])} (median of steps {steps[0]}–"
+        f"{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]}): "
+        "more prompts get n identical samples"
+    )
+    suggestion = (
+        f"{_raise_kl_coef(history, config)} to keep the reference's diversity, raise "
+        f"{_now(config, 'rollout.temperature')}, or add an entropy bonus by raising "
+        f"{_now(config, 'algo.entropy_coef')}"
+    )
+    return [Finding("collapse_rising", "diversity/collapse_rate", msg, ev, suggestion)]
+
+
+#: The checks :func:`diagnose` runs, in report order.
+CHECKS: dict[str, Callable[..., list[Finding]]] = {
+    "kl_rising": check_kl_rising,
+    "entropy_collapse": check_entropy_collapse,
+    "length_shrinking": check_length_shrinking,
+    "reward_flat_kl_growing": check_reward_flat_kl_growing,
+    "clipfrac_high": check_clipfrac_high,
+    "collapse_rising": check_collapse_rising,
+}
+
+#: Every metric some check reads (LiveDiagnostics stores only these).
+WATCHED = (
+    "kl/ref_mean",
+    "kl/coef",
+    "policy/entropy",
+    "response/length_mean",
+    "reward/score_mean",
+    "policy/clipfrac",
+    "diversity/collapse_rate",
+)
+
+
+def _resolve_thresholds(thresholds: Mapping[str, Any]) -> dict[str, dict[str, Any] | None]:
+    """Validate ``{check: {param: value}}`` (``False``/``None`` disables a check)."""
+    out: dict[str, dict[str, Any] | None] = {name: {} for name in CHECKS}
+    for name, params in thresholds.items():
+        if name not in CHECKS:
+            raise ValueError(f"unknown check {name!r}; valid: {', '.join(CHECKS)}")
+        if params is False or params is None:
+            out[name] = None
+            continue
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"thresholds for {name!r} must be a dict of keyword arguments or False, got {params!r}"
+            )
+        sig = inspect.signature(CHECKS[name]).parameters
+        for p in params:
+            if p not in sig or p in ("history", "config"):
+                valid = [k for k in sig if k not in ("history", "config")]
+                raise ValueError(f"unknown threshold {name}.{p}; valid: {', '.join(valid)}")
+        out[name] = dict(params)
+    return out
+
+
+def diagnose(history: History, *, config: Any = None, **thresholds: Any) -> list[Finding]:
+    """Run every check over ``history``; findings in :data:`CHECKS` order (empty list = healthy).
+
+    Args:
+        history: one dict per logged step with an integer ``"step"`` (see the module docstring).
+        config: optional resolved run config (nested mapping such as ``config.yaml`` loaded, or a
+            ``TetherConfig``); used only to quote current values in suggestions.
+        **thresholds: per check, a dict of keyword thresholds, or ``False`` to skip it, e.g.
+            ``diagnose(h, kl_rising={"floor": 0.1}, clipfrac_high=False)``.
+
+    Raises:
+        ValueError: an unknown check or threshold name.
+    """
+    resolved = _resolve_thresholds(thresholds)
+    findings: list[Finding] = []
+    for name, fn in CHECKS.items():
+        params = resolved[name]
+        if params is not None:
+            findings.extend(fn(history, config=config, **params))
+    return findings
+
+
+# --------------------------------------------------------------------------------------------------
+# reading a run directory
+# --------------------------------------------------------------------------------------------------
+def _metrics_path(run_dir: str | Path) -> Path:
+    p = Path(run_dir)
+    return p if p.is_file() else p / METRICS_FILE
+
+
+def _read_records(path: Path) -> tuple[list[dict], list[Finding]]:
+    """Parse ``metrics.jsonl``; unreadable lines are skipped and returned as findings."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        text = f.read()
+    lines = text.split("\n")
+    complete_last = text.endswith("\n")
+    if complete_last:
+        lines.pop()  # the empty string after the final newline
+    records: list[dict] = []
+    problems: list[Finding] = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        is_last = i == len(lines)
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            rec, err = None, str(e)
+        else:
+            err = None
+            if not isinstance(rec, dict):
+                err = f"not a JSON object but {type(rec).__name__}"
+            elif isinstance(rec.get("step"), bool) or not isinstance(rec.get("step"), int):
+                err = 'no integer "step"'
+        if err is None:
+            records.append(rec)
+            continue
+        excerpt = line[:60] + ("…" if len(line) > 60 else "")
+        if is_last and not complete_last:
+            problems.append(
+                Finding(
+                    "metrics_file",
+                    METRICS_FILE,
+                    f"{path}: the last line ({i}, {len(line)} characters, no final newline) is truncated "
+                    "and was ignored, as when a run is stopped mid-write",
+                    {"path": str(path), "line": i, "excerpt": excerpt, "error": err},
+                    "nothing to change if the run was killed or is still writing",
+                    "info",
+                )
+            )
+        else:
+            problems.append(
+                Finding(
+                    "metrics_file",
+                    METRICS_FILE,
+                    f"{path}: line {i} is malformed ({err}) and was ignored",
+                    {"path": str(path), "line": i, "excerpt": excerpt, "error": err},
+                    "check what else writes to this file; the records of that step are lost",
+                    "warning",
+                )
+            )
+    return records, problems
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Read the per-step records of a run: ``RUN_DIR/metrics.jsonl`` (or a ``.jsonl`` file path).
+
+    Blank lines are skipped. A truncated last line (no final newline, not valid JSON: the writer
+    was interrupted) is tolerated: it is dropped and reported with a :class:`MetricsFileWarning`.
+    A malformed line elsewhere (invalid JSON, not an object, or no integer ``"step"``) is dropped
+    and reported the same way. Records are returned in file order, unmodified (duplicate steps of a
+    resumed run included; the checks deduplicate).
+
+    Raises:
+        FileNotFoundError: the directory or its ``metrics.jsonl`` does not exist (message names the path).
+        OSError: the file cannot be read.
+    """
+    path = _metrics_path(run_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
+    records, problems = _read_records(path)
+    for p in problems:
+        warnings.warn(p.message, MetricsFileWarning, stacklevel=2)
+    return records
+
+
+def _load_config(run_dir: Path) -> Any:
+    p = run_dir / CONFIG_FILE
+    if not p.is_file():
+        return None
+    try:
+        import yaml
+
+        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except Exception:  # the config only decorates suggestions
+        return None
+    return cfg if isinstance(cfg, Mapping) else None
+
+
+def _evidence_line(ev: Mapping[str, Any]) -> str:
+    steps, values = ev.get("steps"), ev.get("values")
+    if not steps or not values:
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in ev.items())
+    pairs = [f"{s}: {_fmt(v)}" for s, v in zip(steps, values, strict=True)]
+    if len(pairs) > 10:
+        pairs = pairs[:4] + [f"… ({len(pairs) - 8} more)"] + pairs[-4:]
+    return "step " + ", ".join(pairs)
+
+
+def format_findings(findings: Sequence[Finding]) -> str:
+    """The human-readable block ``doctor`` prints for ``findings`` (no trailing newline)."""
+    out = []
+    for f in findings:
+        out.append(f"[{f.severity}] {f.check} ({f.metric})")
+        out.append(f"  {f.message}")
+        if f.check != "metrics_file":
+            out.append(f"  evidence: {_evidence_line(f.evidence)}")
+        out.append(f"  suggestion: {f.suggestion}")
+    return "\n".join(out)
+
+
+def doctor(run_dir: str | Path, *, out: TextIO | None = None, **thresholds: Any) -> int:
+    """Check a run directory's health and print a report; returns the exit code for ``tether doctor``.
+
+    Reads ``RUN_DIR/metrics.jsonl`` (and ``RUN_DIR/config.yaml`` if present, to quote current
+    config values in suggestions), runs :func:`diagnose`, and prints each finding with its
+    evidence and suggestion, then a summary line; with no finding it prints a line starting
+    ``healthy:``.
+
+    Returns:
+        0 healthy or info findings only; 1 at least one warning; 2 the run directory or its
+        ``metrics.jsonl`` cannot be read or holds no record (the message names the path).
+    """
+    out = out if out is not None else sys.stdout
+    path = _metrics_path(run_dir)
+    try:
+        if not path.exists():
+            raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
+        records, problems = _read_records(path)
+    except OSError as e:
+        print(f"tether doctor: cannot read run directory {run_dir}: {e}", file=out)
+        return 2
+    if not records:
+        print(f"tether doctor: no metric records in {path}", file=out)
+        return 2
+    config = _load_config(path.parent)
+    findings = problems + diagnose(records, config=config, **thresholds)
+    steps = sorted({r["step"] for r in records})
+    print(f"tether doctor: {path.parent} ({len(steps)} steps, {steps[0]}–{steps[-1]})", file=out)
+    if findings:
+        print(format_findings(findings), file=out)
+    n_warn = sum(f.severity == "warning" for f in findings)
+    n_info = len(findings) - n_warn
+    if n_warn:
+        print(f"{n_warn} warning(s), {n_info} info", file=out)
+        return 1
+    extra = f" ({n_info} info)" if n_info else ""
+    print(f"healthy: no check fired ({', '.join(CHECKS)}){extra}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# live
+# --------------------------------------------------------------------------------------------------
+class LiveDiagnostics:
+    """The same checks during training: call :meth:`update` every step, log what it returns.
+
+    Runs :func:`diagnose` on every ``every``-th call of :meth:`update` and returns only new
+    findings: a (check, metric) pair is reported once, then stays silent while it keeps firing,
+    and is reported again only after it has cleared (not fired at one evaluation) and fires anew.
+
+    Memory and time are bounded: per watched metric it keeps the first and the last ``K`` points,
+    with ``K`` the largest window any check uses (20 by default), which gives the checks exactly
+    the points they read; one evaluation costs O(K²) arithmetic (the Theil–Sen slope), well under
+    a millisecond.
+
+    Args:
+        every: evaluate every ``every`` calls (>= 1).
+        config: optional run config, to quote current values in suggestions (see :func:`diagnose`).
+        **thresholds: per-check thresholds as for :func:`diagnose`.
+
+    Raises:
+        ValueError: ``every < 1``, or an unknown check/threshold name.
+    """
+
+    def __init__(self, every: int = 10, *, config: Any = None, **thresholds: Any):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self.config = config
+        self._thresholds = thresholds
+        resolved = _resolve_thresholds(thresholds)
+        keep = 1
+        for name, fn in CHECKS.items():
+            defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+            defaults.update(resolved[name] or {})
+            keep = max([keep] + [v for k, v in defaults.items() if k != "config" and isinstance(v, int)])
+        self._keep = keep
+        self._head: dict[str, list[tuple[int, float]]] = {k: [] for k in WATCHED}
+        self._tail: dict[str, list[tuple[int, float]]] = {k: [] for k in WATCHED}
+        self._calls = 0
+        self._active: set[tuple[str, str]] = set()
+
+    def _add(self, key: str, step: int, value: float) -> None:
+        head, tail = self._head[key], self._tail[key]
+        # a step at or before the last one stored (re-logged or rewound): forget the newer points
+        for buf in (tail, head):
+            while buf and buf[-1][0] >= step:
+                buf.pop()
+        if len(head) < self._keep and not tail:
+            head.append((step, value))
+        else:
+            tail.append((step, value))
+            if len(tail) > self._keep:
+                del tail[0]
+
+    def load(self, history: History) -> None:
+        """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating."""
+        for rec in sorted((r for r in history if isinstance(r.get("step"), int)), key=lambda r: r["step"]):
+            self._store(rec["step"], rec)
+
+    def _store(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for key in WATCHED:
+            v = _number(metrics.get(key))
+            if v is not None:
+                self._add(key, step, v)
+
+    def history(self) -> list[dict]:
+        """The compact history the checks see (first and last ``K`` points of each watched metric)."""
+        by_step: dict[int, dict] = {}
+        for key in WATCHED:
+            for s, v in self._head[key] + self._tail[key]:
+                by_step.setdefault(s, {"step": s})[key] = v
+        return [by_step[s] for s in sorted(by_step)]
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
+        """Record one step's metrics; on every ``every``-th call, return the newly firing findings."""
+        self._store(int(step), metrics)
+        self._calls += 1
+        if self._calls % self.every:
+            return []
+        found = diagnose(self.history(), config=self.config, **self._thresholds)
+        new = [f for f in found if (f.check, f.metric) not in self._active]
+        self._active = {(f.check, f.metric) for f in found}
+        return new
