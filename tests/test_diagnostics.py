@@ -406,7 +406,10 @@ def test_doctor_warnings_exit_1_and_quote_config(tmp_path):
     assert doctor(run, out=io.StringIO(), clipfrac_high={"threshold": 0.5}) == 0
 
 
-def test_doctor_unreadable_run_dir_exit_2(tmp_path):
+def test_doctor_unreadable_run_dir_exit_2(tmp_path, capsys):
+    assert doctor(tmp_path / "gone") == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"cannot read run directory {tmp_path / 'gone'}" in captured.err
     buf = io.StringIO()
     missing = tmp_path / "does-not-exist"
     assert doctor(missing, out=buf) == 2
