@@ -1,0 +1,92 @@
+"""tether.algos: the pure math of KL-regularized RL over (B, T) tensors.
+
+No I/O, no config objects, no distributed calls: tensors in, tensors out. Shapes use B responses,
+T response tokens, V vocabulary entries, G groups; ``response_mask`` is 1 where a token counts.
+KL values are in nats per token unless a name says otherwise. See ``docs/api.md``.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_reinforce_pp_baseline_advantages,
+    compute_rloo_advantages,
+    gae_reference_loop,
+    reverse_discounted_cumsum,
+)
+from .controllers import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    BandKLController,
+    ExponentialKLController,
+    FixedKLController,
+    KLController,
+    ScheduledKLController,
+    make_kl_controller,
+)
+from .kl import (
+    KL_ESTIMATORS,
+    LOGPROB_KL_ESTIMATORS,
+    apply_kl_penalty,
+    canonical_kl_estimator,
+    kl_penalty,
+    last_valid_index,
+    mean_kl_per_token,
+    token_level_rewards_from_kl,
+)
+from .logprobs import entropy_from_logits, kl_full, logprobs_and_entropy_from_logits, logprobs_from_logits
+from .losses import AGG_MODES, agg_loss, kl_loss, loss_normalizers, ppo_policy_loss, ppo_value_loss
+from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    # masked statistics
+    "masked_sum",
+    "masked_count",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    # log-probs, entropy, exact KL
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "logprobs_and_entropy_from_logits",
+    "kl_full",
+    # KL estimators and the reward placement
+    "KL_ESTIMATORS",
+    "LOGPROB_KL_ESTIMATORS",
+    "canonical_kl_estimator",
+    "kl_penalty",
+    "apply_kl_penalty",
+    "token_level_rewards_from_kl",
+    "mean_kl_per_token",
+    "last_valid_index",
+    # controllers
+    "KL_CONTROLLERS",
+    "KLController",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "BandKLController",
+    "ExponentialKLController",
+    "ScheduledKLController",
+    "make_kl_controller",
+    # advantages
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageInputs",
+    "compute_advantages",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_rloo_advantages",
+    "compute_reinforce_pp_advantages",
+    "compute_reinforce_pp_baseline_advantages",
+    "reverse_discounted_cumsum",
+    "gae_reference_loop",
+    # losses
+    "AGG_MODES",
+    "agg_loss",
+    "loss_normalizers",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "kl_loss",
+]

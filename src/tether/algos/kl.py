@@ -1,0 +1,241 @@
+"""KL estimators from sampled-token log-probabilities, and the KL-in-reward placement.
+
+Notation: for a sampled token a_t ~ π, k1 = log π(a_t) - log π_ref(a_t) (the log-ratio, nats).
+Schulman (2020), "Approximating KL Divergence", gives three single-sample estimators of
+KL(π ‖ π_ref) = E_π[k1]:
+
+* k1 = r                      unbiased, high variance, can be negative;
+* k2 = ½ r²                   biased, low variance, ≥ 0; its gradient E_π[r ∇log π] is the exact
+                               gradient of KL(π ‖ π_ref) (the sampling distribution held fixed);
+* k3 = exp(-r) + r - 1        unbiased (E_π[exp(-r)] = 1), low variance, ≥ 0.
+
+``abs`` = |r| is the heuristic verl also offers. Straight-through variants (``"k1+"``, ``"k3+"``,
+...) return the forward value of the named estimator with the gradient of k2, as verl does with
+``backward - backward.detach() + forward.detach()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masked import as_bool_mask, masked_mean
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOGPROB_KL_ESTIMATORS",
+    "canonical_kl_estimator",
+    "kl_penalty",
+    "apply_kl_penalty",
+    "token_level_rewards_from_kl",
+    "mean_kl_per_token",
+    "last_valid_index",
+]
+
+_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+LOGPROB_KL_ESTIMATORS: tuple[str, ...] = _BASE + tuple(f"{n}+" for n in _BASE)
+"""Names :func:`kl_penalty` accepts (computable from the sampled tokens' log-probs)."""
+
+KL_ESTIMATORS: tuple[str, ...] = LOGPROB_KL_ESTIMATORS + ("full",)
+"""Every valid estimator name for configs. ``"full"`` needs the logits: use :func:`kl_full`."""
+
+
+def canonical_kl_estimator(name: str) -> str:
+    """Map an estimator name to its canonical spelling: ``"kl"``→``"k1"``, ``"mse"``→``"k2"``,
+    ``"low_var_kl"``→``"k3"`` (a trailing ``"+"`` is kept: ``"low_var_kl+"``→``"k3+"``).
+
+    Raises:
+        ValueError: unknown name; the message lists :data:`KL_ESTIMATORS`.
+    """
+    if not isinstance(name, str) or name not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; valid names: {', '.join(KL_ESTIMATORS)}")
+    plus = name.endswith("+")
+    base = name[:-1] if plus else name
+    return _ALIASES.get(base, base) + ("+" if plus else "")
+
+
+def _k3(r: torch.Tensor) -> torch.Tensor:
+    """exp(-r) + r - 1, accurate and ≥ 0 for every r (series near 0, expm1 elsewhere)."""
+    # Near 0, exp(-r) + r - 1 cancels catastrophically (and can round to a negative number);
+    # the Taylor series Σ_{n≥2} (-r)^n / n! up to r^6 is exact to ~1e-9 relative for |r| < 0.1.
+    series = r * r * (0.5 + r * (-1 / 6 + r * (1 / 24 + r * (-1 / 120 + r * (1 / 720)))))
+    direct = torch.expm1(-r) + r
+    return torch.where(r.abs() < 0.1, series, direct)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str = "k1",
+    *,
+    log_ratio_clamp: float | None = 20.0,
+    value_clamp: float | None = 10.0,
+) -> torch.Tensor:
+    """Per-token KL(π ‖ π_ref) estimate from the log-probs of the sampled tokens.
+
+    Args:
+        logprobs: (B, T) log π(a_t | s_t), nats (differentiable for a KL loss).
+        ref_logprobs: (B, T) log π_ref(a_t | s_t), nats.
+        estimator: one of :data:`LOGPROB_KL_ESTIMATORS` — ``"k1"``/``"kl"``, ``"abs"``,
+            ``"k2"``/``"mse"``, ``"k3"``/``"low_var_kl"``, each optionally with a trailing
+            ``"+"`` (straight-through: forward value of the named estimator, gradient of k2).
+        log_ratio_clamp: r = log π - log π_ref is clamped to [-c, c] before use, for every
+            estimator (verl: 20, applied inside k3 before the exp). Clamping every estimator
+            keeps k2 = ½r² and the k2 gradient finite in float32 for log-ratios of any size,
+            including ±inf. ``None`` disables the clamp (then huge log-ratios can overflow).
+        value_clamp: k3 is clamped to [-c, c] after evaluation (verl: 10). Only k3 is clamped.
+
+    Returns:
+        (B, T) per-token estimate in nats, float32 at least (inputs are upcast from
+        bf16/fp16). Positions where both log-probs are -inf (padding) give NaN; mask them out
+        with ``torch.where`` (every tether consumer does).
+
+    Raises:
+        ValueError: unknown estimator (lists the valid names), ``"full"`` (which needs logits:
+            call :func:`tether.algos.kl_full`), shape mismatch, or a clamp ≤ 0.
+
+    Source: Schulman 2020 (k1, k2, k3); verl ``core_algos.kl_penalty`` (names, aliases, clamps,
+    and the ``+`` straight-through trick).
+    """
+    if estimator == "full":
+        raise ValueError(
+            "kl_penalty cannot compute estimator 'full' from log-probs of the sampled tokens alone; "
+            "call kl_full(logits, ref_logits, temperature) with both logit tensors instead"
+        )
+    name = canonical_kl_estimator(estimator)
+    if tuple(logprobs.shape) != tuple(ref_logprobs.shape):
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} must have the same shape"
+        )
+    for arg, val in (("log_ratio_clamp", log_ratio_clamp), ("value_clamp", value_clamp)):
+        if val is not None and not val > 0:
+            raise ValueError(f"{arg} must be > 0 or None, got {val!r}")
+    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
+    r = logprobs.to(dtype) - ref_logprobs.to(dtype)  # (B, T) log-ratio k1
+    if log_ratio_clamp is not None:
+        r = r.clamp(-log_ratio_clamp, log_ratio_clamp)
+    plus = name.endswith("+")
+    base = name[:-1] if plus else name
+    if base == "k1":
+        value = r
+    elif base == "abs":
+        value = r.abs()
+    elif base == "k2":
+        value = 0.5 * r * r
+    else:  # k3
+        value = _k3(r)
+        if value_clamp is not None:
+            value = value.clamp(-value_clamp, value_clamp)
+    if not plus or base == "k2":
+        return value
+    k2 = 0.5 * r * r  # finite (r is clamped), so k2 - k2.detach() is exactly 0 in the forward pass
+    return value.detach() + (k2 - k2.detach())
+
+
+def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 index of the last counted position of each row of a (B, T) mask; -1 if none."""
+    m = as_bool_mask(response_mask)
+    t = m.shape[-1]
+    pos = torch.arange(t, device=m.device).expand_as(m)
+    return torch.where(m, pos, torch.full_like(pos, -1)).amax(dim=-1)
+
+
+def token_level_rewards_from_kl(
+    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, coef: float | torch.Tensor
+) -> torch.Tensor:
+    """Place each sequence score on its last valid token and subtract β·KL on every valid token.
+
+    ``r[b, t] = -coef·kl[b, t] + [t = last valid t of row b]·scores[b]`` on valid tokens, 0 on
+    masked tokens (whatever ``kl`` holds there, inf and NaN included).
+
+    Args:
+        scores: (B,) sequence-level rewards.
+        kl: (B, T) per-token KL estimate, nats per token.
+        response_mask: (B, T), non-zero = the token counts.
+        coef: β ≥ 0 (float or 0-d tensor; a detached value is used as a constant).
+
+    Returns:
+        (B, T) ``token_level_rewards``, dtype of ``kl``. A row with no valid token gets no reward
+        at all (its score has nowhere to go).
+
+    Raises:
+        ValueError: shape mismatch or a negative coef.
+
+    Source: Ziegler et al. 2019 and InstructGPT (Ouyang et al. 2022, eq. 2): reward r(x, y) -
+    β·log(π/π_ref); verl ``apply_kl_penalty`` places the score on the last valid token the same
+    way (``token_level_scores`` at ``response_length - 1``).
+    """
+    if kl.dim() != 2 or tuple(kl.shape) != tuple(response_mask.shape):
+        raise ValueError(
+            f"kl {tuple(kl.shape)} and response_mask {tuple(response_mask.shape)} must both be (B, T)"
+        )
+    if tuple(scores.shape) != (kl.shape[0],):
+        raise ValueError(f"scores must have shape (B,) = ({kl.shape[0]},), got {tuple(scores.shape)}")
+    if not isinstance(coef, torch.Tensor) and coef < 0:
+        raise ValueError(f"coef (beta) must be >= 0, got {coef!r}")
+    m = as_bool_mask(response_mask)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    rewards = torch.where(m, -coef * torch.where(m, kl, zero), zero)  # (B, T)
+    last = last_valid_index(m)  # (B,)
+    t = m.shape[-1]
+    at_last = torch.arange(t, device=m.device)[None, :] == last[:, None]  # (B, T); no hit when last = -1
+    return rewards + torch.where(at_last, scores.to(kl.dtype)[:, None], zero)
+
+
+def apply_kl_penalty(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float | torch.Tensor,
+    estimator: str = "k1",
+    *,
+    log_ratio_clamp: float | None = 20.0,
+    value_clamp: float | None = 10.0,
+) -> torch.Tensor:
+    """KL in the reward: ``token_level_rewards`` = score on the last valid token - β·KL per token.
+
+    Pure: it reads ``coef`` and updates no controller (the trainer calls the controller's
+    ``update`` itself with :func:`mean_kl_per_token`).
+
+    Args:
+        scores: (B,) sequence rewards.
+        logprobs: (B, T) log π of the sampled tokens (rollout policy), nats.
+        ref_logprobs: (B, T) log π_ref, nats.
+        response_mask: (B, T), non-zero = counts.
+        coef: β ≥ 0.
+        estimator: a name from :data:`LOGPROB_KL_ESTIMATORS` (verl's default here is k1).
+        log_ratio_clamp, value_clamp: see :func:`kl_penalty`.
+
+    Returns:
+        (B, T) token-level rewards, 0 on masked positions. Computed under ``torch.no_grad``
+        semantics is the caller's choice; the result carries gradients if the inputs do.
+
+    Raises:
+        ValueError: see :func:`kl_penalty` and :func:`token_level_rewards_from_kl`.
+
+    Source: verl ``ray_trainer.apply_kl_penalty`` without its hidden controller update.
+    """
+    kl = kl_penalty(
+        logprobs, ref_logprobs, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp
+    )
+    return token_level_rewards_from_kl(scores, kl, response_mask, coef)
+
+
+def mean_kl_per_token(kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The logged ``kl/ref_mean``: masked mean over each response's tokens, then mean over responses.
+
+    Args:
+        kl: (B, T) per-token KL, nats per token.
+        response_mask: (B, T), non-zero = counts.
+
+    Returns:
+        0-d tensor, nats per token. Responses with no valid token are left out of the mean
+        over responses; with none valid at all the result is 0. This is the quantity to pass to
+        a KL controller's ``update(current_kl=...)`` (verl computes the same:
+        ``masked_mean(kld, mask, axis=-1).mean()``).
+    """
+    m = as_bool_mask(response_mask)
+    per_seq = masked_mean(kl, m, dim=-1)  # (B,)
+    return masked_mean(per_seq, m.any(dim=-1))
