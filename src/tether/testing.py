@@ -53,7 +53,8 @@ _ENV_GSM8K = "TETHER_GSM8K_DIR"
 def find_gsm8k_dir(start: str | Path | None = None) -> Path | None:
     """Locate the shared GSM8K data directory, or return None when it is not there.
 
-    Order: ``$TETHER_GSM8K_DIR`` when set and a directory; then, walking up from ``start`` (a file
+    Order: ``$TETHER_GSM8K_DIR`` when set (the only place looked at then: set it to a missing path
+    to simulate a machine without the data); otherwise, walking up from ``start`` (a file
     or directory; default: this module's location), the first ancestor ``A`` for which
     ``A/../shared/data/gsm8k`` or ``A/shared/data/gsm8k`` is a directory holding ``train.jsonl``.
     For a test file ``/work/main/tests/data/test_x.py`` this finds ``/work/shared/data/gsm8k``.
@@ -65,8 +66,8 @@ def find_gsm8k_dir(start: str | Path | None = None) -> Path | None:
         The directory, or None.
     """
     env = os.environ.get(_ENV_GSM8K)
-    if env and Path(env).is_dir():
-        return Path(env)
+    if env:
+        return Path(env) if (Path(env) / "train.jsonl").is_file() else None
     here = Path(start) if start is not None else Path(__file__)
     here = here.resolve()
     for anc in [here, *here.parents]:
@@ -76,19 +77,35 @@ def find_gsm8k_dir(start: str | Path | None = None) -> Path | None:
     return None
 
 
-def synthetic_math_texts(n: int = 200) -> list[str]:
-    """A small deterministic corpus of GSM8K-like sentences (words, numbers, ``<<a+b=c>>`` calls,
-    ``#### N`` lines), used when no real text is available. ``n``: number of texts."""
-    names = ["Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana"]
-    things = ["apples", "eggs", "books", "coins", "marbles", "cookies", "pencils", "tickets"]
+def synthetic_math_texts(n: int = 400) -> list[str]:
+    """A small deterministic corpus of GSM8K-like word problems (words, numbers, ``<<a+b=c>>``
+    calculator annotations, ``#### N`` lines), used when no real text is available. It is varied
+    enough to train the default 512-token vocabulary. ``n``: number of texts."""
+    names = ["Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
+             "Mateo", "Nora", "Omar", "Priya"]
+    things = ["apples", "eggs", "books", "coins", "marbles", "cookies", "pencils", "tickets", "stamps",
+              "flowers", "shirts", "candles", "puzzles", "oranges", "bottles", "blocks"]
+    places = ["store", "market", "school", "library", "bakery", "garden", "museum", "station"]
+    days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
     out = []
     for i in range(n):
-        a, b = 3 + (7 * i) % 41, 2 + (11 * i) % 29
-        name, thing = names[i % len(names)], things[(i // 3) % len(things)]
-        out.append(
-            f"{name} has {a} {thing} and buys {b} more. How many {thing} does {name} have now?\n"
-            f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}"
-        )
+        a, b, c = 3 + (7 * i) % 97, 2 + (11 * i) % 53, 2 + (5 * i) % 9
+        name, other = names[i % len(names)], names[(i * 5 + 3) % len(names)]
+        thing, place, day = things[(i // 3) % len(things)], places[i % len(places)], days[i % len(days)]
+        kind = i % 3
+        if kind == 0:
+            text = (f"{name} has {a} {thing} and buys {b} more at the {place} on {day}. "
+                    f"How many {thing} does {name} have now?\n"
+                    f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}")
+        elif kind == 1:
+            text = (f"Each of the {c} boxes at the {place} holds {a} {thing}. {other} takes {b} of them. "
+                    f"How many {thing} are left?\nThere are {c} * {a} = <<{c}*{a}={c * a}>>{c * a} {thing} in "
+                    f"total.\nSo {c * a} - {b} = <<{c * a}-{b}={c * a - b}>>{c * a - b} are left.\n#### {c * a - b}")
+        else:
+            text = (f"{name} earns ${a} per hour and works {c} hours every {day}. {name} spends ${b} on lunch. "
+                    f"How much money does {name} save?\n{name} earns {a} * {c} = $<<{a}*{c}={a * c}>>{a * c}.\n"
+                    f"{name} saves {a * c} - {b} = $<<{a * c}-{b}={a * c - b}>>{a * c - b}.\n#### {a * c - b}")
+        out.append(text)
     return out
 
 
@@ -119,7 +136,8 @@ def build_gsm8k_tokenizer(
     Args:
         out_dir: directory to write (created). Holds ``tokenizer.json`` and
             ``tokenizer_config.json`` (with ``chat_template`` when asked).
-        vocab_size: total vocabulary including the 256 byte symbols and the 3 special tokens.
+        vocab_size: total vocabulary including the 256 byte symbols and the 3 special tokens (an
+            upper bound: too little text cannot teach that many merges; the defaults reach it).
         chat_template: set the Qwen2-style :data:`QWEN2_CHAT_TEMPLATE`; with False the tokenizer has
             no chat template (like a base model's).
         texts: training text. Default: question + answer of the first ``n_rows`` rows of GSM8K's

@@ -84,6 +84,8 @@ NUMBER_PATTERN = (
     r"|(?<![0-9A-Za-z_)\]])(?:[" + _MINUS + r"]\s?)?(?:\\?\$\s?)?\.\d+"   # .5
 )
 _NUMBER_RE = re.compile(NUMBER_PATTERN)
+#: Longer number strings (e.g. a degenerate run of digits) are not numbers.
+_MAX_NUMBER_CHARS = 200
 
 
 def parse_number(value: Any) -> Fraction | None:
@@ -97,7 +99,8 @@ def parse_number(value: Any) -> Fraction | None:
 
     Returns:
         The value as a ``Fraction``, or None when ``value`` is not a single number (``bool`` is not
-        a number here; NaN and infinities are not either).
+        a number here; NaN and infinities are not either; nor is a string over 200 characters, such
+        as a degenerate run of digits).
     """
     if isinstance(value, bool) or value is None:
         return None
@@ -110,6 +113,8 @@ def parse_number(value: Any) -> Fraction | None:
             return None
         return Fraction(value).limit_denominator(10**12) if value != int(value) else Fraction(int(value))
     if not isinstance(value, str):
+        return None
+    if len(value) > _MAX_NUMBER_CHARS:  # degenerate digit runs; also avoids int()'s 4300-digit limit
         return None
     s = value.strip().replace("\u2212", "-")
     s = s.strip("$").strip()

@@ -8,6 +8,8 @@ from typing import Any
 
 __all__ = ["RewardModelScorer"]
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
 
 class RewardModelScorer:
     """Scores (prompt, response) pairs with ``AutoModelForSequenceClassification`` (one logit).
@@ -49,10 +51,17 @@ class RewardModelScorer:
             raise ValueError(f"reward model directory not found: {p}")
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"batch_size must be >= 1 and max_length >= 2, got {batch_size}, {max_length}")
+        # transformers 5 silently builds an *empty* tokenizer for a directory without tokenizer
+        # files, so check for them first and sanity-check the result.
+        if not any((p / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(f"reward model {p}: cannot load its tokenizer: no tokenizer files "
+                             f"(expected one of {', '.join(_TOKENIZER_FILES)})")
         try:
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         except Exception as e:
             raise ValueError(f"reward model {p}: cannot load its tokenizer: {type(e).__name__}: {e}") from e
+        if len(tok) < 2 or not tok("a b")["input_ids"]:
+            raise ValueError(f"reward model {p}: cannot load its tokenizer: it is empty (vocabulary of {len(tok)})")
         try:
             dtype = torch.float32 if str(device).startswith("cpu") else "auto"
             model = AutoModelForSequenceClassification.from_pretrained(
