@@ -386,8 +386,8 @@ def _build(
     if n_bad and not skip_invalid:
         more = f"\n  ... and {n_bad - len(problems)} more" if n_bad > len(problems) else ""
         raise DataError(
-            f"{source}: {n_bad} malformed row(s) of {len(located)} (pass skip_invalid=True / "
-            f"data.skip_invalid=true to drop them):\n  " + "\n  ".join(problems) + more,
+            f"{source}: {n_bad} malformed row(s) of {len(located)} (fix them, or load with "
+            f"skip_invalid=True to drop them):\n  " + "\n  ".join(problems) + more,
             problems, n_bad,
         )
     if not rows:
