@@ -132,3 +132,9 @@ def test_user_file_doc_example(tmp_path):
     '''))
     fn = load_user_function(f"{f}:length_penalized_match")
     assert fn(["x"], ["42"], ["42"], [{}]) == [pytest.approx(0.998)]
+
+
+def test_digitsum_entry_resolves_when_the_task_exists():
+    pytest.importorskip("tether.tasks.digitsum")
+    fn = get_reward_function("tether/digitsum")
+    assert callable(fn)
