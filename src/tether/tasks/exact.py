@@ -250,11 +250,10 @@ def enumerate_policy(
 def _decode_all(tokenizer, token_ids) -> tuple[str, ...]:
     """``tokenizer.batch_decode(token_ids, skip_special_tokens=True)``; for a fast tokenizer without
     space clean-up, the Rust backend is called directly (same result, ~10x faster)."""
-    seqs = [list(t) for t in token_ids]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return tuple(backend.decode_batch(seqs, skip_special_tokens=True))
-    return tuple(tokenizer.batch_decode(seqs, skip_special_tokens=True))
+        return tuple(backend.decode_batch(list(token_ids), skip_special_tokens=True))
+    return tuple(tokenizer.batch_decode([list(t) for t in token_ids], skip_special_tokens=True))
 
 
 def _next_token_logprobs(model, prompt_ids, prefixes, temperature, batch_size) -> torch.Tensor:
