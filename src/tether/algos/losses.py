@@ -206,8 +206,8 @@ def ppo_policy_loss(
     with torch.no_grad():
         metrics = {
             "policy/pg_loss": float(loss.detach()),
-            "policy/clipfrac": float(masked_mean((loss_clipped > loss_unclipped).float(), m)),
-            "policy/clipfrac_lower": float(masked_mean(lower.float(), m)),
+            "policy/clipfrac": float(masked_mean((loss_clipped > loss_unclipped).to(loss_tok.dtype), m)),
+            "policy/clipfrac_lower": float(masked_mean(lower.to(loss_tok.dtype), m)),
             "policy/approx_kl": float(masked_mean(-log_ratio, m)),
         }
     return loss, metrics
@@ -268,7 +268,7 @@ def ppo_value_loss(
     with torch.no_grad():
         metrics = {
             "value/loss": float(loss.detach()),
-            "value/clipfrac": float(masked_mean(clipped.float(), m)),
+            "value/clipfrac": float(masked_mean(clipped.to(loss_tok.dtype), m)),
         }
     return loss, metrics
 
