@@ -1,0 +1,166 @@
+"""The ``tether`` command line: argument parsing and config loading, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+USAGE = """tether: KL-regularized RL from feedback for language models
+
+  tether train [CONFIG.yaml] [key=value ...]   train (no arguments: the embedded digit-sum task)
+  tether sft [--out DIR] [--seed N] [--steps N] rebuild the embedded task's reference policy
+  tether report RUN_DIR                         plots + summary.md of a run
+  tether doctor RUN_DIR                         health checks of a run's metrics
+  tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
+  tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
+"""
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "torch", "urllib3", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tether.config import ConfigError, describe_config, load_config
+
+    if args.help_config:
+        print(describe_config())
+        return 0
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)
+        config = None
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        print(f"tether train: {e}", file=sys.stderr)
+        return 2
+    from tether.trainer import Trainer, TrainingStopped
+
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as e:  # ConfigError, DataError, a reward registry error: all name the offending item
+        print(f"tether train: {e}", file=sys.stderr)
+        return 2
+    print(f"run directory: {trainer.run_dir}", file=sys.stderr)
+    try:
+        trainer.fit()
+    except TrainingStopped as e:
+        print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
+        return 3
+    print(f"done: {trainer.run_dir}", file=sys.stderr)
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from tether.tasks.sft import build_reference, default_reference_path
+
+    out = Path(args.out) if args.out else default_reference_path()
+    kwargs = {"seed": args.seed}
+    if args.steps:
+        kwargs["steps"] = args.steps
+    path = build_reference(out, **kwargs)
+    print(f"reference policy written to {path}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tether.report import write_report
+
+    try:
+        out = write_report(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"tether report: {e}", file=sys.stderr)
+        return 2
+    print(f"report written to {out}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tether.diagnostics import doctor
+
+    return doctor(args.run_dir)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tether.export import export_checkpoint
+    from tether.trainer.checkpoint import CheckpointError
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir)
+    except CheckpointError as e:
+        print(f"tether export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from tether.data import DataError, convert_gsm8k
+
+    try:
+        n = convert_gsm8k(Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {}))
+    except DataError as e:
+        print(f"tether data: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="train a policy (default: the embedded task)")
+    t.add_argument("config", nargs="?", help="YAML config file")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. kl.coef=0.1")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    t.set_defaults(func=cmd_train)
+    s = sub.add_parser("sft", help="(re)build the embedded task's tiny reference policy")
+    s.add_argument("--out", default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, default=None)
+    s.set_defaults(func=cmd_sft)
+    r = sub.add_parser("report", help="plots and summary.md of a run directory")
+    r.add_argument("run_dir")
+    r.set_defaults(func=cmd_report)
+    d = sub.add_parser("doctor", help="training health checks of a run directory")
+    d.add_argument("run_dir")
+    d.set_defaults(func=cmd_doctor)
+    e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
+    e.add_argument("checkpoint")
+    e.add_argument("out_dir")
+    e.set_defaults(func=cmd_export)
+    da = sub.add_parser("data", help="dataset conversion")
+    da_sub = da.add_subparsers(dest="dataset")
+    g = da_sub.add_parser("gsm8k", help="GSM8K jsonl → verl-schema jsonl/parquet")
+    g.add_argument("src")
+    g.add_argument("out")
+    g.add_argument("--suffix", default=None, help="instruction appended to each question")
+    g.set_defaults(func=cmd_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0 if not argv else 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Typed configuration: one frozen section per component, YAML files, dotted command-line overrides.
+
+A config is a :class:`TetherConfig` with the sections ``actor``, ``ref``, ``critic``, ``rollout``,
+``reward``, ``data``, ``kl``, ``algo``, ``trainer`` and ``guard``. Every field carries a one-line
+description (shown by ``tether train --help-config``). Unknown keys are errors with a did-you-mean,
+values are validated before any model is loaded, and every key is read somewhere.
+
+Overrides follow the verl / Hydra convention: ``kl.coef=0.1 rollout.n=4 kl.schedule.stages=[[50,0.08],[0,0.03]]``.
+The right-hand side is parsed as YAML, so numbers, booleans, lists and ``null`` work as expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EMBEDDED = "embedded"
+
+
+class ConfigError(ValueError):
+    """A config key, value or file is invalid. The message names the offending key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class LoraConfig(_Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 trains all weights, >0 trains peft LoRA adapters.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters (peft syntax).")
+
+
+class ActorConfig(_Section):
+    model: str = Field(EMBEDDED, description="Policy to train: a local Hugging Face model directory, or 'embedded' for the tiny digit-sum reference.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the actor.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in training steps.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm of the actor (clip_grad_norm_).")
+    micro_batch_size: int = Field(64, ge=1, description="Responses per forward/backward; gradient accumulation over a mini-batch.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor, reference and critic.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the model directory (off unless you trust it).")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor's backward pass.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
+
+
+class RefConfig(_Section):
+    model: str | None = Field(None, description="Frozen reference policy directory; null = the actor's initial model.")
+    reset_every: int = Field(0, ge=0, description="Copy the current policy into the reference every N steps (0 = never).")
+
+
+class CriticConfig(_Section):
+    model: str | None = Field(None, description="Critic backbone directory; null = the actor's initial model. Used by algo.adv_estimator=gae only.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm of the critic.")
+    micro_batch_size: int = Field(64, ge=1, description="Responses per critic forward/backward.")
+    value_clip: float = Field(0.5, gt=0, description="Clip range of the clipped value loss (PPO2 style).")
+    warmup_steps: int = Field(0, ge=0, description="Steps during which only the critic is trained.")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: Hugging Face generate (CPU/GPU) or vLLM (GPU extra).")
+    mode: Literal["online", "offline"] = Field("online", description="online: sample responses; offline: use the dataset's responses.")
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO/RLOO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs, entropy and KL use the same temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_new_tokens: int = Field(4, ge=1, description="Maximum response length, tokens.")
+    do_sample: bool = Field(True, description="Sample (true) or decode greedily (false).")
+
+
+class RewardConfig(_Section):
+    function: str | None = Field(None, description="Reward function 'path/file.py:name' or 'module:name'; null = built-in by data_source.")
+    model: str | None = Field(None, description="Local AutoModelForSequenceClassification directory used as the reward model.")
+    clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
+    normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
+    model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
+
+    @field_validator("clip")
+    @classmethod
+    def _clip_order(cls, v):
+        if v is not None and not v[0] < v[1]:
+            raise ValueError(f"reward.clip must be [low, high] with low < high, got {list(v)}")
+        return v
+
+
+class DataConfig(_Section):
+    train_files: str = Field(EMBEDDED, description="Training prompts: .jsonl/.json/.parquet in verl's schema, or 'embedded' (digit-sum task).")
+    val_files: str | None = Field(None, description="Held-out prompts; null = the embedded val split, or a val_fraction split of train.")
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="Fraction of train held out for validation when val_files is null.")
+    batch_size: int = Field(16, ge=1, description="Prompts per training step (responses per step = batch_size * rollout.n).")
+    max_prompt_length: int = Field(512, ge=1, description="Maximum prompt length, tokens.")
+    overlong_prompts: Literal["error", "drop"] = Field("error", description="A prompt over max_prompt_length: stop before training (error) or drop it and count it.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by trainer.seed).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt.")
+    response_key: str | None = Field(None, description="Column holding a fixed response (rollout.mode=offline).")
+    score_key: str | None = Field(None, description="Column holding a fixed reward for offline responses.")
+    apply_chat_template: bool = Field(True, description="Render chat-message prompts with the tokenizer's chat template.")
+    instruction_suffix: str = Field("", description="Text appended to every prompt's last user message.")
+    embedded_train_size: int = Field(2000, ge=1, description="Prompts in the embedded task's train split.")
+    embedded_val_size: int = Field(32, ge=1, description="Prompts in the embedded task's val split.")
+
+
+class ScheduleConfig(_Section):
+    kind: Literal["piecewise", "linear", "cosine"] = Field("piecewise", description="Shape of a scheduled β.")
+    stages: list[tuple[int, float]] = Field(default_factory=lambda: [(50, 0.08), (0, 0.03)], description="piecewise: [[steps, β], ...]; the last stage holds forever.")
+    final_coef: float = Field(0.0, ge=0, description="linear/cosine: β at total_steps.")
+    total_steps: int = Field(100, ge=1, description="linear/cosine: steps from kl.coef to final_coef.")
+
+
+class KLConfig(_Section):
+    placement: Literal["reward", "loss", "both", "none"] = Field("reward", description="Where β·KL enters: shaped token rewards, the actor loss, both, or nowhere.")
+    estimator: str = Field("k1", description="KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, full, or a straight-through variant k1+, k3+, ...")
+    loss_estimator: str | None = Field(None, description="Estimator for the loss placement; null = kl.estimator.")
+    loss_agg_mode: str | None = Field(None, description="Aggregation of the KL loss; null = algo.loss_agg_mode.")
+    coef: float = Field(0.05, ge=0, description="β: the initial (or fixed) KL coefficient.")
+    controller: Literal["fixed", "adaptive", "band", "exponential", "scheduled"] = Field("fixed", description="How β changes over training.")
+    target: float = Field(0.02, gt=0, description="adaptive/exponential: target KL, nats per token (kl/ref_mean).")
+    horizon: int = Field(10000, gt=0, description="adaptive: horizon, in responses (Ziegler et al. 2019).")
+    high: float = Field(0.1, gt=0, description="band: above this KL (nats/token) β is multiplied by up.")
+    low: float = Field(0.01, ge=0, description="band: below this KL (nats/token) β is multiplied by down.")
+    up: float = Field(1.2, gt=1, description="band: factor applied above kl.high.")
+    down: float = Field(0.8, gt=0, lt=1, description="band: factor applied below kl.low.")
+    lr: float = Field(0.1, gt=0, description="exponential: learning rate of log-space dual ascent on β.")
+    beta_min: float | None = Field(None, ge=0, description="Lower bound on β for every controller.")
+    beta_max: float | None = Field(None, ge=0, description="Upper bound on β for every controller.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="scheduled controller: the β schedule.")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="|log π − log π_ref| is clamped to this before exp (verl's default).")
+    value_clamp: float = Field(10.0, gt=0, description="k3 values are clamped to ±this (verl's default).")
+
+    @field_validator("estimator", "loss_estimator")
+    @classmethod
+    def _known_estimator(cls, v):
+        if v is None:
+            return v
+        from tether.algos import KL_ESTIMATORS
+
+        if v != "full" and v not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {v!r}; valid: {', '.join(['full', *KL_ESTIMATORS])}")
+        return v
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.low >= self.high:
+            raise ValueError(f"kl.low ({self.low}) must be below kl.high ({self.high})")
+        if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
+            raise ValueError(f"kl.beta_min ({self.beta_min}) must not exceed kl.beta_max ({self.beta_max})")
+        return self
+
+
+class AlgoConfig(_Section):
+    adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="Advantage estimator: gae (PPO with a critic) or a critic-free one."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="γ: discount per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="λ: GAE trace decay.")
+    norm_by_std: bool = Field(True, description="grpo: divide by the group std (false = Dr. GRPO).")
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the clipped surrogate.")
+    clip_eps_high: float = Field(0.2, gt=0, description="ε_high of the clipped surrogate (clip-higher, DAPO).")
+    dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages (Ye et al. 2020).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    mini_batch_size: int = Field(64, ge=1, description="Responses per optimizer step.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How the per-token loss is averaged."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
+    save_freq: int = Field(100, ge=0, description="Checkpoint every N steps and at the end (0 = only at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept besides the best by validation score.")
+    output_dir: str = Field("runs/{time}", description="Run directory; '{time}' is replaced by a timestamp.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off, or a checkpoint path.")
+    val_freq: int = Field(10, ge=0, description="Validate every N steps (0 = never).")
+    val_n: int = Field(4, ge=1, description="Samples per validation prompt (mean@k).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run.")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks (jsonl is always written)."
+    )
+    project: str = Field("tether", description="Project name for wandb/mlflow.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    report: bool = Field(True, description="Write plots and summary.md at the end of the run.")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default).")
+
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_words(cls, v):
+        # YAML reads a bare off/on as booleans
+        if v is False:
+            return "off"
+        if v is True:
+            return "auto"
+        return v
+
+
+class GuardConfig(_Section):
+    target_kl: float | None = Field(None, gt=0, description="Stop the remaining PPO epochs/mini-batches when policy/approx_kl exceeds this (null = off).")
+    max_kl: float = Field(1.0, gt=0, description="Per-token KL to the reference (kl/ref_mean) above which on_max_kl acts.")
+    on_max_kl: Literal["raise_coef", "skip", "stop"] = Field("raise_coef", description="What exceeding guard.max_kl does.")
+    coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
+    on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run.")
+    rollback_drop: float = Field(0.05, ge=0, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off).")
+    rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
+    max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
+
+
+class TetherConfig(_Section):
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.algo.adv_estimator in {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"} and self.rollout.n < 2:
+            raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} needs rollout.n >= 2 (a group), got {self.rollout.n}")
+        if self.rollout.mode == "offline" and self.data.response_key is None:
+            raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
+        if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
+            pass  # full KL in the reward is exact and allowed
+        return self
+
+    @property
+    def kl_loss_estimator(self) -> str:
+        return self.kl.loss_estimator or self.kl.estimator
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, overrides, errors
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        keys.append(prefix + name)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_known_keys(ann, prefix + name + "."))
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, _known_keys(TetherConfig), n=3, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in _known_keys(TetherConfig) if k.rsplit(".", 1)[-1] == leaf][:3]
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key.sub=value`` and parse the value as YAML. Raises ConfigError on a missing '='."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. kl.coef=0.1)")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        if not isinstance(node.get(p, {}), dict):
+            raise ConfigError(f"cannot set {key}: {p} is not a section")
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not isinstance(x, int) or True)
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key {loc!r}{_did_you_mean(loc)}")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{loc or 'config'}: {e['msg']}{got_s}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def build_config(tree: dict | None = None) -> TetherConfig:
+    """Validate a nested dict into a TetherConfig. Raises ConfigError naming every bad key."""
+    try:
+        return TetherConfig.model_validate(tree or {})
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TetherConfig:
+    """Read a YAML config (optional), apply dotted overrides, validate.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, an override is malformed, a key is
+            unknown (with a did-you-mean) or a value is out of range (naming the key).
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    return build_config(tree)
+
+
+def config_to_yaml(cfg: TetherConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def describe_config() -> str:
+    """Every key with its default and description, for ``tether train --help-config``."""
+    lines = []
+
+    def walk(model: type[BaseModel], inst: BaseModel, prefix: str):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            val = getattr(inst, name)
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, val, prefix + name + ".")
+            else:
+                if isinstance(val, float) and not math.isfinite(val):
+                    val = str(val)
+                lines.append(f"{prefix + name:32s} {val!r:>22}  {field.description or ''}")
+
+    walk(TetherConfig, TetherConfig(), "")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Loading Hugging Face models and tokenizers, the critic's value head, and log-probs from a forward pass."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tether.algos import logprobs_and_entropy_from_logits
+from tether.config import EMBEDDED, ConfigError
+
+log = logging.getLogger("tether")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name: str, key: str = "actor.model") -> Path:
+    """A local model directory for ``name``; 'embedded' is the shipped digit-sum reference (built if missing).
+
+    Raises:
+        ConfigError: the directory does not exist or holds no config.json (names ``key``). Nothing
+            is ever downloaded: hub ids are not accepted.
+    """
+    if name == EMBEDDED:
+        from tether.tasks.sft import ensure_reference
+
+        return Path(ensure_reference())
+    p = Path(name).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"{key}={name!r}: no such local model directory (tether never downloads models)")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}={name!r}: {p} holds no config.json; is it a Hugging Face model directory?")
+    return p
+
+
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False, key: str = "actor.model"):
+    """AutoTokenizer from ``path``, left-padding for generation, with a pad token.
+
+    A tokenizer without a pad token gets its EOS token as pad (as TRL and verl do), with a warning.
+
+    Raises:
+        ConfigError: no tokenizer files in ``path``, or neither a pad nor an EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if not any((Path(path) / f).is_file() for f in tokenizer_files):
+        raise ConfigError(f"{key}: {path} holds no tokenizer files ({', '.join(tokenizer_files[:3])}, ...); save the tokenizer next to the model")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError/ValueError/TypeError depending on what is missing
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"{key}: the tokenizer in {path} has no EOS token; responses could never end")
+    if tok.pad_token_id is None:
+        log.warning("%s: the tokenizer in %s has no pad token; using its EOS token %r as pad", key, path, tok.eos_token)
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: Path, *, dtype: str = "float32", trust_remote_code: bool = False):
+    """AutoModelForCausalLM from a local directory (safetensors preferred), in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) positions that skip left padding, exactly as ``generate`` computes them."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 0)
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    return_logits: bool = False,
+):
+    """Log-probs of the response tokens under ``model``.
+
+    Args:
+        input_ids, attention_mask: (B, P+T), prompt left-padded then response right-padded.
+        response_len: T.
+    Returns:
+        (logprobs (B, T) nats, entropy (B, T) nats or None, logits (B, T, V) / temperature-free or None).
+        Position t scores token P+t from the logits at P+t-1, with logits divided by ``temperature``.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    logits = out.logits[:, -response_len - 1 : -1, :]  # (B, T, V)
+    ids = input_ids[:, -response_len:]
+    logprobs, entropy = logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=with_entropy)
+    return logprobs, entropy, (logits if return_logits else None)
+
+
+class ValueModel(nn.Module):
+    """Critic: a causal-LM backbone (``AutoModel``) with a scalar value head.
+
+    ``forward`` returns V(s_t) for the response: (B, T), the value of the state before each response
+    token (the hidden state at position P+t-1), in reward units.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: Path, *, dtype: str = "float32", trust_remote_code: bool = False) -> ValueModel:
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        return cls(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
+        )
+        hidden = out.last_hidden_state[:, -response_len - 1 : -1, :]  # (B, T, H)
+        return self.value_head(hidden).squeeze(-1).float()  # (B, T)

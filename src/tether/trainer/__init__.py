@@ -1,0 +1,6 @@
+"""The trainer: the loop, its phases, checkpoints, guards and logging."""
+
+from tether.trainer.guards import TrainingStopped
+from tether.trainer.trainer import Trainer
+
+__all__ = ["Trainer", "TrainingStopped"]

@@ -1,0 +1,89 @@
+"""The rollout batch: one typed object carried through every phase of a training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from tether.data import PromptRow
+
+
+@dataclass
+class RolloutBatch:
+    """B responses of padded length T to prompts left-padded to length P.
+
+    Tensor fields (all on the trainer's device):
+        prompt_ids (B, P) int64, left-padded; prompt_mask (B, P) 1 = real prompt token.
+        response_ids (B, T) int64, right-padded; response_mask (B, T) 1 = the token counts
+            (response tokens up to and including EOS; 0 for padding and for dropped samples).
+        old_logprobs, ref_logprobs (B, T): log π_old(a_t|s_t), log π_ref(a_t|s_t), nats.
+        entropy (B, T): entropy of π_old at each position, nats.
+        values (B, T): critic V(s_t) (gae only).
+        scores (B,): sequence reward; token_level_rewards (B, T): scores at the last valid token
+            minus β·KL per token (placement reward/both).
+        kl (B, T): the per-token KL to the reference by the configured estimator, nats.
+        advantages, returns (B, T).
+        group_ids (B,) int64: which prompt each response answers.
+    Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: torch.Tensor
+    rows: list[PromptRow]
+    prompts: list[str]
+    responses: list[str]
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """(B, P+T) prompt and response ids."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(B, P+T): real prompt tokens and counted response tokens."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) valid response tokens per row, tokens."""
+        return self.response_mask.sum(-1)
+
+    def select(self, idx: torch.Tensor | list[int]) -> RolloutBatch:
+        """The sub-batch of rows ``idx`` (tensor fields indexed on dim 0)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        idx_l = idx_t.tolist()
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v.index_select(0, idx_t.to(v.device))
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in idx_l]
+            else:
+                out[f.name] = v
+        return replace(self, **out)
+
+    def drop(self, rows: torch.Tensor) -> None:
+        """Drop samples in place: their response_mask becomes 0, so no loss, statistic or group sees them.
+
+        Args:
+            rows: (B,) bool, True = drop.
+        """
+        self.response_mask = self.response_mask * (~rows.to(self.response_mask.device)).unsqueeze(1).to(self.response_mask.dtype)

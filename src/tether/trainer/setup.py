@@ -1,0 +1,127 @@
+"""Building the roles from a config: tokenizer, actor, reference, critic, rollout engine, reward."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tether.config import ConfigError, TetherConfig
+from tether.models import ValueModel, load_causal_lm, load_tokenizer, resolve_model_path
+from tether.workers import ActorWorker, CriticWorker, ReferenceWorker
+from tether.workers.actor import ActorUpdateSpec
+
+log = logging.getLogger("tether")
+
+
+@dataclass
+class Roles:
+    tokenizer: Any
+    actor: ActorWorker
+    ref: ReferenceWorker
+    critic: CriticWorker | None
+    engine: Any  # RolloutRunner
+    reward: Any  # RewardManager or OfflineScores
+    device: torch.device
+    actor_path: Any
+
+    @staticmethod
+    def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard) -> ActorUpdateSpec:
+        a, k = cfg.algo, cfg.kl
+        return ActorUpdateSpec(
+            ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+            dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef, kl_loss_coef=kl_loss_coef,
+            kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
+            log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
+        )  # fmt: skip
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+class OfflineScores:
+    """Reward 'function' for offline data with a score column: returns each row's stored score."""
+
+    def __call__(self, rows, prompts, responses):
+        from tether.rewards import RewardResult
+
+        raw = torch.tensor([float("nan") if r.score is None else float(r.score) for r in rows])
+        valid = torch.isfinite(raw)
+        return RewardResult(scores=torch.where(valid, raw, 0.0), valid=valid, raw_scores=raw, metrics={"reward/invalid_count": float((~valid).sum())}, errors=[])
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _apply_lora(model, cfg: TetherConfig):
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.actor.lora
+    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"))
+
+
+def build_roles(cfg: TetherConfig) -> Roles:
+    """Load every model once and wire the roles. Raises ConfigError for a bad model directory."""
+    from tether.rewards import RewardManager
+    from tether.trainer.rollout import RolloutRunner
+
+    device = pick_device(cfg.trainer.device)
+    trc = cfg.actor.trust_remote_code
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
+    model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+    if cfg.actor.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    temp = cfg.rollout.temperature
+    if cfg.actor.lora.rank > 0:
+        if cfg.ref.model is not None:
+            raise ConfigError("actor.lora.rank > 0 uses the adapter-disabled actor as the reference; leave ref.model null")
+        model = _apply_lora(model, cfg)
+        ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
+    else:
+        ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
+        ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+        ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
+    actor = ActorWorker(
+        model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
+        grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp,
+    )  # fmt: skip
+    critic = None
+    if cfg.algo.adv_estimator == "gae":
+        critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
+        vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+        critic = CriticWorker(vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size, value_clip=cfg.critic.value_clip)
+    engine = _build_engine(cfg, model, tok, actor_path)
+    runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens)
+    if cfg.rollout.mode == "offline" and cfg.data.score_key and not (cfg.reward.function or cfg.reward.model):
+        reward = OfflineScores()
+    else:
+        reward_model = str(resolve_model_path(cfg.reward.model, "reward.model")) if cfg.reward.model else None
+        reward = RewardManager(
+            function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
+            model_batch_size=cfg.reward.model_batch_size, device=str(device),
+        )  # fmt: skip
+    return Roles(tok, actor, ref, critic, runner, reward, device, actor_path)
+
+
+def _build_engine(cfg: TetherConfig, model, tok, actor_path):
+    r = cfg.rollout
+    if r.engine == "vllm":
+        from tether.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(actor_path, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample)
+    from tether.rollout import HFRolloutEngine
+
+    return HFRolloutEngine(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample)

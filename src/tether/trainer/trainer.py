@@ -1,0 +1,286 @@
+"""The training loop: rollout → reward → log-probs → values → KL → advantages → updates → controller.
+
+One single-controller loop drives the roles in ``tether.workers``. Each phase is a short method
+timed into ``timing/<phase>_s``; :meth:`Trainer.train_step` reads like the algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tether.algos import (
+    AdvantageInputs,
+    compute_advantages,
+    kl_penalty,
+    make_kl_controller,
+    masked_mean,
+)
+from tether.config import EMBEDDED, TetherConfig, config_to_yaml
+from tether.trainer.batch import RolloutBatch
+from tether.trainer.guards import GuardMonitor, TrainingStopped
+from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
+from tether.trainer.setup import build_roles
+
+log = logging.getLogger("tether")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of one step, as ``timing/<phase>_s``."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[f"timing/{phase}_s"] = self.times.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def per_response_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) masked mean over each response's tokens (0 for a response with no valid token)."""
+    return (torch.where(mask.bool(), x, 0.0).sum(-1)) / mask.sum(-1).clamp(min=1)
+
+
+class Trainer:
+    """KL-regularized PPO / GRPO / RLOO / REINFORCE++ on Hugging Face causal LMs.
+
+    Args:
+        cfg: the validated config.
+        run_dir: where outputs go (default: ``cfg.trainer.output_dir`` with ``{time}`` filled in).
+    """
+
+    def __init__(self, cfg: TetherConfig, run_dir: Path | None = None):
+        self.cfg = cfg
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        seed_everything(cfg.trainer.seed)
+        self.run_dir = Path(run_dir or cfg.trainer.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
+        self.tok, self.device = self.roles.tokenizer, self.roles.device
+        train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)
+        self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
+        self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
+        if hasattr(self.roles.reward, "check_rows"):
+            self.roles.reward.check_rows(train_rows + val_rows)  # an unknown data_source fails here, not mid-run
+        self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        self.controller = make_kl_controller(cfg.kl.controller, **controller_kwargs(cfg))
+        self.guard = GuardMonitor(cfg.guard)
+        self.step = 0
+        self.last_val: dict[str, float] = {}
+        from tether.trainer.state import CheckpointManager
+
+        self.ckpt = CheckpointManager(self)
+        self.ckpt.maybe_resume()
+        from tether.trainer.logging import MetricsLogger
+
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
+        from tether.diagnostics import LiveDiagnostics, read_metrics
+
+        self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
+        if self.step:
+            self.diagnostics.load(read_metrics(self.run_dir))
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict]:
+        """Train for ``trainer.total_steps`` steps (continuing a resumed run); returns the step metrics."""
+        from tether.trainer.progress import Progress
+
+        history = []
+        progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
+        try:
+            while self.step < self.cfg.trainer.total_steps:
+                metrics = self.train_step()
+                history.append(metrics)
+                progress.update(metrics)
+        except TrainingStopped as stop:
+            log.error("training stopped at step %d: %s", self.step, stop)
+            self.ckpt.save(final=True)
+            raise
+        finally:
+            progress.close()
+            self.logger.close()
+        if self.cfg.trainer.report:
+            from tether.report import write_report
+
+            write_report(self.run_dir)
+        return history
+
+    def train_step(self) -> dict[str, float]:
+        """One step: the algorithm, phase by phase."""
+        self.step += 1
+        timer = PhaseTimer()
+        with timer("rollout"):
+            batch = self.rollout()
+        with timer("reward"):
+            self.score(batch)
+        with timer("logprobs"):
+            self.compute_logprobs(batch)
+        with timer("values"):
+            self.compute_values(batch)
+        with timer("kl"):
+            self.apply_kl(batch)
+        with timer("advantages"):
+            self.compute_advantages(batch)
+        action = self.guard.before_update(self.step, self.kl_mean(batch), batch.scores, self.beta)
+        update_metrics = {}
+        if action == "update":
+            with timer("update_critic"):
+                update_metrics |= self.update_critic(batch)
+            with timer("update_actor"):
+                update_metrics |= self.update_actor(batch)
+        with timer("controller"):
+            self.update_controller(batch)
+        metrics = self.step_metrics(batch) | update_metrics | self.guard.pop_metrics()
+        with timer("validate"):
+            metrics |= self.maybe_validate()
+        with timer("checkpoint"):
+            self.ckpt.maybe_save()
+        metrics |= timer.times
+        metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(sum(timer.times.values()), 1e-9)
+        self.logger.log(self.step, metrics)
+        for finding in self.diagnostics.update(self.step, metrics):
+            log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    @property
+    def beta(self) -> float:
+        """β in use: the controller's value times the guard's scale (raised after KL explosions)."""
+        return self.controller.value * self.guard.coef_scale
+
+    def rollout(self) -> RolloutBatch:
+        """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts."""
+        return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
+
+    def score(self, batch: RolloutBatch) -> None:
+        """Sequence scores from the reward function/model; failed or empty samples are dropped and counted."""
+        result = self.roles.reward(batch.rows, batch.prompts, batch.responses)
+        batch.scores = result.scores.to(self.device)
+        empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device)
+        batch.drop(~result.valid.to(self.device) | empty)
+        batch.extra["reward_metrics"] = dict(result.metrics) | {"rollout/empty_count": float(empty.sum())}
+        for msg in result.errors[:3]:
+            log.warning("step %d: reward: %s", self.step, msg)
+
+    def compute_logprobs(self, batch: RolloutBatch) -> None:
+        """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each)."""
+        full = self.roles.ref if self.cfg.kl.estimator == "full" else None
+        batch.old_logprobs, batch.entropy, kl_full = self.roles.actor.compute_logprobs(batch, with_entropy=True, full_kl_ref=full)
+        batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
+        if kl_full is not None:
+            batch.extra["kl_full"] = kl_full
+
+    def compute_values(self, batch: RolloutBatch) -> None:
+        if self.roles.critic is not None:
+            batch.values = self.roles.critic.compute_values(batch)
+
+    def apply_kl(self, batch: RolloutBatch) -> None:
+        """Per-token KL to the reference, and the token-level rewards (β·KL subtracted when placed in the reward)."""
+        kl_cfg = self.cfg.kl
+        if kl_cfg.estimator == "full":
+            kl = batch.extra["kl_full"]
+        else:
+            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kl_cfg.estimator, log_ratio_clamp=kl_cfg.log_ratio_clamp, value_clamp=kl_cfg.value_clamp)
+        mask = batch.response_mask.bool()
+        batch.kl = torch.where(mask, kl, 0.0)
+        beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
+        batch.token_level_rewards = token_level_rewards(batch.scores, batch.kl, batch.response_mask, beta)
+
+    def compute_advantages(self, batch: RolloutBatch) -> None:
+        a = self.cfg.algo
+        inputs = AdvantageInputs(
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
+            values=batch.values, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std,
+        )  # fmt: skip
+        batch.advantages, batch.returns = compute_advantages(a.adv_estimator, inputs)
+
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        if self.roles.critic is None:
+            return {}
+        a = self.cfg.algo
+        return self.roles.critic.update(batch, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, agg_mode=a.loss_agg_mode, seed=self.cfg.trainer.seed, step=self.step)
+
+    def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
+        if self.step <= self.cfg.critic.warmup_steps and self.roles.critic is not None:
+            return {}
+        spec = self.roles.actor_spec(self.cfg, self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0, self.guard)
+        metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
+        self.roles.engine.sync_weights(self.roles.actor.model)
+        if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
+            self.roles.ref.reset_to(self.roles.actor.model)
+        return metrics
+
+    def kl_mean(self, batch: RolloutBatch) -> float:
+        """kl/ref_mean: per-token KL averaged over each response, then over responses (nats per token)."""
+        valid = batch.response_mask.sum(-1) > 0
+        if not bool(valid.any()):
+            return float("nan")
+        return float(per_response_token_mean(batch.kl, batch.response_mask)[valid].mean())
+
+    def update_controller(self, batch: RolloutBatch) -> None:
+        kl = self.kl_mean(batch)
+        if math.isfinite(kl):
+            self.controller.update(kl, n_steps=int((batch.response_mask.sum(-1) > 0).sum()))
+
+    # ------------------------------------------------------------------ metrics, validation
+    def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        from tether.trainer.stats import rollout_metrics
+
+        return rollout_metrics(self, batch)
+
+    def maybe_validate(self) -> dict[str, float]:
+        freq = self.cfg.trainer.val_freq
+        due = freq and (self.step % freq == 0 or self.step == self.cfg.trainer.total_steps)
+        if not due or len(self.val_set) == 0:
+            return {}
+        from tether.trainer.stats import validate
+
+        self.last_val = validate(self)
+        self.guard.after_validation(self)
+        return self.last_val
+
+
+def token_level_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """(B, T): ``scores`` on each response's last valid token, minus β·KL on every valid token.
+
+    A response with no valid token gets all zeros. Same placement as verl's ``apply_kl_penalty``.
+    """
+    from tether.algos import token_level_rewards_from_kl
+
+    return token_level_rewards_from_kl(scores, kl, response_mask, beta)
+
+
+def controller_kwargs(cfg: TetherConfig) -> dict:
+    """Constructor arguments of the chosen KL controller, from the ``kl`` section."""
+    k = cfg.kl
+    common = dict(coef=k.coef, beta_min=k.beta_min, beta_max=k.beta_max)
+    extra = {
+        "fixed": {},
+        "adaptive": dict(target=k.target, horizon=k.horizon),
+        "band": dict(high=k.high, low=k.low, up=k.up, down=k.down),
+        "exponential": dict(target=k.target, lr=k.lr),
+        "scheduled": dict(
+            kind=k.schedule.kind, stages=[list(s) for s in k.schedule.stages], final_coef=k.schedule.final_coef, total_steps=k.schedule.total_steps
+        ),
+    }[k.controller]
+    return common | extra
+
+
+__all__ = ["Trainer", "TrainingStopped", "EMBEDDED", "masked_mean"]

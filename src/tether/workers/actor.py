@@ -1,0 +1,205 @@
+"""The actor (policy + optimizer) and the frozen reference policy."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tether.algos import agg_loss, kl_full, kl_penalty, ppo_policy_loss
+from tether.models import response_logprobs
+from tether.trainer.batch import RolloutBatch
+from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+
+
+@dataclass(frozen=True)
+class ActorUpdateSpec:
+    """Everything one actor update needs besides the batch (built by the trainer from the config)."""
+
+    ppo_epochs: int
+    mini_batch_size: int
+    clip_eps_low: float
+    clip_eps_high: float
+    dual_clip_c: float
+    loss_agg_mode: str
+    entropy_coef: float
+    kl_loss_coef: float  # β for the loss placement; 0 = no KL loss
+    kl_loss_estimator: str
+    kl_loss_agg_mode: str
+    log_ratio_clamp: float
+    value_clamp: float
+    target_kl: float | None  # early stop on policy/approx_kl (guard.target_kl)
+    seed: int
+
+
+def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None):
+    """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch.
+
+    With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary,
+    computed micro-batch by micro-batch so that only one micro-batch of (b, t, V) logits is alive.
+    Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None), nats.
+    """
+    T = batch.response_ids.shape[1]
+    lps, ents, kls = [], [], []
+    with torch.no_grad():
+        for mb in micro_batches(batch, micro_batch_size):
+            ids, mask, t = trim(mb)
+            keep = full_kl_ref is not None
+            lp, ent, lg = response_logprobs(model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=keep)
+            lps.append(pad_to(lp.float(), T))
+            if with_entropy:
+                ents.append(pad_to(ent.float(), T))
+            if keep:
+                kls.append(pad_to(kl_full(lg.float(), full_kl_ref.logits_for(ids, mask, t).float(), temperature=temperature), T))
+    return (
+        torch.cat(lps),
+        torch.cat(ents) if with_entropy else None,
+        torch.cat(kls) if kls else None,
+    )
+
+
+class ReferenceWorker:
+    """The frozen reference π_ref: a separate copy, or the actor's own model with its LoRA adapters disabled."""
+
+    def __init__(self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0):
+        if (model is None) == (adapter_host is None):
+            raise ValueError("ReferenceWorker needs exactly one of model or adapter_host")
+        self.model = model
+        self.adapter_host = adapter_host
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        if model is not None:
+            model.eval()
+            model.requires_grad_(False)
+
+    def _context(self):
+        if self.adapter_host is not None:
+            return self.adapter_host.disable_adapter()
+        return contextlib.nullcontext()
+
+    @property
+    def module(self):
+        return self.model if self.model is not None else self.adapter_host
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """ref_logprobs (B, T), nats."""
+        with self._context():
+            return _forward_logprobs(self.module, batch, self.micro_batch_size, self.temperature, False)[0]
+
+    def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
+        with torch.no_grad(), self._context():
+            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True)[2]
+
+    def reset_to(self, actor_model) -> None:
+        """Copy the actor's weights into the reference (ref.reset_every)."""
+        if self.model is None:
+            raise ValueError("ref.reset_every is not supported with a LoRA adapter-disabled reference")
+        self.model.load_state_dict(actor_model.state_dict())
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+class ActorWorker:
+    """Owns the policy π_θ, its AdamW optimizer and LR schedule; computes log-probs and PPO updates."""
+
+    def __init__(self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float):
+        self.model = model
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref: ReferenceWorker | None = None):
+        """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it; nats."""
+        self.model.eval()
+        return _forward_logprobs(self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref)
+
+    def scale_lr(self, factor: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] *= factor
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
+    def update(self, batch: RolloutBatch, spec: ActorUpdateSpec, step: int, ref: ReferenceWorker | None = None) -> dict[str, float]:
+        """PPO epochs × mini-batches of the clipped surrogate (+ β·KL loss − entropy bonus).
+
+        Gradients are accumulated over micro-batches; ``agg_loss`` gets the mini-batch's token and
+        sequence counts so the accumulated loss equals the mini-batch loss exactly. A mini-batch whose
+        loss or gradient norm is not finite is not applied (``guard/nonfinite_skip``). When
+        ``spec.target_kl`` is set, the remaining epochs and mini-batches are skipped once the
+        mini-batch's approx KL to the rollout policy exceeds it (``guard/early_stop``).
+        """
+        self.model.train()
+        acc = MetricAccumulator()
+        gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+        skipped = updates = 0
+        early_stop = False
+        for _ in range(spec.ppo_epochs):
+            for mini in mini_batches(batch, spec.mini_batch_size, gen):
+                metrics, loss_finite = self._mini_batch_step(mini, spec, ref)
+                grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+                applied = applied and loss_finite
+                skipped += int(not applied)
+                updates += int(applied)
+                metrics["policy/grad_norm"] = grad_norm if math.isfinite(grad_norm) else float("nan")
+                acc.add({k: v for k, v in metrics.items() if math.isfinite(v)})
+                if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
+                    early_stop = True
+                    break
+            if early_stop:
+                break
+        out = acc.mean()
+        out["policy/updates"] = float(updates)
+        out["guard/nonfinite_skip"] = float(skipped)
+        out["guard/early_stop"] = float(early_stop)
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None):
+        total_tokens = float(mini.response_mask.sum())
+        total_seqs = float(len(mini))
+        sums: dict[str, float] = {}
+        finite = True
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value
+
+        for mb in micro_batches(mini, self.micro_batch_size):
+            ids, mask, t = trim(mb)
+            need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
+            lp, ent, logits = response_logprobs(
+                self.model, ids, mask, t, temperature=self.temperature, with_entropy=spec.entropy_coef > 0, return_logits=need_logits
+            )
+            rmask = mb.response_mask[:, :t]
+            pg_loss, pg_metrics = ppo_policy_loss(
+                lp, mb.old_logprobs[:, :t], mb.advantages[:, :t], rmask,
+                clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
+                agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs,
+                log_ratio_clamp=spec.log_ratio_clamp,
+            )  # fmt: skip
+            loss = pg_loss
+            if spec.kl_loss_coef > 0:
+                if need_logits:
+                    kl = kl_full(logits, ref.logits_for(ids, mask, t), temperature=self.temperature)
+                else:
+                    kl = kl_penalty(lp, mb.ref_logprobs[:, :t], spec.kl_loss_estimator, log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp)
+                kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs)
+                loss = loss + spec.kl_loss_coef * kl_loss
+                add("actor/kl_loss", float(kl_loss.detach()))
+            if spec.entropy_coef > 0:
+                loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs)
+            if not torch.isfinite(loss):
+                finite = False
+                continue
+            loss.backward()
+            # partial losses sum to the mini-batch loss; fractions are weighted by the micro-batch's token share
+            add("policy/pg_loss", float(pg_loss.detach()))
+            add("policy/loss", float(loss.detach()))
+            share = float(rmask.sum()) / max(total_tokens, 1.0)
+            for key in ("policy/clipfrac", "policy/clipfrac_lower", "policy/approx_kl"):
+                add(key, pg_metrics[key] * share)
+        return sums, finite

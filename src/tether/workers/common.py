@@ -1,0 +1,74 @@
+"""Helpers shared by the workers: batching, optimizer steps with finiteness checks."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+from tether.trainer.batch import RolloutBatch
+
+
+def mini_batches(batch: RolloutBatch, size: int, generator: torch.Generator) -> Iterator[RolloutBatch]:
+    """Shuffled mini-batches of ``size`` responses (the last may be smaller)."""
+    perm = torch.randperm(len(batch), generator=generator)
+    for start in range(0, len(batch), size):
+        yield batch.select(perm[start : start + size])
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
+    """Consecutive micro-batches of ``size`` responses, for gradient accumulation or no-grad passes."""
+    for start in range(0, len(batch), size):
+        yield batch.select(list(range(start, min(start + size, len(batch)))))
+
+
+def trim(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """input_ids, attention_mask (B, P+T') and T' with trailing all-padding response columns removed."""
+    lengths = batch.response_mask.sum(-1)
+    t = int(lengths.max().item()) if len(lengths) else 0
+    t = max(t, 1)
+    ids = torch.cat([batch.prompt_ids, batch.response_ids[:, :t]], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask[:, :t]], dim=1)
+    return ids, mask, t
+
+
+def pad_to(x: torch.Tensor, t: int, value: float = 0.0) -> torch.Tensor:
+    """Right-pad (B, T') to (B, t)."""
+    if x.shape[1] == t:
+        return x
+    return torch.nn.functional.pad(x, (0, t - x.shape[1]), value=value)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float) -> tuple[float, bool]:
+    """Clip gradients and step, unless the gradient norm is non-finite (then the update is dropped).
+
+    Returns:
+        (grad_norm before clipping, whether the step was applied).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    applied = math.isfinite(grad_norm)
+    if applied:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, applied
+
+
+class MetricAccumulator:
+    """Averages metric dicts over mini-batches."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v)
+            self.counts[k] += 1
+
+    def mean(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}

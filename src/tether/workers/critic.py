@@ -1,0 +1,69 @@
+"""The critic: V(s_t) for GAE, trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tether.algos import ppo_value_loss
+from tether.models import ValueModel
+from tether.trainer.batch import RolloutBatch
+from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+
+
+class CriticWorker:
+    """Owns the value model and its optimizer."""
+
+    def __init__(self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float):
+        self.model = model
+        self.grad_clip = grad_clip
+        self.micro_batch_size = micro_batch_size
+        self.value_clip = value_clip
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.scheduler = None
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """(B, T) V(s_t) under the current critic, 0 on masked positions."""
+        self.model.eval()
+        T = batch.response_ids.shape[1]
+        out = []
+        with torch.no_grad():
+            for mb in micro_batches(batch, self.micro_batch_size):
+                ids, mask, t = trim(mb)
+                out.append(pad_to(self.model(ids, mask, t), T))
+        return torch.cat(out) * batch.response_mask
+
+    def scale_lr(self, factor: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] *= factor
+
+    def update(self, batch: RolloutBatch, *, ppo_epochs: int, mini_batch_size: int, agg_mode: str, seed: int, step: int) -> dict[str, float]:
+        """Clipped value-loss regression of V onto the GAE returns; non-finite updates are dropped."""
+        self.model.train()
+        acc = MetricAccumulator()
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)
+        for _ in range(ppo_epochs):
+            for mini in mini_batches(batch, mini_batch_size, gen):
+                total_tokens, total_seqs = float(mini.response_mask.sum()), float(len(mini))
+                sums = {"value/loss": 0.0, "value/clipfrac": 0.0}
+                finite = True
+                for mb in micro_batches(mini, self.micro_batch_size):
+                    ids, mask, t = trim(mb)
+                    v = self.model(ids, mask, t)
+                    rmask = mb.response_mask[:, :t]
+                    loss, m = ppo_value_loss(
+                        v, mb.values[:, :t], mb.returns[:, :t], rmask, clip_range=self.value_clip, agg_mode=agg_mode,
+                        total_tokens=total_tokens, total_seqs=total_seqs,
+                    )  # fmt: skip
+                    if not torch.isfinite(loss):
+                        finite = False
+                        continue
+                    loss.backward()
+                    sums["value/loss"] += float(loss.detach())
+                    sums["value/clipfrac"] += m["value/clipfrac"] * float(rmask.sum()) / max(total_tokens, 1.0)
+                grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+                sums["value/grad_norm"] = grad_norm
+                sums["guard/value_nonfinite_skip"] = float(not (applied and finite))
+                acc.add({k: v for k, v in sums.items() if math.isfinite(v)})
+        return acc.mean()
