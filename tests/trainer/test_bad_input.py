@@ -1,0 +1,128 @@
+"""Bad input: a clear error naming the item before training, or a dropped-and-counted sample mid-run."""
+
+import json
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+
+from tether.config import ConfigError
+from tether.data import DataError
+from tether.tasks.sft import default_reference_path
+from tether.trainer import Trainer
+
+
+def test_model_dir_without_tokenizer(small_cfg, tmp_path):
+    model_dir = tmp_path / "no_tok"
+    model_dir.mkdir()
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(default_reference_path() / f, model_dir / f)
+    with pytest.raises(ConfigError, match=r"actor.model: .*no_tok holds no tokenizer files"):
+        Trainer(small_cfg(f"actor.model={model_dir}"))
+
+
+def test_model_dir_that_does_not_exist(small_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"actor.model='.*missing'.*no such local model directory"):
+        Trainer(small_cfg(f"actor.model={tmp_path / 'missing'}"))
+
+
+def test_tokenizer_without_pad_token_falls_back_to_eos_with_a_warning(small_cfg, tmp_path, caplog):
+    model_dir = tmp_path / "no_pad"
+    shutil.copytree(default_reference_path(), model_dir)
+    cfg_path = model_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg.pop("pad_token", None)
+    cfg_path.write_text(json.dumps(tok_cfg))
+    st = model_dir / "special_tokens_map.json"
+    if st.exists():
+        m = json.loads(st.read_text())
+        m.pop("pad_token", None)
+        st.write_text(json.dumps(m))
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        t = Trainer(small_cfg(f"actor.model={model_dir}", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.report=false"))
+    assert t.tok.pad_token_id == t.tok.eos_token_id
+    assert any("no pad token" in r.getMessage() and "no_pad" in r.getMessage() for r in caplog.records)
+
+
+def test_empty_dataset_fails_before_training(small_cfg, tmp_path):
+    f = tmp_path / "empty.jsonl"
+    f.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        Trainer(small_cfg(f"data.train_files={f}"))
+
+
+def test_row_without_prompt_names_its_line(small_cfg, tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}) + "\n"
+                 + json.dumps({"data_source": "tether/digitsum"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl.*line 2"):
+        Trainer(small_cfg(f"data.train_files={f}"))
+
+
+def test_overlong_prompt_is_an_error_naming_the_row(small_cfg):
+    with pytest.raises(ConfigError, match=r"longer than data.max_prompt_length=3: row 0 \(\d+ tokens\)"):
+        Trainer(small_cfg("data.max_prompt_length=3"))
+
+
+def test_unknown_data_source_fails_before_training(small_cfg, tmp_path):
+    f = tmp_path / "odd.jsonl"
+    f.write_text(json.dumps({"prompt": "3,13=", "data_source": "nobody/knows"}) + "\n")
+    with pytest.raises(ValueError, match="nobody/knows"):
+        Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))
+
+
+REWARD_FILE = '''
+import math
+
+CALLS = {"n": 0}
+
+
+def flaky(data_sources, solution_strs, ground_truths, extra_infos):
+    out = []
+    for s in solution_strs:
+        if s.startswith("1"):
+            raise RuntimeError("cannot score " + s)
+        if s.startswith("2"):
+            out.append(float("nan"))
+        elif s.startswith("3"):
+            out.append("not a number")
+        else:
+            out.append(1.0 if len(s) == 3 else 0.0)
+    return out
+'''
+
+
+@pytest.mark.slow
+def test_reward_function_that_raises_or_returns_nan_drops_and_counts(small_cfg, tmp_path):
+    f = tmp_path / "flaky.py"
+    f.write_text(REWARD_FILE)
+    t = Trainer(small_cfg(f"reward.function={f}:flaky", "trainer.total_steps=2", "trainer.val_freq=0", "trainer.report=false", "data.batch_size=8", "rollout.n=8"))
+    history = t.fit()
+    for rec in history:
+        assert math.isfinite(rec["reward/score_mean"])
+        assert rec["reward/invalid_count"] == rec["rollout/dropped_count"] - rec["rollout/empty_count"]
+    total_invalid = sum(r["reward/invalid_count"] for r in history)
+    assert total_invalid > 0, "the policy starts with digits 1-3 often; some samples must have been invalid"
+    assert all(torch.isfinite(p).all() for p in t.roles.actor.model.parameters())
+    errors = sum(r.get("reward/error_count", 0) for r in history)
+    nonfinite = sum(r.get("reward/nonfinite_count", 0) for r in history)
+    assert errors > 0 and nonfinite > 0, (errors, nonfinite)
+
+
+def test_empty_responses_are_dropped_and_counted(small_cfg):
+    t = Trainer(small_cfg("trainer.total_steps=1", "trainer.val_freq=0", "trainer.report=false"))
+    batch = t.rollout()
+    eos = t.tok.eos_token_id
+    batch.response_ids[:3] = t.tok.pad_token_id
+    batch.response_ids[:3, 0] = eos  # three responses that end at once: empty text
+    from tether.rollout import response_mask_from_ids
+
+    batch.response_mask = response_mask_from_ids(batch.response_ids, eos)
+    batch.responses = t.tok.batch_decode(torch.where(batch.response_mask.bool(), batch.response_ids, t.tok.pad_token_id), skip_special_tokens=True)
+    assert batch.responses[:3] == ["", "", ""]
+    t.score(batch)
+    assert batch.extra["reward_metrics"]["rollout/empty_count"] == 3.0
+    assert batch.response_mask[:3].sum() == 0
+    assert batch.response_mask[3:].sum(-1).min() >= 1
