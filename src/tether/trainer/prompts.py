@@ -42,7 +42,7 @@ def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[
     if cfg.val_files == EMBEDDED or (cfg.val_files is None and cfg.train_files == EMBEDDED):
         val = _embedded_rows("val", cfg.embedded_val_size, seed)
     elif cfg.val_files is not None:
-        val = load_rows(cfg.val_files, **kwargs)
+        val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key)  # validation generates: no response/score columns needed
     elif cfg.val_fraction > 0:
         train, val = split_rows(train, cfg.val_fraction, seed)
     else:

@@ -27,6 +27,7 @@ class Roles:
     reward: Any  # RewardManager or OfflineScores
     device: torch.device
     actor_path: Any
+    val_reward: Any = None  # scores generated validation responses when `reward` only replays dataset scores
 
     @staticmethod
     def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard) -> ActorUpdateSpec:
@@ -88,6 +89,9 @@ def build_roles(cfg: TetherConfig) -> Roles:
     if cfg.actor.lora.rank > 0:
         if cfg.ref.model is not None:
             raise ConfigError("actor.lora.rank > 0 uses the adapter-disabled actor as the reference; leave ref.model null")
+        if cfg.ref.reset_every:
+            raise ConfigError("ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 "
+                              "(the reference is the base model with the adapters disabled)")
         model = _apply_lora(model, cfg)
         ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
     else:
@@ -104,16 +108,18 @@ def build_roles(cfg: TetherConfig) -> Roles:
         vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
         critic = CriticWorker(vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size, value_clip=cfg.critic.value_clip)
     engine = _build_engine(cfg, model, tok, actor_path)
-    runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens)
+    runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=generation_eos_ids(model))
+    val_reward = None
     if cfg.rollout.mode == "offline" and cfg.data.score_key and not (cfg.reward.function or cfg.reward.model):
         reward = OfflineScores()
+        val_reward = RewardManager(clip=cfg.reward.clip)  # validation generates: built-in rewards by data_source
     else:
         reward_model = str(resolve_model_path(cfg.reward.model, "reward.model")) if cfg.reward.model else None
         reward = RewardManager(
             function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
             model_batch_size=cfg.reward.model_batch_size, device=str(device),
         )  # fmt: skip
-    return Roles(tok, actor, ref, critic, runner, reward, device, actor_path)
+    return Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward)
 
 
 def _build_engine(cfg: TetherConfig, model, tok, actor_path):
@@ -121,7 +127,18 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
     if r.engine == "vllm":
         from tether.rollout.vllm import VLLMRolloutEngine
 
-        return VLLMRolloutEngine(actor_path, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample)
+        return VLLMRolloutEngine(
+            actor_path, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
+            dtype=cfg.actor.dtype, seed=cfg.trainer.seed, trust_remote_code=cfg.actor.trust_remote_code,
+        )  # fmt: skip
     from tether.rollout import HFRolloutEngine
 
     return HFRolloutEngine(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample)
+
+
+def generation_eos_ids(model) -> list[int]:
+    """The EOS ids of a model's ``generation_config`` (an int or a list; [] when unset)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

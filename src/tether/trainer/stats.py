@@ -64,30 +64,97 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     return m
 
 
+def distinct_prompt_indices(prompts) -> list[int]:
+    """The first row index of each distinct rendered prompt of a PromptSet (offline data holds
+    several responses per prompt; evaluation samples each prompt once)."""
+    first: dict[str, int] = {}
+    for i, t in enumerate(prompts.texts):
+        first.setdefault(t, i)
+    return list(first.values())
+
+
 @torch.no_grad()
-def validate(trainer) -> dict[str, float]:
-    """mean@k, pass@k, length and diversity on the held-out prompts, k = trainer.val_n samples each."""
-    cfg = trainer.cfg
-    k = cfg.trainer.val_n
-    scores, lengths, tokens, groups = [], [], [], []
-    bs = cfg.data.batch_size
-    for start in range(0, len(trainer.val_set), bs):
-        idx = list(range(start, min(start + bs, len(trainer.val_set))))
-        batch = trainer.roles.engine.rollout(trainer.val_set, idx, k)
-        res = trainer.roles.reward(batch.rows, batch.prompts, batch.responses)
-        s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
-        scores.append(s.view(len(idx), k))
-        lengths.append(batch.response_mask.sum(-1).float())
-        tokens += _response_tokens(batch, trainer.tok.eos_token_id)
-        groups += (batch.group_ids + start).tolist()
+def evaluate_prompts(runner, reward, prompts, *, k: int, batch_size: int, indices: list[int] | None = None,
+                     samples: list[dict] | None = None, **gen_overrides) -> dict[str, float]:
+    """Sample ``k`` responses per prompt, score them, and summarise: the evaluation shared by the
+    trainer's validation (every ``trainer.val_freq`` steps) and ``tether eval``.
+
+    Args:
+        runner: a :class:`~tether.trainer.rollout.RolloutRunner` (always generates here, also for an
+            offline run).
+        reward: a reward callable ``(rows, prompts, responses) -> RewardResult`` (a RewardManager).
+            Its state (running normalisation) is restored afterwards: evaluating never changes training.
+        prompts: a PromptSet; indices: which of its rows (default all), each evaluated once.
+        k: samples per prompt (1 for greedy decoding).
+        batch_size: prompts per generate call (``batch_size * k`` sequences).
+        samples: when a list, one dict per response is appended (``index``, ``sample``, ``prompt``,
+            ``response``, ``score``, ``correct``, ``length``).
+        gen_overrides: passed to the engine (e.g. ``do_sample=False``, ``temperature=0.6``).
+
+    Returns:
+        Unprefixed metrics: ``score_mean`` and ``mean@k`` (mean raw score over all samples; a sample the
+        reward could not score counts 0), ``pass@1`` (fraction of samples with score >=
+        :data:`CORRECT_THRESHOLD`: the unbiased pass@1 estimate from k samples), ``pass@k`` (fraction of
+        prompts with at least one correct sample), ``length_mean`` / ``length_max`` (response tokens,
+        EOS included), ``truncated_frac`` (responses that hit the length limit), ``prompts``, and the
+        diversity metrics of :func:`tether.metrics.diversity.diversity_metrics` over each prompt's k
+        samples (``distinct_1``, ...).
+
+    Raises:
+        ValueError: no prompt to evaluate.
+    """
+    idx_all = list(range(len(prompts))) if indices is None else list(indices)
+    if not idx_all:
+        raise ValueError("nothing to evaluate: the prompt set is empty")
+    saved = reward.state_dict() if hasattr(reward, "state_dict") else None
+    eos = runner.tok.eos_token_id
+    scores, lengths, truncated, tokens, groups = [], [], [], [], []
+    try:
+        for start in range(0, len(idx_all), batch_size):
+            idx = idx_all[start : start + batch_size]
+            batch = runner.rollout(prompts, idx, k, mode="online", **gen_overrides)
+            res = reward(batch.rows, batch.prompts, batch.responses)
+            s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
+            scores.append(s.view(len(idx), k))
+            lengths.append(batch.response_mask.sum(-1).float().cpu())
+            ended = torch.isin(batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device))
+            truncated.append((~ended.any(-1)).float().cpu())
+            tokens += _response_tokens(batch, eos)
+            groups += (batch.group_ids.cpu() + start).tolist()
+            if samples is not None:
+                for j in range(len(batch)):
+                    sc = float(s[j])
+                    samples.append({"index": batch.rows[j].index, "sample": j % k, "prompt": batch.prompts[j], "response": batch.responses[j],
+                                    "score": sc, "correct": sc >= CORRECT_THRESHOLD, "length": int(batch.response_mask[j].sum())})
+    finally:
+        if saved is not None:
+            reward.load_state_dict(saved)
     S = torch.cat(scores)  # (prompts, k)
+    L = torch.cat(lengths)
     out = {
-        "val/score_mean": float(S.mean()),
-        f"val/pass@{k}": float((S >= CORRECT_THRESHOLD).any(-1).float().mean()),
-        "val/pass@1": float((S >= CORRECT_THRESHOLD).float().mean()),
-        "val/length_mean": float(torch.cat(lengths).mean()),
+        "score_mean": float(S.mean()),
+        f"mean@{k}": float(S.mean()),
+        "pass@1": float((S >= CORRECT_THRESHOLD).float().mean()),
+        f"pass@{k}": float((S >= CORRECT_THRESHOLD).any(-1).float().mean()),
+        "length_mean": float(L.mean()),
+        "length_max": float(L.max()),
+        "truncated_frac": float(torch.cat(truncated).mean()),
+        "prompts": float(len(idx_all)),
     }
-    out |= {f"val/{key.split('/', 1)[1]}": v for key, v in diversity_metrics(tokens, groups).items()}
+    out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
+    return out
+
+
+def validate(trainer) -> dict[str, float]:
+    """``val/*``: :func:`evaluate_prompts` on the held-out prompts, k = ``trainer.val_n`` samples each,
+    with the training sampling settings; plus ``exact/*`` on the embedded task. In an offline run
+    the policy generates (each distinct prompt once) and generated responses are scored by the
+    reward function (``roles.val_reward``), not by the dataset's score column."""
+    cfg = trainer.cfg
+    reward = getattr(trainer.roles, "val_reward", None) or trainer.roles.reward
+    indices = distinct_prompt_indices(trainer.val_set) if cfg.rollout.mode == "offline" else None
+    m = evaluate_prompts(trainer.roles.engine, reward, trainer.val_set, k=cfg.trainer.val_n, batch_size=cfg.data.batch_size, indices=indices)
+    out = {f"val/{key}": v for key, v in m.items()}
     if exact_evaluation_applies(cfg):
         out |= exact_metrics(trainer)
     return out
