@@ -15,6 +15,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether doctor RUN_DIR                         health checks of a run's metrics
   tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
+  tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
 """
 
 
@@ -118,6 +119,30 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tether.sweep import main_sweep
+
+    items = list(args.items)
+    spec = items.pop(0) if items and items[0].endswith((".yaml", ".yml")) and "=" not in items[0] else None
+    return main_sweep(
+        spec, args.grid, items, out=args.out, workers=args.workers, tail=args.tail,
+        exact_final=args.exact_final, dry_run=args.dry_run, table_only=args.table_only,
+    )  # fmt: skip
+
+
+def _add_sweep_parser(sub) -> None:
+    w = sub.add_parser("sweep", help="run a grid of train configs in parallel (resumable); table and plots")
+    w.add_argument("items", nargs="*", help="optional SPEC.yaml first, then fixed key=value overrides for every run")
+    w.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a grid axis (repeatable); runs = the product")
+    w.add_argument("--out", default=None, help="sweep directory (default runs/sweep); one subdirectory per run")
+    w.add_argument("--workers", type=int, default=None, help="parallel runs (default: the number of cores)")
+    w.add_argument("--tail", type=int, default=None, help="steps averaged for the table's sampled columns (default 20)")
+    w.add_argument("--exact-final", choices=["none", "val", "train", "all"], default=None, help="exact evaluation of each final checkpoint on these prompts (default all)")
+    w.add_argument("--dry-run", action="store_true", help="print the commands and which runs are finished")
+    w.add_argument("--table-only", action="store_true", help="only (re)write the table and plots from existing runs")
+    w.set_defaults(func=cmd_sweep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
@@ -141,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint")
     e.add_argument("out_dir")
     e.set_defaults(func=cmd_export)
+    _add_sweep_parser(sub)
     da = sub.add_parser("data", help="dataset conversion")
     da_sub = da.add_subparsers(dest="dataset")
     g = da_sub.add_parser("gsm8k", help="GSM8K jsonl → verl-schema jsonl/parquet")
