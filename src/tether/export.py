@@ -12,13 +12,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a ``save_pretrained`` directory (safetensors, config, tokenizer) that
     ``AutoModelForCausalLM.from_pretrained`` loads. A LoRA checkpoint is merged into its base model.
 
+    The checkpoint is verified first (sizes and sha256 of its MANIFEST). ``out_dir`` must not exist
+    or be empty: an export never deletes anything.
+
     Raises:
-        CheckpointError: the checkpoint is incomplete or corrupt (naming the file).
+        CheckpointError: the checkpoint is incomplete or corrupt (naming the file), has no actor
+            weights, or ``out_dir`` is a non-empty directory or a file.
     """
     ckpt = Path(checkpoint)
     verify_checkpoint(ckpt)
     src = ckpt / "actor"
     out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"export: {out} already exists and is not an empty directory; choose a new OUT_DIR")
     if (src / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
         from transformers import AutoTokenizer
@@ -28,8 +34,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
         return out
     if not (src / "config.json").is_file():
-        raise CheckpointError(f"checkpoint {ckpt}: actor/config.json is missing")
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(src, out)
+        raise CheckpointError(f"checkpoint {ckpt}: file actor/config.json is missing")
+    if not any(src.glob("*.safetensors")):
+        raise CheckpointError(f"checkpoint {ckpt}: no actor/*.safetensors weights")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
     return out

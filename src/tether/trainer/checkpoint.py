@@ -13,6 +13,11 @@ Layout of ``<output_dir>/checkpoints/step_000100/``::
 A checkpoint is written into ``.tmp-step_000100`` and renamed when complete, so a crash mid-write
 never leaves a directory that looks whole. Nothing is unpickled on load: safetensors, JSON, and
 ``torch.load(weights_only=True)``.
+
+Test-only fault hook: with the environment variable ``TETHER_CHECKPOINT_FAULT=kill:<step>[:<point>]``
+the process SIGKILLs itself while writing checkpoint ``<step>``, after the part ``<point>`` (one of
+``weights``, ``optim``, ``state``, ``manifest``; default ``weights``) is in the temporary directory.
+Unset (always, outside the fault tests) it does nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +38,33 @@ import torch
 log = logging.getLogger("tether")
 
 MANIFEST = "MANIFEST.json"
+FORMAT = 1
+FAULT_ENV = "TETHER_CHECKPOINT_FAULT"
+FAULT_POINTS = ("weights", "optim", "state", "manifest")
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt. The message names the file."""
+class CheckpointError(RuntimeError, ValueError):
+    """A checkpoint is missing, incomplete or corrupt. The message names the checkpoint and the file.
+
+    Also a ValueError: like a bad config value, it is a bad input the user names (``trainer.resume``,
+    ``tether export``), reported on one line by the command line.
+    """
+
+
+def _fault_point(step: int, point: str) -> None:
+    """The test-only hook of the module docstring: SIGKILL this process at (step, point) if asked."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] != "kill" or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_POINTS):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill:<step>[:<point>], point one of {', '.join(FAULT_POINTS)}")
+    if int(parts[1]) == step and (parts[2] if len(parts) == 3 else "weights") == point:
+        log.warning("%s: killing this process while writing checkpoint %d (after %s)", FAULT_ENV, step, point)
+        for h in logging.getLogger().handlers + log.handlers:
+            h.flush()
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
 
 
 def step_dir_name(step: int) -> str:
@@ -101,18 +129,26 @@ def write_checkpoint(ckpt_root: Path, step: int, writers: dict) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    for write in writers.values():
+    for name, write in writers.items():
         write(tmp)
+        _fault_point(step, name)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {
+        "format": FORMAT,
         "step": step,
-        "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+        "files": {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
     }
     for p in files:
         with p.open("rb+") as f:
             os.fsync(f.fileno())
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for d in {p.parent for p in files} | {tmp}:
+        _fsync_dir(d)
+    with (tmp / MANIFEST).open("w") as f:
+        f.write(json.dumps(manifest, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(tmp)
+    _fault_point(step, "manifest")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -134,9 +170,14 @@ def verify_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the write did not finish)")
     try:
         manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt") from None
-    for rel, meta in manifest["files"].items():
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint {path}: file {MANIFEST} is corrupt (not JSON)") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in files.values()):
+        raise CheckpointError(f"checkpoint {path}: file {MANIFEST} is corrupt (no file list)")
+    for rel, meta in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"checkpoint {path}: file {MANIFEST} names a path outside the checkpoint: {rel!r}")
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path}: file {rel} is missing")
@@ -160,14 +201,20 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def latest_valid_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest checkpoint that verifies; corrupt or incomplete ones are reported and skipped."""
+def latest_valid_checkpoint(ckpt_root: Path, errors: list[str] | None = None) -> Path | None:
+    """The newest checkpoint that verifies; corrupt or incomplete ones are reported and skipped.
+
+    Args:
+        errors: if given, the message of every skipped checkpoint is appended to it.
+    """
     for _, p in list_checkpoints(ckpt_root):
         try:
             verify_checkpoint(p)
             return p
         except CheckpointError as e:
             log.warning("resume: skipping %s", e)
+            if errors is not None:
+                errors.append(str(e))
     return None
 
 

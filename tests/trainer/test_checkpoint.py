@@ -1,0 +1,232 @@
+"""Checkpoint files: atomic writes, integrity checks, retention, safe loading, and ``tether export``."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from tether.trainer.checkpoint import (
+    FAULT_ENV,
+    MANIFEST,
+    CheckpointError,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_torch,
+    prune_checkpoints,
+    rng_state,
+    save_torch,
+    set_rng_state,
+    verify_checkpoint,
+    write_checkpoint,
+)
+
+
+def _writers(payload: bytes = b"x" * 1000):
+    def weights(d):
+        (d / "actor").mkdir()
+        (d / "actor" / "model.safetensors").write_bytes(payload)
+
+    def optim(d):
+        save_torch({"lr": torch.tensor([0.5])}, d / "optim.pt")
+
+    def state(d):
+        (d / "trainer_state.json").write_text(json.dumps({"step": 1}))
+
+    return {"weights": weights, "optim": optim, "state": state}
+
+
+def test_write_then_verify_lists_every_file(tmp_path):
+    path = write_checkpoint(tmp_path, 7, _writers())
+    assert path == tmp_path / "step_000007"
+    manifest = verify_checkpoint(path)
+    assert manifest["step"] == 7
+    assert sorted(manifest["files"]) == ["actor/model.safetensors", "optim.pt", "trainer_state.json"]
+    assert manifest["files"]["actor/model.safetensors"]["bytes"] == 1000
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        pytest.param(lambda p: (p / "optim.pt").write_bytes((p / "optim.pt").read_bytes()[:-7]), r"file optim\.pt has \d+ bytes, expected \d+ \(truncated\?\)", id="truncated"),
+        pytest.param(lambda p: (p / "actor" / "model.safetensors").write_bytes(b"y" * 1000), r"file actor/model\.safetensors fails its sha256 check", id="same-size-flip"),
+        pytest.param(lambda p: (p / "trainer_state.json").unlink(), r"file trainer_state\.json is missing", id="missing"),
+        pytest.param(lambda p: (p / MANIFEST).unlink(), r"incomplete: no MANIFEST\.json", id="no-manifest"),
+        pytest.param(lambda p: (p / MANIFEST).write_text('{"files": {'), r"file MANIFEST\.json is corrupt", id="manifest-not-json"),
+        pytest.param(lambda p: (p / MANIFEST).write_text('{"files": {"../x": {"bytes": 1, "sha256": "0"}}}'), r"outside the checkpoint", id="manifest-escape"),
+    ],
+)
+def test_damage_is_detected_and_names_the_file(tmp_path, damage, expected):
+    path = write_checkpoint(tmp_path, 3, _writers())
+    damage(path)
+    with pytest.raises(CheckpointError, match=expected) as err:
+        verify_checkpoint(path)
+    assert "step_000003" in str(err.value)
+
+
+def test_latest_valid_falls_back_and_reports(tmp_path, caplog):
+    for step in (2, 4, 6):
+        write_checkpoint(tmp_path, step, _writers())
+    p6 = tmp_path / "step_000006"
+    (p6 / "optim.pt").write_bytes(b"")
+    errors = []
+    assert latest_valid_checkpoint(tmp_path, errors) == tmp_path / "step_000004"
+    assert len(errors) == 1 and "step_000006" in errors[0] and "optim.pt" in errors[0]
+    assert "optim.pt" in caplog.text
+    (tmp_path / "step_000004" / MANIFEST).unlink()
+    assert latest_valid_checkpoint(tmp_path) == tmp_path / "step_000002"
+
+
+def test_an_interrupted_write_leaves_no_checkpoint(tmp_path):
+    def boom(d):
+        raise OSError("disk full")
+
+    write_checkpoint(tmp_path, 2, _writers())
+    with pytest.raises(OSError):
+        write_checkpoint(tmp_path, 4, _writers() | {"state": boom})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    assert (tmp_path / ".tmp-step_000004").is_dir()
+    assert latest_valid_checkpoint(tmp_path) == tmp_path / "step_000002"
+
+
+def test_fault_hook_kills_the_writer_mid_checkpoint(tmp_path):
+    """The documented test-only hook: SIGKILL after the named part, before the manifest and rename."""
+    code = textwrap.dedent(
+        f"""
+        import json, pathlib, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_checkpoint import _writers
+        from tether.trainer.checkpoint import write_checkpoint
+        root = pathlib.Path({str(tmp_path)!r})
+        write_checkpoint(root, 1, _writers())
+        write_checkpoint(root, 2, _writers())
+        print("not reached")
+        """
+    )
+    env = dict(os.environ, **{FAULT_ENV: "kill:2:optim"})
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert "not reached" not in proc.stdout
+    tmp = tmp_path / ".tmp-step_000002"
+    assert (tmp / "optim.pt").is_file() and not (tmp / "trainer_state.json").exists() and not (tmp / MANIFEST).exists()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+
+
+def test_fault_hook_rejects_a_malformed_spec(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "kill:two")
+    with pytest.raises(ValueError, match=FAULT_ENV):
+        write_checkpoint(tmp_path, 2, _writers())
+    monkeypatch.setenv(FAULT_ENV, "kill:3:weights")  # another step: no effect
+    assert verify_checkpoint(write_checkpoint(tmp_path, 2, _writers()))["step"] == 2
+
+
+def test_prune_keeps_last_and_protected(tmp_path):
+    for step in range(1, 7):
+        write_checkpoint(tmp_path, step, _writers())
+    (tmp_path / ".tmp-step_000007").mkdir()
+    prune_checkpoints(tmp_path, keep_last=2, protect={2})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 5, 2]
+    assert not (tmp_path / ".tmp-step_000007").exists()
+
+
+def test_rng_state_round_trips_through_json():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = json.loads(json.dumps(rng_state()))
+    expected = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    set_rng_state(state)
+    assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_load_torch_never_unpickles_arbitrary_objects(tmp_path):
+    torch.save({"x": _Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_torch(tmp_path / "evil.pt")
+    save_torch({"a": torch.arange(3), "b": [1, 2.5, "s"]}, tmp_path / "ok.pt")
+    assert torch.equal(load_torch(tmp_path / "ok.pt")["a"], torch.arange(3))
+
+
+# ---------------------------------------------------------------------------------- with a trainer
+
+TINY = [
+    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
+    "trainer.save_freq=2", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=4", "algo.mini_batch_size=8",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step run of the tiny model; its trainer and run directory."""
+    from tether.config import load_config
+    from tether.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    cfg = load_config(None, [*TINY, f"trainer.output_dir={out}", "trainer.total_steps=2"])
+    t = Trainer(cfg)
+    t.fit()
+    return t, out
+
+
+def test_checkpoint_files_are_safetensors_json_and_tensor_only_torch(trained):
+    _, out = trained
+    ckpt = out / "checkpoints" / "step_000002"
+    names = sorted(verify_checkpoint(ckpt)["files"])
+    assert "actor/model.safetensors" in names and "actor/config.json" in names and "actor/tokenizer.json" in names
+    assert {"optim.pt", "rng.json", "trainer_state.json"} <= set(names)
+    assert not [n for n in names if n.endswith((".bin", ".pkl", ".pickle"))]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["data"] == {"epoch": 1, "index": 0, "n": 8}
+    optim = load_torch(ckpt / "optim.pt")  # weights_only=True
+    assert set(optim) == {"actor", "actor_sched"} and optim["actor_sched"]["last_epoch"] == 4  # 2 steps x 2 mini-batches
+
+
+def test_export_loads_with_identical_logits(trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tether.export import export_checkpoint
+
+    t, out = trained
+    dst = export_checkpoint(out / "checkpoints" / "step_000002", tmp_path / "hf")
+    assert (dst / "model.safetensors").is_file() and (dst / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(dst).eval()
+    tok = AutoTokenizer.from_pretrained(dst)
+    ids = torch.tensor([t.train_set.ids[0] + t.train_set.ids[1][:3]])
+    actor = t.roles.actor.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, actor(ids).logits, rtol=0, atol=0)
+    text = t.train_set.texts[0]
+    assert tok(text)["input_ids"] == t.tok(text)["input_ids"] == t.train_set.ids[0]
+    with pytest.raises(CheckpointError, match="not an empty directory"):
+        export_checkpoint(out / "checkpoints" / "step_000002", tmp_path / "hf")
+    assert (dst / "model.safetensors").is_file()  # never deleted
+
+
+def test_export_cli_names_the_corrupt_file(trained, tmp_path, capsys):
+    import shutil
+
+    from tether.cli import main
+
+    _, out = trained
+    bad = tmp_path / "step_000002"
+    shutil.copytree(out / "checkpoints" / "step_000002", bad)
+    f = bad / "actor" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    assert main(["export", str(bad), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "actor/model.safetensors" in err and "truncated" in err
+    assert not (tmp_path / "hf").exists()
