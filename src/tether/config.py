@@ -39,7 +39,7 @@ class LoraConfig(_Section):
 
 class ActorConfig(_Section):
     model: str = Field(EMBEDDED, description="Policy to train: a local Hugging Face model directory, or 'embedded' for the tiny digit-sum reference.")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the actor.")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the actor.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in training steps.")
@@ -174,13 +174,13 @@ class AlgoConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    total_steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
+    total_steps: int = Field(300, ge=1, description="Training steps (one rollout batch each).")
     save_freq: int = Field(100, ge=0, description="Checkpoint every N steps and at the end (0 = only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept besides the best by validation score.")
     output_dir: str = Field("runs/{time}", description="Run directory; '{time}' is replaced by a timestamp.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off, or a checkpoint path.")
-    val_freq: int = Field(10, ge=0, description="Validate every N steps (0 = never).")
+    val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
     val_n: int = Field(4, ge=1, description="Samples per validation prompt (mean@k).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run.")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
@@ -189,7 +189,7 @@ class TrainerConfig(_Section):
     project: str = Field("tether", description="Project name for wandb/mlflow.")
     progress: bool = Field(True, description="Show a progress bar.")
     report: bool = Field(True, description="Write plots and summary.md at the end of the run.")
-    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch's default).")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = auto: 1 for the embedded tiny model (threading overhead dominates), torch's default otherwise.")
 
 
     @field_validator("resume", mode="before")
