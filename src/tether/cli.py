@@ -15,6 +15,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether doctor RUN_DIR                         health checks of a run's metrics
   tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
+  tether eval MODEL_OR_CHECKPOINT DATA [--k N] [--greedy] [--out FILE]  pass@1, mean@k, length, diversity
   tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
 """
 
@@ -143,6 +144,33 @@ def _add_sweep_parser(sub) -> None:
     w.set_defaults(func=cmd_sweep)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tether.evaluate import main_eval
+
+    return main_eval(args)
+
+
+def _add_eval_parser(sub) -> None:
+    v = sub.add_parser("eval", help="accuracy (pass@1, mean@k), response length and diversity of a model or checkpoint")
+    v.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="model directory, checkpoint (step_N), run directory, or 'embedded'")
+    v.add_argument("data", metavar="DATA", help="prompts in verl's schema (.jsonl/.json/.parquet)")
+    v.add_argument("--k", type=int, default=None, help="samples per prompt (default 4, or the run's trainer.val_n)")
+    v.add_argument("--greedy", action="store_true", help="greedy decoding, one response per prompt")
+    v.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0, or the run's)")
+    v.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default 1.0, or the run's)")
+    v.add_argument("--max-new-tokens", type=int, default=None, help="response limit in tokens (default 512, or the run's)")
+    v.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    v.add_argument("--limit", type=int, default=None, help="only the first N distinct prompts")
+    v.add_argument("--reward-function", default=None, help="file.py:name or module:name (default: built-in by data_source)")
+    v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory")
+    v.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--out", default=None, help="also write the metrics (and settings) as JSON here")
+    v.add_argument("--samples", action="store_true", help="include every response with its score in the JSON")
+    v.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
@@ -167,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir")
     e.set_defaults(func=cmd_export)
     _add_sweep_parser(sub)
+    _add_eval_parser(sub)
     da = sub.add_parser("data", help="dataset conversion")
     da_sub = da.add_subparsers(dest="dataset")
     g = da_sub.add_parser("gsm8k", help="GSM8K jsonl → verl-schema jsonl/parquet")

@@ -1,0 +1,156 @@
+"""tether eval: the trainer's evaluation (tether.trainer.stats.evaluate_prompts) on a model, a
+checkpoint or a run directory; table and JSON output."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tether.cli import main
+from tether.config import ConfigError, load_config
+from tether.data import write_records
+from tether.evaluate import EvalSettings, evaluate, resolve_policy
+from tether.tasks.digitsum import make_dataset
+
+SHORT = EvalSettings(max_new_tokens=4, batch_size=8)  # the embedded task's responses are <= 4 tokens
+
+
+@pytest.fixture(scope="module")
+def digitsum_file(tmp_path_factory):
+    """12 distinct digit-sum prompts."""
+    path = tmp_path_factory.mktemp("eval") / "prompts.jsonl"
+    distinct = {r["prompt"]: r for r in make_dataset("train", 60, seed=0)}
+    write_records(list(distinct.values())[:12], path)
+    return path
+
+
+def _check_aggregates(metrics, samples, k):
+    by_prompt = defaultdict(list)
+    for s in samples:
+        by_prompt[s["index"]].append(s)
+    assert len(by_prompt) == metrics["prompts"] and all(len(v) == k for v in by_prompt.values())
+    assert metrics["pass@1"] == pytest.approx(sum(s["correct"] for s in samples) / len(samples))
+    assert metrics[f"mean@{k}"] == pytest.approx(sum(s["score"] for s in samples) / len(samples))
+    assert metrics[f"pass@{k}"] == pytest.approx(sum(any(s["correct"] for s in v) for v in by_prompt.values()) / len(by_prompt))
+    assert metrics["length_mean"] == pytest.approx(sum(s["length"] for s in samples) / len(samples))
+
+
+def test_sampled_accuracy_of_the_embedded_reference(digitsum_file):
+    """The digit-sum reference policy solves about 46% of prompts: pass@1 is strictly between 0 and 1,
+    pass@4 above it, and every aggregate equals the one recomputed from the per-sample records."""
+    samples: list[dict] = []
+    s = EvalSettings(k=4, max_new_tokens=4, batch_size=8)
+    m = evaluate("embedded", digitsum_file, s, samples=samples)
+    assert s.resolved["k"] == 4 and m["prompts"] == 12 and len(samples) == 48
+    assert 0.0 < m["pass@1"] < 1.0 and m["pass@1"] < m["pass@4"] <= 1.0
+    _check_aggregates(m, samples, 4)
+    assert 1.0 <= m["length_mean"] <= 4.0 and 0.0 <= m["distinct_1"] <= 1.0 and "self_bleu" in m
+
+
+def test_greedy_is_deterministic_and_matches_generate(digitsum_file):
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+    runs = []
+    for _ in range(2):
+        samples: list[dict] = []
+        m = evaluate("embedded", digitsum_file, EvalSettings(k=8, greedy=True, max_new_tokens=4, batch_size=8), samples=samples)
+        runs.append((m, samples))
+    (m, samples), (m2, samples2) = runs
+    assert m == m2 and samples == samples2 and len(samples) == 12  # greedy: k = 1
+    _check_aggregates(m, samples, 1)
+    path = resolve_model_path("embedded")
+    tok, model = load_tokenizer(path), load_causal_lm(path)
+    ids = tok(samples[0]["prompt"], return_tensors="pt")
+    out = model.generate(**ids, do_sample=False, max_new_tokens=4, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True) == samples[0]["response"]
+
+
+@pytest.mark.slow
+def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_path):
+    """A trained checkpoint, evaluated by `tether eval RUN_DIR`, scores what the trainer's in-memory
+    policy scores through the same function; the run's settings are the defaults."""
+    from tether.trainer import Trainer
+    from tether.trainer.prompts import prepare_prompts
+    from tether.trainer.stats import evaluate_prompts
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        "trainer.total_steps=2", "trainer.val_freq=0", "trainer.progress=false", "trainer.threads=1", "trainer.report=false",
+        "trainer.loggers=[jsonl]", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=4", "algo.mini_batch_size=8",
+        "rollout.temperature=0.9", "trainer.val_n=3", "actor.lr=1e-2", f"trainer.output_dir={run}",
+    ])  # fmt: skip
+    t = Trainer(cfg)
+    t.fit()
+    assert resolve_policy(run)[1:] == ("model", run)
+    from tether.data import load_rows
+
+    prompts = prepare_prompts(load_rows(digitsum_file), t.tok, cfg.data, "val")
+    want = evaluate_prompts(t.roles.engine, t.roles.reward, prompts, k=1, batch_size=8, do_sample=False)
+    s = EvalSettings(greedy=True, batch_size=8)
+    got = evaluate(run, digitsum_file, s)
+    assert got == want
+    assert s.resolved["temperature"] == 0.9 and s.resolved["max_new_tokens"] == 4 and s.resolved["run"] == str(run)
+    # the base model scores differently: the checkpoint, not the initial weights, was evaluated
+    assert evaluate("embedded", digitsum_file, EvalSettings(greedy=True, max_new_tokens=4)) != got
+    # and the run's val_n is the default k when sampling
+    sampled = EvalSettings(batch_size=8)
+    evaluate(run / "checkpoints" / "step_000002", digitsum_file, sampled)
+    assert sampled.resolved["k"] == 3
+
+
+def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "embedded", str(digitsum_file), "--k", "2", "--max-new-tokens", "4", "--out", str(out), "--samples"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert "12 prompts x k=2" in lines[0] and lines[1].split() == ["metric", "value"]
+    table = {ln.split()[0]: ln.split()[1] for ln in lines[3:] if len(ln.split()) == 2 and not ln.startswith("written")}
+    assert list(table)[:3] == ["pass@1", "mean@2", "pass@2"]
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["k"] == 2 and doc["settings"]["greedy"] is False and len(doc["samples"]) == 24
+    assert float(table["pass@1"]) == pytest.approx(doc["metrics"]["pass@1"], abs=5e-5)
+    _check_aggregates(doc["metrics"], doc["samples"], 2)
+
+
+def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope"), str(digitsum_file)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither a model directory"):
+        resolve_policy(tmp_path / "empty")
+    assert main(["eval", "embedded", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "unknown.jsonl"
+    write_records([{"prompt": "1,2=", "data_source": "no/such/source"}], bad)
+    assert main(["eval", "embedded", str(bad), "--max-new-tokens", "4"]) == 2
+    assert "no/such/source" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="k >= 1"):
+        evaluate("embedded", digitsum_file, EvalSettings(k=0))
+
+
+def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
+    """Validation mid-training must not move the reward's running statistics."""
+    from tether.data import load_rows
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.rewards import RewardManager
+    from tether.rollout import HFRolloutEngine
+    from tether.trainer.prompts import prepare_prompts
+    from tether.trainer.rollout import RolloutRunner
+    from tether.trainer.stats import evaluate_prompts
+
+    path = resolve_model_path("embedded")
+    tok, model = load_tokenizer(path), load_causal_lm(path)
+    cfg = load_config(None, [])
+    prompts = prepare_prompts(load_rows(digitsum_file), tok, cfg.data, "val")
+    reward = RewardManager(normalize="running")
+    before = reward.state_dict()
+    runner = RolloutRunner(HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4), tok, torch.device("cpu"), max_new_tokens=4)
+    evaluate_prompts(runner, reward, prompts, k=2, batch_size=8)
+    assert reward.state_dict() == before
+    batch = runner.rollout(prompts, [0, 1], 2)
+    reward(batch.rows, batch.prompts, batch.responses)  # a training call does update it
+    assert reward.state_dict() != before
