@@ -1,7 +1,9 @@
 """Guards across steps: KL explosions, non-finite values, and rollback to the last stable checkpoint.
 
-The within-step guard (early stop of PPO epochs on ``guard.target_kl``) lives in the actor update.
-Every event is counted in a ``guard/<event>`` metric and logged as a console line.
+The within-step guard (early stop of PPO epochs on ``guard.target_kl``) and the per-mini-batch
+non-finite check live in the actor update; :meth:`GuardMonitor.after_step` turns their counts into
+console lines. Every event is a ``guard/<event>`` metric and a console line (``docs/checkpoints.md``
+lists them all).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ class TrainingStopped(RuntimeError):
 
 
 class GuardMonitor:
-    """Watches each step before its update, and each validation.
+    """Watches each step before its update, after it, and each validation.
 
     State (checkpointed): ``coef_scale`` (β multiplier raised after KL explosions and rollbacks),
-    ``rollbacks``, the last stable checkpoint's step and validation score.
+    ``rollbacks``, the last stable checkpoint's step and validation score, and the step and score of
+    the last validation (a checkpoint is labelled with a score only when it was validated at its step).
     """
 
     def __init__(self, cfg: GuardConfig):
@@ -33,63 +36,135 @@ class GuardMonitor:
         self.rollbacks = 0
         self.stable_step: int | None = None
         self.stable_score: float | None = None
+        self.val_step: int | None = None
+        self.val_score: float | None = None
         self._events: dict[str, float] = {}
+        self._step_metrics: dict[str, float] = {}
 
-    def _event(self, name: str, message: str) -> None:
+    # ------------------------------------------------------------------ events
+    def _event(self, name: str, message: str, count: float = 1.0, level: int = logging.WARNING) -> None:
+        self._events[f"guard/{name}"] = self._events.get(f"guard/{name}", 0.0) + count
+        log.log(level, "guard/%s: %s", name, message)
+
+    def _stop(self, name: str, message: str) -> TrainingStopped:
+        """Record ``guard/stop`` and ``guard/<name>`` and return the exception to raise."""
         self._events[f"guard/{name}"] = self._events.get(f"guard/{name}", 0.0) + 1.0
-        log.warning("guard/%s: %s", name, message)
+        self._events["guard/stop"] = 1.0
+        log.error("guard/stop: %s", message)
+        return TrainingStopped(message)
 
     def pop_metrics(self) -> dict[str, float]:
+        """``guard/coef_scale``, ``guard/rollbacks`` and the events since the last call."""
         out = {"guard/coef_scale": self.coef_scale, "guard/rollbacks": float(self.rollbacks), **self._events}
         self._events = {}
         return out
 
+    def stop_record(self) -> dict[str, float]:
+        """The metrics line of a step a guard stopped: what the step had computed, and the guard's events."""
+        out = dict(self._step_metrics) | self.pop_metrics()
+        self._step_metrics = {}
+        return out
+
+    # ------------------------------------------------------------------ across steps
     def before_update(self, step: int, kl_mean: float, scores: torch.Tensor, beta: float) -> str:
-        """'update' or 'skip' for this step's update; raises TrainingStopped when configured to stop."""
-        nonfinite = not math.isfinite(kl_mean) or not bool(torch.isfinite(scores).all())
-        if nonfinite:
-            msg = f"step {step}: non-finite KL ({kl_mean}) or scores; the update is not applied"
+        """'update' or 'skip' for this step's update; raises TrainingStopped when configured to stop.
+
+        Args:
+            kl_mean: ``kl/ref_mean`` of the batch (NaN when no sample is left, e.g. every reward invalid).
+            scores: the batch's scores (invalid samples are already 0 and dropped).
+        """
+        self._step_metrics = {}
+        scores_finite = bool(torch.isfinite(scores).all())
+        if not math.isfinite(kl_mean) or not scores_finite:
+            what = "scores" if not scores_finite else f"KL to the reference ({kl_mean}; non-finite, or no valid sample left)"
+            msg = f"step {step}: non-finite {what}; the update is not applied"
             if self.cfg.on_nonfinite == "stop":
-                raise TrainingStopped(msg + " (guard.on_nonfinite=stop)")
+                raise self._stop("nonfinite", msg + " (guard.on_nonfinite=stop)")
             self._event("nonfinite", msg)
             return "skip"
         if kl_mean > self.cfg.max_kl:
             msg = f"step {step}: KL to the reference {kl_mean:.4f} nats/token > guard.max_kl={self.cfg.max_kl}"
             action = self.cfg.on_max_kl
             if action == "stop":
-                raise TrainingStopped(msg + " (guard.on_max_kl=stop)")
+                raise self._stop("kl_explosion", msg + " (guard.on_max_kl=stop)")
             if action == "raise_coef":
                 self.coef_scale *= self.cfg.coef_factor
-                self._event("kl_explosion", f"{msg}; β {beta:.4g} → {beta * self.cfg.coef_factor:.4g}")
+                self._event("kl_explosion", f"{msg}; β {beta:.4g} → {beta * self.cfg.coef_factor:.4g} (guard.on_max_kl=raise_coef)")
                 return "update"
-            self._event("kl_explosion", f"{msg}; update skipped")
+            self._event("kl_explosion", f"{msg}; update skipped (guard.on_max_kl=skip)")
             return "skip"
         return "update"
 
+    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Console lines for the update's own guard counts; returns the ``guard/*`` metrics of the step.
+
+        Reads ``guard/early_stop`` and ``guard/nonfinite_skip`` (actor), ``guard/value_nonfinite_skip``
+        (critic) and ``reward/nonfinite_count`` from ``metrics``. Non-finite rewards become the event
+        ``guard/nonfinite_reward`` (their samples were already dropped). A skipped non-finite update
+        stops the run under ``guard.on_nonfinite=stop``.
+        """
+        self._step_metrics = dict(metrics)
+        if metrics.get("guard/early_stop", 0.0) > 0:
+            log.info(
+                "guard/early_stop: step %d: policy/approx_kl > guard.target_kl=%s; the remaining PPO epochs and mini-batches "
+                "were skipped after %d update(s)", step, self.cfg.target_kl, int(metrics.get("policy/updates", 0)),
+            )  # fmt: skip
+        skipped = metrics.get("guard/nonfinite_skip", 0.0) + metrics.get("guard/value_nonfinite_skip", 0.0)
+        if skipped > 0:
+            msg = f"step {step}: a non-finite loss or gradient norm; {skipped:g} mini-batch update(s) not applied"
+            if self.cfg.on_nonfinite == "stop":
+                raise self._stop("nonfinite", msg + " (guard.on_nonfinite=stop)")
+            log.warning("guard/nonfinite_skip: %s", msg)
+        bad = metrics.get("reward/nonfinite_count", 0.0)
+        if bad and bad > 0:
+            self._event("nonfinite_reward", f"step {step}: {bad:g} non-finite reward(s); those samples were dropped", count=bad)
+        return self.pop_metrics()
+
+    # ------------------------------------------------------------------ validation and rollback
     def after_validation(self, trainer) -> None:
-        """Roll back when the validation score fell more than ``rollback_drop`` below the last stable checkpoint's."""
+        """Roll back when the validation score fell more than ``rollback_drop`` below the last stable checkpoint's.
+
+        A rollback restores the stable checkpoint's weights and optimizer moments (the data position,
+        RNG and LR schedule go on), multiplies β by ``coef_factor`` and the learning rates by
+        ``rollback_lr_factor``. After ``max_rollbacks`` rollbacks the next drop stops the run.
+        """
         score = trainer.last_val.get("val/score_mean")
-        if score is None or not self.cfg.rollback_drop or self.stable_score is None:
+        self.val_step, self.val_score = trainer.step, score
+        if score is None or not self.cfg.rollback_drop or self.stable_score is None or self.stable_step is None:
             return
         floor = self.stable_score - self.cfg.rollback_drop * abs(self.stable_score)
         if score >= floor:
             return
-        if self.rollbacks >= self.cfg.max_rollbacks:
-            raise TrainingStopped(
-                f"validation score {score:.4f} at step {trainer.step} fell below {floor:.4f} (stable checkpoint step "
-                f"{self.stable_step}: {self.stable_score:.4f}) after {self.rollbacks} rollbacks (guard.max_rollbacks)"
-            )
-        self.rollbacks += 1
-        self._event(
-            "rollback",
-            f"validation score {score:.4f} at step {trainer.step} < {floor:.4f}; restoring step {self.stable_step}, "
-            f"β ×{self.cfg.coef_factor}, learning rates ×{self.cfg.rollback_lr_factor}",
+        drop = (
+            f"validation score {score:.4f} at step {trainer.step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
+            f"below the stable checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
         )
-        trainer.ckpt.restore_weights(self.stable_step)
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            raise self._stop(
+                "rollback_limit",
+                f"{drop}, and the run has already rolled back {self.rollbacks} time(s) (guard.max_rollbacks={self.cfg.max_rollbacks}). "
+                f"The last stable checkpoint is {trainer.ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower "
+                f"actor.lr or a higher kl.coef (trainer.resume=<that path>).",
+            )
+        try:
+            trainer.ckpt.restore_weights(self.stable_step)
+        except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+            raise self._stop("rollback_failed", f"{drop}; cannot roll back: {e}") from None
+        self.rollbacks += 1
         self.coef_scale *= self.cfg.coef_factor
         trainer.roles.actor.scale_lr(self.cfg.rollback_lr_factor)
         if trainer.roles.critic is not None:
             trainer.roles.critic.scale_lr(self.cfg.rollback_lr_factor)
+        self.val_score = None  # the weights are no longer the ones that scored it
+        self._event(
+            "rollback",
+            f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β ×{self.cfg.coef_factor:g} "
+            f"→ {trainer.beta:.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {trainer.roles.actor.optimizer.param_groups[0]['lr']:.3g}",
+        )
+
+    def score_at(self, step: int) -> float | None:
+        """The validation score of the weights at ``step``, if they were validated at that step."""
+        return self.val_score if self.val_step == step else None
 
     def mark_stable(self, step: int, score: float | None) -> None:
         """A checkpoint at ``step`` with validation ``score`` is the new stable point (if not a drop)."""
@@ -99,10 +174,15 @@ class GuardMonitor:
             self.stable_step, self.stable_score = step, score
 
     def state_dict(self) -> dict:
-        return {"coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score}
+        return {
+            "coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
+            "val_step": self.val_step, "val_score": self.val_score,
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.coef_scale = float(state["coef_scale"])
         self.rollbacks = int(state["rollbacks"])
         self.stable_step = state["stable_step"]
         self.stable_score = state["stable_score"]
+        self.val_step = state.get("val_step")
+        self.val_score = state.get("val_score")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 from tether.trainer.checkpoint import (
     CheckpointError,
     latest_valid_checkpoint,
+    list_checkpoints,
     load_torch,
     prune_checkpoints,
     read_json,
@@ -24,12 +27,20 @@ from tether.trainer.checkpoint import (
 
 log = logging.getLogger("tether")
 
+#: Config keys that may change between a run and its resumption without a warning.
+RESUME_FREE_KEYS = {
+    "trainer.total_steps", "trainer.resume", "trainer.output_dir", "trainer.progress", "trainer.report", "trainer.loggers",
+    "trainer.threads", "trainer.device", "trainer.project",
+}  # fmt: skip
+
 
 class CheckpointManager:
     """Saves and restores every bit of a trainer's state.
 
-    Saved: actor (and critic) weights, optimizer and LR-scheduler states, KL controller, RNG states,
-    data position, guard state, reward normaliser, best validation score, step.
+    Saved: actor (and critic) weights, the reference's weights when ``ref.reset_every`` moves it,
+    optimizer and LR-scheduler states, KL controller, RNG states, data position, guard state, reward
+    normaliser, best validation score, last validation metrics, the live diagnostics' state, the
+    step's metrics line and the config. Resuming from it continues exactly as the run would have.
     """
 
     def __init__(self, trainer):
@@ -37,16 +48,37 @@ class CheckpointManager:
         self.root = Path(trainer.run_dir) / "checkpoints"
         self.best_step: int | None = None
         self.best_score: float | None = None
+        self.resumed_from: Path | None = None
+        self._diagnostics_state: dict | None = None
+        self._step_record: dict | None = None
 
     # -------------------------------------------------------------- saving
-    def maybe_save(self) -> None:
+    def maybe_save(self, metrics: dict | None = None) -> Path | None:
+        """Save every ``trainer.save_freq`` steps and at ``trainer.total_steps``.
+
+        Args:
+            metrics: the step's metrics so far; stored so that a crash between the checkpoint and the
+                step's line in metrics.jsonl does not lose that line on resume.
+        """
         freq = self.t.cfg.trainer.save_freq
         if self.t.step == self.t.cfg.trainer.total_steps or (freq and self.t.step % freq == 0):
-            self.save()
+            return self.save(metrics=metrics)
+        return None
 
-    def save(self, final: bool = False) -> Path:
+    def save(self, final: bool = False, metrics: dict | None = None) -> Path:
+        """Write a checkpoint of the current step (atomically) and prune old ones.
+
+        Args:
+            final: the run was stopped by a guard (``fit`` saves then): the step's metrics line, with
+                ``guard/stop`` and the guard's events, is written to metrics.jsonl here.
+            metrics: the step's metrics line (see :meth:`maybe_save`).
+        """
         t = self.t
-        score = t.last_val.get("val/score_mean") if t.last_val else None
+        if final:
+            metrics = t.guard.stop_record()
+            if getattr(t, "logger", None) is not None:
+                t.logger.log(t.step, metrics)
+        score = t.guard.score_at(t.step)  # only a validation of these very weights labels the checkpoint
         if score is not None and (self.best_score is None or score > self.best_score):
             self.best_step, self.best_score = t.step, score
         t.guard.mark_stable(t.step, score)
@@ -57,6 +89,8 @@ class CheckpointManager:
             t.tok.save_pretrained(d / "actor")
             if roles.critic is not None:
                 save_file({k: v.contiguous() for k, v in roles.critic.model.state_dict().items()}, str(d / "critic.safetensors"))
+            if self._saves_ref():
+                save_model(roles.ref.model, str(d / "ref.safetensors"))
 
         def optim(d: Path) -> None:
             state = {"actor": roles.actor.optimizer.state_dict(), "actor_sched": roles.actor.scheduler.state_dict()}
@@ -66,6 +100,7 @@ class CheckpointManager:
 
         def trainer_state(d: Path) -> None:
             write_json(rng_state(), d / "rng.json")
+            diag = getattr(t, "diagnostics", None)
             write_json(
                 {
                     "step": t.step,
@@ -74,34 +109,59 @@ class CheckpointManager:
                     "guard": t.guard.state_dict(),
                     "reward": roles.reward.state_dict(),
                     "best": {"step": self.best_step, "score": self.best_score},
-                    "last_val": t.last_val,
+                    "last_val": _clean(t.last_val),
                     "val_score": score,
+                    "stopped": final,
+                    "diagnostics": None if diag is None else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
+                    "metrics": None if metrics is None else _clean(metrics),
+                    "config": t.cfg.to_dict(),
                 },
                 d / "trainer_state.json",
             )
 
         path = write_checkpoint(self.root, t.step, {"weights": weights, "optim": optim, "state": trainer_state})
-        protect = {s for s in (self.best_step, t.guard.stable_step) if s is not None}
-        prune_checkpoints(self.root, t.cfg.trainer.keep_last, protect)
+        prune_checkpoints(self.root, t.cfg.trainer.keep_last, self.protected())
         return path
+
+    def protected(self) -> set[int]:
+        """Steps that pruning keeps besides the newest ``keep_last``: the best and the stable checkpoint."""
+        return {s for s in (self.best_step, self.t.guard.stable_step) if s is not None}
+
+    def _saves_ref(self) -> bool:
+        return bool(self.t.cfg.ref.reset_every) and self.t.roles.ref.model is not None
 
     # -------------------------------------------------------------- loading
     def maybe_resume(self) -> None:
-        """Apply ``trainer.resume``: auto (latest complete checkpoint here, if any), off, or a path."""
+        """Apply ``trainer.resume``: auto (latest complete checkpoint here, if any), off, or a path.
+
+        Raises:
+            CheckpointError: an explicit path that is incomplete or corrupt (naming the file), or
+                ``auto`` with checkpoints of which none is complete (naming each problem).
+        """
         mode = self.t.cfg.trainer.resume
         if mode == "off":
             return
         if mode == "auto":
-            path = latest_valid_checkpoint(self.root)
+            errors: list[str] = []
+            path = latest_valid_checkpoint(self.root, errors)
             if path is None:
+                if errors:
+                    raise CheckpointError(
+                        f"trainer.resume=auto: no complete checkpoint in {self.root}: " + "; ".join(errors)
+                        + " (set trainer.resume=off to start over, or a path to resume from)"
+                    )
                 return
+            if errors:
+                log.warning("resume: %d newer checkpoint(s) failed verification; falling back to %s", len(errors), path.name)
         else:
             path = Path(mode)
             verify_checkpoint(path)
         self.load(path)
         log.info("resumed from %s (step %d)", path, self.t.step)
 
-    def _load_weights(self, path: Path) -> None:
+    def _load_weights(self, path: Path, *, schedule: bool = True) -> None:
+        """Actor (critic, reference) weights and optimizer states; with ``schedule=False`` the current
+        learning rates and LR-scheduler state are kept (rollback)."""
         roles = self.t.roles
         actor = roles.actor.model
         if hasattr(actor, "peft_config"):
@@ -120,18 +180,38 @@ class CheckpointManager:
             if missing or unexpected:
                 raise CheckpointError(f"checkpoint {path}: actor weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
         if roles.critic is not None:
+            if not (path / "critic.safetensors").is_file():
+                raise CheckpointError(f"checkpoint {path}: critic.safetensors is missing (was it saved without algo.adv_estimator=gae?)")
             roles.critic.model.load_state_dict(load_file(str(path / "critic.safetensors")))
+        if self._saves_ref():
+            if not (path / "ref.safetensors").is_file():
+                raise CheckpointError(f"checkpoint {path}: ref.safetensors is missing (needed with ref.reset_every > 0)")
+            load_model(roles.ref.model, str(path / "ref.safetensors"))
+            self.t.__dict__.pop("_exact_ref_cache", None)  # cached reference quantities of exact/* metrics
         optim = load_torch(path / "optim.pt")
+        lrs = [g["lr"] for g in roles.actor.optimizer.param_groups]
+        critic_lrs = [g["lr"] for g in roles.critic.optimizer.param_groups] if roles.critic is not None else []
         roles.actor.optimizer.load_state_dict(optim["actor"])
-        roles.actor.scheduler.load_state_dict(optim["actor_sched"])
         if roles.critic is not None:
+            if "critic" not in optim:
+                raise CheckpointError(f"checkpoint {path}: optim.pt has no critic optimizer state")
             roles.critic.optimizer.load_state_dict(optim["critic"])
+        if schedule:
+            roles.actor.scheduler.load_state_dict(optim["actor_sched"])
+        else:
+            for g, lr in zip(roles.actor.optimizer.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            if roles.critic is not None:
+                for g, lr in zip(roles.critic.optimizer.param_groups, critic_lrs, strict=True):
+                    g["lr"] = lr
         roles.engine.sync_weights(actor)
 
     def load(self, path: Path) -> None:
         """Restore everything from a verified checkpoint: the run continues exactly where it stopped."""
-        self._load_weights(path)
+        path = Path(path)
         state = read_json(path / "trainer_state.json")
+        self._warn_config_changes(state.get("config"), path)
+        self._load_weights(path)
         t = self.t
         t.step = int(state["step"])
         t.controller.load_state_dict(state["controller"])
@@ -140,13 +220,87 @@ class CheckpointManager:
         t.roles.reward.load_state_dict(state["reward"])
         t.last_val = state.get("last_val") or {}
         self.best_step, self.best_score = state["best"]["step"], state["best"]["score"]
+        self._diagnostics_state = state.get("diagnostics")
+        self._step_record = state.get("metrics")
         set_rng_state(read_json(path / "rng.json"))
+        self.resumed_from = path.parent
+        self._restore_metrics_line(state.get("metrics"))
+        if state.get("stopped"):
+            log.warning("resume: checkpoint %s was saved when a guard stopped the run (see metrics.jsonl, guard/stop)", path.name)
+
+    def restore_diagnostics(self, diagnostics) -> None:
+        """Give a resumed run's LiveDiagnostics its evaluation counter and reported findings back
+        (its history comes from metrics.jsonl). The checkpoint is written before the step's own
+        diagnostics update, so that update is replayed here (its findings were reported already)."""
+        s = self._diagnostics_state
+        if s:
+            diagnostics._calls = int(s["calls"])
+            diagnostics._active = {tuple(a) for a in s["active"]}
+            if self._step_record is not None:
+                diagnostics.update(self.t.step, self._step_record)
+
+    def _restore_metrics_line(self, record: dict | None) -> None:
+        """Make metrics.jsonl hold the checkpoint's step exactly once: a crash after the checkpoint but
+        before the step's line was written would otherwise lose that line (later steps are dropped by
+        the MetricsLogger). Unreadable lines (an interrupted write) are dropped."""
+        if record is None:
+            return
+        path = Path(self.t.run_dir) / "metrics.jsonl"
+        kept, seen = [], set()
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= self.t.step:
+                    kept.append(line)
+                    seen.add(rec["step"])
+        if self.t.step in seen:
+            return
+        log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.t.step)
+        kept.append(json.dumps({"step": self.t.step, **{k: v for k, v in sorted(record.items()) if k != "step"}}))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in kept))
+        os.replace(tmp, path)
+
+    def _warn_config_changes(self, saved: dict | None, path: Path) -> None:
+        if not saved:
+            return
+        old, new = _flatten(saved), _flatten(self.t.cfg.to_dict())
+        changed = [k for k in sorted(set(old) | set(new)) if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)]
+        if changed:
+            shown = ", ".join(f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in changed[:8])
+            log.warning("resume: the config differs from checkpoint %s's (%s); the run will not match an uninterrupted one", path.name, shown)
 
     def restore_weights(self, step: int) -> None:
-        """Rollback: weights and optimizer state of checkpoint ``step``; data position and RNG go on."""
+        """Rollback: weights and optimizer moments of checkpoint ``step``; the data position, RNG,
+        learning rates and LR schedule go on (the guard then lowers the learning rates)."""
         path = self.root / step_dir_name(step)
+        if not path.is_dir() and self.resumed_from is not None:
+            path = self.resumed_from / step_dir_name(step)
         verify_checkpoint(path)
-        self._load_weights(path)
+        self._load_weights(path, schedule=False)
+
+    def checkpoints(self) -> list[int]:
+        """Steps of the checkpoint directories present, oldest first."""
+        return sorted(s for s, _ in list_checkpoints(self.root))
+
+
+def _clean(d: dict) -> dict:
+    from tether.trainer.logging import _clean as clean_value
+
+    return {k: clean_value(v) for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _is_tied(model, key: str) -> bool:

@@ -96,6 +96,7 @@ class Trainer:
         self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
+            self.ckpt.restore_diagnostics(self.diagnostics)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -147,11 +148,12 @@ class Trainer:
                 update_metrics |= self.update_actor(batch)
         with timer("controller"):
             self.update_controller(batch)
-        metrics = self.step_metrics(batch) | update_metrics | self.guard.pop_metrics()
+        metrics = self.step_metrics(batch) | update_metrics
         with timer("validate"):
             metrics |= self.maybe_validate()
+        metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         with timer("checkpoint"):
-            self.ckpt.maybe_save()
+            self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
         metrics |= timer.times
         metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(sum(timer.times.values()), 1e-9)
         self.logger.log(self.step, metrics)
@@ -225,6 +227,7 @@ class Trainer:
         self.roles.engine.sync_weights(self.roles.actor.model)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
             self.roles.ref.reset_to(self.roles.actor.model)
+            self.__dict__.pop("_exact_ref_cache", None)  # exact/* metrics must see the new reference
         return metrics
 
     def kl_mean(self, batch: RolloutBatch) -> float:

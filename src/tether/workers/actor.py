@@ -130,8 +130,9 @@ class ActorWorker:
         Gradients are accumulated over micro-batches; ``agg_loss`` gets the mini-batch's token and
         sequence counts so the accumulated loss equals the mini-batch loss exactly. A mini-batch whose
         loss or gradient norm is not finite is not applied (``guard/nonfinite_skip``). When
-        ``spec.target_kl`` is set, the remaining epochs and mini-batches are skipped once the
-        mini-batch's approx KL to the rollout policy exceeds it (``guard/early_stop``).
+        ``spec.target_kl`` is set and a mini-batch's approx KL to the rollout policy (measured before
+        its update) exceeds it, that mini-batch and the remaining epochs and mini-batches are not
+        applied (``guard/early_stop``; Spinning Up's PPO early stop).
         """
         self.model.train()
         acc = MetricAccumulator()
@@ -141,15 +142,22 @@ class ActorWorker:
         for _ in range(spec.ppo_epochs):
             for mini in mini_batches(batch, spec.mini_batch_size, gen):
                 metrics, loss_finite = self._mini_batch_step(mini, spec, ref)
-                grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
-                applied = applied and loss_finite
+                if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
+                    # Spinning Up's early stop: the policy is already too far from the rollout policy,
+                    # so neither this mini-batch's update nor the remaining ones are applied
+                    self.optimizer.zero_grad(set_to_none=True)
+                    acc.add({k: v for k, v in metrics.items() if math.isfinite(v)})
+                    early_stop = True
+                    break
+                if loss_finite:
+                    grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+                else:  # one micro-batch's loss is non-finite: drop the whole mini-batch, finite parts included
+                    self.optimizer.zero_grad(set_to_none=True)
+                    grad_norm, applied = float("nan"), False
                 skipped += int(not applied)
                 updates += int(applied)
                 metrics["policy/grad_norm"] = grad_norm if math.isfinite(grad_norm) else float("nan")
                 acc.add({k: v for k, v in metrics.items() if math.isfinite(v)})
-                if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
-                    early_stop = True
-                    break
             if early_stop:
                 break
         out = acc.mean()

@@ -1,0 +1,166 @@
+"""Exact resume: a run interrupted after a checkpoint and resumed logs the same metrics as one that was not.
+
+The interruption is simulated in-process: the first trainer's ``fit`` dies with an exception after
+some steps (no end-of-run checkpoint, as a crash would leave it); a second trainer on the same
+directory resumes with ``trainer.resume=auto``. ``test_faults.py`` does the same with real SIGKILLed
+processes.
+"""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tether.config import load_config
+from tether.trainer import Trainer
+from tether.trainer.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.slow
+
+BASE = [
+    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.seed=3",
+    "trainer.total_steps=5", "trainer.save_freq=2", "trainer.val_freq=2", "trainer.val_n=2", "trainer.keep_last=5",
+    "data.batch_size=4", "data.embedded_val_size=4", "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-3",
+]  # fmt: skip
+SKIP = ("timing/", "perf/")
+
+
+def numbers(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k not in ("step",) and not k.startswith(SKIP) and (v is None or isinstance(v, (int, float)))}
+
+
+def read_lines(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], tol: float = 1e-6) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want, strict=True):
+        g, w = numbers(g), numbers(w)
+        assert g.keys() == w.keys(), (g.keys() ^ w.keys())
+        for k in w:
+            if w[k] is None or g[k] is None:
+                assert g[k] is None and w[k] is None, k
+            else:
+                assert math.isclose(g[k], w[k], rel_tol=0, abs_tol=tol), (k, g[k], w[k])
+
+
+def cfg(out, *extra):
+    return load_config(None, [*BASE, f"trainer.output_dir={out}", *extra])
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(trainer: Trainer, n: int) -> None:
+    """Run ``trainer.fit()`` and let it die after step ``n``."""
+    step = trainer.train_step
+
+    def train_step():
+        if trainer.step >= n:
+            raise Crash
+        return step()
+
+    trainer.train_step = train_step
+    with pytest.raises(Crash):
+        trainer.fit()
+
+
+@pytest.mark.parametrize(
+    "extra, stop_after, resume_at, data_pos",
+    [
+        # 8 prompts / 4 per step: an epoch every 2 steps, so the checkpoint at step 2 is exactly at a boundary
+        pytest.param(["data.embedded_train_size=8", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "reward.normalize=running"], 3, 2, {"epoch": 1, "index": 0}, id="epoch-boundary-adaptive-running-norm"),
+        # 12 prompts: the checkpoint at step 4 is 4 prompts into epoch 1; a critic and its optimizer
+        pytest.param(["data.embedded_train_size=12", "algo.adv_estimator=gae", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "algo.ppo_epochs=2"], 4, 4, {"epoch": 1, "index": 4}, id="mid-epoch-gae-critic"),
+        # the reference is moved to the policy every 2 steps: its weights are part of the state
+        pytest.param(["data.embedded_train_size=8", "ref.reset_every=3", "kl.placement=both", "kl.loss_estimator=k3", "kl.controller=band", "kl.high=0.02", "kl.low=0.005"], 4, 4, {"epoch": 2, "index": 0}, id="ref-reset-band"),
+    ],
+)
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, extra, stop_after, resume_at, data_pos):
+    full = Trainer(cfg(tmp_path / "full", *extra))
+    full.fit()
+    want = read_lines(tmp_path / "full")
+    assert [r["step"] for r in want if r["step"] > 0] == [1, 2, 3, 4, 5]
+
+    run = tmp_path / "run"
+    crash_after(Trainer(cfg(run, *extra)), stop_after)
+    assert max(r["step"] for r in read_lines(run)) == stop_after
+    # A crash between the checkpoint and its metrics line, and a half-written last line.
+    lines = [x for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] < resume_at]
+    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in lines) + '{"step": 9, "kl/ref_')
+
+    state = json.loads((run / "checkpoints" / f"step_{resume_at:06d}" / "trainer_state.json").read_text())
+    assert {k: state["data"][k] for k in ("epoch", "index")} == data_pos
+    resumed = Trainer(cfg(run, *extra))
+    assert resumed.step == resume_at
+    resumed.fit()
+
+    got = read_lines(run)  # every step exactly once, the checkpoint's own line restored from the checkpoint
+    assert_same_metrics(got, want)
+    if "kl.controller=adaptive" in extra or "kl.controller=band" in extra:
+        betas = [r["kl/coef"] for r in want if r["step"] > 0]
+        assert len(set(betas)) >= 3, betas  # β moved, so matching it means its state was restored
+    for a, b in zip(full.roles.actor.model.state_dict().values(), resumed.roles.actor.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    if full.roles.critic is not None:
+        for a, b in zip(full.roles.critic.model.state_dict().values(), resumed.roles.critic.model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    if "ref.reset_every=3" in extra:
+        assert (run / "checkpoints" / "step_000004" / "ref.safetensors").is_file()
+        for a, b in zip(full.roles.ref.model.state_dict().values(), resumed.roles.ref.model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert resumed.controller.state_dict() == full.controller.state_dict()
+    assert resumed.roles.reward.state_dict() == full.roles.reward.state_dict()
+    assert resumed.guard.state_dict() == full.guard.state_dict()
+    assert resumed.sampler.state_dict() == full.sampler.state_dict()
+    assert (resumed.diagnostics._calls, resumed.diagnostics.history()) == (full.diagnostics._calls, full.diagnostics.history())
+    if "reward.normalize=running" in extra:
+        assert state["reward"]["running"]["count"] == 32  # 2 steps x 16 valid samples went into the normaliser
+
+
+def test_resume_continues_a_longer_run(tmp_path):
+    """The README workflow: train 4 steps, then ask for 6 in the same directory."""
+    extra = ["data.embedded_train_size=8", "trainer.val_freq=0"]
+    full = Trainer(cfg(tmp_path / "full", *extra, "trainer.total_steps=6"))
+    full.fit()
+    Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=4")).fit()
+    second = Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=6"))
+    assert second.step == 4
+    second.fit()
+    assert_same_metrics(read_lines(tmp_path / "run"), read_lines(tmp_path / "full"))
+
+
+def test_auto_falls_back_past_a_corrupt_checkpoint_and_explicit_path_is_an_error(tmp_path, caplog):
+    extra = ["data.embedded_train_size=8", "trainer.val_freq=0", "trainer.total_steps=4"]
+    Trainer(cfg(tmp_path / "full", *extra)).fit()
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "full", run)
+    f = run / "checkpoints" / "step_000004" / "actor" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    with pytest.raises(CheckpointError, match=r"step_000004: file actor/model\.safetensors has \d+ bytes, expected \d+ \(truncated\?\)"):
+        Trainer(cfg(run, *extra, f"trainer.resume={run / 'checkpoints' / 'step_000004'}"))
+
+    t = Trainer(cfg(run, *extra))
+    assert t.step == 2
+    assert "actor/model.safetensors" in caplog.text and "falling back to step_000002" in caplog.text
+    t.fit()
+    assert_same_metrics(read_lines(run), read_lines(tmp_path / "full"))
+
+    for step in (2, 4):  # every checkpoint broken: auto refuses to silently start over
+        (run / "checkpoints" / f"step_{step:06d}" / "rng.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint.*step_000004: file rng\.json.*step_000002: file rng\.json"):
+        Trainer(cfg(run, *extra))
+
+
+def test_resume_warns_about_a_changed_config(tmp_path, caplog):
+    extra = ["data.embedded_train_size=8", "trainer.val_freq=0", "trainer.total_steps=2"]
+    Trainer(cfg(tmp_path / "run", *extra)).fit()
+    Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=3"))
+    assert "config differs" not in caplog.text  # total_steps may change freely
+    Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=3", "kl.coef=0.2"))
+    assert "config differs" in caplog.text and "kl.coef: 0.05 → 0.2" in caplog.text
