@@ -72,6 +72,9 @@ def test_scheduled_piecewise_counts_update_calls_not_responses():
     values = [c.value] + [c.update(0.1, n_steps=256) for _ in range(8)]
     assert values == [0.08, 0.08, 0.03, 0.03, 0.03, 0.01, 0.01, 0.01, 0.01]  # last stage holds forever
     assert c.n_updates == 8
+    # the stages alone define beta (coef is not used by this kind); a last stage of length 0 is fine
+    d = ScheduledKLController(0.05, "piecewise", stages=[[50, 0.08], [0, 0.03]])
+    assert d.value == 0.08 and [d.update(0.0) for _ in range(51)][-2:] == [0.03, 0.03]
 
 
 def test_scheduled_linear_and_cosine_by_hand():
@@ -92,6 +95,8 @@ def test_bounds_clamp_beta():
     assert _run(b, [0.0, 0.0, 0.0]) == pytest.approx([0.8, 0.7, 0.7], rel=1e-12)
     s = ScheduledKLController(1.0, "linear", final_coef=0.0, total_steps=2, beta_min=0.3)
     assert _run(s, [0.0, 0.0]) == pytest.approx([0.5, 0.3], rel=1e-12)
+    p = ScheduledKLController(0.0, stages=[[1, 0.5], [1, 0.01]], beta_max=0.2, beta_min=0.02)
+    assert [p.value] + _run(p, [0.0]) == [0.2, 0.02]  # the schedule is clamped, not rejected
 
 
 def _controllers():
@@ -144,9 +149,10 @@ def test_load_state_dict_rejects_another_controller():
         (lambda: FixedKLController(0.5, beta_max=0.1), "coef"),
         (lambda: ScheduledKLController(0.1, "step"), "kind"),
         (lambda: ScheduledKLController(0.1, "piecewise"), "stages"),
-        (lambda: ScheduledKLController(0.1, stages=[[0, 0.1]]), "num_steps"),
+        (lambda: ScheduledKLController(0.1, stages=[[0, 0.1], [1, 0.2]]), "num_steps"),
+        (lambda: ScheduledKLController(0.1, stages=[[1, 0.1], [-1, 0.2]]), "num_steps"),
         (lambda: ScheduledKLController(0.1, stages=[[2, -0.1]]), "beta"),
-        (lambda: ScheduledKLController(0.2, stages=[[2, 0.1]]), "coef"),
+        (lambda: ScheduledKLController(-0.2, stages=[[2, 0.1]]), "coef"),
         (lambda: ScheduledKLController(0.1, "linear", total_steps=3), "final_coef"),
         (lambda: ScheduledKLController(0.1, "linear", final_coef=-0.1, total_steps=3), "final_coef"),
         (lambda: ScheduledKLController(0.1, "cosine", final_coef=0.0, total_steps=0), "total_steps"),

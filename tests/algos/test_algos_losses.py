@@ -33,10 +33,10 @@ MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])  # the third res
     "mode,kwargs,expected",
     [
         ("token-mean", {}, (1 + 2 + 5 + 6 + 7) / 5),
-        ("seq-mean-token-sum", {}, (3 + 18) / 2),
-        ("seq-mean-token-mean", {}, (1.5 + 6) / 2),
-        ("seq-mean-token-sum-norm", {}, (3 / 4 + 18 / 4) / 2),  # C = T = 4
-        ("seq-mean-token-sum-norm", {"norm_constant": 10}, (0.3 + 1.8) / 2),
+        ("seq-mean-token-sum", {}, (3 + 18) / 3),  # the empty row counts in S, adds 0
+        ("seq-mean-token-mean", {}, (1.5 + 6) / 3),
+        ("seq-mean-token-sum-norm", {}, (3 / 4 + 18 / 4) / 3),  # C = T = 4
+        ("seq-mean-token-sum-norm", {"norm_constant": 10}, (0.3 + 1.8) / 3),
         ("token-mean", {"total_tokens": 10}, 21 / 10),
         ("seq-mean-token-sum", {"total_seqs": torch.tensor(7)}, 21 / 7),
     ],
@@ -66,7 +66,7 @@ def test_agg_loss_errors():
 
 
 def test_loss_normalizers():
-    assert loss_normalizers(MASK) == (5, 2)
+    assert loss_normalizers(MASK) == (5, 3)
 
 
 def _split(x, sizes):

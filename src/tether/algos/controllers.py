@@ -66,7 +66,14 @@ class KLController:
 
     name = "base"
 
-    def __init__(self, coef: float, *, beta_min: float | None = None, beta_max: float | None = None):
+    def __init__(
+        self,
+        coef: float,
+        *,
+        beta_min: float | None = None,
+        beta_max: float | None = None,
+        _coef_in_bounds: bool = True,
+    ):
         coef = _finite("coef", coef)
         if coef < 0:
             raise ValueError(f"coef (beta) must be >= 0, got {coef!r}")
@@ -78,7 +85,7 @@ class KLController:
             raise ValueError(f"beta_max must be >= 0, got {beta_max!r}")
         if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
             raise ValueError(f"beta_min ({beta_min!r}) must be <= beta_max ({beta_max!r})")
-        if self._clamp(coef) != coef:
+        if _coef_in_bounds and self._clamp(coef) != coef:
             raise ValueError(
                 f"coef ({coef!r}) must lie within [beta_min, beta_max] = [{beta_min!r}, {beta_max!r}]"
             )
@@ -310,16 +317,18 @@ class ScheduledKLController(KLController):
 
     Kinds:
         * ``"piecewise"``: ``stages = [[num_steps, beta], ...]``; the first stage lasts
-          ``num_steps`` updates, then the next, ...; the last stage holds forever. ``coef`` must
-          equal the first stage's β (so a config cannot say two different things).
+          ``num_steps`` updates, then the next, ...; the last stage holds forever (its num_steps
+          may be 0). The stages define β from step 0 on: ``coef`` is not used by this kind.
         * ``"linear"``: ``coef + (final_coef - coef) · min(k, total_steps) / total_steps``.
         * ``"cosine"``: ``final_coef + (coef - final_coef) · ½(1 + cos(π · min(k, total_steps) /
           total_steps))``.
 
+    The bounds clamp the scheduled value (β_min ≤ schedule(k) ≤ β_max is not required).
+
     Raises:
-        ValueError: unknown kind, missing/ill-formed ``stages`` (num_steps must be integers ≥ 1,
-            betas ≥ 0), ``coef`` ≠ first stage β, ``final_coef`` < 0 or missing,
-            ``total_steps`` < 1 or missing, bad bounds.
+        ValueError: unknown kind, missing/ill-formed ``stages`` (num_steps integers ≥ 1, the last
+            ≥ 0; betas ≥ 0), ``final_coef`` < 0 or missing, ``total_steps`` < 1 or missing, a
+            negative ``coef``, bad bounds.
     """
 
     name = "scheduled"
@@ -350,14 +359,15 @@ class ScheduledKLController(KLController):
                 if len(stage) != 2:
                     raise ValueError(f"stages[{i}] must be [num_steps, beta], got {stage!r}")
                 n, b = stage
-                if isinstance(n, bool) or int(n) != n or n < 1:
-                    raise ValueError(f"stages[{i}] num_steps must be an integer >= 1, got {n!r}")
+                last = i == len(stages) - 1
+                if isinstance(n, bool) or int(n) != n or n < (0 if last else 1):
+                    raise ValueError(
+                        f"stages[{i}] num_steps must be an integer >= {0 if last else 1}, got {n!r}"
+                    )
                 b = _finite(f"stages[{i}] beta", b)
                 if b < 0:
                     raise ValueError(f"stages[{i}] beta must be >= 0, got {b!r}")
                 parsed.append((int(n), b))
-            if _finite("coef", coef) != parsed[0][1]:
-                raise ValueError(f"coef ({coef!r}) must equal the first stage's beta ({parsed[0][1]!r})")
             self.stages = parsed
         else:
             if final_coef is None:
@@ -375,7 +385,7 @@ class ScheduledKLController(KLController):
                     f"total_steps must be an integer >= 1 for kind={kind!r}, got {total_steps!r}"
                 )
             self.total_steps = int(total_steps)
-        super().__init__(coef, beta_min=beta_min, beta_max=beta_max)
+        super().__init__(coef, beta_min=beta_min, beta_max=beta_max, _coef_in_bounds=False)
         self.coef = self._value
         self._value = self._clamp(self.schedule(0))
 

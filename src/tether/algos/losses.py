@@ -33,10 +33,10 @@ Count = int | float | torch.Tensor | None
 
 
 def loss_normalizers(response_mask: torch.Tensor) -> tuple[int, int]:
-    """``(total_tokens, total_seqs)`` of a (B, T) mask: valid tokens, and responses with ≥ 1 valid
-    token. Compute these once on the whole mini-batch and pass them to every micro-batch call."""
+    """``(total_tokens, total_seqs)`` of a (B, T) mask: the valid tokens and the responses (B,
+    rows). Compute these once on the whole mini-batch and pass them to every micro-batch call."""
     m = as_bool_mask(response_mask)
-    return int(m.sum().item()), int(m.any(dim=-1).sum().item())
+    return int(m.sum().item()), int(m.shape[0])
 
 
 def _denominator(given: Count, own: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -71,8 +71,8 @@ def agg_loss(
 ) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss into a scalar.
 
-    With N = ``total_tokens`` (valid tokens), S = ``total_seqs`` (responses with ≥ 1 valid token)
-    and n_b the valid tokens of row b:
+    With N = ``total_tokens`` (valid tokens), S = ``total_seqs`` (responses, i.e. rows) and n_b the
+    valid tokens of row b:
 
     * ``token-mean``: Σ_{b,t valid} ℓ / N — a true per-token mean over the whole mini-batch
       (DAPO's token-level loss; verl's default);
@@ -92,9 +92,9 @@ def agg_loss(
         mode: one of :data:`AGG_MODES`.
         total_tokens: N for the whole mini-batch when this call sees one micro-batch (int, float
             or 0-d tensor, e.g. all-reduced across ranks); default: this call's count.
-        total_seqs: S for the whole mini-batch; default: this call's count of responses with at
-            least one valid token (empty responses are not counted — count them the same way,
-            e.g. with :func:`loss_normalizers`).
+        total_seqs: S for the whole mini-batch; default: this call's number of rows B. A response
+            with no valid token counts in S and adds 0 (verl's ``torch.mean`` over the batch does
+            the same).
         norm_constant: C for ``seq-mean-token-sum-norm``; default T.
 
     Returns:
@@ -124,7 +124,7 @@ def agg_loss(
         if not (math.isfinite(c) and c > 0):
             raise ValueError(f"norm_constant must be a finite number > 0, got {norm_constant!r}")
         seq = seq / c
-    return seq.sum() / _denominator(total_seqs, m.any(dim=-1).sum(), "total_seqs", x)
+    return seq.sum() / _denominator(total_seqs, torch.tensor(m.shape[0]), "total_seqs", x)
 
 
 def ppo_policy_loss(
