@@ -35,7 +35,7 @@ def test_lora_trains_adapters_and_the_reference_is_the_base_model(small_cfg):
     assert all(torch.equal(base0[k], base1[k]) for k in base0), "a base weight moved"
     assert any(not torch.equal(lora0[k], lora1[k]) for k in lora0), "the adapters did not train"
     # one copy of the base weights in memory: the actor's parameters are base + adapters, nothing else
-    base_model = load_causal_lm(t.roles.actor_path)
+    base_model = load_causal_lm(t.roles.actor_path).to(t.device)
     n_base = sum(p.numel() for p in base_model.parameters())
     assert sum(p.numel() for p in actor.parameters()) == n_base + sum(v.numel() for v in lora1.values())
     # π_ref = the base model: the adapter-disabled log-probs equal a fresh base model's, exactly
@@ -65,7 +65,7 @@ def test_lora_checkpoint_resume_and_export(small_cfg, tmp_path):
     b.fit()
     assert b.step == 3
 
-    merged = load_causal_lm(export_checkpoint(ckpt, tmp_path / "export"))
+    merged = load_causal_lm(export_checkpoint(ckpt, tmp_path / "export")).to(a.device)
     assert not any("lora_" in k for k, _ in merged.named_parameters())
     batch = a.rollout()
     want, _, _ = a.roles.actor.compute_logprobs(batch, with_entropy=False)
