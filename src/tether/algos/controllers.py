@@ -65,15 +65,9 @@ class KLController:
     """
 
     name = "base"
+    _coef_must_be_in_bounds = True
 
-    def __init__(
-        self,
-        coef: float,
-        *,
-        beta_min: float | None = None,
-        beta_max: float | None = None,
-        _coef_in_bounds: bool = True,
-    ):
+    def __init__(self, coef: float, *, beta_min: float | None = None, beta_max: float | None = None):
         coef = _finite("coef", coef)
         if coef < 0:
             raise ValueError(f"coef (beta) must be >= 0, got {coef!r}")
@@ -85,7 +79,7 @@ class KLController:
             raise ValueError(f"beta_max must be >= 0, got {beta_max!r}")
         if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
             raise ValueError(f"beta_min ({beta_min!r}) must be <= beta_max ({beta_max!r})")
-        if _coef_in_bounds and self._clamp(coef) != coef:
+        if self._coef_must_be_in_bounds and self._clamp(coef) != coef:
             raise ValueError(
                 f"coef ({coef!r}) must lie within [beta_min, beta_max] = [{beta_min!r}, {beta_max!r}]"
             )
@@ -332,6 +326,7 @@ class ScheduledKLController(KLController):
     """
 
     name = "scheduled"
+    _coef_must_be_in_bounds = False  # the bounds clamp the schedule instead
     KINDS = ("piecewise", "linear", "cosine")
 
     def __init__(
@@ -385,7 +380,7 @@ class ScheduledKLController(KLController):
                     f"total_steps must be an integer >= 1 for kind={kind!r}, got {total_steps!r}"
                 )
             self.total_steps = int(total_steps)
-        super().__init__(coef, beta_min=beta_min, beta_max=beta_max, _coef_in_bounds=False)
+        super().__init__(coef, beta_min=beta_min, beta_max=beta_max)
         self.coef = self._value
         self._value = self._clamp(self.schedule(0))
 
