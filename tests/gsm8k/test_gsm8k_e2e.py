@@ -96,7 +96,7 @@ def test_grpo_on_gsm8k(qwen2_dir, gsm8k_files, tmp_path):
     assert val["val/prompts"] == 4.0 and 0.0 <= val["val/pass@1"] <= val["val/pass@2"] <= 1.0
     assert 1.0 < val["val/length_mean"] <= 24.0 and math.isfinite(val["val/distinct_1"])
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2]
+    assert [x["step"] for x in lines if x["step"] >= 1] == [1, 2]  # (a step-0 line holds the initial validation)
 
 
 @pytest.mark.slow
