@@ -15,6 +15,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether doctor RUN_DIR                         health checks of a run's metrics
   tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
+  tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
   tether eval MODEL_OR_CHECKPOINT DATA [--k N] [--greedy] [--out FILE]  pass@1, mean@k, length, diversity
   tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
 """
@@ -171,6 +172,18 @@ def _add_eval_parser(sub) -> None:
     v.set_defaults(func=cmd_eval)
 
 
+def cmd_data_solutions(args: argparse.Namespace) -> int:
+    from tether.data import DataError, convert_gsm8k_solutions
+
+    try:
+        n = convert_gsm8k_solutions(Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {}))
+    except DataError as e:
+        print(f"tether data: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
@@ -203,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("out")
     g.add_argument("--suffix", default=None, help="instruction appended to each question")
     g.set_defaults(func=cmd_data)
+    gs = da_sub.add_parser("gsm8k-solutions", help="example_model_solutions.jsonl → offline rows (prompt, response, score)")
+    gs.add_argument("src")
+    gs.add_argument("out")
+    gs.add_argument("--suffix", default=None, help="instruction appended to each question (default none)")
+    gs.set_defaults(func=cmd_data_solutions)
     return p
 
 

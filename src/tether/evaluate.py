@@ -191,6 +191,15 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
                       "run": str(run) if run else None}  # fmt: skip
 
     rows = load_rows(data, prompt_key=r["prompt_key"])
+    if s.limit is not None:  # render only what is evaluated: the rows of the first `limit` distinct prompts
+        seen: set[str] = set()
+        kept = []
+        for row in rows:
+            key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
+            if key in seen or len(seen) < s.limit:
+                seen.add(key)
+                kept.append(row)
+        rows = kept
     data_cfg = DataConfig(
         train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
         instruction_suffix=r["instruction_suffix"], max_prompt_length=r["max_prompt_length"], overlong_prompts="drop",

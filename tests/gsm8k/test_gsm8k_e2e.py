@@ -139,3 +139,17 @@ def test_offline_on_gsm8k_solutions(qwen2_dir, gsm8k_files, tmp_path, scored_by)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     # validation generates from the policy and scores with the GSM8K reward (no score column there)
     assert history[-1]["val/prompts"] == 4.0 and history[-1]["val/length_mean"] <= 512
+
+
+def test_cli_converts_model_solutions(gsm8k_dir, tmp_path, capsys):
+    from tether.cli import main
+
+    src = tmp_path / "sol.jsonl"
+    src.write_text("".join(open(gsm8k_dir / "example_model_solutions.jsonl").readlines()[:3]))
+    assert main(["data", "gsm8k-solutions", str(src), str(tmp_path / "out.jsonl")]) == 0
+    assert "wrote 12 rows" in capsys.readouterr().out
+    rows = load_rows(tmp_path / "out.jsonl", response_key="response", score_key="score")
+    first = json.loads(src.read_text().splitlines()[0])
+    assert len(rows) == 12 and rows[0].response == first["6b_finetuning"]["solution"]
+    assert [r.score for r in rows[:4]] == [float(first[m]["is_correct"]) for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")]
+    assert main(["data", "gsm8k-solutions", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")]) == 2
