@@ -148,6 +148,15 @@ def test_property_gae_vectorized_equals_loop(b, t, gamma, lam, seed, keep):
     torch.testing.assert_close(ret, ret_ref, atol=1e-9, rtol=0)
 
 
+def test_empty_shapes():
+    for b, t in ((0, 5), (3, 0)):
+        x, m = torch.zeros(b, t), torch.ones(b, t)
+        for fn in (compute_gae, gae_reference_loop):
+            adv, ret = fn(x, x, m, 0.9, 0.9)
+            assert adv.shape == ret.shape == (b, t)
+        assert compute_grpo_advantages(torch.zeros(b), m, torch.zeros(b, dtype=torch.long))[0].shape == (b, t)
+
+
 def test_gae_errors():
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     with pytest.raises(ValueError, match="gamma"):

@@ -80,6 +80,8 @@ def reverse_discounted_cumsum(x: torch.Tensor, discount: float, *, block: int = 
     if block < 2:
         raise ValueError(f"block must be >= 2, got {block!r}")
     lead, t = x.shape[:-1], x.shape[-1]
+    if x.numel() == 0:
+        return x.clone()
     flat = x.reshape(-1, t)  # (N, T)
     return _scan(flat, float(discount), block).reshape(*lead, t)
 
@@ -109,6 +111,8 @@ def _scan(x: torch.Tensor, c: float, block: int) -> torch.Tensor:  # (N, T) -> (
 
 def _is_contiguous_mask(m: torch.Tensor) -> bool:
     """True when every row's valid tokens form at most one contiguous run (no holes)."""
+    if m.shape[-1] == 0:
+        return True
     run_starts = (m[:, 1:] & ~m[:, :-1]).sum(-1) + m[:, 0]  # (B,): number of 0->1 edges
     return bool((run_starts <= 1).all())
 
