@@ -230,3 +230,35 @@ def test_export_cli_names_the_corrupt_file(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "actor/model.safetensors" in err and "truncated" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path, monkeypatch):
+    from tether.config import load_config
+    from tether.trainer import Trainer, stats
+
+    scores = {0: 0.5, 2: 0.9, 4: 0.88, 5: 0.87}  # validation every 2 steps and at the end
+    monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": scores[trainer.step]})
+    run = tmp_path / "run"
+    overrides = ["trainer.total_steps=5", "trainer.save_freq=1", "trainer.val_freq=2", "trainer.keep_last=1", "guard.rollback_drop=0.05"]
+    t = Trainer(load_config(None, [*TINY, f"trainer.output_dir={run}", *overrides]))
+    kept = []
+    save = t.ckpt.save
+
+    def spy(**kw):
+        path = save(**kw)
+        kept.append(sorted(p.name for p in (run / "checkpoints").iterdir()))
+        return path
+
+    t.ckpt.save = spy
+    t.fit()
+    assert kept == [
+        ["step_000001"],
+        ["step_000002"],
+        ["step_000002", "step_000003"],  # 3 was not validated: no score, so 2 stays best and stable
+        ["step_000002", "step_000004"],  # 0.88: stable (within 5% of 0.9), not best
+        ["step_000002", "step_000005"],
+    ]
+    states = {s: json.loads((run / "checkpoints" / f"step_00000{s}" / "trainer_state.json").read_text()) for s in (2, 5)}
+    assert states[2]["val_score"] == 0.9 and states[2]["best"] == {"step": 2, "score": 0.9}
+    assert states[5]["val_score"] == 0.87 and states[5]["best"] == {"step": 2, "score": 0.9}
+    assert states[5]["guard"]["stable_step"] == 5 and states[5]["guard"]["stable_score"] == 0.87

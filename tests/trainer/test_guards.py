@@ -1,0 +1,369 @@
+"""Guards: KL explosions, non-finite values, target-KL early stop and rollback.
+
+Unit tests of GuardMonitor's decisions first (no model), then injected faults in real runs of the
+tiny model: a huge learning rate for one step, NaN rewards from a user reward function, NaN
+advantages and KL, and a scripted validation drop that forces rollbacks.
+"""
+
+import json
+import logging
+import math
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tether.config import GuardConfig, load_config
+from tether.trainer import Trainer, TrainingStopped
+from tether.trainer.guards import GuardMonitor
+
+# ------------------------------------------------------------------------------------ unit tests
+
+FINITE = torch.tensor([1.0, 0.0])
+
+
+def test_kl_below_max_updates_and_logs_nothing(caplog):
+    g = GuardMonitor(GuardConfig(max_kl=0.5))
+    assert g.before_update(1, 0.49, FINITE, beta=0.1) == "update"
+    assert g.pop_metrics() == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0}
+    assert "guard/" not in caplog.text
+
+
+@pytest.mark.parametrize("action, expected, scale", [("raise_coef", "update", 3.0), ("skip", "skip", 1.0)])
+def test_kl_above_max(caplog, action, expected, scale):
+    g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl=action, coef_factor=3.0))
+    assert g.before_update(7, 0.8, FINITE, beta=0.1) == expected
+    assert g.coef_scale == scale
+    assert g.pop_metrics() == {"guard/coef_scale": scale, "guard/rollbacks": 0.0, "guard/kl_explosion": 1.0}
+    assert "guard/kl_explosion: step 7: KL to the reference 0.8000 nats/token > guard.max_kl=0.5" in caplog.text
+    assert f"guard.on_max_kl={action}" in caplog.text
+    if action == "raise_coef":
+        assert "β 0.1 → 0.3" in caplog.text
+        g.before_update(8, 0.9, FINITE, beta=0.3)
+        assert g.coef_scale == 9.0  # compounds
+
+
+def test_kl_above_max_stop():
+    g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="stop"))
+    with pytest.raises(TrainingStopped, match=r"step 3: KL to the reference 2\.0000 nats/token > guard\.max_kl=0\.5 \(guard\.on_max_kl=stop\)"):
+        g.before_update(3, 2.0, FINITE, beta=0.1)
+    assert g.stop_record() == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/kl_explosion": 1.0, "guard/stop": 1.0}
+
+
+@pytest.mark.parametrize(
+    "kl, scores, what",
+    [(math.nan, FINITE, "no valid sample left"), (math.inf, FINITE, "KL to the reference (inf"), (0.1, torch.tensor([1.0, math.nan]), "non-finite scores")],
+)
+def test_nonfinite_skips_or_stops(caplog, kl, scores, what):
+    g = GuardMonitor(GuardConfig())
+    assert g.before_update(2, kl, scores, beta=0.1) == "skip"
+    assert g.pop_metrics()["guard/nonfinite"] == 1.0
+    assert what in caplog.text and "the update is not applied" in caplog.text
+    with pytest.raises(TrainingStopped, match=r"guard\.on_nonfinite=stop"):
+        GuardMonitor(GuardConfig(on_nonfinite="stop")).before_update(2, kl, scores, beta=0.1)
+
+
+def test_after_step_reports_the_updates_own_events(caplog):
+    caplog.set_level(logging.INFO, logger="tether")
+    g = GuardMonitor(GuardConfig(target_kl=0.01))
+    out = g.after_step(4, {"guard/early_stop": 1.0, "policy/updates": 2.0, "guard/nonfinite_skip": 1.0, "reward/nonfinite_count": 3.0})
+    assert out == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/nonfinite_reward": 3.0}
+    assert "guard/early_stop: step 4: policy/approx_kl > guard.target_kl=0.01" in caplog.text and "after 2 update(s)" in caplog.text
+    assert "guard/nonfinite_skip: step 4: a non-finite loss or gradient norm; 1 mini-batch update(s) not applied" in caplog.text
+    assert "guard/nonfinite_reward: step 4: 3 non-finite reward(s); those samples were dropped" in caplog.text
+    assert g.after_step(5, {"guard/early_stop": 0.0, "guard/nonfinite_skip": 0.0, "reward/nonfinite_count": 0.0}) == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0}
+    stop = GuardMonitor(GuardConfig(on_nonfinite="stop"))
+    with pytest.raises(TrainingStopped, match="1 mini-batch update"):
+        stop.after_step(4, {"guard/nonfinite_skip": 1.0, "reward/score_mean": 0.5})
+    assert stop.stop_record() == {"guard/nonfinite_skip": 1.0, "reward/score_mean": 0.5, "guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/nonfinite": 1.0, "guard/stop": 1.0}
+
+
+class _FakeTrainer:
+    """Just what GuardMonitor.after_validation touches."""
+
+    def __init__(self, guard, fail=False):
+        self.guard, self.step, self.last_val, self.restored, self.fail = guard, 0, {}, [], fail
+        self.ckpt = SimpleNamespace(root=Path("run/checkpoints"), restore_weights=self._restore)
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        self.roles = SimpleNamespace(actor=SimpleNamespace(optimizer=opt, scale_lr=self._scale), critic=None)
+        self.beta = 0.05
+
+    def _restore(self, step):
+        if self.fail:
+            raise ValueError("checkpoint run/checkpoints/step_000002: file optim.pt is missing")
+        self.restored.append(step)
+
+    def _scale(self, f):
+        for g in self.roles.actor.optimizer.param_groups:
+            g["lr"] *= f
+
+    def validate(self, step, score):
+        self.step, self.last_val = step, {"val/score_mean": score}
+        self.guard.after_validation(self)
+
+
+def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
+    g = GuardMonitor(GuardConfig(rollback_drop=0.1, max_rollbacks=2, coef_factor=2.0, rollback_lr_factor=0.5))
+    t = _FakeTrainer(g)
+    t.validate(2, 0.60)
+    assert g.score_at(2) == 0.60 and g.score_at(3) is None
+    g.mark_stable(2, 0.60)
+    t.validate(4, 0.55)  # within 10%: no rollback, becomes stable
+    g.mark_stable(4, 0.55)
+    assert (g.stable_step, g.stable_score, t.restored) == (4, 0.55, [])
+    t.validate(6, 0.49)  # floor 0.495
+    assert t.restored == [4] and g.rollbacks == 1 and g.coef_scale == 2.0 and t.roles.actor.optimizer.param_groups[0]["lr"] == 0.5
+    assert g.score_at(6) is None  # the restored weights are not the ones that scored 0.49
+    g.mark_stable(6, g.score_at(6))
+    assert g.stable_step == 4
+    assert g.pop_metrics() == {"guard/coef_scale": 2.0, "guard/rollbacks": 1.0, "guard/rollback": 1.0}
+    assert "restored step 4 (rollback 1/2)" in caplog.text and "learning rates ×0.5 → 0.5" in caplog.text
+    t.validate(8, 0.30)
+    assert t.restored == [4, 4] and g.coef_scale == 4.0 and t.roles.actor.optimizer.param_groups[0]["lr"] == 0.25
+    with pytest.raises(TrainingStopped) as stop:
+        t.validate(10, 0.2)
+    msg = str(stop.value)
+    assert "validation score 0.2000 at step 10" in msg and "stable checkpoint's (step 4: 0.5500" in msg
+    assert "already rolled back 2 time(s) (guard.max_rollbacks=2)" in msg and str(Path("run/checkpoints/step_000004")) in msg
+    assert g.stop_record()["guard/rollback_limit"] == 1.0
+
+
+def test_rollback_without_its_checkpoint_stops_cleanly():
+    g = GuardMonitor(GuardConfig())
+    t = _FakeTrainer(g, fail=True)
+    g.mark_stable(2, 0.6)
+    with pytest.raises(TrainingStopped, match=r"cannot roll back: checkpoint run/checkpoints/step_000002: file optim\.pt is missing"):
+        t.validate(4, 0.1)
+
+
+def test_rollback_off_and_before_any_stable_checkpoint():
+    g = GuardMonitor(GuardConfig(rollback_drop=0.0))
+    t = _FakeTrainer(g)
+    g.mark_stable(2, 0.6)
+    t.validate(4, 0.0)
+    g2 = GuardMonitor(GuardConfig())
+    t2 = _FakeTrainer(g2)
+    t2.validate(2, 0.0)
+    assert t.restored == t2.restored == [] and g.rollbacks == g2.rollbacks == 0
+
+
+def test_state_round_trip_and_older_state():
+    g = GuardMonitor(GuardConfig())
+    g.coef_scale, g.rollbacks, g.stable_step, g.stable_score, g.val_step, g.val_score = 4.0, 2, 6, 0.5, 8, 0.45
+    h = GuardMonitor(GuardConfig())
+    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert h.state_dict() == g.state_dict()
+    h.load_state_dict({"coef_scale": 2.0, "rollbacks": 1, "stable_step": 2, "stable_score": 0.3})
+    assert (h.coef_scale, h.val_step, h.val_score) == (2.0, None, None)
+
+
+# ------------------------------------------------------------------------------------ real runs
+
+BASE = [
+    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
+    "trainer.save_freq=0", "trainer.resume=off", "trainer.total_steps=4", "data.batch_size=4", "data.embedded_train_size=8",
+    "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-4",
+]  # fmt: skip
+
+
+def make(tmp_path, *extra) -> Trainer:
+    return Trainer(load_config(None, [*BASE, f"trainer.output_dir={tmp_path / 'run'}", *extra]))
+
+
+def params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.roles.actor.model.state_dict().items()}
+
+
+def assert_finite(t: Trainer) -> None:
+    bad = [k for k, v in t.roles.actor.model.state_dict().items() if not torch.isfinite(v).all()]
+    assert not bad, bad
+    for state in t.roles.actor.optimizer.state.values():
+        assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v))
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def lines(tmp_path) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def huge_lr_at(t: Trainer, step: int, lr: float = 0.05) -> None:
+    """Inject a KL explosion: one actor update with a huge learning rate."""
+    update = t.roles.actor.update
+
+    def patched(batch, spec, s, ref=None):
+        if s != step:
+            return update(batch, spec, s, ref=ref)
+        groups = t.roles.actor.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = lr
+        try:
+            return update(batch, spec, s, ref=ref)
+        finally:
+            for g, x in zip(groups, saved, strict=True):
+                g["lr"] = x
+
+    t.roles.actor.update = patched
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["raise_coef", "skip", "stop"])
+def test_injected_kl_explosion(tmp_path, caplog, action):
+    t = make(tmp_path, f"guard.on_max_kl={action}", "guard.max_kl=1.0")
+    huge_lr_at(t, 2)
+    m1, m2 = t.train_step(), t.train_step()
+    assert m1["kl/ref_mean"] < 0.1 and m2["kl/ref_mean"] < 0.1  # the explosion is not visible before step 3's rollout
+    assert "guard/kl_explosion" not in m1 and "guard/kl_explosion" not in m2
+    before = params(t)
+    if action == "stop":
+        with pytest.raises(TrainingStopped, match=r"step 3: KL to the reference \d+\.\d+ nats/token > guard\.max_kl=1\.0 \(guard\.on_max_kl=stop\)"):
+            t.fit()
+        assert same(before, params(t))
+        last = lines(tmp_path)[-1]
+        assert last["step"] == 3 and last["guard/stop"] == 1.0 and last["guard/kl_explosion"] == 1.0
+        ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+        assert json.loads((ckpt / "trainer_state.json").read_text())["stopped"] is True
+        assert_finite(t)
+        return
+    m3 = t.train_step()
+    assert m3["kl/ref_mean"] > 1.0 and m3["guard/kl_explosion"] == 1.0
+    assert "guard/kl_explosion: step 3: KL to the reference" in caplog.text
+    if action == "raise_coef":
+        assert m3["guard/coef_scale"] == 2.0 and m3["kl/coef"] == pytest.approx(2 * m2["kl/coef"], rel=1e-12)
+        assert m3["policy/updates"] == 2.0 and not same(before, params(t))
+    else:
+        assert m3["guard/coef_scale"] == 1.0 and "policy/updates" not in m3 and same(before, params(t))
+    t.train_step()
+    assert t.step == 4
+    assert_finite(t)
+
+
+NAN_REWARD = '''
+import math
+from tether.tasks.digitsum import compute_score
+
+CALLS = [0]
+
+def reward(data_sources, solution_strs, ground_truths, extra_infos):
+    """Call 2: every reward NaN; otherwise every 4th reward NaN."""
+    CALLS[0] += 1
+    out = [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
+    if CALLS[0] == 2:
+        return [math.nan] * len(out)
+    return [math.nan if i % 4 == 0 else v for i, v in enumerate(out)]
+'''
+
+
+@pytest.mark.slow
+def test_nan_rewards_are_dropped_counted_and_never_reach_the_weights(tmp_path, caplog):
+    fn = tmp_path / "nan_reward.py"
+    fn.write_text(textwrap.dedent(NAN_REWARD))
+    t = make(tmp_path, f"reward.function={fn}:reward", "trainer.total_steps=3")
+    m1 = t.train_step()
+    assert m1["reward/nonfinite_count"] == 4.0 and m1["guard/nonfinite_reward"] == 4.0
+    assert m1["rollout/dropped_count"] >= 4.0 and m1["policy/updates"] == 2.0 and math.isfinite(m1["policy/pg_loss"])
+    assert "guard/nonfinite_reward: step 1: 4 non-finite reward(s); those samples were dropped" in caplog.text
+    before = params(t)
+    m2 = t.train_step()  # every reward NaN: nothing left to learn from, the update is skipped
+    assert m2["reward/all_invalid"] == 1.0 and m2["reward/nonfinite_count"] == 16.0 and m2["guard/nonfinite"] == 1.0
+    assert "policy/updates" not in m2 and same(before, params(t))
+    assert "guard/nonfinite: step 2: non-finite KL to the reference (nan; non-finite, or no valid sample left)" in caplog.text
+    m3 = t.train_step()
+    assert m3["guard/nonfinite_reward"] == 4.0 and m3["policy/updates"] == 2.0 and not same(before, params(t))
+    assert_finite(t)
+
+    stop = make(tmp_path / "stop", f"reward.function={fn}:reward", "guard.on_nonfinite=stop")
+    with pytest.raises(TrainingStopped, match=r"step 2: .*no valid sample left.*guard\.on_nonfinite=stop"):
+        stop.fit()
+    assert_finite(stop)
+
+
+@pytest.mark.slow
+def test_nan_advantages_and_kl_are_never_applied(tmp_path, caplog):
+    t = make(tmp_path, "actor.micro_batch_size=4", "trainer.total_steps=4")
+    adv, logprobs = t.compute_advantages, t.compute_logprobs
+
+    def nan_advantages(batch):
+        adv(batch)
+        if t.step == 2:
+            batch.advantages[:] = math.nan  # every mini-batch
+        if t.step == 3:
+            batch.advantages[5, 0] = math.nan  # one response: its micro-batch of 4, so its whole mini-batch of 8
+
+    def nan_kl(batch):
+        logprobs(batch)
+        if t.step == 4:
+            batch.ref_logprobs[0, 0] = math.nan
+
+    t.compute_advantages, t.compute_logprobs = nan_advantages, nan_kl
+    t.train_step()
+    before = params(t)
+    m2 = t.train_step()
+    assert m2["guard/nonfinite_skip"] == 2.0 and m2["policy/updates"] == 0.0 and same(before, params(t))
+    assert "guard/nonfinite_skip: step 2: a non-finite loss or gradient norm; 2 mini-batch update(s) not applied" in caplog.text
+    m3 = t.train_step()
+    assert m3["guard/nonfinite_skip"] == 1.0 and m3["policy/updates"] == 1.0 and not same(before, params(t))
+    before = params(t)
+    m4 = t.train_step()
+    assert m4["guard/nonfinite"] == 1.0 and "policy/updates" not in m4 and same(before, params(t))
+    assert_finite(t)
+
+
+@pytest.mark.slow
+def test_target_kl_early_stop(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tether")
+    common = ["actor.lr=1e-3", "algo.ppo_epochs=2", "algo.mini_batch_size=4", "trainer.total_steps=1"]
+    free = make(tmp_path / "free", *common).train_step()
+    assert free["policy/updates"] == 8.0 and free["guard/early_stop"] == 0.0  # 2 epochs x 4 mini-batches
+    t = make(tmp_path, *common, "guard.target_kl=0.001")
+    m = t.train_step()
+    # the first mini-batch (approx KL 0) is applied; the second measures KL > target and stops everything
+    assert m["guard/early_stop"] == 1.0 and m["policy/updates"] == 1.0 and t.roles.actor.scheduler.last_epoch == 1
+    assert m["policy/approx_kl"] > 0.001 / 2  # mean of the two measured mini-batches: 0 and > target
+    assert "guard/early_stop: step 1: policy/approx_kl > guard.target_kl=0.001" in caplog.text
+
+
+@pytest.mark.slow
+def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, caplog, capsys, monkeypatch):
+    """A scripted validation drop, through the command line."""
+    from tether.cli import main
+    from tether.trainer import stats
+
+    scores = {0: 0.5, 2: 0.6, 4: 0.3, 6: 0.2}
+    monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": scores[trainer.step]})
+    run = tmp_path / "run"
+    args = [*BASE, f"trainer.output_dir={run}", "trainer.total_steps=8", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.keep_last=2", "actor.lr=1e-3"]
+    args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05"]
+    assert main(["train", *args]) == 3
+    err = capsys.readouterr().err
+    assert "tether train: stopped by a guard: validation score 0.2000 at step 6" in err
+    assert "already rolled back 1 time(s) (guard.max_rollbacks=1)" in err and "step_000002" in err
+    assert "guard/rollback: validation score 0.3000 at step 4" in caplog.text and "restored step 2 (rollback 1/1)" in caplog.text
+
+    recs = {r["step"]: r for r in lines(tmp_path)}
+    assert sorted(recs) == [0, 1, 2, 3, 4, 5, 6]
+    assert recs[4]["guard/rollback"] == 1.0 and recs[4]["guard/rollbacks"] == 1.0 and recs[4]["guard/coef_scale"] == 3.0
+    assert recs[3]["kl/coef"] == 0.05 and recs[5]["kl/coef"] == pytest.approx(0.15, rel=1e-12)
+    assert recs[3]["actor/lr"] == 1e-3 and recs[5]["actor/lr"] == pytest.approx(2.5e-4, rel=1e-12)
+    assert recs[6]["guard/stop"] == 1.0 and recs[6]["guard/rollback_limit"] == 1.0
+
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]  # 2 is the stable one
+    w2, w4 = load_file(ck / "step_000002" / "actor" / "model.safetensors"), load_file(ck / "step_000004" / "actor" / "model.safetensors")
+    assert w2.keys() == w4.keys() and all(torch.equal(w2[k], w4[k]) for k in w2)  # step 4 saved the restored weights
+    o2, o4 = (torch.load(ck / f"step_00000{s}" / "optim.pt", weights_only=True) for s in (2, 4))
+    for pid, st in o2["actor"]["state"].items():  # Adam moments restored too
+        assert torch.equal(st["exp_avg"], o4["actor"]["state"][pid]["exp_avg"])
+    assert o4["actor"]["param_groups"][0]["lr"] == pytest.approx(2.5e-4, rel=1e-12)
+    assert o4["actor_sched"]["last_epoch"] == 8  # the schedule goes on: 4 steps x 2 mini-batches
+    s4 = json.loads((ck / "step_000004" / "trainer_state.json").read_text())
+    assert s4["guard"]["stable_step"] == 2 and s4["best"] == {"step": 2, "score": 0.6} and s4["val_score"] is None
+    s6 = json.loads((ck / "step_000006" / "trainer_state.json").read_text())
+    assert s6["stopped"] is True and s6["guard"]["rollbacks"] == 1
