@@ -142,8 +142,8 @@ class KLConfig(_Section):
             return v
         from tether.algos import KL_ESTIMATORS
 
-        if v != "full" and v not in KL_ESTIMATORS:
-            raise ValueError(f"unknown KL estimator {v!r}; valid: {', '.join(['full', *KL_ESTIMATORS])}")
+        if v not in KL_ESTIMATORS:
+            raise ValueError(f"unknown KL estimator {v!r}; valid: {', '.join(KL_ESTIMATORS)}")
         return v
 
     @model_validator(mode="after")

@@ -48,7 +48,7 @@ def test_train_runs_end_to_end(small_cfg, tmp_path, overrides):
 
     run = Path(run)
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]  # step 0: validation of the reference
     assert (run / "config.yaml").is_file()
     assert any((run / "events").iterdir())
     assert (run / "checkpoints" / "step_000003" / "MANIFEST.json").is_file()

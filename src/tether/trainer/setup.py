@@ -37,6 +37,7 @@ class Roles:
             dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef, kl_loss_coef=kl_loss_coef,
             kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
+            norm_constant=float(cfg.rollout.max_new_tokens),
         )  # fmt: skip
 
 
@@ -106,7 +107,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
     if cfg.algo.adv_estimator == "gae":
         critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
         vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-        critic = CriticWorker(vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size, value_clip=cfg.critic.value_clip)
+        critic = CriticWorker(
+            vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
+            value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+        )  # fmt: skip
     engine = _build_engine(cfg, model, tok, actor_path)
     runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=generation_eos_ids(model))
     val_reward = None

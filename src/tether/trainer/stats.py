@@ -32,7 +32,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     per_tok = lambda x: (torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1))[valid]  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
     beta = trainer.beta
-    k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=1e30)
+    k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
     eos = trainer.tok.eos_token_id

@@ -66,8 +66,9 @@ class Trainer:
 
     def __init__(self, cfg: TetherConfig, run_dir: Path | None = None):
         self.cfg = cfg
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
+        threads = cfg.trainer.threads or (1 if cfg.actor.model == EMBEDDED else 0)
+        if threads:
+            torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         self.run_dir = Path(run_dir or cfg.trainer.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,6 +106,8 @@ class Trainer:
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
+        if self.step == 0 and self.cfg.trainer.val_freq:
+            self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
         try:
             while self.step < self.cfg.trainer.total_steps:
                 metrics = self.train_step()
@@ -248,9 +251,9 @@ class Trainer:
 
         return rollout_metrics(self, batch)
 
-    def maybe_validate(self) -> dict[str, float]:
+    def maybe_validate(self, force: bool = False) -> dict[str, float]:
         freq = self.cfg.trainer.val_freq
-        due = freq and (self.step % freq == 0 or self.step == self.cfg.trainer.total_steps)
+        due = force or (freq and (self.step % freq == 0 or self.step == self.cfg.trainer.total_steps))
         if not due or len(self.val_set) == 0:
             return {}
         from tether.trainer.stats import validate

@@ -32,6 +32,7 @@ class ActorUpdateSpec:
     value_clamp: float
     target_kl: float | None  # early stop on policy/approx_kl (guard.target_kl)
     seed: int
+    norm_constant: float  # seq-mean-token-sum-norm divisor: the maximum response length, tokens
 
 
 def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None):
@@ -186,7 +187,7 @@ class ActorWorker:
             pg_loss, pg_metrics = ppo_policy_loss(
                 lp, mb.old_logprobs[:, :t], mb.advantages[:, :t], rmask,
                 clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
-                agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs,
+                agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
                 log_ratio_clamp=spec.log_ratio_clamp,
             )  # fmt: skip
             loss = pg_loss
@@ -195,11 +196,11 @@ class ActorWorker:
                     kl = kl_full(logits, ref.logits_for(ids, mask, t), temperature=self.temperature)
                 else:
                     kl = kl_penalty(lp, mb.ref_logprobs[:, :t], spec.kl_loss_estimator, log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp)
-                kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs)
+                kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
                 loss = loss + spec.kl_loss_coef * kl_loss
                 add("actor/kl_loss", float(kl_loss.detach()))
             if spec.entropy_coef > 0:
-                loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs)
+                loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
             if not torch.isfinite(loss):
                 finite = False
                 continue

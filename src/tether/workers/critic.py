@@ -15,8 +15,9 @@ from tether.workers.common import MetricAccumulator, micro_batches, mini_batches
 class CriticWorker:
     """Owns the value model and its optimizer."""
 
-    def __init__(self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float):
+    def __init__(self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float, norm_constant: float):
         self.model = model
+        self.norm_constant = norm_constant  # seq-mean-token-sum-norm divisor (the maximum response length)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.value_clip = value_clip
@@ -54,7 +55,7 @@ class CriticWorker:
                     rmask = mb.response_mask[:, :t]
                     loss, m = ppo_value_loss(
                         v, mb.values[:, :t], mb.returns[:, :t], rmask, clip_range=self.value_clip, agg_mode=agg_mode,
-                        total_tokens=total_tokens, total_seqs=total_seqs,
+                        total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=self.norm_constant,
                     )  # fmt: skip
                     if not torch.isfinite(loss):
                         finite = False
