@@ -25,9 +25,14 @@ class HFRolloutEngine:
     top_p = 1 and top_k = 0.
     """
 
-    def __init__(self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True):
+    def __init__(
+        self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
+        eos_token_ids: list[int] | None = None,
+    ):  # fmt: skip
         self.model = model
         self.tokenizer = tokenizer
+        # generation stops at any of these (the tokenizer's EOS and the model's generation_config EOS ids)
+        self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.kwargs = dict(
             do_sample=do_sample,
             temperature=temperature if do_sample else None,
@@ -47,7 +52,7 @@ class HFRolloutEngine:
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.eos_token_ids,
             use_cache=True,
             **kwargs,
         )

@@ -137,7 +137,10 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         )  # fmt: skip
     from tether.rollout import HFRolloutEngine
 
-    return HFRolloutEngine(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample)
+    return HFRolloutEngine(
+        model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
+        eos_token_ids=generation_eos_ids(model),
+    )  # fmt: skip
 
 
 def generation_eos_ids(model) -> list[int]:
