@@ -166,3 +166,19 @@ def test_resume_warns_about_a_changed_config(tmp_path, caplog):
     assert "config differs" not in caplog.text  # total_steps may change freely
     Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=3", "kl.coef=0.2"))
     assert "config differs" in caplog.text and "kl.coef: 0.05 → 0.2" in caplog.text
+
+
+def test_crash_before_the_first_checkpoint_starts_over_cleanly(tmp_path, monkeypatch):
+    from tether.trainer import stats
+
+    monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": 0.25 + trainer.step})  # cheap, step-tagged
+    extra = ["data.embedded_train_size=8", "trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=1"]
+    Trainer(cfg(tmp_path / "full", *extra)).fit()
+    crash_after(Trainer(cfg(tmp_path / "run", *extra)), 2)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    again = Trainer(cfg(tmp_path / "run", *extra))
+    assert again.step == 0
+    again.fit()
+    want = read_lines(tmp_path / "full")
+    assert [r["step"] for r in want] in ([0, 1, 2, 3], [1, 2, 3])  # step 0: the reference's validation, if logged
+    assert_same_metrics(read_lines(tmp_path / "run"), want)

@@ -140,6 +140,7 @@ class CheckpointManager:
         """
         mode = self.t.cfg.trainer.resume
         if mode == "off":
+            self._clear_metrics()
             return
         if mode == "auto":
             errors: list[str] = []
@@ -150,6 +151,7 @@ class CheckpointManager:
                         f"trainer.resume=auto: no complete checkpoint in {self.root}: " + "; ".join(errors)
                         + " (set trainer.resume=off to start over, or a path to resume from)"
                     )
+                self._clear_metrics()
                 return
             if errors:
                 log.warning("resume: %d newer checkpoint(s) failed verification; falling back to %s", len(errors), path.name)
@@ -263,6 +265,14 @@ class CheckpointManager:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
+
+    def _clear_metrics(self) -> None:
+        """A run starting from step 0 logs every step anew: drop the lines of an earlier start (e.g. one
+        that crashed before its first checkpoint), so that no step appears twice."""
+        path = Path(self.t.run_dir) / "metrics.jsonl"
+        if path.exists() and path.stat().st_size:
+            log.info("starting from step 0: clearing the %d bytes of %s left by an earlier start", path.stat().st_size, path)
+            path.write_text("")
 
     def _warn_config_changes(self, saved: dict | None, path: Path) -> None:
         if not saved:
