@@ -95,6 +95,7 @@ def test_an_interrupted_write_leaves_no_checkpoint(tmp_path):
     assert latest_valid_checkpoint(tmp_path) == tmp_path / "step_000002"
 
 
+@pytest.mark.slow
 def test_fault_hook_kills_the_writer_mid_checkpoint(tmp_path):
     """The documented test-only hook: SIGKILL after the named part, before the manifest and rename."""
     code = textwrap.dedent(
@@ -182,6 +183,7 @@ def trained(tmp_path_factory):
     return t, out
 
 
+@pytest.mark.slow
 def test_checkpoint_files_are_safetensors_json_and_tensor_only_torch(trained):
     _, out = trained
     ckpt = out / "checkpoints" / "step_000002"
@@ -195,6 +197,7 @@ def test_checkpoint_files_are_safetensors_json_and_tensor_only_torch(trained):
     assert set(optim) == {"actor", "actor_sched"} and optim["actor_sched"]["last_epoch"] == 4  # 2 steps x 2 mini-batches
 
 
+@pytest.mark.slow
 def test_export_loads_with_identical_logits(trained, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -216,6 +219,7 @@ def test_export_loads_with_identical_logits(trained, tmp_path):
     assert (dst / "model.safetensors").is_file()  # never deleted
 
 
+@pytest.mark.slow
 def test_export_cli_names_the_corrupt_file(trained, tmp_path, capsys):
     import shutil
 
@@ -232,6 +236,7 @@ def test_export_cli_names_the_corrupt_file(trained, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path, monkeypatch):
     from tether.config import load_config
     from tether.trainer import Trainer, stats
