@@ -498,8 +498,11 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     if not (embedded and plain) or cfg.get("actor", {}).get("lora", {}).get("rank", 0):
         return None
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from tether.tasks.exact import evaluate_policy
+
+    hf_logging.disable_progress_bar()
     from tether.tasks.sft import load_reference
 
     ref, tok = load_reference()
