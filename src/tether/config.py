@@ -204,12 +204,14 @@ class TrainerConfig(_Section):
 
 
 class GuardConfig(_Section):
-    target_kl: float | None = Field(None, gt=0, description="Stop the remaining PPO epochs/mini-batches when policy/approx_kl exceeds this (null = off).")
+    target_kl: float | None = Field(0.1, gt=0, description="Stop the remaining PPO epochs/mini-batches when policy/approx_kl exceeds this (null = off).")
     max_kl: float = Field(1.0, gt=0, description="Per-token KL to the reference (kl/ref_mean) above which on_max_kl acts.")
     on_max_kl: Literal["raise_coef", "skip", "stop"] = Field("raise_coef", description="What exceeding guard.max_kl does.")
     coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run.")
     rollback_drop: float = Field(0.05, ge=0, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off).")
+    rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean.")
+    rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
     max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
 

@@ -320,7 +320,7 @@ def test_nan_advantages_and_kl_are_never_applied(tmp_path, caplog):
 def test_target_kl_early_stop(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="tether")
     common = ["actor.lr=1e-3", "algo.ppo_epochs=2", "algo.mini_batch_size=4", "trainer.total_steps=1"]
-    free = make(tmp_path / "free", *common).train_step()
+    free = make(tmp_path / "free", *common, "guard.target_kl=null").train_step()
     assert free["policy/updates"] == 8.0 and free["guard/early_stop"] == 0.0  # 2 epochs x 4 mini-batches
     t = make(tmp_path, *common, "guard.target_kl=0.001")
     m = t.train_step()
@@ -340,7 +340,7 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": scores[trainer.step]})
     run = tmp_path / "run"
     args = [*BASE, f"trainer.output_dir={run}", "trainer.total_steps=8", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.keep_last=2", "actor.lr=1e-3"]
-    args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05"]
+    args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05", "guard.target_kl=null"]
     assert main(["train", *args]) == 3
     err = capsys.readouterr().err
     assert "tether train: stopped by a guard: validation score 0.2000 at step 6" in err
@@ -367,3 +367,36 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     assert s4["guard"]["stable_step"] == 2 and s4["best"] == {"step": 2, "score": 0.6} and s4["val_score"] is None
     s6 = json.loads((ck / "step_000006" / "trainer_state.json").read_text())
     assert s6["stopped"] is True and s6["guard"]["rollbacks"] == 1
+
+
+# --------------------------------------------------------------------------- noise-aware rollback
+
+
+def _monitor(**kw):
+    from tether.config import GuardConfig
+    from tether.trainer.guards import GuardMonitor
+
+    return GuardMonitor(GuardConfig(**kw))
+
+
+def test_rollback_prefers_the_exact_score_and_its_zero_noise():
+    g = _monitor()
+    assert g.validation_score({"val/score_mean": 0.5, "val/score_sem": 0.04, "exact/score_mean": 0.61}) == (0.61, 0.0)
+    assert g.validation_score({"val/score_mean": 0.5, "val/score_sem": 0.04}) == (0.5, 0.04)
+    g2 = _monitor(rollback_metric="val/score_mean")
+    assert g2.validation_score({"val/score_mean": 0.5, "val/score_sem": 0.04, "exact/score_mean": 0.61}) == (0.5, 0.04)
+
+
+def test_a_drop_within_sampling_noise_is_not_a_rollback():
+    g = _monitor(rollback_drop=0.05, rollback_z=2.0)
+    g.val_step, g.val_sem = 100, 0.03
+    g.mark_stable(100, 0.90)
+    assert (g.stable_step, g.stable_score, g.stable_sem) == (100, 0.90, 0.03)
+    # 5% of 0.90 is 0.045; 2 standard errors of the difference are 2·sqrt(0.03² + 0.03²) = 0.08485
+    assert abs(g.floor(0.03) - (0.90 - 2 * (0.03**2 + 0.03**2) ** 0.5)) < 1e-12
+    # without noise the 5% rule decides alone
+    g.stable_sem = 0.0
+    assert abs(g.floor(0.0) - 0.855) < 1e-12
+    g_off = _monitor(rollback_drop=0.05, rollback_z=0.0)
+    g_off.stable_score, g_off.stable_sem = 0.90, 0.03
+    assert abs(g_off.floor(0.03) - 0.855) < 1e-12

@@ -36,8 +36,10 @@ class GuardMonitor:
         self.rollbacks = 0
         self.stable_step: int | None = None
         self.stable_score: float | None = None
+        self.stable_sem = 0.0
         self.val_step: int | None = None
         self.val_score: float | None = None
+        self.val_sem = 0.0
         self._events: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
 
@@ -128,11 +130,11 @@ class GuardMonitor:
         RNG and LR schedule go on), multiplies β by ``coef_factor`` and the learning rates by
         ``rollback_lr_factor``. After ``max_rollbacks`` rollbacks the next drop stops the run.
         """
-        score = trainer.last_val.get("val/score_mean")
-        self.val_step, self.val_score = trainer.step, score
+        score, sem = self.validation_score(trainer.last_val)
+        self.val_step, self.val_score, self.val_sem = trainer.step, score, sem
         if score is None or not self.cfg.rollback_drop or self.stable_score is None or self.stable_step is None:
             return
-        floor = self.stable_score - self.cfg.rollback_drop * abs(self.stable_score)
+        floor = self.floor(sem)
         if score >= floor:
             return
         drop = (
@@ -162,6 +164,30 @@ class GuardMonitor:
             f"→ {trainer.beta:.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {trainer.roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
+    def validation_score(self, last_val: dict) -> tuple[float | None, float]:
+        """(score, standard error) of a validation by ``guard.rollback_metric``.
+
+        ``auto`` takes ``exact/score_mean`` (E_π[r] by enumeration, no sampling noise: standard
+        error 0) when the embedded task's exact evaluation ran, else the sampled ``val/score_mean``
+        with its standard error ``val/score_sem``.
+        """
+        key = self.cfg.rollback_metric
+        if key == "auto":
+            key = "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
+        score = last_val.get(key)
+        sem = 0.0 if key.startswith("exact/") else float(last_val.get(key.replace("_mean", "_sem"), 0.0) or 0.0)
+        return score, sem
+
+    def floor(self, sem: float) -> float:
+        """The lowest score that is not a drop from the stable checkpoint's.
+
+        A drop must exceed both ``rollback_drop`` (a fraction of the stable score) and ``rollback_z``
+        standard errors of the difference of the two validations, so sampling noise alone never
+        triggers a rollback.
+        """
+        noise = self.cfg.rollback_z * math.sqrt(sem**2 + self.stable_sem**2)
+        return self.stable_score - max(self.cfg.rollback_drop * abs(self.stable_score), noise)
+
     def score_at(self, step: int) -> float | None:
         """The validation score of the weights at ``step``, if they were validated at that step."""
         return self.val_score if self.val_step == step else None
@@ -170,13 +196,14 @@ class GuardMonitor:
         """A checkpoint at ``step`` with validation ``score`` is the new stable point (if not a drop)."""
         if score is None:
             return
-        if self.stable_score is None or score >= self.stable_score - self.cfg.rollback_drop * abs(self.stable_score):
-            self.stable_step, self.stable_score = step, score
+        sem = self.val_sem if self.val_step == step else 0.0
+        if self.stable_score is None or score >= self.floor(sem):
+            self.stable_step, self.stable_score, self.stable_sem = step, score, sem
 
     def state_dict(self) -> dict:
         return {
             "coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
-            "val_step": self.val_step, "val_score": self.val_score,
+            "val_step": self.val_step, "val_score": self.val_score, "stable_sem": self.stable_sem, "val_sem": self.val_sem,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -186,3 +213,5 @@ class GuardMonitor:
         self.stable_score = state["stable_score"]
         self.val_step = state.get("val_step")
         self.val_score = state.get("val_score")
+        self.stable_sem = float(state.get("stable_sem", 0.0))
+        self.val_sem = float(state.get("val_sem", 0.0))

@@ -93,7 +93,8 @@ def evaluate_prompts(runner, reward, prompts, *, k: int, batch_size: int, indice
 
     Returns:
         Unprefixed metrics: ``score_mean`` and ``mean@k`` (mean raw score over all samples; a sample the
-        reward could not score counts 0), ``pass@1`` (fraction of samples with score >=
+        reward could not score counts 0), ``score_sem`` (its standard error from sampling, see
+        :func:`score_sem`), ``pass@1`` (fraction of samples with score >=
         :data:`CORRECT_THRESHOLD`: the unbiased pass@1 estimate from k samples), ``pass@k`` (fraction of
         prompts with at least one correct sample), ``length_mean`` / ``length_max`` (response tokens,
         EOS included), ``truncated_frac`` (responses that hit the length limit), ``prompts``, and the
@@ -133,6 +134,7 @@ def evaluate_prompts(runner, reward, prompts, *, k: int, batch_size: int, indice
     L = torch.cat(lengths)
     out = {
         "score_mean": float(S.mean()),
+        "score_sem": score_sem(S),
         f"mean@{k}": float(S.mean()),
         "pass@1": float((S >= CORRECT_THRESHOLD).float().mean()),
         f"pass@{k}": float((S >= CORRECT_THRESHOLD).any(-1).float().mean()),
@@ -143,6 +145,19 @@ def evaluate_prompts(runner, reward, prompts, *, k: int, batch_size: int, indice
     }
     out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
     return out
+
+
+def score_sem(S: torch.Tensor) -> float:
+    """Standard error of ``S.mean()`` from sampling, for (P prompts, k samples) scores.
+
+    The within-prompt variance only: two validations on the same prompts differ by sampling noise,
+    not by which prompts were drawn. sem² = Σ_p s²_p / k / P², s²_p the unbiased variance of prompt
+    p's k samples (0 when k = 1, where the noise cannot be estimated).
+    """
+    P, k = S.shape
+    if k < 2:
+        return 0.0
+    return float(S.double().var(dim=1, unbiased=True).sum().sqrt() / (P * k**0.5))
 
 
 def validate(trainer) -> dict[str, float]:
