@@ -44,6 +44,7 @@ class CriticWorker:
         self.model.train()
         acc = MetricAccumulator()
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)
+        skipped = 0
         for _ in range(ppo_epochs):
             for mini in mini_batches(batch, mini_batch_size, gen):
                 total_tokens, total_seqs = float(mini.response_mask.sum()), float(len(mini))
@@ -63,8 +64,12 @@ class CriticWorker:
                     loss.backward()
                     sums["value/loss"] += float(loss.detach())
                     sums["value/clipfrac"] += m["value/clipfrac"] * float(rmask.sum()) / max(total_tokens, 1.0)
-                grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+                if finite:
+                    grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+                else:  # one micro-batch's loss is non-finite: drop the whole mini-batch, as the actor does
+                    self.optimizer.zero_grad(set_to_none=True)
+                    grad_norm, applied = float("nan"), False
                 sums["value/grad_norm"] = grad_norm
-                sums["guard/value_nonfinite_skip"] = float(not (applied and finite))
+                skipped += int(not applied)
                 acc.add({k: v for k, v in sums.items() if math.isfinite(v)})
-        return acc.mean()
+        return acc.mean() | {"guard/value_nonfinite_skip": float(skipped)}
