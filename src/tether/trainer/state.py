@@ -24,6 +24,7 @@ from tether.trainer.checkpoint import (
     write_checkpoint,
     write_json,
 )
+from tether.trainer.logging import _flatten
 
 log = logging.getLogger("tether")
 
@@ -301,16 +302,6 @@ def _clean(d: dict) -> dict:
     from tether.trainer.logging import _clean as clean_value
 
     return {k: clean_value(v) for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _is_tied(model, key: str) -> bool:
