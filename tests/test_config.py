@@ -99,3 +99,19 @@ def test_config_is_frozen_and_documented():
 
     missing = [name for name, desc in leaves(TetherConfig) if not desc]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.total_steps=yes", "trainer.total_steps expects a number, got the boolean True"),
+        ("rollout.n=true", "rollout.n expects a number, got the boolean True"),
+        ("actor.lr=.inf", "actor.lr must be a finite number, got inf"),
+        ("kl.beta_max=.nan", "kl.beta_max must be a finite number, got nan"),
+        ("trainer.output_dir=", "trainer.output_dir must name a directory"),
+    ],
+)
+def test_numbers_are_numbers_and_finite(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)

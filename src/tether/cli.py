@@ -62,6 +62,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:
+        saved = trainer.ckpt.checkpoints()
+        where = f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
+        print(
+            f"\ntether train: interrupted at step {trainer.step}; {where}. To continue, re-run with "
+            f"trainer.output_dir={trainer.run_dir} (trainer.resume=auto).",
+            file=sys.stderr,
+        )
+        return 130
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
 

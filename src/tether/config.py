@@ -26,8 +26,33 @@ class ConfigError(ValueError):
     """A config key, value or file is invalid. The message names the offending key."""
 
 
+def _number_kind(annotation) -> type | None:
+    """int or float when a field holds a number (also inside ``X | None``), else None."""
+    if annotation in (int, float):
+        return annotation
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 and args[0] in (int, float) else None
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_numbers(cls, data):
+        """Numbers must be finite numbers: YAML's yes/true is not 1, and inf/nan are never a setting."""
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            kind = _number_kind(field.annotation)
+            value = data.get(name)
+            if kind is None or value is None:
+                continue
+            if isinstance(value, bool):
+                raise ValueError(f"{name} expects a number, got the boolean {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        return data
 
 
 class LoraConfig(_Section):
@@ -97,6 +122,7 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.0, ge=0, lt=1, description="Fraction of train held out for validation when val_files is null.")
     batch_size: int = Field(16, ge=1, description="Prompts per training step (responses per step = batch_size * rollout.n).")
     max_prompt_length: int = Field(512, ge=1, description="Maximum prompt length, tokens.")
+    skip_invalid: bool = Field(False, description="Malformed dataset rows: false = stop before training listing them; true = drop and count them.")
     overlong_prompts: Literal["error", "drop"] = Field("error", description="A prompt over max_prompt_length: stop before training (error) or drop it and count it.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by trainer.seed).")
     prompt_key: str = Field("prompt", description="Column holding the prompt.")
@@ -191,6 +217,13 @@ class TrainerConfig(_Section):
     report: bool = Field(True, description="Write plots and summary.md at the end of the run.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = auto: 1 for the embedded tiny model (threading overhead dominates), torch's default otherwise.")
 
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_not_empty(cls, v):
+        if not v.strip():
+            raise ValueError("trainer.output_dir must name a directory (default runs/{time})")
+        return v
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -296,13 +329,21 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not isinstance(x, int) or True)
+        loc = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config key {loc!r}{_did_you_mean(loc)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        # a section-level check names its field first ("lr must be ..."): report the full key
+        first = msg.split(" ", 1)[0]
+        if isinstance(got, dict) and first in got and not msg.startswith(f"{loc}."):
+            lines.append(f"{loc}.{msg}" if loc else msg)
+        elif msg.startswith(f"{loc}") and loc:
+            lines.append(msg + got_s)
         else:
-            got = e.get("input")
-            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"{loc or 'config'}: {e['msg']}{got_s}")
+            lines.append(f"{loc or 'config'}: {msg}{got_s}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

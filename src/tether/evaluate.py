@@ -85,19 +85,19 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
         return resolve_model_path(EMBEDDED), "embedded", None
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"tether eval: {p} does not exist (a model directory, a checkpoint or a run directory)")
+        raise ConfigError(f"{p} does not exist (a model directory, a checkpoint or a run directory)")
     run = None
     if (p / "checkpoints").is_dir():  # a run directory: its latest complete checkpoint
         run = p
         ckpt = latest_valid_checkpoint(p / "checkpoints")
         if ckpt is None:
-            raise ConfigError(f"tether eval: run directory {p} holds no complete checkpoint")
+            raise ConfigError(f"run directory {p} holds no complete checkpoint")
         p = ckpt
     if (p / "actor").is_dir():  # a checkpoint
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
-            raise ConfigError(f"tether eval: {e}") from None
+            raise ConfigError(f"{e}") from None
         if run is None and p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
             run = p.parent.parent
         p = p / "actor"
@@ -105,7 +105,7 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
         return p, "adapter", run
     if (p / "config.json").is_file():
         return p, "model", run
-    raise ConfigError(f"tether eval: {p} is neither a model directory (config.json), a peft adapter (adapter_config.json), "
+    raise ConfigError(f"{p} is neither a model directory (config.json), a peft adapter (adapter_config.json), "
                       "a tether checkpoint (actor/) nor a run directory (checkpoints/)")
 
 
@@ -127,7 +127,7 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
             model = AutoPeftModelForCausalLM.from_pretrained(str(where), dtype=DTYPES[dtype]).merge_and_unload()
         except (OSError, ValueError) as e:
             base = json.loads((where / "adapter_config.json").read_text()).get("base_model_name_or_path")
-            raise ConfigError(f"tether eval: cannot load the adapter in {where} on its base model {base!r}: {e}") from None
+            raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
     else:
         model = load_causal_lm(where, dtype=dtype)
     model.to(device).eval()
@@ -186,7 +186,7 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
     if s.greedy:
         r["k"] = 1
     if r["k"] < 1 or r["max_new_tokens"] < 1 or s.batch_size < 1 or not r["temperature"] > 0 or not 0 < r["top_p"] <= 1:
-        raise ConfigError(f"tether eval: need k >= 1, max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
+        raise ConfigError(f"need k >= 1, max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
     s.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype, "seed": s.seed,
                       "run": str(run) if run else None}  # fmt: skip
 

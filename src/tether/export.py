@@ -24,7 +24,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     src = ckpt / "actor"
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"export: {out} already exists and is not an empty directory; choose a new OUT_DIR")
+        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR")
     if (src / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
         from transformers import AutoTokenizer

@@ -43,6 +43,8 @@ def write_report(run_dir: str | Path) -> Path:
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a tether run directory")
     history = read_metrics(run_dir)
+    if not history:
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl holds no step record: nothing to report")
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     fig_all, axes = plt.subplots(2, 4, figsize=(18, 7.5))

@@ -126,3 +126,56 @@ def test_empty_responses_are_dropped_and_counted(small_cfg):
     assert batch.extra["reward_metrics"]["rollout/empty_count"] == 3.0
     assert batch.response_mask[:3].sum() == 0
     assert batch.response_mask[3:].sum(-1).min() >= 1
+
+
+def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    from tether.trainer.trainer import claim_run_dir
+
+    monkeypatch.setattr("time.strftime", lambda fmt: "20261130-120000")
+    a, claimed_a = claim_run_dir(None, str(tmp_path / "runs/{time}"))
+    b, claimed_b = claim_run_dir(None, str(tmp_path / "runs/{time}"))
+    assert (a.name, b.name) == ("20261130-120000", "20261130-120000-1") and claimed_a and claimed_b
+    fixed, claimed = claim_run_dir(None, str(tmp_path / "runs/fixed"))
+    again, claimed_again = claim_run_dir(None, str(tmp_path / "runs/fixed"))  # a fixed dir is reused: resume
+    assert fixed == again and claimed and not claimed_again
+
+
+def test_a_failed_start_leaves_an_existing_run_untouched(small_cfg, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("kl:\n  coef: 0.05\n")
+    with pytest.raises(DataError):
+        Trainer(small_cfg("kl.coef=0.9", f"data.train_files={tmp_path / 'missing.jsonl'}", out=run))
+    assert (run / "config.yaml").read_text() == "kl:\n  coef: 0.05\n"
+    fresh = tmp_path / "runs"
+    with pytest.raises(DataError):
+        Trainer(small_cfg(f"data.train_files={tmp_path / 'missing.jsonl'}", out=str(fresh / "{time}")))
+    assert not fresh.exists() or not any(fresh.iterdir()), "a failed start left an empty run directory"
+
+
+def test_a_reference_with_another_tokenizer_is_refused(small_cfg, tmp_path):
+    from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
+
+    tok = build_gsm8k_tokenizer(tmp_path / "tok", texts=synthetic_math_texts(100), vocab_size=300)
+    other = build_tiny_causal_lm(tmp_path / "other", tok, arch="llama")
+    with pytest.raises(ConfigError, match=r"ref.model=.*other.* has a different tokenizer from actor.model \(vocabulary \d+ vs 15 tokens"):
+        Trainer(small_cfg(f"ref.model={other}"))
+    with pytest.raises(ConfigError, match=r"critic.model=.*has a different tokenizer"):
+        Trainer(small_cfg(f"critic.model={other}", "algo.adv_estimator=gae"))
+
+
+def test_model_dir_with_truncated_weights(small_cfg, tmp_path):
+    bad = tmp_path / "trunc"
+    shutil.copytree(default_reference_path(), bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ConfigError, match=r"cannot load a causal LM from .*trunc: SafetensorError"):
+        Trainer(small_cfg(f"actor.model={bad}"))
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(small_cfg, tmp_path):
+    f = tmp_path / "chars.jsonl"
+    f.write_text(json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}) + "\n"
+                 + json.dumps({"prompt": "3,1x=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,1"}}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.train_files: row 1 \('3,1x='\) cannot be tokenized"):
+        Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))

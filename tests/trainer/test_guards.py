@@ -272,15 +272,18 @@ def test_nan_rewards_are_dropped_counted_and_never_reach_the_weights(tmp_path, c
     assert "guard/nonfinite_reward: step 1: 4 non-finite reward(s); those samples were dropped" in caplog.text
     before = params(t)
     m2 = t.train_step()  # every reward NaN: nothing left to learn from, the update is skipped
-    assert m2["reward/all_invalid"] == 1.0 and m2["reward/nonfinite_count"] == 16.0 and m2["guard/nonfinite"] == 1.0
+    assert m2["reward/all_invalid"] == 1.0 and m2["reward/nonfinite_count"] == 16.0 and m2["guard/empty_batch"] == 1.0
     assert "policy/updates" not in m2 and same(before, params(t))
-    assert "guard/nonfinite: step 2: non-finite KL to the reference (nan; non-finite, or no valid sample left)" in caplog.text
+    assert (
+        "guard/empty_batch: step 2: every sample of the batch was dropped (reward/nonfinite_count=16, reward/invalid_count=16)"
+        in caplog.text
+    )
     m3 = t.train_step()
     assert m3["guard/nonfinite_reward"] == 4.0 and m3["policy/updates"] == 2.0 and not same(before, params(t))
     assert_finite(t)
 
     stop = make(tmp_path / "stop", f"reward.function={fn}:reward", "guard.on_nonfinite=stop")
-    with pytest.raises(TrainingStopped, match=r"step 2: .*no valid sample left.*guard\.on_nonfinite=stop"):
+    with pytest.raises(TrainingStopped, match=r"step 2: every sample of the batch was dropped.*guard\.on_nonfinite=stop"):
         stop.fit()
     assert_finite(stop)
 
@@ -400,3 +403,13 @@ def test_a_drop_within_sampling_noise_is_not_a_rollback():
     g_off = _monitor(rollback_drop=0.05, rollback_z=0.0)
     g_off.stable_score, g_off.stable_sem = 0.90, 0.03
     assert abs(g_off.floor(0.03) - 0.855) < 1e-12
+
+
+def test_three_steps_without_a_valid_sample_stop_the_run(tmp_path):
+    fn = tmp_path / "nan_reward.py"
+    fn.write_text("def reward(ds, sols, gts, extras):\n    return [float('nan')] * len(sols)\n")
+    t = make(tmp_path, f"reward.function={fn}:reward", "trainer.total_steps=6")
+    with pytest.raises(TrainingStopped, match=r"step 3: every sample was dropped \(reward/nonfinite_count=16.*for 3 steps in a row"):
+        t.fit()
+    assert t.step == 3
+    assert_finite(t)

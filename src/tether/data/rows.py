@@ -387,7 +387,7 @@ def _build(
         more = f"\n  ... and {n_bad - len(problems)} more" if n_bad > len(problems) else ""
         raise DataError(
             f"{source}: {n_bad} malformed row(s) of {len(located)} (fix them, or load with "
-            f"skip_invalid=True to drop them):\n  " + "\n  ".join(problems) + more,
+            f"data.skip_invalid=true (skip_invalid=True in Python) to drop them):\n  " + "\n  ".join(problems) + more,
             problems, n_bad,
         )
     if not rows:

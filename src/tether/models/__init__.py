@@ -13,6 +13,12 @@ from tether.config import EMBEDDED, ConfigError
 
 log = logging.getLogger("tether")
 
+try:
+    from safetensors import SafetensorError
+except ImportError:  # pragma: no cover - safetensors is a dependency
+    SafetensorError = OSError
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,7 +71,11 @@ def load_causal_lm(path: Path, *, dtype: str = "float32", trust_remote_code: boo
     """AutoModelForCausalLM from a local directory (safetensors preferred), in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    except _LOAD_ERRORS as e:  # no weights, a truncated file, an unknown architecture
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"cannot load a causal LM from {path}: {type(e).__name__}: {first}") from None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -118,7 +128,11 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, path: Path, *, dtype: str = "float32", trust_remote_code: bool = False) -> ValueModel:
         from transformers import AutoModel
 
-        backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        try:
+            backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        except _LOAD_ERRORS as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConfigError(f"cannot load the critic backbone from {path}: {type(e).__name__}: {first}") from None
         return cls(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -156,7 +156,7 @@ class RewardManager:
         reward_model_chat_template: bool = True,
     ):
         if function and reward_model:
-            raise ValueError("set either reward.function or reward.reward_model, not both")
+            raise ValueError("set either reward.function or reward.model, not both")
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"reward.normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
         if clip is None and reward_model:

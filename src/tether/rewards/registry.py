@@ -120,7 +120,7 @@ def get_reward_function(data_source: str) -> SampleRewardFn:
         known = ", ".join(sorted(REWARD_FUNCTIONS))
         raise ValueError(
             f"no built-in reward function for data_source {data_source!r}; known: {known}. "
-            "Set reward.function=path/to/file.py:name or reward.reward_model=/path/to/model."
+            "Set reward.function=path/to/file.py:name or reward.model=/path/to/model."
         )
     if path in _cache:
         return _cache[path]

@@ -18,6 +18,9 @@ from tether.config import GuardConfig
 log = logging.getLogger("tether")
 
 
+EMPTY_STREAK_STOP = 3  # this many steps in a row with no valid sample stop the run
+
+
 class TrainingStopped(RuntimeError):
     """A guard stopped the run; the message says which and why."""
 
@@ -37,6 +40,7 @@ class GuardMonitor:
         self.stable_step: int | None = None
         self.stable_score: float | None = None
         self.stable_sem = 0.0
+        self.empty_streak = 0  # consecutive steps whose every sample was dropped
         self.val_step: int | None = None
         self.val_score: float | None = None
         self.val_sem = 0.0
@@ -68,14 +72,29 @@ class GuardMonitor:
         return out
 
     # ------------------------------------------------------------------ across steps
-    def before_update(self, step: int, kl_mean: float, scores: torch.Tensor, beta: float) -> str:
+    def before_update(self, step: int, kl_mean: float, scores: torch.Tensor, beta: float, *, n_valid: int | None = None, why: str = "") -> str:
         """'update' or 'skip' for this step's update; raises TrainingStopped when configured to stop.
 
         Args:
             kl_mean: ``kl/ref_mean`` of the batch (NaN when no sample is left, e.g. every reward invalid).
             scores: the batch's scores (invalid samples are already 0 and dropped).
+            n_valid: responses left after dropping bad samples; 0 skips the update with the event
+                ``guard/empty_batch`` (or stops under ``guard.on_nonfinite=stop``), naming ``why``.
         """
         self._step_metrics = {}
+        if n_valid == 0:
+            self.empty_streak += 1
+            msg = f"step {step}: every sample of the batch was dropped ({why or 'no valid response'}); the update is not applied"
+            if self.cfg.on_nonfinite == "stop":
+                raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
+            if self.empty_streak >= EMPTY_STREAK_STOP:
+                raise self._stop(
+                    "empty_batch", f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} steps in a "
+                    "row: the reward function or the data never give a valid sample (see the reward warnings above)",
+                )
+            self._event("empty_batch", msg)
+            return "skip"
+        self.empty_streak = 0
         scores_finite = bool(torch.isfinite(scores).all())
         if not math.isfinite(kl_mean) or not scores_finite:
             what = "scores" if not scores_finite else f"KL to the reference ({kl_mean}; non-finite, or no valid sample left)"
@@ -204,6 +223,7 @@ class GuardMonitor:
         return {
             "coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
             "val_step": self.val_step, "val_score": self.val_score, "stable_sem": self.stable_sem, "val_sem": self.val_sem,
+            "empty_streak": self.empty_streak,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -215,3 +235,4 @@ class GuardMonitor:
         self.val_score = state.get("val_score")
         self.stable_sem = float(state.get("stable_sem", 0.0))
         self.val_sem = float(state.get("val_sem", 0.0))
+        self.empty_streak = int(state.get("empty_streak", 0))

@@ -34,7 +34,7 @@ def _embedded_rows(split: str, n: int, seed: int) -> list[PromptRow]:
 
 def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """(train rows, val rows) from the data config. Raises DataError/ConfigError before training."""
-    kwargs = dict(prompt_key=cfg.prompt_key, response_key=cfg.response_key, score_key=cfg.score_key)
+    kwargs = dict(prompt_key=cfg.prompt_key, response_key=cfg.response_key, score_key=cfg.score_key, skip_invalid=cfg.skip_invalid)
     if cfg.train_files == EMBEDDED:
         train = _embedded_rows("train", cfg.embedded_train_size, seed)
     else:
@@ -42,7 +42,7 @@ def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[
     if cfg.val_files == EMBEDDED or (cfg.val_files is None and cfg.train_files == EMBEDDED):
         val = _embedded_rows("val", cfg.embedded_val_size, seed)
     elif cfg.val_files is not None:
-        val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key)  # validation generates: no response/score columns needed
+        val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key, skip_invalid=cfg.skip_invalid)  # validation generates: no response/score columns
     elif cfg.val_fraction > 0:
         train, val = split_rows(train, cfg.val_fraction, seed)
     else:
@@ -59,10 +59,13 @@ def prepare_prompts(rows: list[PromptRow], tokenizer, cfg: DataConfig, what: str
     """
     texts, ids, kept, overlong = [], [], [], []
     for row in rows:
-        text = render_prompt(row, tokenizer, apply_chat_template=cfg.apply_chat_template, instruction_suffix=cfg.instruction_suffix)
-        # a chat template already holds the special tokens it wants (no double BOS)
-        templated = isinstance(row.prompt, list) and cfg.apply_chat_template and has_chat_template(tokenizer)
-        tok = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        try:
+            text = render_prompt(row, tokenizer, apply_chat_template=cfg.apply_chat_template, instruction_suffix=cfg.instruction_suffix)
+            # a chat template already holds the special tokens it wants (no double BOS)
+            templated = isinstance(row.prompt, list) and cfg.apply_chat_template and has_chat_template(tokenizer)
+            tok = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - tokenizers raise plain Exceptions (e.g. a character with no token)
+            raise ConfigError(f"{what}: row {row.index} ({str(row.prompt)[:60]!r}) cannot be tokenized by the model's tokenizer: {e}") from None
         if len(tok) > cfg.max_prompt_length:
             overlong.append((row.index, len(tok)))
             continue

@@ -57,7 +57,13 @@ class OfflineScores:
 
         raw = torch.tensor([float("nan") if r.score is None else float(r.score) for r in rows])
         valid = torch.isfinite(raw)
-        return RewardResult(scores=torch.where(valid, raw, 0.0), valid=valid, raw_scores=raw, metrics={"reward/invalid_count": float((~valid).sum())}, errors=[])
+        metrics = {
+            "reward/dataset_score_count": float(valid.sum()),
+            "reward/invalid_count": float((~valid).sum()),
+            "reward/nonfinite_count": float((~valid).sum()),
+            "reward/raw_mean": float(raw[valid].mean()) if bool(valid.any()) else float("nan"),
+        }
+        return RewardResult(scores=torch.where(valid, raw, 0.0), valid=valid, raw_scores=raw, metrics=metrics, errors=[])
 
     def state_dict(self) -> dict:
         return {}
@@ -80,6 +86,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
     from tether.trainer.rollout import RolloutRunner
 
     device = pick_device(cfg.trainer.device)
+    if device.type == "cpu" and cfg.actor.dtype == "float16":
+        raise ConfigError("actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16")
     trc = cfg.actor.trust_remote_code
     actor_path = resolve_model_path(cfg.actor.model, "actor.model")
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
@@ -97,6 +105,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
         ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
     else:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
+        if ref_path != actor_path:
+            check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
         ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
         ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
     actor = ActorWorker(
@@ -106,6 +116,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
     critic = None
     if cfg.algo.adv_estimator == "gae":
         critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
+        if critic_path != actor_path:
+            check_same_tokenizer(tok, critic_path, "critic.model", trust_remote_code=trc)
         vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
         critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
@@ -141,6 +153,23 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
         eos_token_ids=generation_eos_ids(model),
     )  # fmt: skip
+
+
+def check_same_tokenizer(actor_tok, path, key: str, *, trust_remote_code: bool = False) -> None:
+    """The reference and the critic read the actor's token ids: their tokenizer must be the actor's.
+
+    Raises:
+        ConfigError: naming ``key`` when the vocabularies differ (a KL between models that number
+            tokens differently would be meaningless, and a smaller vocabulary would index out of range).
+    """
+    other = load_tokenizer(path, trust_remote_code=trust_remote_code, key=key)
+    a, b = actor_tok.get_vocab(), other.get_vocab()
+    if a != b:
+        diff = sum(1 for t, i in a.items() if b.get(t) != i)
+        raise ConfigError(
+            f"{key}={str(path)!r} has a different tokenizer from actor.model (vocabulary {len(b)} vs {len(a)} tokens, "
+            f"{diff} of the actor's tokens numbered differently); the reference and critic must share the actor's tokenizer"
+        )
 
 
 def generation_eos_ids(model) -> list[int]:

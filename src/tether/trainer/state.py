@@ -164,7 +164,22 @@ class CheckpointManager:
 
     def _load_weights(self, path: Path, *, schedule: bool = True) -> None:
         """Actor (critic, reference) weights and optimizer states; with ``schedule=False`` the current
-        learning rates and LR-scheduler state are kept (rollback)."""
+        learning rates and LR-scheduler state are kept (rollback).
+
+        Raises:
+            CheckpointError: a file is missing, or the checkpoint's tensors do not fit this config's
+                models (e.g. a checkpoint of another model): one line naming the checkpoint.
+        """
+        try:
+            self._load_weights_unchecked(path, schedule=schedule)
+        except CheckpointError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as e:  # size mismatches, optimizer groups that differ
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
+            raise CheckpointError(f"checkpoint {path} does not fit the configured models: {type(e).__name__}: {shown}") from None
+
+    def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
         roles = self.t.roles
         actor = roles.actor.model
         if hasattr(actor, "peft_config"):

@@ -59,8 +59,13 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
     m |= batch.extra.get("reward_metrics", {})
-    prompts = [p for p in batch.prompt_ids.tolist()]
-    m |= diversity_metrics(_response_tokens(batch, eos), batch.group_ids.tolist(), prompts=[[t for t in p if t != trainer.tok.pad_token_id] for p in prompts])
+    keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
+    if any(keep):
+        pad = trainer.tok.pad_token_id
+        tokens = [t for t, k in zip(_response_tokens(batch, eos), keep, strict=True) if k]
+        groups = [g for g, k in zip(batch.group_ids.tolist(), keep, strict=True) if k]
+        prompts = [[t for t in p if t != pad] for p, k in zip(batch.prompt_ids.tolist(), keep, strict=True) if k]
+        m |= diversity_metrics(tokens, groups, prompts=prompts)
     return m
 
 

@@ -56,6 +56,41 @@ def per_response_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return (torch.where(mask.bool(), x, 0.0).sum(-1)) / mask.sum(-1).clamp(min=1)
 
 
+def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
+    """The run directory and whether this call created it.
+
+    ``{time}`` in ``output_dir`` becomes a timestamp, made unique by a suffix when another run
+    claimed the same second (the directory is created atomically, so two runs never share one).
+    A fixed ``output_dir`` is used as given (created if needed), so re-running the same command
+    resumes from its checkpoints.
+
+    Raises:
+        ConfigError: the path exists and is not a directory, or cannot be created.
+    """
+    from tether.config import ConfigError
+
+    if run_dir is None and "{time}" in output_dir:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for i in range(1000):
+            path = Path(output_dir.replace("{time}", stamp + (f"-{i}" if i else "")))
+            try:
+                path.mkdir(parents=True, exist_ok=False)
+                return path, True
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise ConfigError(f"trainer.output_dir={output_dir!r}: cannot create {path}: {e}") from None
+    path = Path(run_dir or output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"trainer.output_dir={str(path)!r} exists and is not a directory")
+    existed = path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir={str(path)!r}: cannot create it: {e}") from None
+    return path, not existed
+
+
 class Trainer:
     """KL-regularized PPO / GRPO / RLOO / REINFORCE++ on Hugging Face causal LMs.
 
@@ -70,12 +105,30 @@ class Trainer:
         if threads:
             torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
-        self.run_dir = Path(run_dir or cfg.trainer.output_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, claimed = claim_run_dir(run_dir, cfg.trainer.output_dir)
+        try:
+            self._setup(cfg)
+        except BaseException:
+            if claimed and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a failed start leaves no empty run directory behind
+            raise
+        # only a start that got this far writes its config (a failed one never overwrites a run's)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        from tether.trainer.logging import MetricsLogger
+
+        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
+        from tether.diagnostics import LiveDiagnostics, read_metrics
+
+        self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
+        if self.step:
+            self.diagnostics.load(read_metrics(self.run_dir))
+            self.ckpt.restore_diagnostics(self.diagnostics)
+
+    def _setup(self, cfg: TetherConfig) -> None:
+        """Load models, data and state; resume. Raises ConfigError/DataError/CheckpointError before training."""
+        train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
-        train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         if hasattr(self.roles.reward, "check_rows"):
@@ -89,15 +142,6 @@ class Trainer:
 
         self.ckpt = CheckpointManager(self)
         self.ckpt.maybe_resume()
-        from tether.trainer.logging import MetricsLogger
-
-        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
-        from tether.diagnostics import LiveDiagnostics, read_metrics
-
-        self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
-        if self.step:
-            self.diagnostics.load(read_metrics(self.run_dir))
-            self.ckpt.restore_diagnostics(self.diagnostics)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -142,7 +186,7 @@ class Trainer:
             self.apply_kl(batch)
         with timer("advantages"):
             self.compute_advantages(batch)
-        action = self.guard.before_update(self.step, self.kl_mean(batch), batch.scores, self.beta)
+        action = self.guard.before_update(self.step, self.kl_mean(batch), batch.scores, self.beta, n_valid=self.n_valid(batch), why=drop_reasons(batch))
         update_metrics = {}
         if action == "update":
             with timer("update_critic"):
@@ -233,6 +277,11 @@ class Trainer:
             self.__dict__.pop("_exact_ref_cache", None)  # exact/* metrics must see the new reference
         return metrics
 
+    @staticmethod
+    def n_valid(batch: RolloutBatch) -> int:
+        """Responses that still count after bad samples were dropped."""
+        return int((batch.response_mask.sum(-1) > 0).sum())
+
     def kl_mean(self, batch: RolloutBatch) -> float:
         """kl/ref_mean: per-token KL averaged over each response, then over responses (nats per token)."""
         valid = batch.response_mask.sum(-1) > 0
@@ -243,7 +292,7 @@ class Trainer:
     def update_controller(self, batch: RolloutBatch) -> None:
         kl = self.kl_mean(batch)
         if math.isfinite(kl):
-            self.controller.update(kl, n_steps=int((batch.response_mask.sum(-1) > 0).sum()))
+            self.controller.update(kl, n_steps=self.n_valid(batch))
 
     # ------------------------------------------------------------------ metrics, validation
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
@@ -261,6 +310,13 @@ class Trainer:
         self.last_val = validate(self)
         self.guard.after_validation(self)
         return self.last_val
+
+
+def drop_reasons(batch: RolloutBatch) -> str:
+    """Why samples were dropped, from the reward's counters (e.g. ``reward/error_count=128``)."""
+    m = batch.extra.get("reward_metrics", {})
+    keys = ("reward/error_count", "reward/nonfinite_count", "reward/nonnumeric_count", "reward/invalid_count", "rollout/empty_count")
+    return ", ".join(f"{k}={m[k]:g}" for k in keys if m.get(k))
 
 
 def token_level_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float) -> torch.Tensor:
