@@ -15,6 +15,7 @@ PANELS = [
     ("length", ["response/length_mean"], "tokens"),
     ("clipfrac", ["policy/clipfrac"], "fraction"),
     ("diversity", ["diversity/unique_frac", "diversity/collapse_rate", "diversity/distinct_2"], "fraction"),
+    ("exact", ["exact/score_mean", "exact/objective", "exact/opt_objective"], "score (exact, embedded task)"),
 ]
 
 
@@ -64,7 +65,8 @@ def write_report(run_dir: str | Path) -> Path:
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
-    axes.flat[-1].axis("off")
+    for ax in axes.flat[len(PANELS) :]:
+        ax.axis("off")
     fig_all.tight_layout()
     fig_all.savefig(out / "overview.png", dpi=90)
     plt.close(fig_all)
@@ -76,6 +78,8 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
     keys = [
         "reward/score_mean", "val/score_mean", "kl/ref_mean", "kl/coef", "policy/entropy", "response/length_mean",
         "policy/clipfrac", "diversity/unique_frac", "diversity/collapse_rate", "perf/tokens_per_s",
+        "exact/score_mean", "exact/kl_ref_tok", "exact/objective", "exact/opt_objective", "exact/objective_gap",
+        "exact/correct_effective_answers", "exact/opt_correct_effective_answers",
     ]  # fmt: skip
     lines = [f"# Run summary: {run_dir.name}", "", f"{len(history)} steps logged.", "", "| metric | first | last | min | max |", "|---|---|---|---|---|"]
     for key in keys:

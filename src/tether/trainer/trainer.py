@@ -202,7 +202,8 @@ class Trainer:
         with timer("checkpoint"):
             self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
         metrics |= timer.times
-        metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(sum(timer.times.values()), 1e-9)
+        train_s = sum(v for k, v in timer.times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
+        metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(train_s, 1e-9)  # training phases only
         self.logger.log(self.step, metrics)
         for finding in self.diagnostics.update(self.step, metrics):
             log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
