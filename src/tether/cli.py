@@ -80,7 +80,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else default_reference_path()
     kwargs = {"seed": args.seed}
-    if args.steps:
+    if args.steps is not None:
+        if args.steps < 1:
+            print(f"tether sft: --steps must be at least 1, got {args.steps}", file=sys.stderr)
+            return 2
         kwargs["steps"] = args.steps
     path = build_reference(out, **kwargs)
     print(f"reference policy written to {path}")
@@ -202,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("sft", help="(re)build the embedded task's tiny reference policy")
-    s.add_argument("--out", default=None)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--steps", type=int, default=None)
+    s.add_argument("--out", default=None, help="output directory (default: the shipped reference in src/tether/tasks/assets/digitsum_ref, "
+                   "rebuilt byte-identically with the default seed and steps)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the demonstrations and the initialisation (default 0)")
+    s.add_argument("--steps", type=int, default=None, help="SFT optimizer steps (default 1500, about 75 s on one core)")
     s.set_defaults(func=cmd_sft)
     r = sub.add_parser("report", help="plots and summary.md of a run directory")
     r.add_argument("run_dir")

@@ -145,7 +145,9 @@ class KLConfig(_Section):
     placement: Literal["reward", "loss", "both", "none"] = Field("reward", description="Where β·KL enters: shaped token rewards, the actor loss, both, or nowhere.")
     estimator: str = Field("k1", description="KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, full, or a straight-through variant k1+, k3+, ...")
     loss_estimator: str | None = Field(None, description="Estimator for the loss placement; null = kl.estimator.")
-    loss_agg_mode: str | None = Field(None, description="Aggregation of the KL loss; null = algo.loss_agg_mode.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
+        None, description="Aggregation of the KL loss; null = algo.loss_agg_mode."
+    )
     coef: float = Field(0.05, ge=0, description="β: the initial (or fixed) KL coefficient.")
     controller: Literal["fixed", "adaptive", "band", "exponential", "scheduled"] = Field("fixed", description="How β changes over training.")
     target: float = Field(0.02, gt=0, description="adaptive/exponential: target KL, nats per token (kl/ref_mean).")
@@ -247,6 +249,14 @@ class GuardConfig(_Section):
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
     max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
+
+    _rollback_metric = field_validator("rollback_metric")(classmethod(lambda cls, v: _check_rollback_metric(v)))
+
+
+def _check_rollback_metric(v: str) -> str:
+    if v != "auto" and not v.startswith(("val/", "exact/")):
+        raise ValueError("guard.rollback_metric must be auto or a validation metric (val/... or exact/...)")
+    return v
 
 
 class TetherConfig(_Section):
@@ -386,6 +396,19 @@ def config_to_yaml(cfg: TetherConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
+def _choices(annotation) -> list:
+    """The allowed values of a Literal field (also inside ``X | None`` or a list), else []."""
+    from typing import get_args, get_origin
+
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    for arg in get_args(annotation):
+        found = _choices(arg)
+        if found:
+            return found
+    return []
+
+
 def describe_config() -> str:
     """Every key with its default and description, for ``tether train --help-config``."""
     lines = []
@@ -397,9 +420,9 @@ def describe_config() -> str:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, val, prefix + name + ".")
             else:
-                if isinstance(val, float) and not math.isfinite(val):
-                    val = str(val)
-                lines.append(f"{prefix + name:32s} {val!r:>22}  {field.description or ''}")
+                choices = _choices(ann)
+                extra = f" [{' | '.join(map(str, choices))}]" if choices else ""
+                lines.append(f"{prefix + name:32s} {val!r:>22}  {field.description or ''}{extra}")
 
     walk(TetherConfig, TetherConfig(), "")
     return "\n".join(lines)
