@@ -44,7 +44,7 @@ def test_lora_trains_adapters_and_the_reference_is_the_base_model(small_cfg):
     base_lp = ReferenceWorker(base_model, micro_batch_size=64, temperature=t.cfg.rollout.temperature).compute_logprobs(batch)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(ref_lp[mask], base_lp[mask], rtol=0, atol=1e-6)
-    actor_lp, _, _ = t.roles.actor.compute_logprobs(batch, with_entropy=False)
+    actor_lp, _, _, _ = t.roles.actor.compute_logprobs(batch, with_entropy=False)
     assert float((actor_lp - ref_lp)[mask].abs().max()) > 1e-3, "the trained policy equals the reference"
 
 
@@ -68,7 +68,7 @@ def test_lora_checkpoint_resume_and_export(small_cfg, tmp_path):
     merged = load_causal_lm(export_checkpoint(ckpt, tmp_path / "export")).to(a.device)
     assert not any("lora_" in k for k, _ in merged.named_parameters())
     batch = a.rollout()
-    want, _, _ = a.roles.actor.compute_logprobs(batch, with_entropy=False)
+    want, _, _, _ = a.roles.actor.compute_logprobs(batch, with_entropy=False)
     got = ReferenceWorker(merged, micro_batch_size=64, temperature=a.cfg.rollout.temperature).compute_logprobs(batch)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5)

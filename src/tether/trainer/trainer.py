@@ -232,8 +232,8 @@ class Trainer:
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each)."""
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
-        batch.old_logprobs, batch.entropy, kl_full = self.roles.actor.compute_logprobs(batch, with_entropy=True, full_kl_ref=full)
-        batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
+        batch.old_logprobs, batch.entropy, kl_full, ref_lp = self.roles.actor.compute_logprobs(batch, with_entropy=True, full_kl_ref=full)
+        batch.ref_logprobs = ref_lp if ref_lp is not None else self.roles.ref.compute_logprobs(batch)
         if kl_full is not None:
             batch.extra["kl_full"] = kl_full
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.algos import agg_loss, kl_full, kl_penalty, ppo_policy_loss
+from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
 from tether.models import response_logprobs
 from tether.trainer.batch import RolloutBatch
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
@@ -38,12 +38,14 @@ class ActorUpdateSpec:
 def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None):
     """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch.
 
-    With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary,
-    computed micro-batch by micro-batch so that only one micro-batch of (b, t, V) logits is alive.
-    Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None), nats.
+    With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary
+    and the reference's log-probs, from one reference forward per micro-batch, so that only one
+    micro-batch of (b, t, V) logits of each model is alive.
+    Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None, ref_logprobs (B, T) or
+    None), nats.
     """
     T = batch.response_ids.shape[1]
-    lps, ents, kls = [], [], []
+    lps, ents, kls, ref_lps = [], [], [], []
     with torch.no_grad():
         for mb in micro_batches(batch, micro_batch_size):
             ids, mask, t = trim(mb)
@@ -53,11 +55,14 @@ def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, tempera
             if with_entropy:
                 ents.append(pad_to(ent.float(), T))
             if keep:
-                kls.append(pad_to(kl_full(lg.float(), full_kl_ref.logits_for(ids, mask, t).float(), temperature=temperature), T))
+                ref_lg = full_kl_ref.logits_for(ids, mask, t).float()
+                kls.append(pad_to(kl_full(lg.float(), ref_lg, temperature=temperature), T))
+                ref_lps.append(pad_to(logprobs_from_logits(ref_lg, ids[:, -t:], temperature), T))
     return (
         torch.cat(lps),
         torch.cat(ents) if with_entropy else None,
         torch.cat(kls) if kls else None,
+        torch.cat(ref_lps) if ref_lps else None,
     )
 
 
@@ -116,7 +121,8 @@ class ActorWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
 
     def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref: ReferenceWorker | None = None):
-        """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it; nats."""
+        """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
+        ref_logprobs (B, T) from the same reference pass; nats."""
         self.model.eval()
         return _forward_logprobs(self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref)
 
