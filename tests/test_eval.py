@@ -154,3 +154,12 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     batch = runner.rollout(prompts, [0, 1], 2)
     reward(batch.rows, batch.prompts, batch.responses)  # a training call does update it
     assert reward.state_dict() != before
+
+
+def test_embedded_data_needs_no_file():
+    """DATA=embedded evaluates the digit-sum task's held-out prompts (the 4 val sums) without a file."""
+    samples: list[dict] = []
+    m = evaluate("embedded", "embedded", EvalSettings(k=2, max_new_tokens=4, batch_size=8), samples=samples)
+    assert m["prompts"] == 4 and len(samples) == 8
+    assert sorted({s["prompt"] for s in samples}) == ["3,11=", "3,16=", "3,21=", "3,6="]
+    _check_aggregates(m, samples, 2)

@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _add_eval_parser(sub) -> None:
     v = sub.add_parser("eval", help="accuracy (pass@1, mean@k), response length and diversity of a model or checkpoint")
     v.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="model directory, checkpoint (step_N), run directory, or 'embedded'")
-    v.add_argument("data", metavar="DATA", help="prompts in verl's schema (.jsonl/.json/.parquet)")
+    v.add_argument("data", metavar="DATA", help="prompts in verl's schema (.jsonl/.json/.parquet), or embedded[:val|:train] for the digit-sum task's prompts")
     v.add_argument("--k", type=int, default=None, help="samples per prompt (default 4, or the run's trainer.val_n)")
     v.add_argument("--greedy", action="store_true", help="greedy decoding, one response per prompt")
     v.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0, or the run's)")

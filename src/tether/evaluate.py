@@ -190,7 +190,14 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
     s.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype, "seed": s.seed,
                       "run": str(run) if run else None}  # fmt: skip
 
-    rows = load_rows(data, prompt_key=r["prompt_key"])
+    if str(data) in ("embedded", "embedded:val", "embedded:train"):  # the embedded task's prompts, no file needed
+        from tether.data import rows_from_records
+        from tether.tasks.digitsum import make_dataset
+
+        split = str(data).partition(":")[2] or "val"
+        rows = rows_from_records(make_dataset(split), source=f"embedded:{split}")
+    else:
+        rows = load_rows(data, prompt_key=r["prompt_key"])
     if s.limit is not None:  # render only what is evaluated: the rows of the first `limit` distinct prompts
         seen: set[str] = set()
         kept = []
