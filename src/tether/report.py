@@ -88,7 +88,11 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
             lines.append(f"| `{key}` | {ys[0]:.4g} | {ys[-1]:.4g} | {min(ys):.4g} | {max(ys):.4g} |")
     total_s = sum(v for rec in history for k, v in rec.items() if k.startswith("timing/") and isinstance(v, (int, float)))
     lines += ["", f"Wall time in logged phases: {total_s:.1f} s.", "", "![overview](overview.png)", ""]
-    guard = {k: sum(rec.get(k, 0) or 0 for rec in history) for rec in history for k in rec if k.startswith("guard/") and k not in ("guard/coef_scale", "guard/rollbacks")}
+    guard: dict[str, float] = {}  # event counts summed over the run (the state gauges are left out)
+    for rec in history:
+        for k, v in rec.items():
+            if k.startswith("guard/") and k not in ("guard/coef_scale", "guard/rollbacks") and isinstance(v, (int, float)):
+                guard[k] = guard.get(k, 0.0) + v
     if any(guard.values()):
         lines += ["Guard events: " + ", ".join(f"`{k}` × {int(v)}" for k, v in guard.items() if v), ""]
     return "\n".join(lines)

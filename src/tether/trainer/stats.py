@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tether.algos import kl_penalty
+from tether.algos import kl_penalty, masked_mean
 from tether.metrics.diversity import diversity_metrics
 from tether.trainer.batch import RolloutBatch
 
@@ -29,7 +29,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     mask = batch.response_mask
     valid = mask.sum(-1) > 0
     lengths = mask.sum(-1).float()
-    per_tok = lambda x: (torch.where(mask.bool(), x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1))[valid]  # noqa: E731
+    per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
     beta = trainer.beta
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)

@@ -21,7 +21,8 @@ from tether.algos import (
     compute_advantages,
     kl_penalty,
     make_kl_controller,
-    masked_mean,
+    mean_kl_per_token,
+    token_level_rewards_from_kl,
 )
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer.batch import RolloutBatch
@@ -49,11 +50,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def per_response_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) masked mean over each response's tokens (0 for a response with no valid token)."""
-    return (torch.where(mask.bool(), x, 0.0).sum(-1)) / mask.sum(-1).clamp(min=1)
 
 
 def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
@@ -251,7 +247,7 @@ class Trainer:
         mask = batch.response_mask.bool()
         batch.kl = torch.where(mask, kl, 0.0)
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
-        batch.token_level_rewards = token_level_rewards(batch.scores, batch.kl, batch.response_mask, beta)
+        batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
 
     def compute_advantages(self, batch: RolloutBatch) -> None:
         a = self.cfg.algo
@@ -285,10 +281,9 @@ class Trainer:
 
     def kl_mean(self, batch: RolloutBatch) -> float:
         """kl/ref_mean: per-token KL averaged over each response, then over responses (nats per token)."""
-        valid = batch.response_mask.sum(-1) > 0
-        if not bool(valid.any()):
+        if self.n_valid(batch) == 0:
             return float("nan")
-        return float(per_response_token_mean(batch.kl, batch.response_mask)[valid].mean())
+        return float(mean_kl_per_token(batch.kl, batch.response_mask))
 
     def update_controller(self, batch: RolloutBatch) -> None:
         kl = self.kl_mean(batch)
@@ -320,16 +315,6 @@ def drop_reasons(batch: RolloutBatch) -> str:
     return ", ".join(f"{k}={m[k]:g}" for k in keys if m.get(k))
 
 
-def token_level_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """(B, T): ``scores`` on each response's last valid token, minus β·KL on every valid token.
-
-    A response with no valid token gets all zeros. Same placement as verl's ``apply_kl_penalty``.
-    """
-    from tether.algos import token_level_rewards_from_kl
-
-    return token_level_rewards_from_kl(scores, kl, response_mask, beta)
-
-
 def controller_kwargs(cfg: TetherConfig) -> dict:
     """Constructor arguments of the chosen KL controller, from the ``kl`` section."""
     k = cfg.kl
@@ -345,5 +330,3 @@ def controller_kwargs(cfg: TetherConfig) -> dict:
     }[k.controller]
     return common | extra
 
-
-__all__ = ["Trainer", "TrainingStopped", "EMBEDDED", "masked_mean"]

@@ -104,9 +104,6 @@ class ReferenceWorker:
             raise ValueError("ref.reset_every is not supported with a LoRA adapter-disabled reference")
         self.model.load_state_dict(actor_model.state_dict())
 
-    def state_dict(self) -> dict:
-        return {}
-
 
 class ActorWorker:
     """Owns the policy π_θ, its AdamW optimizer and LR schedule; computes log-probs and PPO updates."""
