@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tether.rollout import response_mask_from_ids
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 from tether.trainer.prompts import PromptSet, collate_prompts
 
 

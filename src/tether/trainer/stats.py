@@ -6,7 +6,7 @@ import torch
 
 from tether.algos import kl_penalty, masked_mean
 from tether.metrics.diversity import diversity_metrics
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 
 CORRECT_THRESHOLD = 0.5  # a sample counts as correct (pass@k) when its score is at least this
 

@@ -25,7 +25,7 @@ from tether.algos import (
     token_level_rewards_from_kl,
 )
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
 from tether.trainer.setup import build_roles

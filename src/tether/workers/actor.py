@@ -10,7 +10,7 @@ import torch
 
 from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
 from tether.models import response_logprobs
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 
 
 def mini_batches(batch: RolloutBatch, size: int, generator: torch.Generator) -> Iterator[RolloutBatch]:

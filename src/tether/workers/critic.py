@@ -8,7 +8,7 @@ import torch
 
 from tether.algos import ppo_value_loss
 from tether.models import ValueModel
-from tether.trainer.batch import RolloutBatch
+from tether.batch import RolloutBatch
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 

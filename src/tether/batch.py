@@ -1,4 +1,8 @@
-"""The rollout batch: one typed object carried through every phase of a training step."""
+"""The rollout batch: the transport object of a training step, below both the trainer and the workers.
+
+One typed object carried through every phase; workers (local or remote) read and return it, so it
+imports nothing above `tether.data`.
+"""
 
 from __future__ import annotations
 
