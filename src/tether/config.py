@@ -201,6 +201,16 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
 
 
+class FSDPConfig(_Section):
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="trainer.backend=ray: dtype FSDP2 gathers parameters in for compute (bfloat16 with actor.dtype=float32 = fp32 master weights and AdamW state); null = actor.dtype."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="trainer.backend=ray: dtype of FSDP2's gradient reduce-scatter.")
+    cpu_offload: bool = Field(False, description="trainer.backend=ray: keep sharded parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).")
+    activation_checkpointing: bool = Field(False, description="trainer.backend=ray: recompute each transformer block's activations in the backward.")
+    reshard_after_forward: bool = Field(True, description="trainer.backend=ray: free gathered parameters after each block's forward (ZeRO-3); false keeps them to the backward.")
+
+
 class TrainerConfig(_Section):
     total_steps: int = Field(300, ge=1, description="Training steps (one rollout batch each).")
     save_freq: int = Field(100, ge=0, description="Checkpoint every N steps and at the end (0 = only at the end).")
@@ -218,6 +228,13 @@ class TrainerConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar.")
     report: bool = Field(True, description="Write plots and summary.md at the end of the run.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = auto: 1 for the embedded tiny model (threading overhead dominates), torch's default otherwise.")
+    backend: Literal["local", "ray"] = Field("local", description="local: every role in this process; ray: actor, reference and critic as Ray actors with FSDP2 (docs/distributed.md).")
+    n_workers: int = Field(1, ge=1, description="trainer.backend=ray: data-parallel workers (FSDP2 ranks) per worker group; with GPUs, nnodes * n_gpus_per_node when left at 1.")
+    ray_address: str | None = Field(None, description="trainer.backend=ray: cluster to attach to ('auto', 'ray://host:10001', host:port); null starts a local Ray that tether shuts down at the end.")
+    nnodes: int = Field(1, ge=1, description="trainer.backend=ray: nodes the worker groups span.")
+    n_gpus_per_node: int = Field(0, ge=0, description="trainer.backend=ray: GPUs per node for the workers; 0 = CPU workers (gloo).")
+    placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference and critic share each worker's device; split = the critic gets its own worker group and devices.")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 sharding of the Ray backend's workers.")
 
 
     @field_validator("output_dir")
@@ -259,6 +276,17 @@ def _check_rollback_metric(v: str) -> str:
     return v
 
 
+def _check_distributed(cfg) -> None:
+    """The Ray backend's degrees, checked in one place before anything starts."""
+    t = cfg.trainer
+    if t.n_gpus_per_node and t.n_workers not in (1, t.nnodes * t.n_gpus_per_node):
+        raise ValueError(f"trainer.n_workers={t.n_workers} must equal trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} (one worker per GPU)")
+    if t.n_gpus_per_node == 0 and t.device == "cuda":
+        raise ValueError("trainer.device=cuda with trainer.backend=ray needs trainer.n_gpus_per_node >= 1")
+    if cfg.rollout.engine == "vllm":
+        raise ValueError("trainer.backend=ray runs rollouts with rollout.engine=hf for now (vLLM replicas as Ray actors are not wired yet)")
+
+
 class TetherConfig(_Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
@@ -277,6 +305,8 @@ class TetherConfig(_Section):
             raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} needs rollout.n >= 2 (a group), got {self.rollout.n}")
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
+        if self.trainer.backend == "ray":
+            _check_distributed(self)
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

@@ -78,6 +78,14 @@ def load_causal_lm(path: Path, *, dtype: str = "float32", trust_remote_code: boo
         raise ConfigError(f"cannot load a causal LM from {path}: {type(e).__name__}: {first}") from None
 
 
+def apply_lora(model, lora):
+    """``model`` with peft LoRA adapters from an ``actor.lora`` section (rank, alpha, dropout, target_modules)."""
+    from peft import LoraConfig, get_peft_model
+
+    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"))
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) positions that skip left padding, exactly as ``generate`` computes them."""
     pos = attention_mask.long().cumsum(-1) - 1

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tether.config import ConfigError, TetherConfig
-from tether.models import ValueModel, load_causal_lm, load_tokenizer, resolve_model_path
+from tether.models import ValueModel, apply_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from tether.workers import ActorWorker, CriticWorker, ReferenceWorker
 from tether.workers.actor import ActorUpdateSpec
 
@@ -72,14 +72,6 @@ class OfflineScores:
         pass
 
 
-def _apply_lora(model, cfg: TetherConfig):
-    from peft import LoraConfig, get_peft_model
-
-    lora = cfg.actor.lora
-    target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"))
-
-
 def build_roles(cfg: TetherConfig) -> Roles:
     """Load every model once and wire the roles. Raises ConfigError for a bad model directory."""
     from tether.rewards import RewardManager
@@ -101,7 +93,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
         if cfg.ref.reset_every:
             raise ConfigError("ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 "
                               "(the reference is the base model with the adapters disabled)")
-        model = _apply_lora(model, cfg)
+        model = apply_lora(model, cfg.actor.lora)
         ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
     else:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path

@@ -11,7 +11,7 @@ import torch
 from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
 from tether.models import response_logprobs
 from tether.batch import RolloutBatch
-from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+from tether.workers.common import LocalDataParallel, MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,7 @@ class ActorWorker:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+        self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
@@ -145,7 +146,8 @@ class ActorWorker:
         early_stop = False
         for _ in range(spec.ppo_epochs):
             for mini in mini_batches(batch, spec.mini_batch_size, gen):
-                metrics, loss_finite = self._mini_batch_step(mini, spec, ref)
+                metrics, loss_finite = self._mini_batch_step(self.dp.shard(mini), spec, ref)
+                metrics, loss_finite = self.dp.reduce(metrics, loss_finite)  # the same decision on every rank
                 if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
                     # Spinning Up's early stop: the policy is already too far from the rollout policy,
                     # so neither this mini-batch's update nor the remaining ones are applied
@@ -172,8 +174,7 @@ class ActorWorker:
         return out
 
     def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None):
-        total_tokens = float(mini.response_mask.sum())
-        total_seqs = float(len(mini))
+        total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
         sums: dict[str, float] = {}
         finite = True
 

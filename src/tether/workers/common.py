@@ -48,7 +48,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
         (grad_norm before clipping, whether the step was applied).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
     applied = math.isfinite(grad_norm)
     if applied:
         optimizer.step()
@@ -56,6 +57,33 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, applied
+
+
+class LocalDataParallel:
+    """The data-parallel hooks of a worker that runs alone (world size 1): every one is the identity.
+
+    A distributed worker replaces ``worker.dp`` with ``tether.distributed.DataParallel``, whose hooks
+    take this rank's share of each mini-batch, all-reduce the loss normalisers (N valid tokens, S
+    sequences) across ranks before the backward, and reduce the mini-batch's metrics; the actor's and
+    critic's math does not change.
+    """
+
+    world_size = 1
+
+    def shard(self, mini: RolloutBatch) -> RolloutBatch:
+        """This rank's rows of a mini-batch (all of them)."""
+        return mini
+
+    def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
+        """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses."""
+        from tether.algos.losses import loss_normalizers
+
+        tokens, seqs = loss_normalizers(mini.response_mask)
+        return float(tokens), float(seqs)
+
+    def reduce(self, metrics: dict[str, float], finite: bool) -> tuple[dict[str, float], bool]:
+        """The mini-batch's metrics and loss finiteness over all ranks (unchanged here)."""
+        return metrics, finite
 
 
 class MetricAccumulator:

@@ -9,7 +9,7 @@ import torch
 from tether.algos import ppo_value_loss
 from tether.models import ValueModel
 from tether.batch import RolloutBatch
-from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+from tether.workers.common import LocalDataParallel, MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
 class CriticWorker:
@@ -23,6 +23,7 @@ class CriticWorker:
         self.value_clip = value_clip
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         self.scheduler = None
+        self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """(B, T) V(s_t) under the current critic, 0 on masked positions."""
@@ -47,7 +48,8 @@ class CriticWorker:
         skipped = 0
         for _ in range(ppo_epochs):
             for mini in mini_batches(batch, mini_batch_size, gen):
-                total_tokens, total_seqs = float(mini.response_mask.sum()), float(len(mini))
+                mini = self.dp.shard(mini)  # this rank's rows (all of them locally)
+                total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
                 sums = {"value/loss": 0.0, "value/clipfrac": 0.0}
                 finite = True
                 for mb in micro_batches(mini, self.micro_batch_size):
@@ -64,6 +66,7 @@ class CriticWorker:
                     loss.backward()
                     sums["value/loss"] += float(loss.detach())
                     sums["value/clipfrac"] += m["value/clipfrac"] * float(rmask.sum()) / max(total_tokens, 1.0)
+                sums, finite = self.dp.reduce(sums, finite)  # the same decision on every rank
                 if finite:
                     grad_norm, applied = optimizer_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
                 else:  # one micro-batch's loss is non-finite: drop the whole mini-batch, as the actor does

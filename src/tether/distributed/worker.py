@@ -1,0 +1,210 @@
+"""One data-parallel rank of a worker group: the same role classes as the local backend, FSDP2-sharded.
+
+:class:`RankWorker` builds, on its rank, the models of the roles it hosts (actor + reference, and/or
+critic), applies :func:`tether.distributed.parallel.parallelize` to each, wraps them in the local
+backend's :class:`~tether.workers.ActorWorker` / :class:`~tether.workers.ReferenceWorker` /
+:class:`~tether.workers.CriticWorker` and gives those the :class:`~tether.distributed.dp.DataParallel`
+hooks. Every public method declares how the driver dispatches to it (:func:`register`). The class is
+plain Python: the Ray backend runs it as a Ray actor, the tests also in ``torch.multiprocessing``
+processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import fields, replace
+
+import torch
+
+from tether.batch import RolloutBatch
+from tether.distributed.dp import DataParallel, real_rows
+from tether.distributed.parallel import FSDPSettings, ParallelDims, parallelize
+
+#: Dispatch modes. DP_SPLIT: the batch (first argument) is split across ranks by tokens and the
+#: per-row results come back in the batch's order. ALL: every rank gets the same arguments (a
+#: collective: an update, a checkpoint) and rank 0's result is returned.
+DP_SPLIT, ALL = "dp_split", "all"
+
+
+def register(mode: str):
+    """Declare beside a worker method how the driver calls it (verl's ``@register``, two modes)."""
+
+    def mark(fn):
+        fn.dispatch_mode = mode
+        return fn
+
+    return mark
+
+
+def batch_to(batch: RolloutBatch, device) -> RolloutBatch:
+    """The batch with every tensor field on ``device``."""
+    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
+
+
+def fsdp_settings(cfg) -> FSDPSettings:
+    f = cfg.trainer.fsdp
+    return FSDPSettings(
+        param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype, cpu_offload=f.cpu_offload,
+        activation_checkpointing=f.activation_checkpointing or cfg.actor.gradient_checkpointing,
+        reshard_after_forward=f.reshard_after_forward,
+    )  # fmt: skip
+
+
+class RankWorker:
+    """The roles of one rank. ``roles`` ⊆ {"actor", "critic"}; "actor" brings the reference with it.
+
+    Args:
+        cfg: the run's TetherConfig.
+        rank, world_size: this rank in its worker group's process group.
+        master_addr, master_port: the group's rendezvous (rank 0's host).
+        roles: which roles this group hosts.
+        lora_state: the driver's initial LoRA adapter weights (so every rank starts from the
+            driver's adapters), or None.
+    """
+
+    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int, roles=("actor",), lora_state=None):
+        import torch.distributed as dist
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.role_names = tuple(roles)
+        threads = cfg.trainer.threads or (1 if cfg.actor.model == "embedded" else 0)
+        if threads:
+            torch.set_num_threads(threads)
+        use_gpu = cfg.trainer.n_gpus_per_node > 0
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world_size)
+        self.dims = ParallelDims(dp_shard=world_size, world_size=world_size)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.settings = fsdp_settings(cfg)
+        self.dp = DataParallel(rank, world_size)
+        self.actor = self.ref = self.critic = None
+        if "actor" in self.role_names:
+            self._build_actor(lora_state)
+        if "critic" in self.role_names:
+            self._build_critic()
+
+    # ------------------------------------------------------------------ building
+    def _parallelize(self, model):
+        return parallelize(model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh)
+
+    def _build_actor(self, lora_state) -> None:
+        from tether.models import apply_lora, load_causal_lm, resolve_model_path
+        from tether.workers import ActorWorker, ReferenceWorker
+
+        cfg = self.cfg
+        trc, temp, mbs = cfg.actor.trust_remote_code, cfg.rollout.temperature, cfg.actor.micro_batch_size
+        actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+        model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc)
+        if cfg.actor.lora.rank > 0:
+            model = apply_lora(model, cfg.actor.lora)
+            if lora_state is not None:
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(model, lora_state)
+            ref_model = None
+        else:
+            ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
+            ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc)
+        model = self._parallelize(model)
+        if ref_model is None:
+            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp)
+        else:
+            ref_model.requires_grad_(False)
+            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp)
+        self.actor = ActorWorker(
+            model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
+            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp,
+        )  # fmt: skip
+        self.actor.dp = self.dp
+
+    def _build_critic(self) -> None:
+        from tether.models import ValueModel, resolve_model_path
+        from tether.workers import CriticWorker
+
+        cfg = self.cfg
+        path = resolve_model_path(cfg.critic.model or cfg.actor.model, "critic.model")
+        vm = self._parallelize(ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=cfg.actor.trust_remote_code))
+        self.critic = CriticWorker(
+            vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
+            value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+        )  # fmt: skip
+        self.critic.dp = self.dp
+
+    def _role(self, name: str):
+        role = getattr(self, name)
+        if role is None:
+            raise ValueError(f"this worker group hosts {self.role_names}, not {name}")
+        return role
+
+    # ------------------------------------------------------------------ no-grad passes (split by tokens)
+    @register(DP_SPLIT)
+    def compute_logprobs(self, shard: RolloutBatch, with_entropy: bool = True, full_kl: bool = False):
+        """The actor's (old_logprobs, entropy, kl_full, ref_logprobs) for this rank's shard (see
+        ``ActorWorker.compute_logprobs``); padding rows removed, on the CPU."""
+        n = real_rows(shard)
+        out = self.actor.compute_logprobs(batch_to(shard, self.device), with_entropy=with_entropy, full_kl_ref=self.ref if full_kl else None)
+        return tuple(None if x is None else x[:n].cpu() for x in out)
+
+    @register(DP_SPLIT)
+    def ref_logprobs(self, shard: RolloutBatch) -> torch.Tensor:
+        """ref_logprobs (rows, T), nats."""
+        return self._role("ref").compute_logprobs(batch_to(shard, self.device))[: real_rows(shard)].cpu()
+
+    @register(DP_SPLIT)
+    def compute_values(self, shard: RolloutBatch) -> torch.Tensor:
+        """V(s_t) (rows, T)."""
+        return self._role("critic").compute_values(batch_to(shard, self.device))[: real_rows(shard)].cpu()
+
+    # ------------------------------------------------------------------ updates (the whole batch on every rank)
+    @register(ALL)
+    def update_actor(self, batch: RolloutBatch, spec, step: int) -> dict[str, float]:
+        """``ActorWorker.update``: every rank draws the same mini-batches and trains on its share of each."""
+        return self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref)
+
+    @register(ALL)
+    def update_critic(self, batch: RolloutBatch, kwargs: dict) -> dict[str, float]:
+        return self._role("critic").update(batch_to(batch, self.device), **kwargs)
+
+    @register(ALL)
+    def scale_lr(self, role: str, factor: float) -> float:
+        """Multiply a role's learning rates by ``factor``; returns the new first-group LR."""
+        worker = self._role(role)
+        worker.scale_lr(factor)
+        return worker.optimizer.param_groups[0]["lr"]
+
+    @register(ALL)
+    def lr(self, role: str) -> float:
+        return self._role(role).optimizer.param_groups[0]["lr"]
+
+    @register(ALL)
+    def reset_ref(self) -> None:
+        """ref.reset_every: the reference takes the actor's weights, shard by shard (same layout)."""
+        if self.ref.model is None:
+            raise ValueError("ref.reset_every is not supported with a LoRA adapter-disabled reference")
+        self.ref.model.load_state_dict(self.actor.model.state_dict())
+
+    # ------------------------------------------------------------------ weights for the driver
+    @register(ALL)
+    def full_trainable_state(self, role: str = "actor") -> dict[str, torch.Tensor] | None:
+        """The unsharded trainable parameters of a role (CPU), on rank 0; None elsewhere. A collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model = self._role(role).model
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
