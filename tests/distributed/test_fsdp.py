@@ -116,9 +116,9 @@ def _rank_main(rank: int, world: int, port: int, recs: dict, out_path: str) -> N
             "adam": {str(v.dtype) for st in opt_state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")},
             "sharded": all(type(p).__name__ == "DTensor" for p in w.actor.model.parameters()),
         }
-        res["actor_final"] = w.full_trainable_state("actor")
+        res["actor_final"] = w.full_state("actor")
         if w.critic is not None:
-            res["critic_final"] = w.full_trainable_state("critic")
+            res["critic_final"] = w.full_state("critic")
         results[name] = res
     if rank == 0:
         torch.save(results, out_path)

@@ -189,16 +189,73 @@ class RankWorker:
 
     # ------------------------------------------------------------------ weights for the driver
     @register(ALL)
-    def full_trainable_state(self, role: str = "actor") -> dict[str, torch.Tensor] | None:
-        """The unsharded trainable parameters of a role (CPU), on rank 0; None elsewhere. A collective."""
+    def full_state(self, role: str = "actor", trainable_only: bool = True) -> dict[str, torch.Tensor] | None:
+        """The unsharded parameters of a role (CPU): the trainable ones, or the whole state dict. On
+        rank 0; None elsewhere. A collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model = self._role(role).model
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
+        if not trainable_only:
+            return state
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         return {k: v for k, v in state.items() if k in trainable}
+
+    # ------------------------------------------------------------------ sharded checkpoints (DCP)
+    def _dcp_state(self, with_ref: bool) -> dict:
+        """{role: {"model": sharded state dict, "optim": sharded optimizer state dict}} of the hosted roles."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        state = {}
+        for name in ("actor", "critic"):
+            worker = getattr(self, name)
+            if worker is not None:
+                model_sd, optim_sd = get_state_dict(worker.model, worker.optimizer)
+                state[name] = {"model": model_sd, "optim": optim_sd}
+        if with_ref and self.ref is not None and self.ref.model is not None:
+            state["ref"] = {"model": get_model_state_dict(self.ref.model)}
+        return state
+
+    @register(ALL)
+    def save_checkpoint(self, path: str, with_ref: bool = False) -> list[str]:
+        """Write the hosted roles' sharded weights and optimizer states to ``path`` with
+        torch.distributed.checkpoint (one file per rank + .metadata), and rank 0's LR-scheduler
+        states to ``path/schedulers.pt``. Returns the roles written."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self._dcp_state(with_ref)
+        dcp.save(state, checkpoint_id=path)
+        if self.rank == 0:
+            scheds = {n: getattr(self, n).scheduler.state_dict() for n in ("actor", "critic") if getattr(self, n) is not None and getattr(self, n).scheduler}
+            torch.save(scheds, os.path.join(path, "schedulers.pt"))
+        return sorted(state)
+
+    @register(ALL)
+    def load_checkpoint(self, path: str, with_ref: bool = False, schedule: bool = True) -> None:
+        """Load what :meth:`save_checkpoint` wrote, resharded to this world size. With
+        ``schedule=False`` (rollback) the current learning rates and LR schedules are kept."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        state = self._dcp_state(with_ref)
+        lrs = {n: [g["lr"] for g in getattr(self, n).optimizer.param_groups] for n in ("actor", "critic") if n in state}
+        dcp.load(state, checkpoint_id=path)
+        for name in ("actor", "critic"):
+            if name in state:
+                worker = getattr(self, name)
+                set_state_dict(worker.model, worker.optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
+        if "ref" in state:
+            set_model_state_dict(self.ref.model, state["ref"]["model"])
+        scheds = torch.load(os.path.join(path, "schedulers.pt"), weights_only=True)
+        for name in lrs:
+            worker = getattr(self, name)
+            if schedule and worker.scheduler is not None and name in scheds:
+                worker.scheduler.load_state_dict(scheds[name])
+            elif not schedule:
+                for g, lr in zip(worker.optimizer.param_groups, lrs[name], strict=True):
+                    g["lr"] = lr
 
     def ping(self) -> int:
         return self.rank

@@ -28,6 +28,13 @@ class Roles:
     device: torch.device
     actor_path: Any
     val_reward: Any = None  # scores generated validation responses when `reward` only replays dataset scores
+    backend: Any = None  # trainer.backend=ray: the RayBackend whose worker groups run actor, ref and critic
+
+    def close(self) -> None:
+        """Stop the Ray worker groups (and a Ray this run started); nothing for the local backend."""
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
 
     @staticmethod
     def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard) -> ActorUpdateSpec:
@@ -127,7 +134,12 @@ def build_roles(cfg: TetherConfig) -> Roles:
             function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
             model_batch_size=cfg.reward.model_batch_size, device=str(device),
         )  # fmt: skip
-    return Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward)
+    roles = Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward)
+    if cfg.trainer.backend == "ray":
+        from tether.distributed.ray_backend import build_ray_roles
+
+        return build_ray_roles(cfg, roles)  # actor, ref, critic run on Ray worker groups; the rest stays here
+    return roles
 
 
 def _build_engine(cfg: TetherConfig, model, tok, actor_path):

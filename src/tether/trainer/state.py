@@ -86,6 +86,10 @@ class CheckpointManager:
         roles = t.roles
 
         def weights(d: Path) -> None:
+            if roles.backend is not None:  # trainer.backend=ray: sharded (DCP) weights and optimizer states
+                roles.backend.save(d, self._saves_ref())
+                save_sharded_actor_meta(roles.actor.model, t.tok, d / "actor")
+                return
             roles.actor.model.save_pretrained(d / "actor", safe_serialization=True)
             t.tok.save_pretrained(d / "actor")
             if roles.critic is not None:
@@ -94,6 +98,8 @@ class CheckpointManager:
                 save_model(roles.ref.model, str(d / "ref.safetensors"))
 
         def optim(d: Path) -> None:
+            if roles.backend is not None:
+                return  # in dcp/ with the weights
             state = {"actor": roles.actor.optimizer.state_dict(), "actor_sched": roles.actor.scheduler.state_dict()}
             if roles.critic is not None:
                 state["critic"] = roles.critic.optimizer.state_dict()
@@ -182,6 +188,19 @@ class CheckpointManager:
     def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
         roles = self.t.roles
         actor = roles.actor.model
+        if roles.backend is not None:
+            roles.backend.load(path, self._saves_ref(), schedule)  # resharded to this run's world size
+            roles.actor.pull_weights()
+            if self._saves_ref():
+                roles.ref.pull_weights()
+                self.t.__dict__.pop("_exact_ref_cache", None)
+            roles.engine.sync_weights(actor)
+            return
+        if (path / "dcp").is_dir():
+            raise CheckpointError(
+                f"checkpoint {path} holds sharded dcp/ weights written by trainer.backend=ray; resume it with "
+                "trainer.backend=ray (any trainer.n_workers), or `tether export` it to a model directory"
+            )
         if hasattr(actor, "peft_config"):
             from peft import set_peft_model_state_dict
 
@@ -311,6 +330,20 @@ class CheckpointManager:
     def checkpoints(self) -> list[int]:
         """Steps of the checkpoint directories present, oldest first."""
         return sorted(s for s, _ in list_checkpoints(self.root))
+
+
+def save_sharded_actor_meta(model, tokenizer, out: Path) -> None:
+    """What a sharded (trainer.backend=ray) checkpoint keeps of the actor besides dcp/: the model's
+    config, generation config and tokenizer (``tether export`` rebuilds the model from them); with
+    LoRA the adapters themselves, which are small (the driver's copy is current after every update)."""
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _clean(d: dict) -> dict:

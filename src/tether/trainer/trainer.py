@@ -105,6 +105,8 @@ class Trainer:
         try:
             self._setup(cfg)
         except BaseException:
+            if getattr(self, "roles", None) is not None:
+                self.roles.close()
             if claimed and not any(self.run_dir.iterdir()):
                 self.run_dir.rmdir()  # a failed start leaves no empty run directory behind
             raise
@@ -160,6 +162,7 @@ class Trainer:
         finally:
             progress.close()
             self.logger.close()
+            self.roles.close()
         if self.cfg.trainer.report:
             from tether.report import write_report
 

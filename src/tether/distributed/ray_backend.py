@@ -1,0 +1,336 @@
+"""``trainer.backend=ray``: worker groups of Ray actors on placement groups, driven by the unchanged Trainer.
+
+The driver keeps ``Trainer.train_step`` as it is: rollout, reward and all the pure math (KL,
+advantages, controllers) stay in the driver process, and the roles it calls (``roles.actor``,
+``roles.ref``, ``roles.critic``) are the driver-side stand-ins below, which forward each call to a
+:class:`WorkerGroup`: N Ray actors (:class:`~tether.distributed.worker.RankWorker`), one bundle of a
+placement group each, owning one ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+How a call is split across the ranks is declared beside the worker method (``@register``).
+
+The driver also keeps one full copy of the actor (``roles.actor.model``) for HF rollouts and
+validation; after every update it takes the updated trainable weights from the actor group. vLLM
+replicas as Ray actors (weights pushed shard by shard) are not wired yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import suppress
+
+import torch
+
+from tether.batch import RolloutBatch
+from tether.distributed.dp import gather_rows, split_batch
+from tether.distributed.worker import ALL, DP_SPLIT, RankWorker
+
+log = logging.getLogger("tether")
+
+
+class WorkerDiedError(RuntimeError):
+    """A Ray worker of a role died or failed; the message names the role's worker group and the rank."""
+
+
+def world_size(cfg) -> int:
+    """Ranks per worker group: ``trainer.n_workers``, or one per GPU (nnodes × n_gpus_per_node) when left at 1."""
+    t = cfg.trainer
+    if t.n_gpus_per_node and t.n_workers == 1:
+        return t.nnodes * t.n_gpus_per_node
+    return t.n_workers
+
+
+class RayCluster:
+    """Attach to a running Ray (``trainer.ray_address``, or one this process already joined) or start a
+    local one; :meth:`close` shuts down only a Ray that this object started."""
+
+    def __init__(self, address: str | None, num_cpus_needed: int):
+        import ray
+
+        self.started = False
+        if ray.is_initialized():
+            return
+        if address:
+            ray.init(address=address, log_to_driver=False)
+            return
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False, log_to_driver=False)
+        self.started = True
+
+    def close(self) -> None:
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+            self.started = False
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port (run on a group's bundle 0: the rendezvous of its process group)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class WorkerGroup:
+    """``n`` RankWorkers of one or more roles on a placement group (one bundle each), one process group.
+
+    Args:
+        name: the roles it hosts, for messages ("actor+ref", "critic").
+        cfg: the run's config; roles, lora_state: see RankWorker.
+    Raises:
+        WorkerDiedError: a worker failed to start (naming the group).
+    """
+
+    def __init__(self, name: str, cfg, n: int, roles: tuple[str, ...], lora_state=None):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.n = name, n
+        gpus = 1 if cfg.trainer.n_gpus_per_node else 0
+        bundle = {"CPU": 1} | ({"GPU": 1} if gpus else {})
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=float(os.environ.get("TETHER_RAY_PG_TIMEOUT", "120")))
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            avail = ray.available_resources()
+            raise WorkerDiedError(
+                f"{name} worker group: Ray could not place {n} bundles of {bundle} (available: {avail}); "
+                "lower trainer.n_workers or add nodes"
+            ) from None
+
+        def on(i, **kw):
+            return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i), **kw)
+
+        addr, port = ray.get(ray.remote(_node_address).options(**on(0, num_cpus=0)).remote())
+        cls = ray.remote(RankWorker)
+        lora_ref = ray.put(lora_state) if lora_state is not None else None
+        self.workers = [
+            cls.options(**on(i, num_cpus=1, num_gpus=gpus), name=None).remote(cfg, i, n, addr, port, roles, lora_ref) for i in range(n)
+        ]
+        self._get([w.ping.remote() for w in self.workers], "start")
+
+    def _get(self, refs, what: str):
+        """ray.get in rank order, failing on the first worker that errors or dies (its peers may be
+        blocked in a collective waiting for it)."""
+        import ray
+
+        pending = {r: i for i, r in enumerate(refs)}
+        results: list = [None] * len(refs)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for r in ready:
+                rank = pending.pop(r)
+                try:
+                    results[rank] = ray.get(r)
+                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ActorDiedError) as e:
+                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({type(e).__name__}); the run cannot continue") from None
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from None
+        return results
+
+    def call(self, method: str, *args, **kwargs):
+        """Call ``method`` on every rank as its ``@register`` mode says; the result as the local role returns it."""
+        import ray
+
+        mode = getattr(RankWorker, method).dispatch_mode
+        if mode == DP_SPLIT:
+            shards, parts = split_batch(args[0], self.n)
+            refs = [getattr(w, method).remote(s, *args[1:], **kwargs) for w, s in zip(self.workers, shards, strict=True)]
+            outs = self._get(refs, method)
+            if isinstance(outs[0], tuple):
+                return tuple(None if outs[0][j] is None else gather_rows([o[j] for o in outs], parts) for j in range(len(outs[0])))
+            return gather_rows(outs, parts)
+        assert mode == ALL, mode
+        args = tuple(ray.put(a) if isinstance(a, RolloutBatch) else a for a in args)  # one copy in the object store
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)[0]
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            with suppress(Exception):
+                ray.kill(w)
+        with suppress(Exception):
+            remove_placement_group(self.pg)
+
+
+class _LRView:
+    """``optimizer.param_groups[0]["lr"]`` of a remote role, for the guard's messages."""
+
+    def __init__(self, lr: float):
+        self.param_groups = [{"lr": lr}]
+
+
+class RemoteActor:
+    """Stands where ``ActorWorker`` stands in ``Roles``: each call runs on the actor group.
+
+    ``model`` is the driver's full copy of the policy (rollouts, validation), brought up to date
+    after every update.
+    """
+
+    def __init__(self, group: WorkerGroup, model):
+        self.group, self.model = group, model
+
+    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref=None):
+        return self.group.call("compute_logprobs", batch, with_entropy=with_entropy, full_kl=full_kl_ref is not None)
+
+    def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
+        metrics = self.group.call("update_actor", batch, spec, step)
+        self.pull_weights()
+        return metrics
+
+    def pull_weights(self) -> None:
+        """The driver's copy takes the actor group's trainable weights."""
+        state = self.group.call("full_state", "actor", True)
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for k, v in state.items():
+                params[k].copy_(v.to(params[k].device, params[k].dtype))
+
+    def scale_lr(self, factor: float) -> None:
+        self.group.call("scale_lr", "actor", factor)
+
+    @property
+    def optimizer(self) -> _LRView:
+        return _LRView(self.group.call("lr", "actor"))
+
+
+class RemoteReference:
+    """Stands where ``ReferenceWorker`` stands: log-probs on the actor group (the reference lives
+    beside the actor there); the driver's own reference (``local``) serves the exact/* metrics."""
+
+    def __init__(self, group: WorkerGroup, local):
+        self.group, self.local = group, local
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.group.call("ref_logprobs", batch)
+
+    def _context(self):
+        return self.local._context()
+
+    @property
+    def module(self):
+        return self.local.module
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def reset_to(self, actor_model) -> None:
+        self.group.call("reset_ref")
+        self.local.reset_to(actor_model)
+
+    def pull_weights(self) -> None:
+        """The driver's reference (exact/* metrics) takes the group's reference weights (after a load)."""
+        if self.local.model is not None:
+            self.local.model.load_state_dict(self.group.call("full_state", "ref", False))
+
+
+class RemoteCritic:
+    """Stands where ``CriticWorker`` stands: values and updates on the critic's group."""
+
+    def __init__(self, group: WorkerGroup, local):
+        self.group, self.local = group, local
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.group.call("compute_values", batch).to(batch.response_mask.device)
+
+    def update(self, batch: RolloutBatch, **kwargs) -> dict[str, float]:
+        return self.group.call("update_critic", batch, kwargs)
+
+    def scale_lr(self, factor: float) -> None:
+        self.group.call("scale_lr", "critic", factor)
+
+    @property
+    def optimizer(self) -> _LRView:
+        return _LRView(self.group.call("lr", "critic"))
+
+
+class RayBackend:
+    """The worker groups of one run and the Ray they run on; :meth:`close` ends both."""
+
+    def __init__(self, cfg, local_roles):
+        n = world_size(cfg)
+        has_critic = local_roles.critic is not None
+        split = cfg.trainer.placement == "split" and has_critic
+        self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1))
+        lora_state = None
+        if cfg.actor.lora.rank > 0:
+            from peft import get_peft_model_state_dict
+
+            lora_state = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(local_roles.actor.model).items()}
+        self.groups: list[WorkerGroup] = []
+        try:
+            actor_roles = ("actor", "critic") if has_critic and not split else ("actor",)
+            self.actor_group = self._group("+".join(["actor", "ref", *actor_roles[1:]]), cfg, n, actor_roles, lora_state)
+            self.critic_group = None
+            if has_critic:
+                self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
+        except BaseException:
+            self.close()
+            raise
+
+    def _group(self, name, cfg, n, roles, lora_state=None) -> WorkerGroup:
+        group = WorkerGroup(name, cfg, n, roles, lora_state)
+        self.groups.append(group)
+        return group
+
+    # -------------------------------------------------------------- checkpoints
+    def _critic_group_separate(self) -> bool:
+        return self.critic_group is not None and self.critic_group is not self.actor_group
+
+    def save(self, path, with_ref: bool) -> None:
+        """Sharded weights + optimizer states of every role under ``path/dcp`` (and ``path/dcp_critic``
+        for a split critic group), written by the workers with torch.distributed.checkpoint. The
+        path must be visible to every worker (a shared file system on several nodes)."""
+        self.actor_group.call("save_checkpoint", str(path / "dcp"), with_ref)
+        if self._critic_group_separate():
+            self.critic_group.call("save_checkpoint", str(path / "dcp_critic"))
+
+    def load(self, path, with_ref: bool, schedule: bool) -> None:
+        """Load :meth:`save`'s checkpoint at this run's world size (DCP reshards)."""
+        from tether.trainer.checkpoint import CheckpointError
+
+        if not (path / "dcp" / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint {path} holds no sharded dcp/ weights: it was written by trainer.backend=local; "
+                "resume it with trainer.backend=local (or start a new run from its `tether export`)"
+            )
+        if self._critic_group_separate() and not (path / "dcp_critic" / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {path}: dcp_critic/ is missing (was it saved with trainer.placement=colocate?)")
+        self.actor_group.call("load_checkpoint", str(path / "dcp"), with_ref, schedule)
+        if self._critic_group_separate():
+            self.critic_group.call("load_checkpoint", str(path / "dcp_critic"), False, schedule)
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.kill()
+        self.groups = []
+        self.cluster.close()
+
+
+def build_ray_roles(cfg, roles):
+    """Replace the local roles' actor, reference and critic by stand-ins for Ray worker groups.
+
+    ``roles`` are the local roles (``tether.trainer.setup.build_roles``): their tokenizer, rollout
+    engine, reward and the actor's model (the driver's copy for rollouts) are kept.
+    """
+    backend = RayBackend(cfg, roles)
+    roles.backend = backend
+    roles.ref = RemoteReference(backend.actor_group, roles.ref)
+    roles.actor = RemoteActor(backend.actor_group, roles.actor.model)
+    if roles.critic is not None:
+        roles.critic = RemoteCritic(backend.critic_group, roles.critic)
+    return roles
