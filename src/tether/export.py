@@ -25,6 +25,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR")
+    if (ckpt / "dcp").is_dir() and not (src / "adapter_config.json").is_file():
+        return _export_sharded(ckpt, out)
     if (src / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
         from transformers import AutoTokenizer
@@ -41,4 +43,32 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     for f in sorted(src.iterdir()):
         if f.is_file():
             shutil.copy2(f, out / f.name)
+    return out
+
+
+def _export_sharded(ckpt: Path, out: Path) -> Path:
+    """A trainer.backend=ray checkpoint: the actor's model is rebuilt from ``actor/config.json`` and
+    its weights read from the torch.distributed.checkpoint shards in ``dcp/`` (in this one process,
+    whatever world size wrote them), then saved with ``save_pretrained``.
+
+    Raises:
+        CheckpointError: ``actor/config.json`` or the shards' ``.metadata`` is missing.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src = ckpt / "actor"
+    for need in (src / "config.json", ckpt / "dcp" / ".metadata"):
+        if not need.is_file():
+            raise CheckpointError(f"checkpoint {ckpt}: file {need.relative_to(ckpt)} is missing")
+    config = AutoConfig.from_pretrained(str(src))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+    state = {"actor": {"model": model.state_dict()}}
+    dcp.load(state, checkpoint_id=str(ckpt / "dcp"))  # fills the tensors in place; no process group needed
+    model.load_state_dict(state["actor"]["model"])
+    if (src / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(src))
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
     return out

@@ -84,3 +84,104 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
 def test_bad_degrees_fail_before_start(tmp_path):
     with pytest.raises(ConfigError, match="n_workers=3 must equal"):
         _cfg(tmp_path / "x", "trainer.backend=ray", "trainer.n_workers=3", "trainer.n_gpus_per_node=2")
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(cluster, tmp_path_factory):
+    """4 uninterrupted steps at world size 2, sharded checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("sharded")
+    t = Trainer(_cfg(root / "a", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", "trainer.keep_last=3"))
+    t.fit()
+    return root, _metrics(root / "a"), _weights(t.roles.actor.model)
+
+
+def test_sharded_checkpoint_layout_and_exact_resume(sharded_run, tmp_path):
+    """Resume at the same world size from the step-2 checkpoint: steps 3-4 as in the uninterrupted run."""
+    from tether.trainer.checkpoint import verify_checkpoint
+
+    root, metrics, final = sharded_run
+    ckpt = root / "a" / "checkpoints" / "step_000002"
+    files = set(verify_checkpoint(ckpt)["files"])  # the manifest covers the shards
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/schedulers.pt", "actor/config.json", "trainer_state.json"} <= files
+    assert not any(f.endswith(".safetensors") for f in files) and "optim.pt" not in files  # no full copy
+    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    assert t.step == 2
+    t.fit()
+    _compare(metrics[-2:], _metrics(tmp_path / "b")[-2:], tol=1e-6)
+    assert _max_diff(final, _weights(t.roles.actor.model)) < 1e-6
+
+
+@pytest.mark.parametrize("n_from, n_to", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size(sharded_run, tmp_path, n_from, n_to):
+    """A world-size-``n_from`` checkpoint resumed by ``n_to`` workers starts from exactly its weights
+    and continues as the uninterrupted run does (to the 1e-5 of world size 1 vs 2)."""
+    root, metrics, final = sharded_run
+    if n_from == 2:
+        ckpt = root / "a" / "checkpoints" / "step_000002"
+    else:  # a world-size-1 run of 2 steps
+        Trainer(_cfg(tmp_path / "ws1", "trainer.backend=ray", "trainer.n_workers=1", "trainer.total_steps=2")).fit()
+        ckpt = tmp_path / "ws1" / "checkpoints" / "step_000002"
+    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", f"trainer.n_workers={n_to}", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    loaded = _weights(t.roles.actor.model)
+    pulled = t.roles.backend.actor_group.call("full_state", "actor", True)
+    assert _max_diff({k: loaded[k] for k in pulled}, pulled) == 0.0  # the driver copy is the workers' weights
+    t.fit()
+    _compare(metrics[-2:], _metrics(tmp_path / "b")[-2:], tol=1e-5)
+    assert _max_diff(final, _weights(t.roles.actor.model)) < 1e-5
+
+
+def test_export_from_sharded_checkpoint(sharded_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tether.export import export_checkpoint
+
+    root, _, final = sharded_run
+    out = export_checkpoint(root / "a" / "checkpoints" / "step_000004", tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert _max_diff(final, _weights(model)) == 0.0
+    assert (out / "tokenizer_config.json").is_file()
+
+
+def test_backends_refuse_each_others_checkpoints(sharded_run, tmp_path):
+    from tether.trainer.checkpoint import CheckpointError
+
+    root, _, _ = sharded_run
+    ckpt = root / "a" / "checkpoints" / "step_000002"
+    with pytest.raises(CheckpointError, match="written by trainer.backend=ray"):
+        Trainer(_cfg(tmp_path / "local", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    Trainer(_cfg(tmp_path / "l2", "trainer.total_steps=2")).fit()
+    with pytest.raises(CheckpointError, match="written by trainer.backend=local"):
+        Trainer(_cfg(tmp_path / "r", "trainer.backend=ray", "trainer.total_steps=4", f"trainer.resume={tmp_path / 'l2' / 'checkpoints' / 'step_000002'}"))
+
+
+def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
+    """`tether train trainer.backend=ray` attached to a running cluster (trainer.ray_address), killed
+    while writing its step-4 checkpoint: re-running the command resumes from step 2 and ends with the
+    uninterrupted run's metrics; the cluster it attached to is still up."""
+    import subprocess
+    import sys
+
+    from tether.trainer.checkpoint import FAULT_ENV
+
+    _, metrics, _ = sharded_run
+    address = ray.get_runtime_context().gcs_address
+    args = [*SMALL, "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.ray_address={address}",
+            f"trainer.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "tether.cli", "train", *args]
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV} | {"OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(cmd, env=env | {FAULT_ENV: "kill:4:weights"}, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed from" in done.stderr and "step_000002" in done.stderr
+    _compare(metrics, _metrics(tmp_path / "run"), tol=1e-6)
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 4
