@@ -31,11 +31,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(BIN)/tether train $(ARGS)
 
-test: install
-	$(BIN)/python -m pytest -q
+# the tests also need the ray extra (trainer.backend=ray is tested against a real local Ray)
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),ray]"
+	touch $@
 
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+test: install $(VENV)/.installed-ray
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
+
+test-fast: install $(VENV)/.installed-ray
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python benchmarks/bench_gae.py

@@ -14,8 +14,7 @@ import socket
 import pytest
 import torch
 
-from tether.distributed import balanced_partition, gather_rows, split_batch
-from tether.distributed.dp import pad_rows, real_rows
+from tether.distributed import gather_rows, split_batch
 from tether.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -182,35 +181,3 @@ def test_bf16_compute_keeps_fp32_master_weights(replay):
     err = (res["steps"][0]["old_logprobs"][mask] - batch.old_logprobs[mask]).abs().max()
     assert 1e-5 < float(err) < 0.2  # bf16 really computes, and still computes the same function
     assert all(v.dtype == torch.float32 for v in res["actor_final"].values())
-
-
-def test_balanced_partition_by_tokens():
-    # tokens 9, 1, 1, 1, 8 in LPT order 9(0), 8(4), 1(1), 1(2), 1(3): 0 -> r0; 4 -> r1; 1 -> r1 (8 < 9);
-    # 2 -> r0 (loads 9 = 9, r0 has fewer rows); 3 -> r1 (9 < 10): loads 10 / 10 (rows 2 / 3, not 3 / 2)
-    parts = balanced_partition([9, 1, 1, 1, 8], 2)
-    assert parts == [[0, 2], [1, 3, 4]]
-    loads = [sum([9, 1, 1, 1, 8][i] for i in p) for p in parts]
-    assert loads == [10, 10]
-    assert balanced_partition([5], 3) == [[0], [], []]
-
-
-def test_split_and_gather_restore_order_and_pad():
-    from tether.batch import RolloutBatch
-
-    B, T = 5, 3
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
-    batch = RolloutBatch(
-        prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-        response_ids=torch.arange(B * T).view(B, T), response_mask=mask, group_ids=torch.zeros(B, dtype=torch.long),
-        rows=list(range(B)), prompts=[""] * B, responses=[str(i) for i in range(B)],
-    )  # fmt: skip
-    shards, parts = split_batch(batch, 2)
-    assert [len(s) for s in shards] == [3, 3]  # padded to equal rows, so both ranks run as many forwards
-    assert [real_rows(s) for s in shards] == [len(p) for p in parts]
-    padded = [s for s in shards if real_rows(s) < len(s)]
-    assert padded and int(padded[0].response_mask[real_rows(padded[0]) :].sum()) == 0  # padding never counts
-    back = gather_rows([s.response_ids.float() for s in shards], parts)
-    assert torch.equal(back, batch.response_ids.float())
-    assert "dp_padding" not in batch.extra  # shards have their own extra
-    empty = pad_rows(batch, [], 2)
-    assert len(empty) == 2 and int(empty.response_mask.sum()) == 0

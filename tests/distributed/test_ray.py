@@ -73,12 +73,16 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
 def test_killed_worker_names_the_role(cluster, tmp_path):
     from tether.distributed.ray_backend import WorkerDiedError
 
-    trainer = Trainer(_cfg(tmp_path / "run", "trainer.backend=ray", "trainer.n_workers=2"))
-    trainer.train_step()
+    cfg = _cfg(tmp_path / "run", "trainer.backend=ray", "trainer.n_workers=2", "trainer.save_freq=1")
+    trainer = Trainer(cfg)
+    trainer.train_step()  # checkpoint step 1
     ray.kill(trainer.roles.backend.actor_group.workers[1])
-    with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died"):
+    with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs"):
         trainer.train_step()
     trainer.roles.close()
+    again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
+    assert again.step == 1
+    again.roles.close()
 
 
 def test_bad_degrees_fail_before_start(tmp_path):
