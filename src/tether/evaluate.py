@@ -128,6 +128,10 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
         except (OSError, ValueError) as e:
             base = json.loads((where / "adapter_config.json").read_text()).get("base_model_name_or_path")
             raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
+    elif (where.parent / "dcp").is_dir() and not any(where.glob("*.safetensors")):  # trainer.backend=ray: sharded
+        from tether.export import load_sharded_actor
+
+        model = load_sharded_actor(where.parent).to(DTYPES[dtype])
     else:
         model = load_causal_lm(where, dtype=dtype)
     model.to(device).eval()

@@ -47,17 +47,28 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 
 def _export_sharded(ckpt: Path, out: Path) -> Path:
-    """A trainer.backend=ray checkpoint: the actor's model is rebuilt from ``actor/config.json`` and
-    its weights read from the torch.distributed.checkpoint shards in ``dcp/`` (in this one process,
-    whatever world size wrote them), then saved with ``save_pretrained``.
+    """A trainer.backend=ray checkpoint: :func:`load_sharded_actor`, then ``save_pretrained``."""
+    from transformers import AutoTokenizer
+
+    model = load_sharded_actor(ckpt)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(ckpt / "actor")).save_pretrained(out)
+    return out
+
+
+def load_sharded_actor(ckpt: str | Path):
+    """The actor of a trainer.backend=ray checkpoint as a Hugging Face model on the CPU: rebuilt from
+    ``actor/config.json``, its weights read from the torch.distributed.checkpoint shards in ``dcp/``
+    in this one process, whatever world size wrote them.
 
     Raises:
         CheckpointError: ``actor/config.json`` or the shards' ``.metadata`` is missing.
     """
     import torch
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    ckpt = Path(ckpt)
     src = ckpt / "actor"
     for need in (src / "config.json", ckpt / "dcp" / ".metadata"):
         if not need.is_file():
@@ -69,6 +80,4 @@ def _export_sharded(ckpt: Path, out: Path) -> Path:
     model.load_state_dict(state["actor"]["model"])
     if (src / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(str(src))
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
-    return out
+    return model

@@ -55,7 +55,15 @@ def _compare(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
                 assert vb == pytest.approx(va, abs=tol, rel=tol), (ra["step"], k, va, vb)
 
 
-@pytest.mark.parametrize("extra", [[], ["algo.adv_estimator=gae", "trainer.placement=split"]], ids=["grpo", "gae-split"])
+EQUAL_CASES = {
+    "grpo": [],
+    "gae-split": ["algo.adv_estimator=gae", "trainer.placement=split"],
+    "lora": ["actor.lora.rank=4"],
+    "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
+}
+
+
+@pytest.mark.parametrize("extra", list(EQUAL_CASES.values()), ids=list(EQUAL_CASES))
 def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     """Three steps of the embedded task: every non-timing metric (validation and exact/* included)
     of trainer.backend=ray with 2 FSDP2 workers within 1e-5 of the local backend's, and the driver's
@@ -153,6 +161,10 @@ def test_export_from_sharded_checkpoint(sharded_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert _max_diff(final, _weights(model)) == 0.0
     assert (out / "tokenizer_config.json").is_file()
+    from tether.evaluate import load_policy
+
+    policy, _, run = load_policy(root / "a")  # tether eval on the run directory: the sharded step-4 checkpoint
+    assert run == root / "a" and _max_diff(final, _weights(policy)) == 0.0
 
 
 def test_backends_refuse_each_others_checkpoints(sharded_run, tmp_path):

@@ -257,6 +257,16 @@ class RankWorker:
                 for g, lr in zip(worker.optimizer.param_groups, lrs[name], strict=True):
                     g["lr"] = lr
 
+    @register(ALL)
+    def memory_stats(self) -> dict[str, float]:
+        """Peak device memory of this rank (GiB; CUDA only, else empty) and its process's peak RSS (GiB)."""
+        import resource
+
+        out = {"host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        if self.device.type == "cuda":
+            out["device_peak_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return out
+
     def ping(self) -> int:
         return self.rank
 
