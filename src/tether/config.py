@@ -160,7 +160,7 @@ class KLConfig(_Section):
     beta_min: float | None = Field(None, ge=0, description="Lower bound on β for every controller.")
     beta_max: float | None = Field(None, ge=0, description="Upper bound on β for every controller.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="scheduled controller: the β schedule.")
-    log_ratio_clamp: float = Field(20.0, gt=0, description="|log π − log π_ref| is clamped to this before exp (verl's default).")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="Inside k3 only, |log π − log π_ref| is clamped to this before exp (verl's default); k1/abs/k2 and the `+` gradients use the exact log-ratio.")
     value_clamp: float = Field(10.0, gt=0, description="k3 values are clamped to ±this (verl's default).")
 
     @field_validator("estimator", "loss_estimator")
