@@ -236,7 +236,12 @@ def test_injected_kl_explosion(tmp_path, caplog, action):
     assert m3["kl/ref_mean"] > 1.0 and m3["guard/kl_explosion"] == 1.0
     assert "guard/kl_explosion: step 3: KL to the reference" in caplog.text
     if action == "raise_coef":
-        assert m3["guard/coef_scale"] == 2.0 and m3["kl/coef"] == pytest.approx(2 * m2["kl/coef"], rel=1e-12)
+        # the step's rewards were shaped with the old beta: kl/coef and reward/rlhf_mean use it, and the
+        # doubled one is the next step's (issue 10 item 3: rlhf_mean was off by 2x here)
+        assert m3["guard/coef_scale"] == 2.0 and m3["kl/coef"] == m2["kl/coef"] == m2["kl/coef_next"] == 0.05
+        assert m3["kl/coef_next"] == pytest.approx(2 * m3["kl/coef"], rel=1e-12)
+        rlhf = m3["reward/score_mean"] - m3["kl/coef"] * m3["kl/ref_seq_mean"]
+        assert m3["reward/rlhf_mean"] == pytest.approx(rlhf, rel=1e-5, abs=1e-6)
         assert m3["policy/updates"] == 2.0 and not same(before, params(t))
     else:
         assert m3["guard/coef_scale"] == 1.0 and "policy/updates" not in m3 and same(before, params(t))
@@ -354,6 +359,7 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     assert sorted(recs) == [0, 1, 2, 3, 4, 5, 6]
     assert recs[4]["guard/rollback"] == 1.0 and recs[4]["guard/rollbacks"] == 1.0 and recs[4]["guard/coef_scale"] == 3.0
     assert recs[3]["kl/coef"] == 0.05 and recs[5]["kl/coef"] == pytest.approx(0.15, rel=1e-12)
+    assert recs[4]["kl/coef"] == 0.05 and recs[4]["kl/coef_next"] == pytest.approx(0.15, rel=1e-12)  # rolled back after its update
     assert recs[3]["actor/lr"] == 1e-3 and recs[5]["actor/lr"] == pytest.approx(2.5e-4, rel=1e-12)
     assert recs[6]["guard/stop"] == 1.0 and recs[6]["guard/rollback_limit"] == 1.0
 

@@ -31,7 +31,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     lengths = mask.sum(-1).float()
     per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
-    beta = trainer.beta
+    beta = batch.extra.get("kl_coef", trainer.beta)  # the β that shaped this step's rewards / loss
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]

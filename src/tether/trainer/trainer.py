@@ -195,6 +195,7 @@ class Trainer:
         with timer("validate"):
             metrics |= self.maybe_validate()
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
+        metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
             self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
         metrics |= timer.times
@@ -246,6 +247,7 @@ class Trainer:
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kl_cfg.estimator, log_ratio_clamp=kl_cfg.log_ratio_clamp, value_clamp=kl_cfg.value_clamp)
         mask = batch.response_mask.bool()
         batch.kl = torch.where(mask, kl, 0.0)
+        batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
         batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
 
@@ -266,6 +268,8 @@ class Trainer:
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         if self.step <= self.cfg.critic.warmup_steps and self.roles.critic is not None:
             return {}
+        if self.cfg.kl.placement == "loss":
+            batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         spec = self.roles.actor_spec(self.cfg, self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0, self.guard)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
         self.roles.engine.sync_weights(self.roles.actor.model)
