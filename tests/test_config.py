@@ -115,3 +115,16 @@ def test_numbers_are_numbers_and_finite(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value, expected", [("group", "group"), ("batch", "batch"), ("none", "none"), ("true", "group"), ("false", "none")])
+def test_norm_by_std_choices_and_old_booleans(value, expected):
+    assert load_config(None, [f"algo.norm_by_std={value}"]).algo.norm_by_std == expected
+
+
+def test_norm_by_std_old_boolean_in_a_yaml_file(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("algo:\n  norm_by_std: false\n")
+    assert load_config(str(path), []).algo.norm_by_std == "none"
+    with pytest.raises(ConfigError, match="norm_by_std"):
+        load_config(None, ["algo.norm_by_std=std"])

@@ -189,7 +189,9 @@ class AlgoConfig(_Section):
     )
     gamma: float = Field(1.0, ge=0, le=1, description="γ: discount per token.")
     lam: float = Field(0.95, ge=0, le=1, description="λ: GAE trace decay.")
-    norm_by_std: bool = Field(True, description="grpo: divide by the group std (false = Dr. GRPO).")
+    norm_by_std: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo: divide the centred score by the group std, the batch std, or none (Dr. GRPO); TRL's scale_rewards. true/false = group/none."
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the clipped surrogate.")
     clip_eps_high: float = Field(0.2, gt=0, description="ε_high of the clipped surrogate (clip-higher, DAPO).")
     dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages (Ye et al. 2020).")
@@ -199,6 +201,16 @@ class AlgoConfig(_Section):
         "token-mean", description="How the per-token loss is averaged."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
+
+    @field_validator("norm_by_std", mode="before")
+    @classmethod
+    def _norm_by_std_booleans(cls, v):
+        # configs written before the choice existed say true (group std) / false (Dr. GRPO)
+        if v is True:
+            return "group"
+        if v is False:
+            return "none"
+        return v
 
 
 class TrainerConfig(_Section):

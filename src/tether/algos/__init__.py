@@ -7,7 +7,9 @@ KL values are in nats per token unless a name says otherwise. See ``docs/api.md`
 
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    NORM_BY_STD,
     AdvantageInputs,
+    canonical_norm_by_std,
     compute_advantages,
     compute_gae,
     compute_grpo_advantages,
@@ -73,7 +75,9 @@ __all__ = [
     "make_kl_controller",
     # advantages
     "ADVANTAGE_ESTIMATORS",
+    "NORM_BY_STD",
     "AdvantageInputs",
+    "canonical_norm_by_std",
     "compute_advantages",
     "compute_gae",
     "compute_grpo_advantages",
