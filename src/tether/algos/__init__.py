@@ -18,6 +18,7 @@ from .advantages import (
     compute_rloo_advantages,
     gae_reference_loop,
     reverse_discounted_cumsum,
+    zero_variance_groups,
 )
 from .controllers import (
     KL_CONTROLLERS,
@@ -86,6 +87,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "zero_variance_groups",
     # losses
     "AGG_MODES",
     "agg_loss",

@@ -37,6 +37,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "zero_variance_groups",
 ]
 
 _SCAN_BLOCK = 32
@@ -328,6 +329,27 @@ def _group_stats(scores: torch.Tensor, m: torch.Tensor, group_ids: torch.Tensor)
 def _broadcast(per_seq: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B,) -> (B, T) on valid tokens, 0 elsewhere."""
     return torch.where(m, per_seq.to(dtype)[:, None], torch.zeros((), dtype=dtype, device=m.device))
+
+
+def zero_variance_groups(scores: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Which responses belong to a group that carries no comparison: (B,) bool.
+
+    True for a response whose group's participating scores (responses with ≥ 1 valid token) are
+    all equal, whose group has fewer than two participants, or that does not participate itself.
+    Such groups give every group-relative advantage (grpo, drgrpo, rloo,
+    reinforce_plus_plus_baseline) exactly 0; DAPO's dynamic sampling drops them.
+
+    Args:
+        scores: (B,) sequence rewards; response_mask: (B, T); group_ids: (B,) int64.
+
+    Raises:
+        ValueError: shape mismatch, non-integer group_ids.
+
+    Source: Yu et al. 2025 (DAPO, sec. 3.2, dynamic sampling: keep 0 < |correct| < G).
+    """
+    m = _check_bt(response_mask)
+    _, part, gidx, _, _, constant = _group_stats(scores, m, group_ids)
+    return constant[gidx] | ~part
 
 
 NORM_BY_STD: tuple[str, ...] = ("group", "batch", "none")
