@@ -201,6 +201,12 @@ class AlgoConfig(_Section):
         "token-mean", description="How the per-token loss is averaged."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
+    filter_groups: bool = Field(
+        False, description="DAPO dynamic sampling: drop prompts whose sampled rewards are all equal (zero advantage) and draw more prompts until data.batch_size prompts differ."
+    )
+    filter_groups_max_draws: int = Field(
+        10, ge=1, description="algo.filter_groups: at most this many rollout rounds of data.batch_size prompts per step (verl's DAPO recipe: 10); then train on what was found."
+    )
 
     @field_validator("norm_by_std", mode="before")
     @classmethod
@@ -287,6 +293,8 @@ class TetherConfig(_Section):
     def _cross_checks(self):
         if self.algo.adv_estimator in {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"} and self.rollout.n < 2:
             raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} needs rollout.n >= 2 (a group), got {self.rollout.n}")
+        if self.algo.filter_groups and self.rollout.mode == "online" and self.rollout.n < 2:
+            raise ValueError(f"algo.filter_groups needs rollout.n >= 2 (rewards that can differ within a prompt's group), got {self.rollout.n}")
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:

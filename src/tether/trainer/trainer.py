@@ -115,7 +115,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
         from tether.diagnostics import LiveDiagnostics, read_metrics
 
-        self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
+        self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
             self.ckpt.restore_diagnostics(self.diagnostics)
@@ -170,10 +170,7 @@ class Trainer:
         """One step: the algorithm, phase by phase."""
         self.step += 1
         timer = PhaseTimer()
-        with timer("rollout"):
-            batch = self.rollout()
-        with timer("reward"):
-            self.score(batch)
+        batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("values"):
@@ -211,6 +208,18 @@ class Trainer:
     def beta(self) -> float:
         """β in use: the controller's value times the guard's scale (raised after KL explosions)."""
         return self.controller.value * self.guard.coef_scale
+
+    def sample(self, timer: PhaseTimer) -> RolloutBatch:
+        """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
+        if self.cfg.algo.filter_groups:
+            from tether.trainer.sampling import dynamic_sample
+
+            return dynamic_sample(self, timer)
+        with timer("rollout"):
+            batch = self.rollout()
+        with timer("reward"):
+            self.score(batch)
+        return batch
 
     def rollout(self) -> RolloutBatch:
         """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts."""
