@@ -19,6 +19,7 @@ from tether.algos import (
     compute_rloo_advantages,
     gae_reference_loop,
     reverse_discounted_cumsum,
+    zero_variance_groups,
 )
 
 F64 = torch.float64
@@ -339,3 +340,10 @@ def test_registry_errors():
     for name in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
         with pytest.raises(ValueError, match="group_ids"):
             compute_advantages(name, inputs)
+
+
+def test_zero_variance_groups_hand_values():
+    # SCORES/GROUPS/MASK: group 17 = {1, 2, 3} differs (its empty row 100 does not take part);
+    # -3 = {5, 5} all equal; 1000 and 4 have one member each
+    flat = zero_variance_groups(SCORES, MASK, GROUPS)
+    assert flat.tolist() == [False, False, False, True, True, True, True, True]
