@@ -55,7 +55,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
-    m |= learning_signal_metrics(batch)
+    m |= learning_signal_metrics(batch, grouped=trainer.cfg.algo.adv_estimator in GROUP_ESTIMATORS)
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
@@ -71,17 +71,22 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     return m
 
 
-def learning_signal_metrics(batch: RolloutBatch) -> dict[str, float]:
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the prompt's group (a group of equal scores gives 0)."""
+
+
+def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dict[str, float]:
     """What the doctor's ``no_learning_signal`` check reads.
 
-    ``rollout/zero_var_group_frac``: the fraction of the batch's prompts (groups with a counted
-    response) whose counted responses all got the same score, or that have a single one: they give
-    every group-relative advantage exactly 0 (all wrong or all right). ``advantages/abs_mean``: the
-    mean |advantage| over counted tokens (0 = nothing to learn from this batch).
+    ``rollout/zero_var_group_frac`` (only when ``grouped``: a group-relative estimator, see
+    :data:`GROUP_ESTIMATORS`): the fraction of the batch's prompts (groups with a counted response)
+    whose counted responses all got the same score, or that have a single one: they give every
+    group-relative advantage exactly 0 (all wrong or all right). ``advantages/abs_mean``: the mean
+    |advantage| over counted tokens (0 = nothing to learn from this batch).
     """
     valid = batch.response_mask.sum(-1) > 0  # (B,)
     out = {}
-    if batch.scores is not None and bool(valid.any()):
+    if grouped and batch.scores is not None and bool(valid.any()):
         flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)[valid]  # (B',)
         groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
         flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)  # (G,)
