@@ -107,6 +107,7 @@ class RewardConfig(_Section):
     clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
+    timeout_s: float | None = Field(None, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors (null = wait forever). See docs/rewards.md.")
 
     @field_validator("clip")
     @classmethod
