@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tether train: {e}", file=sys.stderr)
         return 2
-    from tether.trainer import Trainer, TrainingStopped
+    from tether.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
     try:
         trainer = Trainer(cfg)
@@ -62,17 +62,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.trainer.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
-        where = f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
-        print(
-            f"\ntether train: interrupted at step {trainer.step}; {where}. To continue, re-run with "
-            f"trainer.output_dir={trainer.run_dir} (trainer.resume=auto).",
-            file=sys.stderr,
-        )
-        return 130
+        if isinstance(e, TrainingInterrupted) and e.step is not None:
+            what = f"stopped by {e} after step {e.step}; checkpoint step {e.step} written"
+        else:
+            what = f"interrupted at step {trainer.step}; " + (f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet")
+        print(f"\ntether train: {what}. To continue:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)
+        return e.exit_code if isinstance(e, TrainingInterrupted) else 130
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
+    """The ``tether train`` command that continues a run: the same config and overrides, with
+    ``trainer.output_dir`` pointing at the run (``trainer.resume=auto`` picks its latest checkpoint)."""
+    import shlex
+
+    kept = [o for o in overrides if not o.lstrip("+").startswith("trainer.output_dir=")]
+    return shlex.join(["tether", "train", *([config] if config else []), *kept, f"trainer.output_dir={run_dir}"])
 
 
 def cmd_sft(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from tether.batch import RolloutBatch
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
 from tether.trainer.setup import build_roles
+from tether.trainer.signals import StopSignals, TrainingInterrupted
 
 log = logging.getLogger("tether")
 
@@ -146,13 +147,16 @@ class Trainer:
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
-        if self.step == 0 and self.cfg.trainer.val_freq:
-            self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
         try:
-            while self.step < self.cfg.trainer.total_steps:
-                metrics = self.train_step()
-                history.append(metrics)
-                progress.update(metrics)
+            with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
+                if self.step == 0 and self.cfg.trainer.val_freq:
+                    self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                while self.step < self.cfg.trainer.total_steps:
+                    metrics = self.train_step()
+                    history.append(metrics)
+                    progress.update(metrics)
+                    if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
+                        raise TrainingInterrupted(self._signals.signum, self.step)
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
             self.ckpt.save(final=True)
@@ -196,7 +200,7 @@ class Trainer:
             metrics |= self.maybe_validate()
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         with timer("checkpoint"):
-            self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
+            self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
         metrics |= timer.times
         train_s = sum(v for k, v in timer.times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
         metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(train_s, 1e-9)  # training phases only
@@ -204,6 +208,12 @@ class Trainer:
         for finding in self.diagnostics.update(self.step, metrics):
             log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
         return metrics
+
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM/SIGINT arrived during :meth:`fit`: this step is checkpointed, then the run stops."""
+        signals = getattr(self, "_signals", None)
+        return signals is not None and signals.signum is not None
 
     # ------------------------------------------------------------------ phases
     @property
