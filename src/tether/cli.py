@@ -65,7 +65,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.trainer.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
         if isinstance(e, TrainingInterrupted) and e.step is not None:
-            what = f"stopped by {e} after step {e.step}; checkpoint step {e.step} written"
+            from tether.trainer.signals import signal_name
+
+            what = f"stopped by {signal_name(e.signum)} after step {e.step}; checkpoint step {e.step} written"
         else:
             what = f"interrupted at step {trainer.step}; " + (f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet")
         print(f"\ntether train: {what}. To continue:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)

@@ -175,7 +175,7 @@ def test_sigterm_or_sigint_finishes_the_step_checkpoints_it_and_resumes_from_it(
     done = max(r["step"] for r in read_lines(run))
     assert 3 <= done < 6
     assert f"{sig.name} received: finishing the step in progress" in err
-    assert f"tether train: stopped by {sig.name} received after step {done}; checkpoint step {done} written" in err
+    assert f"tether train: stopped by {sig.name} after step {done}; checkpoint step {done} written" in err
     assert f"trainer.output_dir={run}" in err.rsplit("To continue:", 1)[1]
     last = latest_valid_checkpoint(run / "checkpoints")
     assert last is not None and last.name == f"step_{done:06d}"  # the interrupted step itself, whole
