@@ -13,7 +13,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether sft [--out DIR] [--seed N] [--steps N] rebuild the embedded task's reference policy
   tether report RUN_DIR                         plots + summary.md of a run
   tether doctor RUN_DIR                         health checks of a run's metrics
-  tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
+  tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
   tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
   tether eval MODEL_OR_CHECKPOINT DATA [--k N] [--greedy] [--out FILE]  pass@1, mean@k, length, diversity
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("run_dir")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint (runs/<run>/checkpoints/step_N) or a run directory (its latest checkpoint)")
     e.add_argument("out_dir")
     e.set_defaults(func=cmd_export)
     _add_sweep_parser(sub)
