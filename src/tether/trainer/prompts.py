@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tether.config import EMBEDDED, ConfigError, DataConfig
-from tether.data import PromptRow, has_chat_template, load_rows, render_prompt, rows_from_records, split_rows
+from tether.data import PromptRow, check_chat_template, has_chat_template, load_rows, render_prompt, rows_from_records, split_rows
 
 log = logging.getLogger("tether")
 
@@ -56,7 +56,10 @@ def prepare_prompts(rows: list[PromptRow], tokenizer, cfg: DataConfig, what: str
     Raises:
         ConfigError: an overlong prompt with ``data.overlong_prompts=error`` (naming the rows), or no
             prompt left.
+        DataError: multi-turn chat prompts and a tokenizer without a chat template
+            (:func:`~tether.data.check_chat_template`, which also warns once about single-turn ones).
     """
+    check_chat_template(rows, tokenizer, apply_chat_template=cfg.apply_chat_template, what="MODEL_OR_CHECKPOINT" if what == "DATA" else "actor.model")
     texts, ids, kept, overlong = [], [], [], []
     for row in rows:
         try:
