@@ -9,7 +9,15 @@ import numpy as np
 import torch
 
 from tether.config import EMBEDDED, ConfigError, DataConfig
-from tether.data import PromptRow, check_chat_template, has_chat_template, load_rows, render_prompt, rows_from_records, split_rows
+from tether.data import (
+    PromptRow,
+    check_chat_template,
+    has_chat_template,
+    load_rows,
+    render_prompt,
+    rows_from_records,
+    split_rows,
+)
 
 log = logging.getLogger("tether")
 
