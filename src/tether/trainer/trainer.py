@@ -27,7 +27,7 @@ from tether.algos import (
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.batch import RolloutBatch
 from tether.trainer.guards import GuardMonitor, TrainingStopped
-from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
+from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
 from tether.trainer.setup import build_roles
 from tether.trainer.signals import StopSignals, TrainingInterrupted
 
@@ -126,6 +126,8 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
+        if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
+            train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         if hasattr(self.roles.reward, "check_rows"):
