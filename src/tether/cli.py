@@ -44,6 +44,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)
         config = None
+    if config is not None and not Path(config).exists() and not config.endswith((".yaml", ".yml")):
+        print(f"tether train: {config!r} is neither a config file (no such file) nor an override: an override needs "
+              f"key=value, e.g. {config}=VALUE (tether train --help-config lists every key)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
