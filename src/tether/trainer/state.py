@@ -31,7 +31,7 @@ log = logging.getLogger("tether")
 #: Config keys that may change between a run and its resumption without a warning.
 RESUME_FREE_KEYS = {
     "trainer.total_steps", "trainer.resume", "trainer.output_dir", "trainer.progress", "trainer.report", "trainer.loggers",
-    "trainer.threads", "trainer.device", "trainer.project",
+    "trainer.threads", "trainer.device", "trainer.project", "reward.timeout_s",
 }  # fmt: skip
 
 
