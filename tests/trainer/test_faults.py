@@ -173,7 +173,7 @@ def test_sigterm_or_sigint_finishes_the_step_checkpoints_it_and_resumes_from_it(
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     done = max(r["step"] for r in read_lines(run))
-    assert 3 <= done < 6
+    assert 2 <= done < 6  # 2 only if the signal beat the loop's check after step 2's own checkpoint
     assert f"{sig.name} received: finishing the step in progress" in err
     assert f"tether train: stopped by {sig.name} after step {done}; checkpoint step {done} written" in err
     assert f"trainer.output_dir={run}" in err.rsplit("To continue:", 1)[1]
