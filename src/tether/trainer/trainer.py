@@ -24,8 +24,8 @@ from tether.algos import (
     mean_kl_per_token,
     token_level_rewards_from_kl,
 )
-from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.batch import RolloutBatch
+from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
 from tether.trainer.setup import build_roles
