@@ -368,3 +368,42 @@ def test_a_directory_named_vllm_is_not_a_vllm_install(tmp_path, monkeypatch):
     if importlib.util.find_spec("vllm").origin not in (None, "namespace"):
         pytest.skip("a real vllm is installed and shadows the directory")
     assert vllm_mod.vllm_backend() is None
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, monkeypatch):
+    """An HF engine that also reports log-probs, its own exact ones + 0.01 nats: the step's
+    rollout/logprob_diff_mean and _max are 0.01 (the batch, the runner and the metric line up token
+    for token); the plain HF engine logs neither."""
+    from tether.config import load_config
+    from tether.models import response_logprobs
+    from tether.rollout import HFRolloutEngine, response_mask_from_ids
+    from tether.trainer import Trainer, setup
+
+    class ReportingHF(HFRolloutEngine):
+        returns_logprobs = True
+
+        def generate(self, prompt_ids, prompt_mask, *, return_logprobs=False, **kw):
+            ids = super().generate(prompt_ids, prompt_mask, **kw)
+            mask = response_mask_from_ids(ids, self.eos_token_ids)
+            with torch.no_grad():
+                lp = response_logprobs(self.model, torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1), ids.shape[1],
+                                       temperature=self.kwargs["temperature"])[0]  # fmt: skip
+            return (ids, lp + 0.01) if return_logprobs else ids
+
+    def run(engine_cls, name):
+        build = setup._build_engine
+
+        def patched(cfg, model, tok, path):
+            e = build(cfg, model, tok, path)
+            e.__class__ = engine_cls
+            return e
+
+        monkeypatch.setattr(setup, "_build_engine", patched)
+        cfg = load_config(None, ["trainer.progress=false", "trainer.val_freq=0", "trainer.report=false", "data.batch_size=4", "rollout.n=4",
+                                 "rollout.temperature=0.8", "data.embedded_train_size=8", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / name}"])  # fmt: skip
+        return Trainer(cfg).fit()
+
+    for h in run(ReportingHF, "reporting"):
+        assert h["rollout/logprob_diff_mean"] == pytest.approx(0.01, abs=1e-5) and h["rollout/logprob_diff_max"] == pytest.approx(0.01, abs=1e-5)
+    assert not any(k.startswith("rollout/logprob_diff") for h in run(HFRolloutEngine, "plain") for k in h)

@@ -402,15 +402,17 @@ class VLLMRolloutEngine:
         """Load ``(HF name, tensor)`` pairs into vLLM's model, in place; returns the way used.
 
         The first call finds a way that works (:func:`_load_into_vllm`, which needs the pairs as a
-        list); later calls use it directly, so ``weights`` may be a generator that yields one tensor
+        list); later calls use it directly, so (with the engine in this process) ``weights`` may be a generator that yields one tensor
         at a time (a sharded actor gathering each parameter in turn). Does not reset the prefix
         cache (see :meth:`sync_weights`).
 
         Raises:
             RuntimeError: this vLLM version offers none of the known ways to load weights.
         """
+        if self.last_sync is None or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            weights = list(weights)  # tried more than once, or pickled to vLLM's engine process: no generator
         if self.last_sync is None:
-            self.last_sync = _load_into_vllm(self.llm, list(weights))
+            self.last_sync = _load_into_vllm(self.llm, weights)
         else:
             _push(self.llm, self.last_sync, weights)
         return self.last_sync
