@@ -114,6 +114,7 @@ class RewardConfig(_Section):
     clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
+    timeout_s: float | None = Field(None, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors (null = wait forever). See docs/rewards.md.")
 
     @field_validator("clip")
     @classmethod
@@ -121,6 +122,19 @@ class RewardConfig(_Section):
         if v is not None and not v[0] < v[1]:
             raise ValueError(f"reward.clip must be [low, high] with low < high, got {list(v)}")
         return v
+
+
+class OfflineFilterConfig(_Section):
+    score_min: float | None = Field(None, description="rollout.mode=offline: drop rows whose score is below this (or missing); null = no bound.")
+    score_max: float | None = Field(None, description="rollout.mode=offline: drop rows whose score is above this (or missing); null = no bound.")
+    drop_empty: bool = Field(True, description="rollout.mode=offline: drop rows whose response is empty or whitespace.")
+    drop_duplicates: bool = Field(False, description="rollout.mode=offline: drop repeated (prompt, response) pairs, keeping the first.")
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.score_min is not None and self.score_max is not None and self.score_min > self.score_max:
+            raise ValueError(f"data.filter.score_min ({self.score_min}) must not exceed data.filter.score_max ({self.score_max})")
+        return self
 
 
 class DataConfig(_Section):
@@ -131,6 +145,8 @@ class DataConfig(_Section):
     max_prompt_length: int = Field(512, ge=1, description="Maximum prompt length, tokens.")
     skip_invalid: bool = Field(False, description="Malformed dataset rows: false = stop before training listing them; true = drop and count them.")
     overlong_prompts: Literal["error", "drop"] = Field("error", description="A prompt over max_prompt_length: stop before training (error) or drop it and count it.")
+    overlong_responses: Literal["truncate", "drop", "error"] = Field("drop", description="rollout.mode=offline: a response longer than rollout.max_new_tokens (with its EOS) is cut there (truncate), dropped and counted (drop), or stops before training (error).")
+    filter: OfflineFilterConfig = Field(default_factory=OfflineFilterConfig, description="rollout.mode=offline: pre-filtering of the fixed pairs (counts logged at start).")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by trainer.seed).")
     prompt_key: str = Field("prompt", description="Column holding the prompt.")
     response_key: str | None = Field(None, description="Column holding a fixed response (rollout.mode=offline).")
@@ -284,6 +300,9 @@ class TetherConfig(_Section):
             raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} needs rollout.n >= 2 (a group), got {self.rollout.n}")
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
+        f = self.data.filter
+        if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
+            raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

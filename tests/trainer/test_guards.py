@@ -288,6 +288,39 @@ def test_nan_rewards_are_dropped_counted_and_never_reach_the_weights(tmp_path, c
     assert_finite(stop)
 
 
+HANGING_REWARD = '''
+import time
+from tether.tasks.digitsum import compute_score
+
+CALLS = [0]
+
+def reward(data_sources, solution_strs, ground_truths, extra_infos):
+    """Call 2 hangs forever; every other call scores normally."""
+    CALLS[0] += 1
+    if CALLS[0] >= 2:
+        time.sleep(10**6)
+    return [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
+'''
+
+
+@pytest.mark.slow
+def test_a_hung_reward_function_is_abandoned_and_the_run_stops_after_the_empty_batch_streak(tmp_path, caplog):
+    fn = tmp_path / "hanging_reward.py"
+    fn.write_text(textwrap.dedent(HANGING_REWARD))
+    t = make(tmp_path, f"reward.function={fn}:reward", "reward.timeout_s=1", "trainer.total_steps=6")
+    m1 = t.train_step()
+    assert m1["reward/timeout_count"] == 0.0 and m1["policy/updates"] == 2.0
+    before = params(t)
+    m2 = t.train_step()  # hangs: abandoned after 1 s, all 16 samples are errors, no update
+    assert m2["reward/timeout_count"] == 16.0 and m2["reward/error_count"] == 16.0 and m2["guard/empty_batch"] == 1.0
+    assert "policy/updates" not in m2 and same(before, params(t))
+    assert "did not return within reward.timeout_s=1 s: 16 of 16 sample(s) count as errors" in caplog.text
+    t.train_step()
+    with pytest.raises(TrainingStopped, match="every sample was dropped .*reward/error_count=16.* for 3 steps in a row"):
+        t.train_step()  # the existing consecutive-failure rule (guards.EMPTY_STREAK_STOP = 3)
+    assert t.step == 4 and same(before, params(t))
+
+
 @pytest.mark.slow
 def test_nan_advantages_and_kl_are_never_applied(tmp_path, caplog):
     t = make(tmp_path, "actor.micro_batch_size=4", "trainer.total_steps=4")

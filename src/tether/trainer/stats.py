@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tether.algos import kl_penalty, masked_mean
-from tether.metrics.diversity import diversity_metrics
 from tether.batch import RolloutBatch
+from tether.metrics.diversity import diversity_metrics
 
 CORRECT_THRESHOLD = 0.5  # a sample counts as correct (pass@k) when its score is at least this
 

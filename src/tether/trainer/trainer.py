@@ -24,11 +24,12 @@ from tether.algos import (
     mean_kl_per_token,
     token_level_rewards_from_kl,
 )
-from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.batch import RolloutBatch
+from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer.guards import GuardMonitor, TrainingStopped
-from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
+from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
 from tether.trainer.setup import build_roles
+from tether.trainer.signals import StopSignals, TrainingInterrupted
 
 log = logging.getLogger("tether")
 
@@ -125,6 +126,8 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
+        if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
+            train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         if hasattr(self.roles.reward, "check_rows"):
@@ -146,13 +149,16 @@ class Trainer:
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
-        if self.step == 0 and self.cfg.trainer.val_freq:
-            self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
         try:
-            while self.step < self.cfg.trainer.total_steps:
-                metrics = self.train_step()
-                history.append(metrics)
-                progress.update(metrics)
+            with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
+                if self.step == 0 and self.cfg.trainer.val_freq:
+                    self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                while self.step < self.cfg.trainer.total_steps:
+                    metrics = self.train_step()
+                    history.append(metrics)
+                    progress.update(metrics)
+                    if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
+                        raise TrainingInterrupted(self._signals.signum, self.step)
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
             self.ckpt.save(final=True)
@@ -196,7 +202,7 @@ class Trainer:
             metrics |= self.maybe_validate()
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         with timer("checkpoint"):
-            self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
+            self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
         metrics |= timer.times
         train_s = sum(v for k, v in timer.times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
         metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(train_s, 1e-9)  # training phases only
@@ -204,6 +210,12 @@ class Trainer:
         for finding in self.diagnostics.update(self.step, metrics):
             log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
         return metrics
+
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM/SIGINT arrived during :meth:`fit`: this step is checkpointed, then the run stops."""
+        signals = getattr(self, "_signals", None)
+        return signals is not None and signals.signum is not None
 
     # ------------------------------------------------------------------ phases
     @property

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
-from tether.models import response_logprobs
 from tether.batch import RolloutBatch
+from tether.models import response_logprobs
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
