@@ -61,11 +61,11 @@ def test_loss_counts_skip_padding_and_reduce_sums(tmp_path):
 
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     shard = pad_rows(_batch(mask), [0, 1, 2], 5)  # 3 real rows (one without valid tokens) + 2 padding rows
-    assert LocalDataParallel().loss_counts(_batch(mask)) == (3.0, 3.0)
+    assert LocalDataParallel().loss_counts(_batch(mask)) == (3.0, 2.0)  # 3 tokens; S = the 2 non-empty rows
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         dp = DataParallel(0, 1)
-        assert dp.loss_counts(shard) == (3.0, 3.0)  # not 5 sequences
+        assert dp.loss_counts(shard) == (3.0, 2.0)  # padding adds nothing
         assert dp.reduce({"a": 1.5}, False) == ({"a": 1.5}, False)
         assert len(dp.shard(_batch(mask))) == 3
     finally:

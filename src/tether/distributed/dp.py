@@ -98,7 +98,7 @@ class DataParallel:
     def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
         import torch.distributed as dist
 
-        from tether.algos.losses import loss_normalizers
+        from tether.algos import loss_normalizers
 
         tokens, seqs = loss_normalizers(mini.response_mask[: real_rows(mini)])
         t = torch.tensor([float(tokens), float(seqs)], dtype=torch.float64)

@@ -8,10 +8,24 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
-from tether.models import response_logprobs
+from tether.algos import (
+    agg_loss,
+    kl_full,
+    kl_penalty,
+    logprobs_from_logits,
+    ppo_policy_loss,
+)
 from tether.batch import RolloutBatch
-from tether.workers.common import LocalDataParallel, MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+from tether.models import response_logprobs
+from tether.workers.common import (
+    LocalDataParallel,
+    MetricAccumulator,
+    micro_batches,
+    mini_batches,
+    optimizer_step,
+    pad_to,
+    trim,
+)
 
 
 @dataclass(frozen=True)

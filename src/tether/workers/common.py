@@ -76,7 +76,7 @@ class LocalDataParallel:
 
     def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
         """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses."""
-        from tether.algos.losses import loss_normalizers
+        from tether.algos import loss_normalizers  # S counts only the rows with a valid token
 
         tokens, seqs = loss_normalizers(mini.response_mask)
         return float(tokens), float(seqs)

@@ -7,9 +7,17 @@ import math
 import torch
 
 from tether.algos import ppo_value_loss
-from tether.models import ValueModel
 from tether.batch import RolloutBatch
-from tether.workers.common import LocalDataParallel, MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
+from tether.models import ValueModel
+from tether.workers.common import (
+    LocalDataParallel,
+    MetricAccumulator,
+    micro_batches,
+    mini_batches,
+    optimizer_step,
+    pad_to,
+    trim,
+)
 
 
 class CriticWorker:
