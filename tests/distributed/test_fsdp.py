@@ -118,6 +118,10 @@ def _rank_main(rank: int, world: int, port: int, recs: dict, out_path: str) -> N
         res["actor_final"] = w.full_state("actor")
         if w.critic is not None:
             res["critic_final"] = w.full_state("critic")
+        if name == "epochs":  # one NaN advantage: only the rank holding that row sees a non-finite loss
+            bad = copy.deepcopy(rec["steps"][-1]["batch"])
+            bad.advantages[0, 0] = float("nan")
+            res["nonfinite"] = w.update_actor(bad, rec["steps"][-1]["spec"], 99)  # finishes: no rank waits
         results[name] = res
     if rank == 0:
         torch.save(results, out_path)
@@ -168,6 +172,14 @@ def test_world_size_2_equals_1(replay, name):
             diffs = torch.cat([(g[k].float() - w[k].float()).abs().flatten() for k in w])
             assert float((diffs > WEIGHT_ATOL).float().mean()) <= OUTLIER_FRAC, (name, role, int((diffs > WEIGHT_ATOL).sum()))
             assert float(diffs.max()) <= OUTLIER_ATOL, (name, role, float(diffs.max()))
+
+
+def test_nonfinite_loss_on_one_rank_drops_the_mini_batch_everywhere(replay):
+    """Row 0's NaN advantage makes one rank's loss NaN in the one mini-batch (per epoch) holding it:
+    every rank skips that mini-batch and applies the others (2 epochs x 2 mini-batches of 8)."""
+    _, results = replay
+    m = results["epochs"]["nonfinite"]
+    assert m["guard/nonfinite_skip"] == 2.0 and m["policy/updates"] == 2.0
 
 
 def test_bf16_compute_keeps_fp32_master_weights(replay):

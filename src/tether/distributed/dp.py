@@ -105,6 +105,12 @@ class DataParallel:
         dist.all_reduce(t, group=self.group)
         return float(t[0]), float(t[1])
 
+    def skip_backward(self, loss: torch.Tensor) -> None:
+        """A non-finite loss on this rank: run the backward anyway (of 0·loss, whose gradients are
+        discarded with the dropped mini-batch), or the other ranks would wait forever in its
+        reduce-scatters."""
+        (loss * 0.0).backward()
+
     def reduce(self, metrics: dict[str, float], finite: bool) -> tuple[dict[str, float], bool]:
         import torch.distributed as dist
 

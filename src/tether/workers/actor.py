@@ -221,6 +221,7 @@ class ActorWorker:
                 loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
             if not torch.isfinite(loss):
                 finite = False
+                self.dp.skip_backward(loss)  # a sharded rank still joins the backward's collectives
                 continue
             loss.backward()
             # partial losses sum to the mini-batch loss; fractions are weighted by the micro-batch's token share

@@ -85,6 +85,9 @@ class LocalDataParallel:
         """The mini-batch's metrics and loss finiteness over all ranks (unchanged here)."""
         return metrics, finite
 
+    def skip_backward(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss is not finite and its backward is skipped (the mini-batch is dropped)."""
+
 
 class MetricAccumulator:
     """Averages metric dicts over mini-batches."""

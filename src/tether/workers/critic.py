@@ -70,6 +70,7 @@ class CriticWorker:
                     )  # fmt: skip
                     if not torch.isfinite(loss):
                         finite = False
+                        self.dp.skip_backward(loss)  # a sharded rank still joins the backward's collectives
                         continue
                     loss.backward()
                     sums["value/loss"] += float(loss.detach())
