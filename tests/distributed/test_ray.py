@@ -201,3 +201,20 @@ def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
     assert "resumed from" in done.stderr and "step_000002" in done.stderr
     _compare(metrics, _metrics(tmp_path / "run"), tol=1e-6)
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 4
+
+
+def test_rollback_restores_sharded_weights_and_keeps_the_lr(sharded_run, tmp_path):
+    """The guard's rollback path (CheckpointManager.restore_weights) on the Ray backend: the weights
+    and AdamW moments of the step-2 checkpoint come back, the current (lowered) learning rate stays."""
+    root, _, _ = sharded_run
+    ckpt = root / "a" / "checkpoints" / "step_000002"
+    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    at_2 = _weights(t.roles.actor.model)
+    lr = t.roles.actor.optimizer.param_groups[0]["lr"]
+    t.train_step()
+    assert _max_diff(at_2, _weights(t.roles.actor.model)) > 1e-4  # it trained
+    t.roles.actor.scale_lr(0.5)
+    t.ckpt.restore_weights(2)
+    assert _max_diff(at_2, _weights(t.roles.actor.model)) == 0.0
+    assert t.roles.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.5)
+    t.roles.close()
