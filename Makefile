@@ -51,11 +51,16 @@ $(VENV)/.installed-ray: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),ray]"
 	touch $@
 
+# Ray 2.60 writes an auth token under $$HOME unless RAY_AUTH_MODE=disabled; its session files go to TMPDIR
+RAY_TEST_ENV := RAY_AUTH_MODE=disabled TMPDIR=$(TEST_TMP)
+
 test: install $(VENV)/.installed-ray
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q
+	mkdir -p $(TEST_TMP)
+	$(RAY_TEST_ENV) $(BIN)/python -m pytest -q
 
 test-fast: install $(VENV)/.installed-ray
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "not slow"
+	mkdir -p $(TEST_TMP)
+	$(RAY_TEST_ENV) $(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python benchmarks/bench_gae.py

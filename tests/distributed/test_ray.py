@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,10 @@ def cluster():
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["TMPDIR"] = str(tmp)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp / "ray"))
+    ray_dir = tmp / "ray"
+    if len(str(ray_dir)) > 48:  # Ray's unix sockets live under it, and a socket path may not pass 107 bytes
+        ray_dir = Path(tempfile.mkdtemp(prefix="tether-ray-"))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_dir))
     yield
     ray.shutdown()
 
