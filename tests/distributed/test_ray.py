@@ -32,7 +32,7 @@ def cluster():
     os.environ["TMPDIR"] = str(tmp)
     ray_dir = tmp / "ray"
     if len(str(ray_dir)) > 48:  # Ray's unix sockets live under it, and a socket path may not pass 107 bytes
-        ray_dir = Path(tempfile.mkdtemp(prefix="tether-ray-"))
+        ray_dir = Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_dir))
     yield
     ray.shutdown()
