@@ -97,6 +97,15 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     again.roles.close()
 
 
+def test_an_attached_ray_is_left_running(cluster):
+    from tether.distributed.ray_backend import RayCluster
+
+    attached = RayCluster(None, 1)  # this process already joined a Ray: use it
+    assert not attached.started
+    attached.close()
+    assert ray.is_initialized()
+
+
 def test_bad_degrees_fail_before_start(tmp_path):
     with pytest.raises(ConfigError, match="n_workers=3 must equal"):
         _cfg(tmp_path / "x", "trainer.backend=ray", "trainer.n_workers=3", "trainer.n_gpus_per_node=2")
