@@ -61,7 +61,8 @@ def _compare(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
 
 EQUAL_CASES = {
     "grpo": [],
-    "gae-split": ["algo.adv_estimator=gae", "trainer.placement=split"],
+    # no validation: the driver then holds neither a reference nor a critic model, only the policy
+    "gae-split-ref-reset": ["algo.adv_estimator=gae", "trainer.placement=split", "ref.reset_every=2", "trainer.val_freq=0"],
     "lora": ["actor.lora.rank=4"],
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
 }
@@ -80,6 +81,8 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     wl, wr = dict(local.roles.actor.model.named_parameters()), dict(remote.roles.actor.model.named_parameters())
     assert max(float((wl[k] - wr[k]).abs().max()) for k in wl) < 1e-5
     assert remote.roles.backend is None and ray.is_initialized()  # its groups are gone; the module's Ray is not
+    if "trainer.val_freq=0" in extra:
+        assert remote.roles.ref.local is None and not hasattr(remote.roles.critic, "model")
 
 
 def test_killed_worker_names_the_role(cluster, tmp_path):

@@ -14,6 +14,7 @@ replicas as Ray actors (weights pushed shard by shard) are not wired yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from contextlib import suppress
@@ -205,7 +206,8 @@ class RemoteActor:
 
 class RemoteReference:
     """Stands where ``ReferenceWorker`` stands: log-probs on the actor group (the reference lives
-    beside the actor there); the driver's own reference (``local``) serves the exact/* metrics."""
+    beside the actor there). ``local`` is the driver's own reference, kept only for the embedded
+    task's exact/* metrics (``tether.trainer.setup.driver_holds_ref``), else None."""
 
     def __init__(self, group: WorkerGroup, local):
         self.group, self.local = group, local
@@ -214,35 +216,33 @@ class RemoteReference:
         return self.group.call("ref_logprobs", batch)
 
     def _context(self):
-        return self.local._context()
+        return self.local._context() if self.local is not None else contextlib.nullcontext()
 
     @property
     def module(self):
-        return self.local.module
+        return self.local.module if self.local is not None else None
 
     @property
     def model(self):
-        return self.local.model
+        return self.local.model if self.local is not None else None
 
     def reset_to(self, actor_model) -> None:
         self.group.call("reset_ref")
-        self.local.reset_to(actor_model)
+        if self.local is not None:
+            self.local.reset_to(actor_model)
 
     def pull_weights(self) -> None:
         """The driver's reference (exact/* metrics) takes the group's reference weights (after a load)."""
-        if self.local.model is not None:
+        if self.local is not None and self.local.model is not None:
             self.local.model.load_state_dict(self.group.call("full_state", "ref", False))
 
 
 class RemoteCritic:
-    """Stands where ``CriticWorker`` stands: values and updates on the critic's group."""
+    """Stands where ``CriticWorker`` stands: values and updates on the critic's group (the driver
+    holds no critic model)."""
 
-    def __init__(self, group: WorkerGroup, local):
-        self.group, self.local = group, local
-
-    @property
-    def model(self):
-        return self.local.model
+    def __init__(self, group: WorkerGroup):
+        self.group = group
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call("compute_values", batch).to(batch.response_mask.device)
@@ -263,7 +263,7 @@ class RayBackend:
 
     def __init__(self, cfg, local_roles):
         n = world_size(cfg)
-        has_critic = local_roles.critic is not None
+        has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
         self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1))
         lora_state = None
@@ -331,6 +331,6 @@ def build_ray_roles(cfg, roles):
     roles.backend = backend
     roles.ref = RemoteReference(backend.actor_group, roles.ref)
     roles.actor = RemoteActor(backend.actor_group, roles.actor.model)
-    if roles.critic is not None:
-        roles.critic = RemoteCritic(backend.critic_group, roles.critic)
+    if backend.critic_group is not None:
+        roles.critic = RemoteCritic(backend.critic_group)
     return roles

@@ -128,9 +128,17 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int):
         super().__init__()
         self.backbone = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = self.make_head(hidden_size)
+
+    @staticmethod
+    def make_head(hidden_size: int) -> nn.Linear:
+        """The zero-initialised value head. nn.Linear's own initialisation draws from torch's global
+        RNG before it is zeroed, so building the head advances that RNG (the Ray backend's driver,
+        which holds no critic, builds one head too and samples as the local backend does)."""
+        head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        return head
 
     @classmethod
     def from_pretrained(cls, path: Path, *, dtype: str = "float32", trust_remote_code: bool = False) -> ValueModel:

@@ -110,8 +110,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
         if ref_path != actor_path:
             check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
-        ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-        ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
+        ref = None
+        if driver_holds_ref(cfg):
+            ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+            ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
     actor = ActorWorker(
         model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
         grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp,
@@ -121,11 +123,16 @@ def build_roles(cfg: TetherConfig) -> Roles:
         critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
         if critic_path != actor_path:
             check_same_tokenizer(tok, critic_path, "critic.model", trust_remote_code=trc)
-        vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-        critic = CriticWorker(
-            vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
-            value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
-        )  # fmt: skip
+        if cfg.trainer.backend == "ray":  # the critic lives on the workers only; the RNG advances as it would here
+            from transformers import AutoConfig
+
+            ValueModel.make_head(AutoConfig.from_pretrained(str(critic_path), trust_remote_code=trc).hidden_size)
+        else:
+            vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+            critic = CriticWorker(
+                vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
+                value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+            )  # fmt: skip
     engine = _build_engine(cfg, model, tok, actor_path)
     runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=generation_eos_ids(model))
     val_reward = None
@@ -144,6 +151,15 @@ def build_roles(cfg: TetherConfig) -> Roles:
 
         return build_ray_roles(cfg, roles)  # actor, ref, critic run on Ray worker groups; the rest stays here
     return roles
+
+
+def driver_holds_ref(cfg: TetherConfig) -> bool:
+    """Whether this process loads a separate reference model: always in the local backend; with
+    trainer.backend=ray only for the embedded task's exact/* validation metrics (the workers hold
+    the reference that training uses)."""
+    from tether.trainer.stats import exact_evaluation_applies
+
+    return cfg.trainer.backend == "local" or (exact_evaluation_applies(cfg) and cfg.trainer.val_freq > 0)
 
 
 def _build_engine(cfg: TetherConfig, model, tok, actor_path):

@@ -138,7 +138,7 @@ class CheckpointManager:
         return {s for s in (self.best_step, self.t.guard.stable_step) if s is not None}
 
     def _saves_ref(self) -> bool:
-        return bool(self.t.cfg.ref.reset_every) and self.t.roles.ref.model is not None
+        return bool(self.t.cfg.ref.reset_every) and self.t.cfg.actor.lora.rank == 0  # a LoRA reference has no weights of its own
 
     # -------------------------------------------------------------- loading
     def maybe_resume(self) -> None:
