@@ -195,6 +195,14 @@ class RankWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model = self._role(role).model
+        if trainable_only and not self.settings.cpu_offload:  # gather only what trains (LoRA: the adapters)
+            out = {}
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective, same order on every rank
+                    if self.rank == 0:
+                        out[name] = full.detach().cpu()
+            return out if self.rank == 0 else None
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
