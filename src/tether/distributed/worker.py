@@ -11,6 +11,7 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import fields, replace
@@ -88,27 +89,60 @@ class RankWorker:
             self._build_critic()
 
     # ------------------------------------------------------------------ building
+    def _on_meta(self) -> bool:
+        """Ranks other than 0 build their models on the meta device (no memory) and get the weights
+        from rank 0 once sharded: only rank 0 ever holds a whole model."""
+        return self.rank != 0
+
+    def _load_lm(self, path):
+        from tether.models import load_causal_lm
+
+        trc = self.cfg.actor.trust_remote_code
+        if not self._on_meta():
+            return load_causal_lm(path, dtype=self.cfg.actor.dtype, trust_remote_code=trc)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from tether.models import DTYPES
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype])
+
     def _parallelize(self, model):
-        return parallelize(model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh)
+        """FSDP2 over ``model``; a meta-device model is then materialised and every rank takes rank 0's
+        weights (``set_model_state_dict(..., broadcast_from_rank0=True)``) and buffers (rotary tables)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        meta = any(p.is_meta for p in model.parameters())
+        full = {} if meta else model.state_dict()
+        model = parallelize(model if meta else model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh)
+        if self.world_size > 1:
+            if meta:
+                model.to_empty(device=self.device)
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            for buf in model.buffers():
+                dist.broadcast(buf, src=0)
+        return model
 
     def _build_actor(self, lora_state) -> None:
-        from tether.models import apply_lora, load_causal_lm, resolve_model_path
+        from tether.models import apply_lora, resolve_model_path
         from tether.workers import ActorWorker, ReferenceWorker
 
         cfg = self.cfg
-        trc, temp, mbs = cfg.actor.trust_remote_code, cfg.rollout.temperature, cfg.actor.micro_batch_size
+        temp, mbs = cfg.rollout.temperature, cfg.actor.micro_batch_size
         actor_path = resolve_model_path(cfg.actor.model, "actor.model")
-        model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc)
+        model = self._load_lm(actor_path)
         if cfg.actor.lora.rank > 0:
-            model = apply_lora(model, cfg.actor.lora)
-            if lora_state is not None:
+            with torch.device("meta") if self._on_meta() else contextlib.nullcontext():
+                model = apply_lora(model, cfg.actor.lora)
+            if lora_state is not None and not self._on_meta():
                 from peft import set_peft_model_state_dict
 
                 set_peft_model_state_dict(model, lora_state)
             ref_model = None
         else:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
-            ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc)
+            ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
         model = self._parallelize(model)
         if ref_model is None:
             self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp)
@@ -127,7 +161,19 @@ class RankWorker:
 
         cfg = self.cfg
         path = resolve_model_path(cfg.critic.model or cfg.actor.model, "critic.model")
-        vm = self._parallelize(ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=cfg.actor.trust_remote_code))
+        trc = cfg.actor.trust_remote_code
+        if self._on_meta():
+            from transformers import AutoConfig, AutoModel
+
+            from tether.models import DTYPES
+
+            with torch.device("meta"):
+                config = AutoConfig.from_pretrained(str(path), trust_remote_code=trc)
+                backbone = AutoModel.from_config(config, dtype=DTYPES[cfg.actor.dtype], trust_remote_code=trc)
+                vm = ValueModel(backbone, config.hidden_size).to(DTYPES[cfg.actor.dtype])
+        else:
+            vm = ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=trc)
+        vm = self._parallelize(vm)
         self.critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
             value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
