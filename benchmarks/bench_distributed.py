@@ -61,7 +61,7 @@ def main() -> None:
     ray.shutdown()
     local = results[0]["step_s"]
     print(f"embedded task, {args.batch_size} prompts x {args.n} responses per step, {args.steps - 1} timed steps, {os.cpu_count()} CPU cores\n")
-    print("| backend | step s | tokens/s | rollout s | log-probs s | update s | driver overhead s/step |")
+    print("| backend | step s | tokens/s | rollout s | log-probs s | update s | step time vs local s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         over = "-" if r["label"] == "local" else f"{r['step_s'] - local:+.3f}"
