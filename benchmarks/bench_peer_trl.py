@@ -251,9 +251,9 @@ def worker_tether(args) -> dict:
     steps = []
     for _ in range(args.steps):
         phases.take()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         m = trainer.train_step()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         hooks = phases.take()
         bwd, opt = hooks.get("backward", 0.0), hooks.get("optimizer", 0.0)
         ph = {
@@ -266,7 +266,7 @@ def worker_tether(args) -> dict:
         }
         ph["other"] = wall - sum(ph.values())
         steps.append({
-            "s": wall, "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
+            "s": wall, "cpu_s": cpu, "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
             "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"),
             "phases": ph, "mfu": m.get("perf/mfu"),
         })  # fmt: skip
@@ -302,15 +302,18 @@ def worker_trl(args) -> dict:
         phases, trainer._get_per_token_logps_and_entropies, lambda: "update forward" if torch.is_grad_enabled() else "logprobs (no grad)"
     )
     marks: list[float] = []
+    cpu_marks: list[float] = []
     per_step: list[dict] = []
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
             phases.take()
             marks.append(time.perf_counter())
+            cpu_marks.append(time.process_time())
 
         def on_step_end(self, *a, **k):
             marks.append(time.perf_counter())
+            cpu_marks.append(time.process_time())
             per_step.append(phases.take())
 
     trainer.add_callback(Clock())
@@ -322,14 +325,14 @@ def worker_trl(args) -> dict:
         ph = {k: ph.get(k, 0.0) for k in ("generate", "reward", "logprobs (no grad)", "update forward", "backward", "optimizer")}
         ph["other"] = wall - sum(ph.values())
         log = logs[i] if i < len(logs) else {}
-        steps.append({"s": wall, "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
+        steps.append({"s": wall, "cpu_s": cpu_marks[i + 1] - cpu_marks[i], "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
                       "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "phases": ph, "mfu": None})  # fmt: skip
     return {"lib": "trl", "steps": steps}
 
 
 # ---------------------------------------------------------------- driver
 def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, tag: str, extra: list[str], workload: str = "peer",
-               trl_bf16: bool = False) -> dict:  # fmt: skip
+               trl_bf16: bool = False, src: Path = ROOT / "src") -> dict:  # fmt: skip
     out = workdir / "runs" / f"{tag}-{time.strftime('%H%M%S')}-{random.randrange(10**6)}"
     res = out.with_suffix(".json")
     cmd = [sys.executable, str(HERE), "--worker", lib, "--model", str(model), "--prompts", str(prompts), "--steps", str(steps),
@@ -338,7 +341,7 @@ def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, 
         cmd.append("--trl-bf16")
     for a in extra:
         cmd += ["--tether-arg", a]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(src))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -349,8 +352,9 @@ def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, 
     return r
 
 
-def median_step(r: dict) -> float:
-    xs = [s["s"] for s in r["steps"][1:]] or [s["s"] for s in r["steps"]]
+def median_step(r: dict, key: str = "s") -> float:
+    """Median seconds per step of a run, its first step left out: wall (``s``) or the process's CPU time (``cpu_s``)."""
+    xs = [s[key] for s in r["steps"][1:]] or [s[key] for s in r["steps"]]
     return statistics.median(xs)
 
 
@@ -372,14 +376,26 @@ def fmt_phases(ph: dict[str, float]) -> str:
 def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str]:
     lines = [f"### {name} ({params / 1e3:.0f}k parameters)", ""]
     med = {lib: statistics.median(median_step(r) for r in rs) for lib, rs in runs.items()}
-    lines.append("| library | median s/step | tokens/s | runs (median s/step each) |")
-    lines.append("| --- | ---: | ---: | --- |")
+    cpu = {lib: statistics.median(median_step(r, "cpu_s") for r in rs) for lib, rs in runs.items()}
+    lines.append("| library | median s/step (wall) | median CPU s/step | tokens/s (wall) | runs (wall s/step each) |")
+    lines.append("| --- | ---: | ---: | ---: | --- |")
     for lib, rs in runs.items():
         tps = statistics.median(tokens_per_step(r) / median_step(r) for r in rs)
-        lines.append(f"| {lib} | {med[lib]:.3f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
-    if "trl" in runs and "tether" in runs:
-        ratios = [median_step(b) / median_step(a) for a, b in zip(runs["tether"], runs["trl"], strict=False)]
-        lines += ["", f"TRL s/step / tether s/step: **{med['trl'] / med['tether']:.2f}** (per pair {min(ratios):.2f}–{max(ratios):.2f})"]
+        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
+    lines.append("")
+
+    def ratio_line(num: str, den: str, bold: bool) -> str:
+        w = [median_step(b) / median_step(a) for a, b in zip(runs[den], runs[num], strict=False)]
+        c = [median_step(b, "cpu_s") / median_step(a, "cpu_s") for a, b in zip(runs[den], runs[num], strict=False)]
+        mark = "**" if bold else ""
+        return (f"* {num} / {den} s/step: wall {mark}{med[num] / med[den]:.2f}{mark} (per round {min(w):.2f}–{max(w):.2f}), "
+                f"CPU {mark}{cpu[num] / cpu[den]:.2f}{mark} (per round {min(c):.2f}–{max(c):.2f})")  # fmt: skip
+
+    for lab in runs:
+        if lab != "trl" and "trl" in runs:
+            lines.append(ratio_line("trl", lab, True))
+        if lab not in ("trl", "tether") and "tether" in runs:
+            lines.append(ratio_line(lab, "tether", False))
     lines += ["", "Phases (median seconds per step of each run's median; first run):", ""]
     for lib, rs in runs.items():
         lines.append(f"* {lib}: {fmt_phases(median_phases(rs[0]))}")
@@ -403,6 +419,9 @@ def main() -> None:
     ap.add_argument("--tether-args", nargs="*", default=[], help="extra tether overrides, e.g. actor.compute_dtype=bfloat16")
     ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its default setting)")
     ap.add_argument("--skip-trl", action="store_true", help="tether runs only (no TRL needed)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=SRC|ARGS",
+                    help="another tether variant in the rotation: a source tree (empty: this one) and overrides, "
+                         "e.g. 'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'")
     ap.add_argument("--extra", action="store_true", help="add tether-alone rows: embedded default, GSM8K-shaped")
     ap.add_argument("--json", default=None, help="write all runs here")
     # worker mode (internal)
@@ -420,21 +439,28 @@ def main() -> None:
 
     work = Path(args.workdir)
     (work / "runs").mkdir(parents=True, exist_ok=True)
-    libs = ["tether"] if args.skip_trl else ["tether", "trl"]
+    # each variant: (label, tether source tree, extra overrides); "trl" is TRL
+    variants = [("tether", ROOT / "src", list(args.tether_args))]
+    for v in args.variant:
+        label, _, rest = v.partition("=")
+        src, _, extra = rest.partition("|")
+        variants.append((label, Path(src or ROOT / "src"), extra.split()))
+    if not args.skip_trl:
+        variants.append(("trl", ROOT / "src", []))
     load = os.getloadavg()[0]
-    print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} pairs, load average {load:.1f} on {os.cpu_count()} CPUs")
-    print(f"# tether args: {args.tether_args or 'defaults'}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
+    print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs")
+    print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
     out_lines, everything = [], {}
     for name in args.models.split(","):
         model = build_model(work / f"qwen2-{name}", name)
         prompts = build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
-        runs: dict[str, list[dict]] = {lib: [] for lib in libs}
+        runs: dict[str, list[dict]] = {lab: [] for lab, _, _ in variants}
         for _ in range(args.pairs):
-            for lib in libs:
-                r = run_worker(lib, model, prompts, args.steps, work, f"{lib}-{name}", args.tether_args if lib == "tether" else [],
-                               trl_bf16=args.trl_bf16)  # fmt: skip
-                runs[lib].append(r)
-                print(f"  {lib:6s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)", flush=True)
+            for lab, src, extra in variants:
+                lib = "trl" if lab == "trl" else "tether"
+                r = run_worker(lib, model, prompts, args.steps, work, f"{lab}-{name}", extra, trl_bf16=args.trl_bf16, src=src)
+                runs[lab].append(r)
+                print(f"  {lab:10s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)", flush=True)
         everything[name] = runs
         out_lines += report_pair(name, param_count(model), runs)
     if args.extra:
