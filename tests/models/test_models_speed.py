@@ -94,3 +94,14 @@ def test_matmul_params_and_update_flops(tiny_lm):
     assert (body, head) == (total - v * h, v * h)
     # 6 FLOPs per parameter per token: body on 10 context tokens, head on 4 response tokens
     assert update_flops(100, 20, 10, 4) == 6 * (100 * 10 + 20 * 4)
+
+
+def test_matmul_ceiling_leaves_the_global_rng_alone():
+    """Measuring the ceiling at a run's first step must not change what the run samples afterwards."""
+    from tether.trainer.perf import matmul_ceiling_flops
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert matmul_ceiling_flops(torch.device("cpu"), n=64, repeats=1) > 0
+    assert torch.equal(torch.rand(3), expected)

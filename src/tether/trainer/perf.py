@@ -16,10 +16,14 @@ import torch
 
 
 def matmul_ceiling_flops(device: torch.device, dtype: torch.dtype = torch.float32, *, n: int | None = None, repeats: int = 5) -> float:
-    """The best FLOP/s of ``repeats`` (n × n) @ (n × n) matmuls (2·n³ FLOPs each) on ``device`` in ``dtype``."""
+    """The best FLOP/s of ``repeats`` (n × n) @ (n × n) matmuls (2·n³ FLOPs each) on ``device`` in ``dtype``.
+
+    The operands come from a private generator, so no global RNG state (sampling, dropout) changes.
+    """
     n = n or (1024 if device.type == "cpu" else 4096)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    gen = torch.Generator().manual_seed(0)  # a private generator: measuring never moves the run's RNG streams
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):  # the first call warms up
         if device.type == "cuda":
