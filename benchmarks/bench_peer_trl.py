@@ -406,7 +406,7 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
         lines.append(f"* {lib}: reward [{rw}]; KL [{kl}]")
     mfu = [s["mfu"] for s in runs.get("tether", [{}])[0].get("steps", [])[1:] if s.get("mfu") is not None]
     if mfu:
-        lines.append(f"* tether perf/mfu (update vs the measured fp32 matmul ceiling): median {statistics.median(mfu):.2f}")
+        lines.append(f"* tether perf/mfu (update FLOP/s over the measured matmul ceiling in the compute dtype): median {statistics.median(mfu):.2f}")
     return lines + [""]
 
 
@@ -414,7 +414,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is left out of medians)")
     ap.add_argument("--pairs", type=int, default=3, help="alternating tether/TRL process pairs per model")
-    ap.add_argument("--models", default="tiny,small")
+    ap.add_argument("--models", default="tiny,small", help="comma-separated; empty (or --pairs 0) for the --extra rows only")
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_peer"))
     ap.add_argument("--tether-args", nargs="*", default=[], help="extra tether overrides, e.g. actor.compute_dtype=bfloat16")
     ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its default setting)")
@@ -451,7 +451,7 @@ def main() -> None:
     print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs")
     print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
     out_lines, everything = [], {}
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m and args.pairs > 0]:
         model = build_model(work / f"qwen2-{name}", name)
         prompts = build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
         runs: dict[str, list[dict]] = {lab: [] for lab, _, _ in variants}
@@ -464,16 +464,17 @@ def main() -> None:
         everything[name] = runs
         out_lines += report_pair(name, param_count(model), runs)
     if args.extra:
-        gsm_model = build_model(work / "qwen2-small-gsm", "small", eos_logit_boost=0.18)
+        gsm_model = build_model(work / "qwen2-small-gsm", "small", eos_logit_boost=0.8)
         gsm_prompts = build_prompts(work / "prompts-gsm.jsonl", N_PROMPTS, (120, 180))
         rows = [("embedded default (16 prompts × 8, 4 tokens)", None, None, "embedded", max(args.steps, 10)),
                 ("GSM8K-shaped, small model (8 × 8, prompts 120-180, responses ≤ 256)", gsm_model, gsm_prompts, "gsm8k", args.steps)]  # fmt: skip
-        out_lines += ["### tether alone", "", "| workload | median s/step | tokens/step | tokens/s | phases |", "| --- | ---: | ---: | ---: | --- |"]
+        out_lines += ["### tether alone", "", "| workload | median s/step (wall) | median CPU s/step | response tokens/step | tokens/s (wall) | phases (wall s) |",
+                      "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
         for label, m, p, wl, n in rows:
             r = run_worker("tether", m or Path("embedded"), p or Path("-"), n, work, f"tether-{wl}", args.tether_args, workload=wl)
             everything[wl] = {"tether": [r]}
             s, tok = median_step(r), tokens_per_step(r)
-            out_lines.append(f"| {label} | {s:.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(r))} |")
+            out_lines.append(f"| {label} | {s:.3f} | {median_step(r, 'cpu_s'):.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(r))} |")
             print(f"  tether {wl} median {s:.3f} s/step", flush=True)
         out_lines.append("")
     print("\n" + "\n".join(out_lines))
