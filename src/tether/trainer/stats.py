@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tether.algos import kl_penalty, masked_mean
-from tether.metrics.diversity import diversity_metrics
+from tether.algos import kl_penalty, masked_mean, zero_variance_groups
 from tether.batch import RolloutBatch
+from tether.metrics.diversity import diversity_metrics
 
 CORRECT_THRESHOLD = 0.5  # a sample counts as correct (pass@k) when its score is at least this
 
@@ -31,7 +31,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     lengths = mask.sum(-1).float()
     per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
-    beta = trainer.beta
+    beta = batch.extra.get("kl_coef", trainer.beta)  # the β that shaped this step's rewards / loss
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
@@ -55,10 +55,14 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
+    m |= learning_signal_metrics(batch, grouped=trainer.cfg.algo.adv_estimator in GROUP_ESTIMATORS)
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
+    if batch.rollout_logprobs is not None:
+        m |= logprob_diff_metrics(batch.rollout_logprobs, batch.old_logprobs, mask)
     m |= batch.extra.get("reward_metrics", {})
+    m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = trainer.tok.pad_token_id
@@ -67,6 +71,52 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         prompts = [[t for t in p if t != pad] for p, k in zip(batch.prompt_ids.tolist(), keep, strict=True) if k]
         m |= diversity_metrics(tokens, groups, prompts=prompts)
     return m
+
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the prompt's group (a group of equal scores gives 0)."""
+
+
+def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dict[str, float]:
+    """What the doctor's ``no_learning_signal`` check reads.
+
+    ``rollout/zero_var_group_frac`` (only when ``grouped``: a group-relative estimator, see
+    :data:`GROUP_ESTIMATORS`): the fraction of the batch's prompts (groups with a counted response)
+    whose counted responses all got the same score, or that have a single one: they give every
+    group-relative advantage exactly 0 (all wrong or all right). ``advantages/abs_mean``: the mean
+    |advantage| over counted tokens (0 = nothing to learn from this batch).
+    """
+    valid = batch.response_mask.sum(-1) > 0  # (B,)
+    out = {}
+    if grouped and batch.scores is not None and bool(valid.any()):
+        flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)[valid]  # (B',)
+        groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
+        flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)  # (G,)
+        out["rollout/zero_var_group_frac"] = float(flat_group.float().mean())
+    if batch.advantages is not None and bool(valid.any()):
+        out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.response_mask))
+    return out
+
+
+def logprob_diff_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """The training–inference mismatch of one step: how far the rollout engine's log-probs of the
+    sampled tokens are from the trainer's recomputed ones, on the same weights.
+
+    Args:
+        rollout_logprobs: (B, T) the engine's log π(a_t|s_t) (vLLM's), nats; NaN where unknown.
+        old_logprobs: (B, T) the actor's log π_old(a_t|s_t) from its own forward pass, nats.
+        response_mask: (B, T) 1 = the token counts.
+    Returns:
+        ``rollout/logprob_diff_mean``: mean of |rollout − old| over every counted token with a known
+        engine log-prob (a token mean over the whole batch, not per response), nats;
+        ``rollout/logprob_diff_max``: its maximum, nats. Both NaN when no token qualifies. (verl logs
+        the same comparison on probabilities as ``training/rollout_probs_diff_*``.)
+    """
+    diff = (rollout_logprobs.to(old_logprobs.device).float() - old_logprobs.float()).abs()
+    keep = response_mask.bool() & torch.isfinite(diff)
+    if not bool(keep.any()):
+        return {"rollout/logprob_diff_mean": float("nan"), "rollout/logprob_diff_max": float("nan")}
+    return {"rollout/logprob_diff_mean": float(diff[keep].mean()), "rollout/logprob_diff_max": float(diff[keep].max())}
 
 
 def distinct_prompt_indices(prompts) -> list[int]:

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
-from tether.models import response_logprobs
+from tether.algos import (
+    agg_loss,
+    kl_full,
+    kl_penalty,
+    logprobs_from_logits,
+    loss_normalizers,
+    ppo_policy_loss,
+)
 from tether.batch import RolloutBatch
+from tether.models import response_logprobs
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
@@ -198,8 +205,7 @@ class ActorWorker:
         With ``out = (batch, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
         are its old log-probs, and they and the entropy are written to ``batch`` at ``rows``.
         """
-        total_tokens = float(mini.response_mask.sum())
-        total_seqs = float(len(mini))
+        total_tokens, total_seqs = loss_normalizers(mini.response_mask)  # S counts only non-empty rows
         sums: dict[str, float] = {}
         finite = True
         need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
