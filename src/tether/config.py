@@ -80,7 +80,7 @@ class ActorConfig(_Section):
     reuse_update_logprobs: bool = Field(
         True, description="With one PPO epoch and one mini-batch per step, old_logprobs and entropy come from the update's own forward, "
         "detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update (kl.placement loss/none, "
-        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef)."
+        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
 

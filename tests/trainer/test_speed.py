@@ -45,6 +45,7 @@ def test_reused_update_logprobs_give_the_same_run(small_cfg, tmp_path):
         pytest.param(["algo.mini_batch_size=8"], id="two-mini-batches"),  # the second mini-batch's old policy is not its current one
         pytest.param(["algo.ppo_epochs=2"], id="two-epochs"),
         pytest.param(["guard.on_max_kl=skip"], id="kl-guard-skips-before-update"),
+        pytest.param(["actor.lora.rank=4", "actor.lora.dropout=0.1"], id="lora-dropout"),  # train-mode forward ≠ eval pass
     ],
 )
 def test_old_logprob_pass_kept_where_it_is_needed(small_cfg, tmp_path, overrides):

@@ -6,6 +6,7 @@ timed into ``timing/<phase>_s``; :meth:`Trainer.train_step` reads like the algor
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -261,8 +262,16 @@ class Trainer:
         return (
             c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
-            and c.guard.on_max_kl == "raise_coef"
+            and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
         )  # fmt: skip
+
+    @functools.cached_property
+    def _actor_has_dropout(self) -> bool:
+        """Dropout in the actor (a Dropout module with p > 0, e.g. LoRA's, or attention dropout in its
+        config): the update's train-mode forward then differs from the no-grad eval pass, so it is not reused."""
+        model = self.roles.actor.model
+        modules = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        return modules or float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0
 
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
