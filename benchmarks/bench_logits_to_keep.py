@@ -50,11 +50,11 @@ def main() -> None:
                 ts.append(time.process_time() - c0)
             return min(ts)
 
-        def nograd():
+        def nograd(model=model, ids=ids, mask=mask):
             with torch.no_grad():
                 tm.response_logprobs(model, ids, mask, T)
 
-        def fwdbwd():
+        def fwdbwd(model=model, ids=ids, mask=mask):
             lp = tm.response_logprobs(model, ids, mask, T)[0]
             lp.sum().backward()
 
