@@ -340,6 +340,8 @@ class Trainer:
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
         spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
+        if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
+            batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
         self.roles.engine.sync_weights(self.roles.actor.model)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
             self.roles.ref.reset_to(self.roles.actor.model)

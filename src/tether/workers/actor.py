@@ -41,8 +41,8 @@ class ActorUpdateSpec:
     seed: int
     norm_constant: float  # seq-mean-token-sum-norm divisor: the maximum response length, tokens
     # old_logprobs := the update's own log-probs, detached (ratio exactly 1): one epoch and one mini-batch
-    # only, where the old policy is the current one; the update then writes old_logprobs and entropy
-    # (B, T) into the batch (actor.reuse_update_logprobs)
+    # only, where the old policy is the current one; the update then returns them and the entropy, (B, T)
+    # in the batch's row order, as "_old_logprobs" and "_entropy" in its result (actor.reuse_update_logprobs)
     reuse_logprobs: bool = False
 
 
@@ -169,11 +169,12 @@ class ActorWorker:
                     f"reuse_logprobs needs one epoch and one mini-batch per step (ppo_epochs={spec.ppo_epochs}, "
                     f"mini_batch_size={spec.mini_batch_size} < {len(batch)} responses): otherwise the old policy is not the current one"
                 )
-            batch.old_logprobs = torch.zeros_like(batch.response_mask, dtype=torch.float32)
-            batch.entropy = torch.zeros_like(batch.old_logprobs)
+            # filled micro-batch by micro-batch, returned (not written into ``batch``, which a remote role only holds a copy of)
+            measured = {"old_logprobs": torch.zeros_like(batch.response_mask, dtype=torch.float32)}
+            measured["entropy"] = torch.zeros_like(measured["old_logprobs"])
         for _ in range(spec.ppo_epochs):
             for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
-                metrics, loss_finite = self._mini_batch_step(mini, spec, ref, out=(batch, rows) if spec.reuse_logprobs else None)
+                metrics, loss_finite = self._mini_batch_step(mini, spec, ref, out=(measured, rows) if spec.reuse_logprobs else None)
                 if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
                     # Spinning Up's early stop: the policy is already too far from the rollout policy,
                     # so neither this mini-batch's update nor the remaining ones are applied
@@ -197,13 +198,16 @@ class ActorWorker:
         out["guard/nonfinite_skip"] = float(skipped)
         out["guard/early_stop"] = float(early_stop)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if spec.reuse_logprobs:
+            out["_old_logprobs"], out["_entropy"] = measured["old_logprobs"], measured["entropy"]
         return out
 
     def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None):
         """Forward/backward of one mini-batch, micro-batch by micro-batch; returns (metric sums, all losses finite).
 
-        With ``out = (batch, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
-        are its old log-probs, and they and the entropy are written to ``batch`` at ``rows``.
+        With ``out = (measured, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
+        are its old log-probs, and they and the entropy are written to ``measured["old_logprobs"]`` and
+        ``measured["entropy"]`` (B, T) at ``rows``.
         """
         total_tokens, total_seqs = loss_normalizers(mini.response_mask)  # S counts only non-empty rows
         sums: dict[str, float] = {}
@@ -224,10 +228,10 @@ class ActorWorker:
             rmask = mb.response_mask[:, :t]
             if out is not None:
                 old = lp.detach()
-                batch, rows = out
-                idx = rows[start : start + len(mb)].to(batch.old_logprobs.device)
-                batch.old_logprobs[idx, :t] = old.float()
-                batch.entropy[idx, :t] = ent.detach().float()
+                measured, rows = out
+                idx = rows[start : start + len(mb)].to(old.device)
+                measured["old_logprobs"][idx, :t] = old.float()
+                measured["entropy"][idx, :t] = ent.detach().float()
             else:
                 old = mb.old_logprobs[:, :t]
             start += len(mb)
