@@ -67,6 +67,7 @@ def test_accuracy_metrics_macro_average():
     assert m["pass@4"] == 0.5
     assert m["maj@4"] == 0.5  # prompt 1: "1"/"2" tie -> "1" correct; prompt 2: "3" wrong
     assert m["maj@2"] == 0.25  # prompt 1 blocks ["1","2"] -> "1" ok, ["2","1"] -> "2" wrong
+    assert "maj@1" not in m  # a vote of one is pass@1 on the answered samples
 
 
 def test_ks_parsing_and_defaults():

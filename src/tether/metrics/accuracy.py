@@ -134,8 +134,8 @@ def accuracy_metrics(
         ks: the k to report (each 1 <= k <= n).
 
     Returns:
-        ``mean@{n}`` (mean score), ``pass@{k}`` and ``maj@{k}`` for every k in ``ks`` (``pass@1`` always),
-        and ``prompts`` (P). Macro averages over prompts, summed with :func:`math.fsum`.
+        ``mean@{n}`` (mean score), ``pass@{k}`` for every k in ``ks`` (``pass@1`` always), ``maj@{k}``
+        for every k > 1 in ``ks``, and ``prompts`` (P). Macro averages over prompts, summed with :func:`math.fsum`.
 
     Raises:
         ValueError: no prompt, prompts with different n, or a k outside 1..n.
@@ -150,7 +150,7 @@ def accuracy_metrics(
     out = {f"mean@{n}": math.fsum(math.fsum(s) / n for s in scores) / P}
     for k in ks:
         out[f"pass@{k}"] = math.fsum(pass_at_k(n, sum(map(bool, c)), k) for c in correct) / P
-    for k in ks:
+    for k in ks[1:]:
         out[f"maj@{k}"] = math.fsum(maj_at_k(a, c, k) for a, c in zip(answers, correct, strict=True)) / P
     out["prompts"] = float(P)
     return out
