@@ -118,7 +118,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True, leave=False, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True, leave=False, file=sys.stderr, mininterval=0)
 
 
 @torch.no_grad()
