@@ -227,3 +227,72 @@ def test_checkpoint_sweep_writes_the_accuracy_vs_kl_curve(tmp_path, capsys):
     assert mean == pytest.approx(last["kl_ref_seq_mean"])
     assert abs(mean - last["exact/kl_ref_seq"]) < 4 * sem + 1e-9, (mean, sem, last["exact/kl_ref_seq"])
     assert last["exact/kl_ref_seq"] > 0.01  # the run moved: the check is not 0 == 0
+
+
+def test_per_data_source_columns(tmp_path, capsys):
+    """Rows of two data sources: one column per source, each the same metrics over its own prompts,
+    and the overall column their prompt-weighted mix."""
+    from tether.rewards import register_reward_function
+
+    register_reward_function("test/digitsum-copy", "tether.tasks.digitsum:compute_score", overwrite=True)
+    rows = make_dataset("train")[:6]
+    for r in rows[3:]:
+        r["data_source"] = "test/digitsum-copy"
+    path = tmp_path / "mixed.jsonl"
+    write_records(rows, path)
+    by_source: dict = {}
+    samples: list[dict] = []
+    m = evaluate("embedded", path, EvalSettings(n=4, max_new_tokens=4, batch_size=4), samples=samples, by_source=by_source)
+    assert list(by_source) == ["tether/digitsum", "test/digitsum-copy"]
+    for ds, sm in by_source.items():
+        mine = [s for s in samples if s["data_source"] == ds]
+        assert sm["prompts"] == 3 and sm["pass@1"] == pytest.approx(sum(s["correct"] for s in mine) / len(mine))
+    assert m["pass@2"] == pytest.approx((by_source["tether/digitsum"]["pass@2"] + by_source["test/digitsum-copy"]["pass@2"]) / 2)
+    assert main(["eval", "embedded", str(path), "--n", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+    header = capsys.readouterr().out.splitlines()[1].split()
+    assert header == ["metric", "all", "tether/digitsum", "test/digitsum-copy"]
+
+
+def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monkeypatch, caplog):
+    """Stand-in for vLLM (no GPU here): engine=vllm builds one VLLMRolloutEngine and pushes each
+    policy's weights with sync_weights, the interface the trainer uses; engine=auto falls back to hf
+    with a warning when the run used vllm and vLLM is not usable."""
+    import tether.rollout.vllm as vllm_mod
+    from tether.evaluate import Evaluator
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.rollout import HFRolloutEngine
+
+    built, synced = [], []
+
+    class StandIn(HFRolloutEngine):
+        def __init__(self, model_path, tokenizer, **kw):
+            built.append((str(model_path), kw))
+            self.tokenizer = tokenizer
+            super().__init__(None, tokenizer, temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
+                             max_new_tokens=kw["max_new_tokens"], do_sample=kw["do_sample"])  # fmt: skip
+
+        def sync_weights(self, model):
+            synced.append(model)
+            self.model = model
+
+    path = resolve_model_path("embedded")
+    tok = load_tokenizer(path)
+    monkeypatch.setattr(vllm_mod, "check_vllm_available", lambda: None)
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", StandIn)
+    ev = Evaluator("embedded", EvalSettings(n=2, engine="vllm"), tok, torch.device("cpu"))
+    assert ev.resolved["engine"] == "vllm"
+    a, b = load_causal_lm(path), load_causal_lm(path)
+    m1 = ev(a, model_path=path)
+    m2 = ev(b, model_path=path)
+    assert len(built) == 1 and built[0][0] == str(path) and built[0][1]["max_new_tokens"] == 4
+    assert synced == [a, b] and m1["prompts"] == m2["prompts"] == 4
+
+    def missing():
+        raise ConfigError("rollout.engine=vllm: the vllm package is not installed")
+
+    monkeypatch.setattr(vllm_mod, "check_vllm_available", missing)
+    with caplog.at_level("WARNING", logger="tether"):
+        assert ev._pick_engine("auto", "vllm") == "hf"
+    assert "evaluating with hf" in caplog.text
+    with pytest.raises(ConfigError, match="vllm package"):
+        ev._pick_engine("vllm", "hf")

@@ -3,10 +3,9 @@ progress bar (issue 10 item 5)."""
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tether.config import ConfigError, load_config
