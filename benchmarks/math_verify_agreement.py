@@ -31,7 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tether.data.gsm8k import SOLUTION_MODEL_KEYS, gsm8k_final_answer  # noqa: E402
-from tether.rewards.math import gsm8k_compute_score, math_boxed_compute_score, math_compute_score, math_verify_score  # noqa: E402
+from tether.rewards.math import (  # noqa: E402
+    gsm8k_compute_score,
+    math_boxed_compute_score,
+    math_compute_score,
+    math_verify_score,
+)
 
 
 def _default_data() -> Path:
