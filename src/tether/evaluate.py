@@ -1,18 +1,24 @@
-"""``tether eval MODEL_OR_CHECKPOINT DATA``: accuracy, response length and diversity of a policy.
+"""``tether eval MODEL_OR_CHECKPOINT DATA``: accuracy (unbiased pass@k, maj@k, mean@n), KL to the
+reference, response length and diversity of a policy, or of every checkpoint of a run.
 
 The evaluation itself is :func:`tether.trainer.stats.evaluate_prompts`, the function the trainer
-runs every ``trainer.val_freq`` steps; this module only loads what it needs:
+runs every ``trainer.val_freq`` steps; this module only loads what it needs (:class:`Evaluator`):
 
 * the policy: a Hugging Face model directory, a tether checkpoint (``.../checkpoints/step_N``; a
   LoRA checkpoint is loaded as base model + adapter), a run directory (its latest complete
-  checkpoint), a bare peft adapter directory, or ``embedded``;
+  checkpoint, or with :func:`evaluate_checkpoints` all of them), a bare peft adapter directory, or
+  ``embedded``;
 * the prompts: a verl-schema ``.jsonl``/``.json``/``.parquet`` file rendered exactly as in training
-  (chat template, instruction suffix, ``max_prompt_length``);
-* the reward: the built-in function of each row's ``data_source``, a user function or a reward model.
+  (chat template, instruction suffix, ``max_prompt_length``), or the embedded task's split;
+* the reward: the built-in verifier of each row's ``data_source``, a user function or a reward model;
+* the rollout engine of the run (``rollout.engine``: HF generate or vLLM), built once, each policy's
+  weights pushed with ``sync_weights``;
+* the reference (the run's ``ref.model`` / ``actor.model``), for the KL of the eval samples.
 
-When the checkpoint belongs to a run (``<run>/config.yaml``), that run's data rendering and reward
-settings are the defaults, so ``tether eval runs/x data/test.parquet`` scores exactly what the
-run's validation scored; any option given on the command line wins.
+When the checkpoint belongs to a run (``<run>/config.yaml``), that run's data rendering, reward,
+sampling and engine settings are the defaults, so ``tether eval runs/x data/test.parquet`` scores
+exactly what the run's validation scored; any option given on the command line wins. See
+``docs/eval.md``.
 """
 
 from __future__ import annotations
@@ -263,6 +269,7 @@ class Evaluator:
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
         self.engine = None
         self._ref = None
+        self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
         if asked not in ("auto", "hf", "vllm"):
@@ -364,7 +371,7 @@ class Evaluator:
         ref = self.reference() if self.reference() is not None else model
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
-                               n_samples=self.resolved["n"])  # fmt: skip
+                               n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
 
 
 def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,

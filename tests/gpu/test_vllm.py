@@ -185,3 +185,34 @@ def test_train_three_steps_with_vllm(tiny, tmp_path):
     ])  # fmt: skip
     history = Trainer(cfg).fit()
     assert len(history) == 3 and all(h["response/length_mean"] >= 1 for h in history)
+
+
+@pytest.mark.gpu
+@gpu
+def test_tether_eval_with_vllm_matches_hf_greedy(tiny, tmp_path):
+    """tether eval through the vLLM engine (built once, weights synced) gives mostly the HF engine's
+    greedy responses on a float32 tiny model (kernels differ, so a near-tie may flip), and pushing
+    other weights changes what it generates."""
+    from tether.data import write_records
+    from tether.evaluate import EvalSettings, Evaluator
+    from tether.models import load_causal_lm, load_tokenizer
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": t.split("####")[0][:200]}],
+             "reward_model": {"ground_truth": "7"}} for t in synthetic_math_texts(8)]  # fmt: skip
+    data = tmp_path / "p.jsonl"
+    write_records(rows, data)
+    tok = load_tokenizer(tiny)
+    model = load_causal_lm(tiny).cuda().eval()
+    out = {}
+    for engine in ("hf", "vllm"):
+        ev = Evaluator(data, EvalSettings(greedy=True, max_new_tokens=8, engine=engine, device="cuda", batch_size=4), tok, torch.device("cuda"))
+        samples: list[dict] = []
+        ev(model, model_path=tiny, samples=samples)
+        out[engine] = [s["response"] for s in samples]
+    assert len(out["vllm"]) == 8 and sum(a == b for a, b in zip(out["vllm"], out["hf"], strict=True)) >= 6
+    other = load_causal_lm(tiny).cuda().eval()
+    with torch.no_grad():
+        other.model.embed_tokens.weight.mul_(3.0)
+    samples = []
+    ev(other, model_path=tiny, samples=samples)
+    assert [s["response"] for s in samples] != out["vllm"]
