@@ -134,10 +134,16 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
     Raises:
         ConfigError: see :func:`resolve_policy`; a tokenizer or base model that cannot be loaded.
     """
-    from tether.models import DTYPES, load_causal_lm, load_tokenizer
+    from tether.models import load_tokenizer
 
     where, kind, run = resolve_policy(path)
-    tok = load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
+    return _load_resolved(where, kind, dtype, device), load_tokenizer(where, key="MODEL_OR_CHECKPOINT"), run
+
+
+def _load_resolved(where: Path, kind: str, dtype: str, device: str):
+    """The model at a :func:`resolve_policy` result (checkpoint already verified), in eval mode on ``device``."""
+    from tether.models import DTYPES, load_causal_lm
+
     if kind == "adapter":
         from peft import AutoPeftModelForCausalLM
 
@@ -148,8 +154,7 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
             raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
     else:
         model = load_causal_lm(where, dtype=dtype)
-    model.to(device).eval()
-    return model, tok, run
+    return model.to(device).eval()
 
 
 def _run_config(run: Path | None):
@@ -390,9 +395,10 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
 
     s = settings or EvalSettings()
     device = pick_device(s.device)
-    where, kind, _ = resolve_policy(model_or_checkpoint)
-    model, tok, run = load_policy(model_or_checkpoint, dtype=s.dtype, device=str(device))
-    ev = Evaluator(data, s, tok, device, run=run)
+    where, kind, run = resolve_policy(model_or_checkpoint)
+    tok = load_policy_tokenizer(where)
+    ev = Evaluator(data, s, tok, device, run=run)  # bad settings and data fail before the model loads
+    model = _load_resolved(where, kind, s.dtype, str(device))
     path = _adapter_base(where) if kind == "adapter" else where
     return ev(model, model_path=path, samples=samples, by_source=by_source)
 
@@ -457,7 +463,7 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
     run = Path(run_dir).expanduser()
     chosen = select_checkpoints(run, which)
     device = pick_device(s.device)
-    tok = load_policy_tokenizer(resolve_policy(chosen[0][1])[0])
+    tok = load_policy_tokenizer(_checkpoint_actor(chosen[0][1])[0])
     ev = Evaluator(data, s, tok, device, run=run)
     ref_path = ev.reference_path()
     if ref_path is None:
@@ -471,8 +477,8 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         if ckpt is None:
             model, path, is_ref = ev.reference(), ref_path, True
         else:
-            w, kind, _ = resolve_policy(ckpt)
-            model, _, _ = load_policy(ckpt, dtype=s.dtype, device=str(device))
+            w, kind = _checkpoint_actor(ckpt)
+            model = _load_resolved(w, kind, s.dtype, str(device))
             path, is_ref = (_adapter_base(w) if kind == "adapter" else w), False
         samples: list[dict] = []
         by_source: dict = {}
@@ -491,6 +497,12 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
     return results
 
 
+def _checkpoint_actor(ckpt: Path) -> tuple[Path, str]:
+    """(actor directory, "adapter" | "model") of a checkpoint :func:`select_checkpoints` verified."""
+    actor = Path(ckpt) / "actor"
+    return actor, "adapter" if (actor / "adapter_config.json").is_file() else "model"
+
+
 def load_policy_tokenizer(where: Path):
     from tether.models import load_tokenizer
 
@@ -507,12 +519,15 @@ def curve_table(results: list[dict], settings: dict) -> str:
     """A markdown table, one row per policy: step, accuracy, KL to the reference (nats per token, k1
     and k3 on the eval samples), response length and truncation rate."""
     keys = _curve_keys(settings) + [f"mean@{settings['n']}"]
-    head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"]
+    exact = all("exact/score_mean" in r["metrics"] for r in results)
+    head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"] + (["exact pass@1", "exact kl_ref (nats/tok)"] if exact else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         m = r["metrics"]
         cells = [str(r["step"]), *(f"{m[k]:.4f}" for k in keys), f"{m.get('kl_ref_mean', float('nan')):.4f}",
                  f"{m.get('kl_ref_k3_mean', float('nan')):.4f}", f"{m['length_mean']:.1f}", f"{m['truncated_frac']:.3f}"]  # fmt: skip
+        if exact:
+            cells += [f"{m['exact/score_mean']:.4f}", f"{m['exact/kl_ref_tok']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -533,6 +548,10 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
         ys = [r["metrics"][key] for r in results]
         a.plot(steps, ys, marker="o", label=key)
         b.plot(kl, ys, marker="o", label=key)
+    if all("exact/score_mean" in r["metrics"] for r in results):  # the embedded task: the same without sampling noise
+        ys = [r["metrics"]["exact/score_mean"] for r in results]
+        a.plot(steps, ys, ls="--", marker=".", label="exact pass@1")
+        b.plot([r["metrics"]["exact/kl_ref_tok"] for r in results], ys, ls="--", marker=".", label="exact pass@1 vs exact KL")
     for x, y, st in zip(kl, [r["metrics"]["pass@1"] for r in results], steps, strict=True):
         b.annotate(str(st), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     a.set_xlabel("step")
