@@ -115,3 +115,29 @@ def test_numbers_are_numbers_and_finite(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value, expected", [("group", "group"), ("batch", "batch"), ("none", "none"), ("true", "group"), ("false", "none")])
+def test_norm_by_std_choices_and_old_booleans(value, expected):
+    assert load_config(None, [f"algo.norm_by_std={value}"]).algo.norm_by_std == expected
+
+
+def test_norm_by_std_old_boolean_in_a_yaml_file(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("algo:\n  norm_by_std: false\n")
+    assert load_config(str(path), []).algo.norm_by_std == "none"
+    with pytest.raises(ConfigError, match="norm_by_std"):
+        load_config(None, ["algo.norm_by_std=std"])
+
+
+def test_train_with_a_bare_key_says_an_override_needs_key_value(capsys, tmp_path):
+    from tether.cli import main
+
+    assert main(["train", "actor.lr"]) == 2
+    err = capsys.readouterr().err
+    assert "'actor.lr' is neither a config file (no such file) nor an override: an override needs key=value, e.g. actor.lr=VALUE" in err
+    assert "config file not found" not in err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2  # a path that looks like a config file
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["train", "actor.lr=1e-4", "kl.coef"]) == 2  # a bare key after the first argument
+    assert "override 'kl.coef' is not of the form key=value" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from tether.diagnostics import (
     check_entropy_collapse,
     check_kl_rising,
     check_length_shrinking,
+    check_no_learning_signal,
     check_reward_flat_kl_growing,
     diagnose,
     doctor,
@@ -321,6 +322,7 @@ def test_diagnose_runs_all_checks_in_order_and_validates_thresholds():
         "reward_flat_kl_growing",
         "clipfrac_high",
         "collapse_rising",
+        "no_learning_signal",
     ]
 
 
@@ -496,3 +498,92 @@ def test_live_load_restores_early_levels_after_resume():
     # without load() the early level would be the post-resume 0.5 and nothing would fire
     fresh = LiveDiagnostics(every=1)
     assert [fresh.update(s, {"policy/entropy": 0.5}) for s in range(10, 20)] == [[]] * 10
+
+
+# ---------------------------------------------------------------- no learning signal (issue 10 item 7)
+
+
+def silent_history(n: int = 30) -> list[dict]:
+    """The issue's run: every reward 0, every advantage and gradient 0, and KL exactly 0."""
+    return [
+        {"step": s, "reward/score_mean": 0.0, "rollout/zero_var_group_frac": 1.0, "advantages/abs_mean": 0.0,
+         "policy/grad_norm": 0.0, "kl/ref_mean": 0.0, "kl/coef": 0.05, "policy/entropy": 1.5, "response/length_mean": 12.0}
+        for s in range(1, n + 1)
+    ]  # fmt: skip
+
+
+def test_no_learning_signal_fires_on_the_issue_run_and_says_what_to_do():
+    [f] = diagnose(silent_history(), config={"rollout": {"temperature": 1.0, "n": 4}, "algo": {"filter_groups": False}})
+    assert f.check == "no_learning_signal" and f.metric == "rollout/zero_var_group_frac"
+    assert f.evidence["steps"] == list(range(21, 31)) and f.evidence["values"] == [1.0] * 10
+    assert f.message.startswith("no learning signal over steps 21–30: 100% of prompts got the same reward for all their samples")
+    assert "mean |advantage| was 0 at every step" in f.message and "gradient norm was 0 at every step" in f.message
+    assert "(reward/score_mean 0)" in f.message
+    assert "raise rollout.temperature (now 1) or rollout.n (now 4)" in f.suggestion
+    assert "set algo.filter_groups=true" in f.suggestion and "tether eval" in f.suggestion
+
+
+def test_no_learning_signal_thresholds_and_quiet_cases():
+    # 85% flat groups on average (< 0.9) with moving advantages and gradients: a hard task, not a dead run
+    h = [{"step": s, "rollout/zero_var_group_frac": 0.85, "advantages/abs_mean": 0.3, "policy/grad_norm": 0.8} for s in range(1, 21)]
+    assert check_no_learning_signal(h) == []
+    assert check_no_learning_signal(h, max_flat_frac=0.85)[0].metric == "rollout/zero_var_group_frac"
+    # fewer than min_points points: too early to tell
+    assert check_no_learning_signal(silent_history(4)) == []
+    assert check_no_learning_signal(silent_history(5))[0].evidence["steps"] == [1, 2, 3, 4, 5]
+    # rewards differ and advantages move, but nothing reaches the weights: the trainable parameters
+    h = [{"step": s, "rollout/zero_var_group_frac": 0.2, "advantages/abs_mean": 0.4, "policy/grad_norm": 0.0} for s in range(1, 11)]
+    [f] = check_no_learning_signal(h, config={"actor": {"lora": {"rank": 0}}})
+    assert f.metric == "policy/grad_norm" and "trainable parameters (actor.lora.rank (now 0))" in f.suggestion
+    # one non-zero gradient in the window clears it
+    h[-1]["policy/grad_norm"] = 1e-3
+    assert check_no_learning_signal(h) == []
+    # already filtering: raise the number of draws instead
+    [f] = check_no_learning_signal(silent_history(), config={"algo": {"filter_groups": True, "filter_groups_max_draws": 10}})
+    assert "raise algo.filter_groups_max_draws (now 10) or rollout.n" in f.suggestion
+
+
+def test_doctor_is_no_longer_healthy_on_a_run_that_learns_nothing(tmp_path):
+    buf = io.StringIO()
+    assert doctor(write_run(tmp_path, silent_history()), out=buf) == 1
+    assert "[warning] no_learning_signal (rollout/zero_var_group_frac)" in buf.getvalue()
+
+
+# ---------------------------------------------------------------- live vs doctor agreement (issue 10 item 13)
+
+
+def early_kl_rise(n: int = 100) -> list[dict]:
+    """KL rising over the first 20 steps, then flat: what the embedded demo does."""
+    return [{"step": s, "kl/ref_mean": min(s, 20) * 0.005, "kl/coef": 0.05} for s in range(1, n + 1)]
+
+
+def test_doctor_reports_what_the_live_checks_reported_during_the_run(tmp_path):
+    live = LiveDiagnostics()  # the trainer's: every LIVE_EVERY = 10 steps
+    printed = [f for rec in early_kl_rise() for f in live.update(rec["step"], rec)]
+    [warned] = printed  # the run's console showed one kl_rising warning, at step 10 (KL 0.005 -> 0.05)
+    assert warned.check == "kl_rising" and warned.evidence["steps"] == list(range(1, 11))
+    assert diagnose(early_kl_rise()) == []  # the last window (steps 81-100) is flat
+    buf = io.StringIO()
+    assert doctor(write_run(tmp_path, early_kl_rise()), out=buf) == 0
+    out = buf.getvalue()
+    # before the fix the doctor printed only "healthy" for this run; now it names what the run printed
+    assert "[info] kl_rising (kl/ref_mean)" in out
+    assert f"reported during training at step 10, no longer firing at step 100: {warned.message}" in out
+    assert out.strip().splitlines()[-1].endswith("1 finding(s) reported during training have cleared (above)")
+
+
+def test_a_logged_infinite_kl_reads_back_as_the_live_check_saw_it(tmp_path):
+    from tether.trainer.logging import MetricsLogger
+
+    h = [{"step": s, "kl/ref_mean": 0.05 + 0.004 * s, "kl/coef": 0.05} for s in range(1, 21)]
+    h[9]["kl/ref_mean"] = math.inf  # a step whose KL was infinite (the guard skipped its update)
+    logger = MetricsLogger(tmp_path, ["jsonl"], config={}, project="t")
+    for rec in h:
+        logger.log(rec["step"], {k: v for k, v in rec.items() if k != "step"})
+    logger.close()
+    assert '"kl/ref_mean": 1e+308' in (tmp_path / "metrics.jsonl").read_text()  # how jsonl stores +inf
+    live = LiveDiagnostics(every=20)
+    [live_finding] = [f for rec in h for f in live.update(rec["step"], rec)]
+    [doctor_finding] = diagnose(read_metrics(tmp_path))
+    assert doctor_finding == live_finding  # the same 19 points, not 1e308 as a KL value
+    assert 10 not in doctor_finding.evidence["steps"]

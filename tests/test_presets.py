@@ -76,9 +76,10 @@ def test_preset_trains_with_tiny_stand_ins(stand_ins, tmp_path, path):
     assert -2.0 <= first["reward/score_mean"] <= 2.0
     if path == BAND:
         # β starts at 0.05; the policy stays within KL 0.01 of the reference at lr 1e-6, so after each
-        # step the band controller multiplies β by 0.8 (kl/coef is logged after the controller's update)
+        # step the band controller multiplies β by 0.8 (kl/coef is the step's β, kl/coef_next the updated one)
         assert first["kl/ref_mean"] < 0.01 and second["kl/ref_mean"] < 0.01
-        assert first["kl/coef"] == pytest.approx(0.05 * 0.8) and second["kl/coef"] == pytest.approx(0.05 * 0.8**2)
+        assert first["kl/coef"] == pytest.approx(0.05) and first["kl/coef_next"] == pytest.approx(0.05 * 0.8)
+        assert second["kl/coef"] == pytest.approx(0.05 * 0.8) and second["kl/coef_next"] == pytest.approx(0.05 * 0.8**2)
     else:
         assert first["kl/coef"] == pytest.approx(0.08) and second["kl/coef"] == pytest.approx(0.08)
     assert "val/score_mean" in second and (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()

@@ -81,6 +81,17 @@ def test_expand_grid_duplicate_names_raise():
         sw.expand_grid({"kl.coef": []})
 
 
+def test_output_dir_is_rejected_wherever_it_is_set(tmp_path, capsys):
+    for kwargs, where in [({"fixed": {"trainer.output_dir": "x"}}, "fixed overrides"), ({"grid": {"trainer.output_dir": ["a", "b"]}}, "grid"),
+                          ({"configs": [{}, {"trainer.output_dir": "y"}]}, r"configs\[1\]")]:  # fmt: skip
+        with pytest.raises(sw.SweepError, match=where + " sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name>"):
+            sw.expand_grid(**kwargs)
+    out = tmp_path / "s"
+    assert cli_main(["sweep", "--grid", "kl.coef=0,0.05", f"trainer.output_dir={tmp_path / 'x'}", "--out", str(out), "--dry-run"]) == 2
+    assert "tether sweep: fixed overrides sets trainer.output_dir, which the sweep owns" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "x").exists()
+
+
 def test_run_name_sanitises_and_hashes_long_names():
     assert sw.run_name([]) == "default"
     assert sw.run_name([("kl.schedule.stages", [[50, 0.08], [0, 0.03]])]) == "kl.schedule.stages=50,-0.08-,-0,-0.03"

@@ -84,6 +84,50 @@ class RolloutBatch:
                 out[f.name] = v
         return replace(self, **out)
 
+    @staticmethod
+    def concat(batches: list[RolloutBatch], pad_id: int = 0) -> RolloutBatch:
+        """The rows of ``batches`` in order, as one batch (DAPO's dynamic sampling gathers draws).
+
+        Prompts are left-padded with ``pad_id`` (mask 0) to the longest P, (B, T) fields right-padded
+        with 0 (response_ids with ``pad_id``; mask 0) to the longest T; ``group_ids`` are renumbered
+        so that groups of different batches never merge. ``extra`` is the first batch's. A field
+        must be set in every batch or in none.
+
+        Raises:
+            ValueError: no batch, or a field set in some batches only.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        P = max(b.prompt_ids.shape[1] for b in batches)
+        T = max(b.response_ids.shape[1] for b in batches)
+        out: dict = {}
+        for f in fields(RolloutBatch):
+            vals = [getattr(b, f.name) for b in batches]
+            if f.name == "extra":
+                out[f.name] = dict(vals[0])
+            elif all(v is None for v in vals):
+                out[f.name] = None
+            elif any(v is None for v in vals):
+                raise ValueError(f"RolloutBatch.concat: {f.name} is set in some batches only")
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif f.name == "group_ids":
+                parts, offset = [], 0
+                for v in vals:  # renumber 0..G-1 per batch, then shift past the previous batches' groups
+                    _, dense = torch.unique(v, return_inverse=True)
+                    parts.append(dense + offset)
+                    offset += int(dense.max()) + 1 if dense.numel() else 0
+                out[f.name] = torch.cat(parts)
+            elif vals[0].dim() == 1:
+                out[f.name] = torch.cat(vals)
+            elif f.name in ("prompt_ids", "prompt_mask"):
+                fill = pad_id if f.name == "prompt_ids" else 0
+                out[f.name] = torch.cat([torch.nn.functional.pad(v, (P - v.shape[1], 0), value=fill) for v in vals])
+            else:
+                fill = pad_id if f.name == "response_ids" else 0
+                out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1]), value=fill) for v in vals])
+        return RolloutBatch(**out)
+
     def drop(self, rows: torch.Tensor) -> None:
         """Drop samples in place: their response_mask becomes 0, so no loss, statistic or group sees them.
 

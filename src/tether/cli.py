@@ -13,7 +13,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether sft [--out DIR] [--seed N] [--steps N] rebuild the embedded task's reference policy
   tether report RUN_DIR                         plots + summary.md of a run
   tether doctor RUN_DIR                         health checks of a run's metrics
-  tether export CHECKPOINT OUT_DIR              a Hugging Face save_pretrained directory
+  tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
   tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
   tether data aime|gpqa|math500 SRC OUT          benchmark files → verl's schema with their prompt templates
@@ -45,12 +45,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)
         config = None
+    if config is not None and not Path(config).exists() and not config.endswith((".yaml", ".yml")):
+        print(f"tether train: {config!r} is neither a config file (no such file) nor an override: an override needs "
+              f"key=value, e.g. {config}=VALUE (tether train --help-config lists every key)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
         print(f"tether train: {e}", file=sys.stderr)
         return 2
-    from tether.trainer import Trainer, TrainingStopped
+    from tether.trainer import Trainer, TrainingInterrupted, TrainingStopped
 
     try:
         trainer = Trainer(cfg)
@@ -63,17 +67,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.trainer.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
-        where = f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
-        print(
-            f"\ntether train: interrupted at step {trainer.step}; {where}. To continue, re-run with "
-            f"trainer.output_dir={trainer.run_dir} (trainer.resume=auto).",
-            file=sys.stderr,
-        )
-        return 130
+        if isinstance(e, TrainingInterrupted) and e.step is not None:
+            from tether.trainer.signals import signal_name
+
+            what = f"stopped by {signal_name(e.signum)} after step {e.step}; checkpoint step {e.step} written"
+        else:
+            what = f"interrupted at step {trainer.step}; " + (f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet")
+        print(f"\ntether train: {what}. To continue:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)
+        return e.exit_code if isinstance(e, TrainingInterrupted) else 130
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
+    """The ``tether train`` command that continues a run: the same config and overrides, with
+    ``trainer.output_dir`` pointing at the run (``trainer.resume=auto`` picks its latest checkpoint)."""
+    import shlex
+
+    kept = [o for o in overrides if not o.lstrip("+").startswith("trainer.output_dir=")]
+    return shlex.join(["tether", "train", *([config] if config else []), *kept, f"trainer.output_dir={run_dir}"])
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
@@ -256,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("run_dir")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
-    e.add_argument("checkpoint")
+    e.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint (runs/<run>/checkpoints/step_N) or a run directory (its latest checkpoint)")
     e.add_argument("out_dir")
     e.set_defaults(func=cmd_export)
     _add_sweep_parser(sub)

@@ -107,6 +107,7 @@ class RewardConfig(_Section):
     clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
+    timeout_s: float | None = Field(None, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors (null = wait forever). See docs/rewards.md.")
 
     @field_validator("clip")
     @classmethod
@@ -114,6 +115,19 @@ class RewardConfig(_Section):
         if v is not None and not v[0] < v[1]:
             raise ValueError(f"reward.clip must be [low, high] with low < high, got {list(v)}")
         return v
+
+
+class OfflineFilterConfig(_Section):
+    score_min: float | None = Field(None, description="rollout.mode=offline: drop rows whose score is below this (or missing); null = no bound.")
+    score_max: float | None = Field(None, description="rollout.mode=offline: drop rows whose score is above this (or missing); null = no bound.")
+    drop_empty: bool = Field(True, description="rollout.mode=offline: drop rows whose response is empty or whitespace.")
+    drop_duplicates: bool = Field(False, description="rollout.mode=offline: drop repeated (prompt, response) pairs, keeping the first.")
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.score_min is not None and self.score_max is not None and self.score_min > self.score_max:
+            raise ValueError(f"data.filter.score_min ({self.score_min}) must not exceed data.filter.score_max ({self.score_max})")
+        return self
 
 
 class DataConfig(_Section):
@@ -124,6 +138,8 @@ class DataConfig(_Section):
     max_prompt_length: int = Field(512, ge=1, description="Maximum prompt length, tokens.")
     skip_invalid: bool = Field(False, description="Malformed dataset rows: false = stop before training listing them; true = drop and count them.")
     overlong_prompts: Literal["error", "drop"] = Field("error", description="A prompt over max_prompt_length: stop before training (error) or drop it and count it.")
+    overlong_responses: Literal["truncate", "drop", "error"] = Field("drop", description="rollout.mode=offline: a response longer than rollout.max_new_tokens (with its EOS) is cut there (truncate), dropped and counted (drop), or stops before training (error).")
+    filter: OfflineFilterConfig = Field(default_factory=OfflineFilterConfig, description="rollout.mode=offline: pre-filtering of the fixed pairs (counts logged at start).")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by trainer.seed).")
     prompt_key: str = Field("prompt", description="Column holding the prompt.")
     response_key: str | None = Field(None, description="Column holding a fixed response (rollout.mode=offline).")
@@ -160,7 +176,7 @@ class KLConfig(_Section):
     beta_min: float | None = Field(None, ge=0, description="Lower bound on β for every controller.")
     beta_max: float | None = Field(None, ge=0, description="Upper bound on β for every controller.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="scheduled controller: the β schedule.")
-    log_ratio_clamp: float = Field(20.0, gt=0, description="|log π − log π_ref| is clamped to this before exp (verl's default).")
+    log_ratio_clamp: float = Field(20.0, gt=0, description="Inside k3 only, |log π − log π_ref| is clamped to this before exp (verl's default); k1/abs/k2 and the `+` gradients use the exact log-ratio.")
     value_clamp: float = Field(10.0, gt=0, description="k3 values are clamped to ±this (verl's default).")
 
     @field_validator("estimator", "loss_estimator")
@@ -189,7 +205,9 @@ class AlgoConfig(_Section):
     )
     gamma: float = Field(1.0, ge=0, le=1, description="γ: discount per token.")
     lam: float = Field(0.95, ge=0, le=1, description="λ: GAE trace decay.")
-    norm_by_std: bool = Field(True, description="grpo: divide by the group std (false = Dr. GRPO).")
+    norm_by_std: Literal["group", "batch", "none"] = Field(
+        "group", description="grpo: divide the centred score by the group std, the batch std, or none (Dr. GRPO); TRL's scale_rewards. true/false = group/none."
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the clipped surrogate.")
     clip_eps_high: float = Field(0.2, gt=0, description="ε_high of the clipped surrogate (clip-higher, DAPO).")
     dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages (Ye et al. 2020).")
@@ -199,6 +217,22 @@ class AlgoConfig(_Section):
         "token-mean", description="How the per-token loss is averaged."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
+    filter_groups: bool = Field(
+        False, description="DAPO dynamic sampling: drop prompts whose sampled rewards are all equal (zero advantage) and draw more prompts until data.batch_size prompts differ."
+    )
+    filter_groups_max_draws: int = Field(
+        10, ge=1, description="algo.filter_groups: at most this many rollout rounds of data.batch_size prompts per step (verl's DAPO recipe: 10); then train on what was found."
+    )
+
+    @field_validator("norm_by_std", mode="before")
+    @classmethod
+    def _norm_by_std_booleans(cls, v):
+        # configs written before the choice existed say true (group std) / false (Dr. GRPO)
+        if v is True:
+            return "group"
+        if v is False:
+            return "none"
+        return v
 
 
 class TrainerConfig(_Section):
@@ -278,8 +312,13 @@ class TetherConfig(_Section):
     def _cross_checks(self):
         if self.algo.adv_estimator in {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"} and self.rollout.n < 2:
             raise ValueError(f"algo.adv_estimator={self.algo.adv_estimator} needs rollout.n >= 2 (a group), got {self.rollout.n}")
+        if self.algo.filter_groups and self.rollout.mode == "online" and self.rollout.n < 2:
+            raise ValueError(f"algo.filter_groups needs rollout.n >= 2 (rewards that can differ within a prompt's group), got {self.rollout.n}")
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
+        f = self.data.filter
+        if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
+            raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

@@ -27,6 +27,10 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
   ``threshold`` [0.2].
 * ``collapse_rising`` (``diversity/collapse_rate``): recent median exceeds the early median by
   ≥ ``min_rise`` [0.2, absolute].
+* ``no_learning_signal`` (``rollout/zero_var_group_frac``, ``advantages/abs_mean``,
+  ``policy/grad_norm``): over the last ``window`` [10] points (at least ``min_points`` [5]) the
+  fraction of prompts whose samples all got the same reward averages ≥ ``max_flat_frac`` [0.9],
+  or |advantage| or the gradient norm stayed ≤ ``tol`` [1e-8].
 
 Each :class:`Finding` names the metric, carries the evidence (``steps`` and ``values`` of the
 points the check looked at, plus the statistics it computed) and a concrete suggestion naming the
@@ -51,6 +55,7 @@ from typing import Any, Literal, TextIO
 
 __all__ = [
     "CHECKS",
+    "LIVE_EVERY",
     "Finding",
     "LiveDiagnostics",
     "MetricsFileWarning",
@@ -59,7 +64,9 @@ __all__ = [
     "check_entropy_collapse",
     "check_kl_rising",
     "check_length_shrinking",
+    "check_no_learning_signal",
     "check_reward_flat_kl_growing",
+    "cleared_findings",
     "diagnose",
     "doctor",
     "format_findings",
@@ -102,11 +109,15 @@ class MetricsFileWarning(UserWarning):
 # --------------------------------------------------------------------------------------------------
 # series and robust statistics
 # --------------------------------------------------------------------------------------------------
+_INF_SENTINEL = 1e308  # metrics.jsonl writes ±inf as ±1e308 (tether.trainer.logging), NaN as null
+
+
 def _number(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     v = float(v)
-    return v if math.isfinite(v) else None
+    # a logged ±inf reads back as ±1e308: skip it as the live check skips the inf it was given
+    return v if math.isfinite(v) and abs(v) < _INF_SENTINEL else None
 
 
 def _series(history: History, key: str) -> tuple[list[int], list[float]]:
@@ -518,6 +529,71 @@ def check_collapse_rising(
     return [Finding("collapse_rising", "diversity/collapse_rate", msg, ev, suggestion)]
 
 
+def check_no_learning_signal(
+    history: History,
+    *,
+    window: int = 10,
+    min_points: int = 5,
+    max_flat_frac: float = 0.9,
+    tol: float = 1e-8,
+    config: Any = None,
+) -> list[Finding]:
+    """No learning signal: the rewards never differ within a prompt's group, or nothing reaches the gradient.
+
+    Over the last ``window`` logged points of each metric (at least ``min_points``), fires when any holds:
+
+    * ``rollout/zero_var_group_frac`` (fraction of prompts whose samples all got the same reward)
+      averages ≥ ``max_flat_frac``: group-relative advantages (grpo, rloo, ...) are 0 for them;
+    * ``advantages/abs_mean`` (mean |advantage| over counted tokens) is ≤ ``tol`` at every point;
+    * ``policy/grad_norm`` (actor gradient norm before clipping) is ≤ ``tol`` at every point.
+
+    Suggests what to change: for rewards that never differ, check the reward on a few responses
+    (``tether eval``), raise ``rollout.temperature`` / ``rollout.n``, or switch on DAPO's dynamic
+    sampling ``algo.filter_groups`` (Yu et al. 2025); for a zero gradient with non-zero advantages,
+    the actor's trainable parameters.
+    """
+    found: list[tuple[str, list[int], list[float], str]] = []
+    f_steps, f_vals = _series(history, "rollout/zero_var_group_frac")
+    f_steps, f_vals = f_steps[-window:], f_vals[-window:]
+    flat = len(f_steps) >= min_points and statistics.fmean(f_vals) >= max_flat_frac
+    if flat:
+        found.append(("rollout/zero_var_group_frac", f_steps, f_vals,
+                      f"{100 * statistics.fmean(f_vals):.0f}% of prompts got the same reward for all their samples"))
+    for key, what in (("advantages/abs_mean", "mean |advantage|"), ("policy/grad_norm", "the actor's gradient norm")):
+        steps, vals = _series(history, key)
+        steps, vals = steps[-window:], vals[-window:]
+        if len(steps) >= min_points and max(abs(v) for v in vals) <= tol:
+            found.append((key, steps, vals, f"{what} was {_fmt(max(abs(v) for v in vals))} at every step"))
+    if not found:
+        return []
+    metric, steps, values, _ = found[0]
+    _, scores = _series(history, "reward/score_mean")
+    score_txt = f" (reward/score_mean {_fmt(statistics.median(scores[-window:]))})" if scores else ""
+    msg = (
+        f"no learning signal over steps {steps[0]}–{steps[-1]}: " + "; ".join(w for *_, w in found) + score_txt
+        + ", so the updates cannot move the policy toward higher reward"
+    )
+    if flat or metric == "advantages/abs_mean":
+        fix = (
+            "raise algo.filter_groups_max_draws (now "
+            f"{_fmt(_cfg(config, 'algo.filter_groups_max_draws'))}) or rollout.n"
+            if _cfg(config, "algo.filter_groups") is True
+            else "set algo.filter_groups=true (DAPO dynamic sampling: train only on prompts whose samples differ)"
+        )
+        suggestion = (
+            "check a few responses and their rewards (tether eval MODEL DATA): a reward that never matches the output format, "
+            f"or a task far too hard or too easy for the model, gives every sample the same score; raise "
+            f"{_now(config, 'rollout.temperature')} or {_now(config, 'rollout.n')} so that samples differ, or {fix}"
+        )
+    else:
+        suggestion = (
+            "the advantages are non-zero but no gradient reaches the weights: check that the actor has trainable "
+            f"parameters ({_now(config, 'actor.lora.rank')}) and that the loss is not masked out entirely"
+        )
+    evidence = {"steps": steps, "values": values, "metric": metric, "window": window, "max_flat_frac": max_flat_frac, "tol": tol}
+    return [Finding("no_learning_signal", metric, msg, evidence, suggestion)]
+
+
 #: The checks :func:`diagnose` runs, in report order.
 CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "kl_rising": check_kl_rising,
@@ -526,6 +602,7 @@ CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "reward_flat_kl_growing": check_reward_flat_kl_growing,
     "clipfrac_high": check_clipfrac_high,
     "collapse_rising": check_collapse_rising,
+    "no_learning_signal": check_no_learning_signal,
 }
 
 #: Every metric some check reads (LiveDiagnostics stores only these).
@@ -537,6 +614,9 @@ WATCHED = (
     "reward/score_mean",
     "policy/clipfrac",
     "diversity/collapse_rate",
+    "rollout/zero_var_group_frac",
+    "advantages/abs_mean",
+    "policy/grad_norm",
 )
 
 
@@ -737,7 +817,9 @@ def doctor(run_dir: str | Path, *, out: TextIO | None = None, **thresholds: Any)
         print(f"tether doctor: no metric records in {path}", file=err)
         return 2
     config = _load_config(path.parent)
-    findings = problems + diagnose(records, config=config, **thresholds)
+    now = diagnose(records, config=config, **thresholds)
+    earlier = cleared_findings(records, now, config=config, **thresholds)
+    findings = problems + now + earlier
     steps = sorted({r["step"] for r in records})
     print(f"tether doctor: {path.parent} ({len(steps)} steps, {steps[0]}–{steps[-1]})", file=out)
     if findings:
@@ -747,14 +829,53 @@ def doctor(run_dir: str | Path, *, out: TextIO | None = None, **thresholds: Any)
     if n_warn:
         print(f"{n_warn} warning(s), {n_info} info", file=out)
         return 1
-    extra = f" ({n_info} info)" if n_info else ""
-    print(f"healthy: no check fired ({', '.join(CHECKS)}){extra}", file=out)
+    n_other = n_info - len(earlier)
+    extra = f" ({n_other} info)" if n_other else ""
+    cleared = f"; {len(earlier)} finding(s) reported during training have cleared (above)" if earlier else ""
+    print(f"healthy: no check fired ({', '.join(CHECKS)}){extra}{cleared}", file=out)
     return 0
+
+
+def cleared_findings(history: History, current: Sequence[Finding], *, config: Any = None, every: int | None = None,
+                     **thresholds: Any) -> list[Finding]:
+    """Findings the trainer's live checks reported during the run that no longer fire at its end.
+
+    Replays :class:`LiveDiagnostics` over ``history`` on the trainer's schedule (every
+    :data:`LIVE_EVERY` steps from step 1, the records deduplicated by step as the checks do), so
+    ``tether doctor`` shows every warning the run printed: a KL that rose early and then levelled
+    off was reported live at that step and is absent from the last window. Each comes back once
+    per (check, metric), as ``info``, with the step it was last reported and its evidence then.
+
+    Args:
+        history: the run's records; current: the findings of :func:`diagnose` on all of it.
+        every: evaluation period (default :data:`LIVE_EVERY`).
+    """
+    live = LiveDiagnostics(every or LIVE_EVERY, config=config, **thresholds)
+    by_step = {r["step"]: r for r in history if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)}
+    reported: dict[tuple[str, str], tuple[int, int, Finding]] = {}
+    for step in sorted(s for s in by_step if s >= 1):  # step 0 is the reference's validation, never fed live
+        for f in live.update(step, by_step[step]):
+            first = reported.get((f.check, f.metric), (step, 0, f))[0]
+            reported[(f.check, f.metric)] = (first, step, f)
+    active = {(f.check, f.metric) for f in current}
+    last = max(by_step) if by_step else 0
+    out = []
+    for key, (first, step, f) in reported.items():
+        if key in active:
+            continue
+        when = f"step {step}" if first == step else f"steps {first} and {step} (first and last report)"
+        msg = f"reported during training at {when}, no longer firing at step {last}: {f.message}"
+        out.append(Finding(f.check, f.metric, msg, f.evidence, f.suggestion, "info"))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
 # live
 # --------------------------------------------------------------------------------------------------
+LIVE_EVERY = 10
+"""The trainer evaluates its live checks every this many steps (``tether doctor`` replays the same schedule)."""
+
+
 class LiveDiagnostics:
     """The same checks during training: call :meth:`update` every step, log what it returns.
 
@@ -776,7 +897,7 @@ class LiveDiagnostics:
         ValueError: ``every < 1``, or an unknown check/threshold name.
     """
 
-    def __init__(self, every: int = 10, *, config: Any = None, **thresholds: Any):
+    def __init__(self, every: int = LIVE_EVERY, *, config: Any = None, **thresholds: Any):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every

@@ -55,6 +55,9 @@ SWEEP_DEFAULTS = {"trainer.progress": False, "trainer.report": False}
 
 _NAME_MAX = 120
 
+#: Keys the sweep sets itself for every run; setting them is an error (see :func:`expand_grid`).
+SWEEP_OWNED = {"trainer.output_dir"}
+
 
 class SweepError(ValueError):
     """A sweep spec is malformed. The message names the offending item."""
@@ -215,7 +218,8 @@ def expand_grid(
     from them (:func:`run_name`). :data:`SWEEP_DEFAULTS` are added to ``fixed`` unless set there.
 
     Raises:
-        SweepError: a grid key with no values, or two runs with the same name (duplicate values).
+        SweepError: a grid key with no values, two runs with the same name (duplicate values), or
+            ``trainer.output_dir`` set anywhere (the sweep puts each run in ``<out>/<name>``).
     """
     grid_pairs = list(grid.items()) if isinstance(grid, Mapping) else [(k, list(v)) for k, v in grid]
     for key, values in grid_pairs:
@@ -225,6 +229,10 @@ def expand_grid(
     fixed_keys = {k for k, _ in fixed_pairs}
     fixed_pairs += [(k, v) for k, v in SWEEP_DEFAULTS.items() if k not in fixed_keys]
     entries = list(configs) if configs else [{}]
+    for where, pairs in [("grid", grid_pairs), ("fixed overrides", fixed_pairs)] + [(f"configs[{i}]", _as_pairs(e, f"configs[{i}]")) for i, e in enumerate(entries)]:
+        if any(k.lstrip("+") in SWEEP_OWNED for k, _ in pairs):
+            raise SweepError(f"{where} sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name> "
+                             "(choose the sweep directory with --out DIR or 'out:' in the spec)")
     runs: list[RunSpec] = []
     seen: dict[str, RunSpec] = {}
     for i, entry in enumerate(entries):

@@ -19,6 +19,7 @@ from tether.algos import (
     compute_rloo_advantages,
     gae_reference_loop,
     reverse_discounted_cumsum,
+    zero_variance_groups,
 )
 
 F64 = torch.float64
@@ -187,6 +188,34 @@ def test_grpo_hand_values():
     assert eps0[0, 0].item() == -1.0
 
 
+def test_grpo_norm_by_std_group_batch_none_hand_values():
+    # group 0 = {1, 0, 0, 0}, group 1 = {1, 1, 1, 0}: centred [.75, -.25, -.25, -.25, .25, .25, .25, -.75];
+    # group std 0.5 in both groups; batch std of all eight scores sqrt(2/7) (mean .5, sum of squares 2)
+    scores = t64([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    mask = torch.ones(8, 2)
+    centred = t64([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    want = {"group": centred / (0.5 + 1e-6), "batch": centred / (math.sqrt(2 / 7) + 1e-6), "none": centred}
+    for choice, expected in want.items():
+        adv, _ = compute_grpo_advantages(scores, mask, groups, norm_by_std=choice)
+        torch.testing.assert_close(adv, expected[:, None].expand(8, 2), atol=1e-12, rtol=0)
+    assert compute_grpo_advantages(scores, mask, groups, norm_by_std="batch")[0][0, 0].item() == pytest.approx(1.40312, abs=1e-5)
+    # the old booleans still mean group / none
+    torch.testing.assert_close(compute_grpo_advantages(scores, mask, groups, norm_by_std=True)[0], want["group"][:, None].expand(8, 2))
+    torch.testing.assert_close(compute_grpo_advantages(scores, mask, groups, norm_by_std=False)[0], want["none"][:, None].expand(8, 2))
+    with pytest.raises(ValueError, match="norm_by_std must be one of group, batch, none"):
+        compute_grpo_advantages(scores, mask, groups, norm_by_std="std")
+
+
+def test_grpo_batch_std_ignores_empty_rows_and_keeps_constant_groups_at_zero():
+    # SCORES/GROUPS/MASK above: participating scores {1, 2, 3, 5, 5, 0, 7} (the empty row's 100 is out)
+    x = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 0.0, 7.0], dtype=F64)
+    adv, _ = compute_grpo_advantages(SCORES, MASK, GROUPS, norm_by_std="batch")
+    std = x.std().item()  # unbiased over the 7 participating responses
+    per_seq = t64([-1 / (std + 1e-6), 0.0, 1 / (std + 1e-6), 0.0, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv, per_seq[:, None] * MASK, atol=1e-12, rtol=0)
+
+
 def test_grpo_equal_rewards_are_exactly_zero_despite_round_off():
     scores = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7])  # sum/3 != 0.1 in floating point
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 1])
@@ -291,9 +320,13 @@ def test_registry_dispatches_with_one_input_type():
         assert (adv[~m] == 0).all() and (ret[~m] == 0).all(), name
         torch.testing.assert_close(adv, adv_e, atol=1e-12, rtol=0)
         torch.testing.assert_close(ret, ret_e, atol=1e-12, rtol=0)
-    # norm_by_std=False in the inputs turns grpo into drgrpo
-    inputs.norm_by_std = False
-    torch.testing.assert_close(compute_advantages("grpo", inputs)[0], expected["drgrpo"][0], atol=0, rtol=0)
+    # norm_by_std="none" (or the old False) in the inputs turns grpo into drgrpo
+    for off in ("none", False):
+        inputs.norm_by_std = off
+        torch.testing.assert_close(compute_advantages("grpo", inputs)[0], expected["drgrpo"][0], atol=0, rtol=0)
+    inputs.norm_by_std = "batch"
+    batch_std = compute_grpo_advantages(seq_scores, m, inputs.group_ids, norm_by_std="batch")[0]
+    torch.testing.assert_close(compute_advantages("grpo", inputs)[0], batch_std, atol=0, rtol=0)
 
 
 def test_registry_errors():
@@ -307,3 +340,10 @@ def test_registry_errors():
     for name in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
         with pytest.raises(ValueError, match="group_ids"):
             compute_advantages(name, inputs)
+
+
+def test_zero_variance_groups_hand_values():
+    # SCORES/GROUPS/MASK: group 17 = {1, 2, 3} differs (its empty row 100 does not take part);
+    # -3 = {5, 5} all equal; 1000 and 4 have one member each
+    flat = zero_variance_groups(SCORES, MASK, GROUPS)
+    assert flat.tolist() == [False, False, False, True, True, True, True, True]

@@ -66,3 +66,20 @@ def test_advantages_losses_and_kl():
         _close(loss_g, loss_c, 1e-5)
     for est in A.LOGPROB_KL_ESTIMATORS:
         _close(A.kl_penalty(lp.to(DEV), old.to(DEV), est), A.kl_penalty(lp, old, est), 1e-6)
+
+
+def test_kl_gradient_past_the_clamp_and_batch_std_scaling():
+    lp = torch.tensor([[-25.0, -1.0, -40.0]])
+    ref = torch.tensor([[-50.0, -1.5, -1.0]])  # r = [25, 0.5, -39]: two past the +-20 clamp
+    for est in ("k3+", "k1+", "k2", "k1", "abs", "k3"):
+        grads = []
+        for dev in ("cpu", DEV):
+            x = lp.to(dev).requires_grad_(True)
+            A.kl_penalty(x, ref.to(dev), est).sum().backward()
+            grads.append(x.grad)
+        _close(grads[1], grads[0], 1e-6)
+    g = torch.Generator().manual_seed(2)
+    scores, gid, m = torch.randn(64, generator=g), torch.arange(64) // 8, torch.ones(64, 3)
+    for choice in ("group", "batch", "none"):
+        got = A.compute_grpo_advantages(scores.to(DEV), m.to(DEV), gid.to(DEV), norm_by_std=choice)[0]
+        _close(got, A.compute_grpo_advantages(scores, m, gid, norm_by_std=choice)[0], 1e-5)

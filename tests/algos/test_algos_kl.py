@@ -139,25 +139,75 @@ EXTREMES = [1e30, -1e30, math.inf, -math.inf, 0.0, 88.0, -88.0, 1e-30, 3.4e38, -
 
 
 @pytest.mark.parametrize("name", LOGPROB_KL_ESTIMATORS)
-def test_float32_extreme_log_ratios_stay_finite_with_finite_gradients(name):
+def test_float32_extreme_log_ratios_give_exact_values_and_finite_gradients(name):
     vals = torch.tensor(EXTREMES, dtype=torch.float32)
     lp = torch.cat([vals, torch.zeros_like(vals)])[None].clone().requires_grad_(True)
     ref = torch.cat([torch.zeros_like(vals), vals])[None]
     out = kl_penalty(lp, ref, name)
     assert out.dtype == torch.float32
-    assert torch.isfinite(out).all()
+    r = (lp - ref).detach().double()
+    base = canonical_kl_estimator(name).rstrip("+")
+    if base == "k3":  # the clamped estimator stays finite and within value_clamp
+        assert torch.isfinite(out).all() and (out.abs() <= 10).all()
+    else:  # k1, abs, k2 are the exact estimator (inf where r is inf or 1/2 r^2 overflows float32)
+        exact = {"k1": r, "abs": r.abs(), "k2": 0.5 * r * r}[base].clamp(-3.5e38, 3.5e38)
+        torch.testing.assert_close(out.double().clamp(-3.5e38, 3.5e38), exact, rtol=1e-6, atol=1e-30)  # 1/2 (1e-30)^2 underflows to 0
     out.sum().backward()
     assert torch.isfinite(lp.grad).all()
 
 
+KL_GRAD_LP = torch.tensor([[-25.0, -1.0, -1.0, -40.0]])
+KL_GRAD_REF = torch.tensor([[-50.0, -1.5, -26.0, -1.0]])  # r = [25, 0.5, 25, -39]: three past the +-20 clamp
+
+
+@pytest.mark.parametrize(
+    "name,grad",
+    [  # d estimator / d log pi at r = [25, 0.5, 25, -39], worked by hand
+        ("k3+", [25.0, 0.5, 25.0, -39.0]),  # the issue's repro: k2's gradient r, not 0 past the clamp
+        ("k1+", [25.0, 0.5, 25.0, -39.0]),
+        ("abs+", [25.0, 0.5, 25.0, -39.0]),
+        ("k2", [25.0, 0.5, 25.0, -39.0]),
+        ("k2+", [25.0, 0.5, 25.0, -39.0]),
+        ("k1", [1.0, 1.0, 1.0, 1.0]),
+        ("abs", [1.0, 1.0, 1.0, -1.0]),
+        # k3 = e^-r + r - 1, gradient 1 - e^-r = 1 - e^-0.5 at r = 0.5; past the log-ratio clamp
+        # (r = 25) and past the value clamp (k3(-39) = e^39 - 40 > 10) it has none, as in verl
+        ("k3", [0.0, 1.0 - math.exp(-0.5), 0.0, 0.0]),
+    ],
+)
+def test_gradient_past_the_log_ratio_clamp(name, grad):
+    lp = KL_GRAD_LP.clone().requires_grad_(True)
+    kl_penalty(lp, KL_GRAD_REF, name).sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([grad]), rtol=1e-6, atol=1e-7)
+
+
+def test_issue_repro_k3_plus_gradient_is_r():
+    lp = torch.tensor([[-25.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-50.0, -1.5]])
+    kl_penalty(lp, ref, "k3+").sum().backward()
+    assert lp.grad.tolist() == [[25.0, 0.5]]
+
+
+def test_straight_through_gradient_is_zero_where_the_log_ratio_is_infinite():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-math.inf, -1.0]])  # r = [+inf, -1]
+    out = kl_penalty(lp, ref, "k3+")
+    assert out[0, 0].item() == 10.0  # k3's value is clamped; its gradient has nowhere finite to point
+    out.sum().backward()
+    assert lp.grad.tolist() == [[0.0, -1.0]]
+    assert kl_penalty(lp.detach(), ref, "k1")[0, 0].item() == math.inf  # k1 is exact: KL is infinite there
+
+
 def test_clamps_are_visible_and_match_verl_defaults():
     lp, ref = torch.tensor([[25.0, -25.0]], dtype=F64), torch.zeros(1, 2, dtype=F64)
-    torch.testing.assert_close(kl_penalty(lp, ref, "k1"), torch.tensor([[20.0, -20.0]], dtype=F64))
-    torch.testing.assert_close(
-        kl_penalty(lp, ref, "k1", log_ratio_clamp=None), torch.tensor([[25.0, -25.0]], dtype=F64)
-    )
+    # the log-ratio clamp applies only inside k3 (verl): k1 and k2 are exact past it
+    torch.testing.assert_close(kl_penalty(lp, ref, "k1"), torch.tensor([[25.0, -25.0]], dtype=F64))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k2"), torch.tensor([[312.5, 312.5]], dtype=F64))
     # k3 at r = -20 is e^20 - 21, clamped to 10; at r = +20 it is e^-20 + 19, clamped to 10
     torch.testing.assert_close(kl_penalty(lp, ref, "k3"), torch.tensor([[10.0, 10.0]], dtype=F64))
+    # with the value clamp off, k3 at r = 25 is evaluated at the log-ratio clamp: e^-20 + 19
+    k3_r25 = kl_penalty(lp[:, :1], ref[:, :1], "k3", value_clamp=None).item()
+    assert k3_r25 == pytest.approx(math.exp(-20) + 19, abs=1e-12)
     small = kl_penalty(torch.tensor([[2.0]], dtype=F64), torch.zeros(1, 1, dtype=F64), "k3", value_clamp=None)
     assert small.item() == pytest.approx(math.exp(-2) + 1, abs=1e-12)
 

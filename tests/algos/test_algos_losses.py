@@ -33,10 +33,10 @@ MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])  # the third res
     "mode,kwargs,expected",
     [
         ("token-mean", {}, (1 + 2 + 5 + 6 + 7) / 5),
-        ("seq-mean-token-sum", {}, (3 + 18) / 3),  # the empty row counts in S, adds 0
-        ("seq-mean-token-mean", {}, (1.5 + 6) / 3),
-        ("seq-mean-token-sum-norm", {}, (3 / 4 + 18 / 4) / 3),  # C = T = 4
-        ("seq-mean-token-sum-norm", {"norm_constant": 10}, (0.3 + 1.8) / 3),
+        ("seq-mean-token-sum", {}, (3 + 18) / 2),  # the empty row is not a response: S = 2
+        ("seq-mean-token-mean", {}, (1.5 + 6) / 2),
+        ("seq-mean-token-sum-norm", {}, (3 / 4 + 18 / 4) / 2),  # C = T = 4
+        ("seq-mean-token-sum-norm", {"norm_constant": 10}, (0.3 + 1.8) / 2),
         ("token-mean", {"total_tokens": 10}, 21 / 10),
         ("seq-mean-token-sum", {"total_seqs": torch.tensor(7)}, 21 / 7),
     ],
@@ -66,7 +66,16 @@ def test_agg_loss_errors():
 
 
 def test_loss_normalizers():
-    assert loss_normalizers(MASK) == (5, 3)
+    assert loss_normalizers(MASK) == (5, 2)  # 5 valid tokens, 2 responses with at least one
+
+
+@pytest.mark.parametrize("mode", [m for m in AGG_MODES if m.startswith("seq-mean")])
+def test_a_dropped_empty_row_does_not_change_seq_mean_losses(mode):
+    # issue 10 item 2: [[1,1],[2,2],[0,0]] with the last row dropped is the loss of [[1,1],[2,2]]
+    loss, mask = t64([[1.0, 1.0], [2.0, 2.0], [0.0, 0.0]]), torch.tensor([[1, 1], [1, 1], [0, 0]])
+    expected = {"seq-mean-token-mean": 1.5, "seq-mean-token-sum": 3.0, "seq-mean-token-sum-norm": 1.5}[mode]
+    assert agg_loss(loss, mask, mode).item() == pytest.approx(expected, abs=1e-12)
+    assert agg_loss(loss[:2], mask[:2], mode).item() == pytest.approx(expected, abs=1e-12)
 
 
 def _split(x, sizes):
@@ -80,6 +89,7 @@ def test_micro_batch_sum_equals_mini_batch_loss_and_gradient(mode):
     loss_mat = torch.randn(b, t, generator=g, dtype=F64)
     mask = torch.rand(b, t, generator=g) > 0.4
     mask[4] = False  # an empty response inside a micro-batch
+    mask[3] = False  # and a micro-batch (rows 3:4) holding only an empty response
     full = loss_mat.clone().requires_grad_(True)
     whole = agg_loss(full, mask, mode, norm_constant=t)
     whole.backward()

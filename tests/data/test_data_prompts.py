@@ -76,3 +76,60 @@ def test_check_prompt_lengths(chat_tokenizer_dir):
         check_prompt_lengths(rows[1:2], tok, 50, drop=True)  # nothing left
     with pytest.raises(ValueError):
         check_prompt_lengths(rows, tok, 0)
+
+
+# ---------------------------------------------------------------- check_chat_template
+
+
+MULTI = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+def test_is_multi_turn():
+    from tether.data import is_multi_turn
+
+    assert not is_multi_turn(MSGS) and not is_multi_turn([{"role": "user", "content": "q"}])
+    assert is_multi_turn(MULTI) and is_multi_turn([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_no_template_warns_once_saying_what_is_used_and_how_to_set_one(plain_tokenizer_dir, chat_tokenizer_dir, caplog, monkeypatch):
+    from tether.data import check_chat_template, prompts
+
+    monkeypatch.setattr(prompts, "_warned_no_template", set())
+    tok = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
+    rows = [_row(MSGS, 0), _row("plain", 1), _row(MSGS, 2)]
+    check_chat_template(rows, tok)
+    check_chat_template(rows, tok)  # a second dataset (val) of the same run: no second warning
+    warned = [r.message for r in caplog.records if "no chat template" in r.message]
+    assert len(warned) == 1
+    assert (f"the tokenizer of actor.model ({tok.name_or_path}) has no chat template: the 2 chat prompt(s) are rendered as "
+            "their message contents joined by a blank line") in warned[0]
+    assert "chat_template" in warned[0] and "tokenizer_config.json" in warned[0] and "data.apply_chat_template=false" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(prompts, "_warned_no_template", set())
+    check_chat_template(rows, tok, apply_chat_template=False)  # asked for the joined text
+    check_chat_template(rows, AutoTokenizer.from_pretrained(chat_tokenizer_dir))  # has a template
+    check_chat_template([_row("plain")], tok)  # no chat prompts
+    assert "no chat template" not in caplog.text
+
+
+def test_no_template_and_multi_turn_conversations_is_an_error(plain_tokenizer_dir, chat_tokenizer_dir):
+    from tether.data import check_chat_template
+
+    tok = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
+    rows = [_row(MSGS, 0), _row(MULTI, 1), _row(MULTI, 5)]
+    with pytest.raises(DataError, match=r"2 prompt\(s\) are multi-turn conversations \(first: row 1, roles user, assistant, "
+                                        r"user\) but the tokenizer of actor.model .* has no chat template") as e:
+        check_chat_template(rows, tok)
+    assert e.value.problems == ["row 1", "row 5"] and e.value.n_bad == 2
+    check_chat_template(rows, AutoTokenizer.from_pretrained(chat_tokenizer_dir))  # a template renders the turns
+    check_chat_template(rows, tok, apply_chat_template=False)  # explicitly asked for joined text
+
+
+def test_the_trainer_refuses_multi_turn_prompts_without_a_template_before_any_work(plain_tokenizer_dir):
+    from tether.config import DataConfig
+    from tether.trainer.prompts import prepare_prompts
+
+    tok = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
+    with pytest.raises(DataError, match="multi-turn conversations .* the tokenizer of actor.model"):
+        prepare_prompts([_row(MSGS, 0), _row(MULTI, 1)], tok, DataConfig(), "data.train_files")
+    assert prepare_prompts([_row(MSGS, 0)], tok, DataConfig(), "data.train_files").texts == ["Be brief.\n\nWhat is 2+3?"]

@@ -255,3 +255,93 @@ def test_to_score():
     assert to_score(float("-inf"))[1] == "nonfinite"
     assert to_score("3")[1] == "nonnumeric"
     assert to_score({"acc": 1})[1] == "nonnumeric"
+
+
+# ---------------------------------------------------------------- reward.timeout_s
+
+HANGS_ON_FIRST_CALL = """
+import time
+CALLS = [0]
+
+def fn(data_sources, solution_strs, ground_truths, extra_infos):
+    CALLS[0] += 1
+    if CALLS[0] == 1:
+        time.sleep(10**6)  # forever, as far as the test is concerned
+    return [float(len(s)) for s in solution_strs]
+"""
+
+
+def test_timeout_abandons_a_hung_batch_and_the_next_batch_scores(tmp_path):
+    import time
+
+    rm = RewardManager(function=_user_fn(tmp_path, HANGS_ON_FIRST_CALL), timeout_s=1.0)
+    t0 = time.monotonic()
+    res = rm(_rows(3), ["p"] * 3, ["a", "bb", "ccc"])
+    waited = time.monotonic() - t0
+    assert 1.0 <= waited < 10.0  # it stopped waiting at the timeout, not at the end of the sleep
+    assert res.valid.tolist() == [False] * 3 and res.scores.tolist() == [0.0] * 3
+    assert res.metrics["reward/timeout_count"] == 3.0 and res.metrics["reward/error_count"] == 3.0
+    assert res.metrics["reward/invalid_count"] == 3.0 and res.metrics["reward/all_invalid"] == 1.0
+    assert len(res.errors) == 1
+    assert "did not return within reward.timeout_s=1 s: 3 of 3 sample(s) count as errors" in res.errors[0]
+    assert "1 such call(s) alive" in res.errors[0]
+    # the hung call is still sleeping in its thread; the next batch gets a fresh one and is scored
+    res2 = rm(_rows(2), ["p"] * 2, ["dddd", "e"])
+    assert res2.valid.tolist() == [True, True] and res2.scores.tolist() == [4.0, 1.0]
+    assert res2.metrics["reward/timeout_count"] == 0.0 and res2.errors == []
+
+
+def test_timeout_keeps_the_samples_a_builtin_function_scored_in_time():
+    import time
+
+    def slow_on_hang(solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            time.sleep(10**6)
+        return 1.0 if solution_str == ground_truth else 0.0
+
+    register_reward_function("test/hangs", slow_on_hang, overwrite=True)
+    try:
+        rm = RewardManager(timeout_s=1.0)
+        res = rm(_rows(4, ds="test/hangs", gt="7"), ["p"] * 4, ["7", "8", "hang", "7"])
+        assert res.valid.tolist() == [True, True, False, False]  # sample 3 was never reached
+        assert res.scores.tolist() == [1.0, 0.0, 0.0, 0.0]
+        assert res.metrics["reward/timeout_count"] == 2.0 and res.metrics["reward/error_count"] == 2.0
+        assert "the built-in reward function did not return within reward.timeout_s=1 s: 2 of 4" in res.errors[0]
+    finally:
+        REWARD_FUNCTIONS.pop("test/hangs", None)
+
+
+def test_no_timeout_runs_on_the_calling_thread_and_reports_no_timeout_metric(tmp_path):
+    import threading
+
+    seen = []
+    register_reward_function("test/thread", lambda s, g, e=None: seen.append(threading.current_thread()) or 1.0, overwrite=True)
+    try:
+        res = RewardManager()(_rows(1, ds="test/thread"), ["p"], ["x"])
+        assert seen == [threading.main_thread()] and "reward/timeout_count" not in res.metrics
+        res = RewardManager(timeout_s=5)(_rows(1, ds="test/thread"), ["p"], ["x"])
+        assert seen[1] is not threading.main_thread() and res.metrics["reward/timeout_count"] == 0.0
+    finally:
+        REWARD_FUNCTIONS.pop("test/thread", None)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_timeout_must_be_positive(bad):
+    with pytest.raises(ValueError, match="reward.timeout_s must be a positive number"):
+        RewardManager(timeout_s=bad)
+
+
+def test_a_hung_reward_call_does_not_block_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    spec = _user_fn(tmp_path, HANGS_ON_FIRST_CALL)
+    code = (
+        "from tether.data import PromptRow\nfrom tether.rewards import RewardManager\n"
+        f"rm = RewardManager(function={spec!r}, timeout_s=0.2)\n"
+        "res = rm([PromptRow(prompt='q', data_source='x', ground_truth='1', extra_info={}, index=0)], ['p'], ['a'])\n"
+        "print('timeouts', res.metrics['reward/timeout_count'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "timeouts 1.0"

@@ -267,3 +267,64 @@ def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path
     assert states[2]["val_score"] == 0.9 and states[2]["best"] == {"step": 2, "score": 0.9}
     assert states[5]["val_score"] == 0.87 and states[5]["best"] == {"step": 2, "score": 0.9}
     assert states[5]["guard"]["stable_step"] == 5 and states[5]["guard"]["stable_score"] == 0.87
+
+
+def test_verify_only_a_prefix_ignores_damage_elsewhere(tmp_path):
+    path = write_checkpoint(tmp_path, 3, _writers())
+    (path / "optim.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="file optim.pt has 7 bytes"):
+        verify_checkpoint(path)
+    assert verify_checkpoint(path, only="actor/")["step"] == 3
+    assert latest_valid_checkpoint(tmp_path) is None and latest_valid_checkpoint(tmp_path, only="actor/") == path
+    (path / "actor" / "model.safetensors").write_bytes(b"y" * 1000)
+    with pytest.raises(CheckpointError, match="actor/model.safetensors fails its sha256 check"):
+        verify_checkpoint(path, only="actor/")
+    with pytest.raises(CheckpointError, match="lists no critic/ files"):
+        verify_checkpoint(path, only="critic/")
+
+
+def test_export_says_what_a_path_is_when_it_is_not_a_checkpoint(tmp_path):
+    from tether.export import resolve_checkpoint
+
+    with pytest.raises(CheckpointError, match=r"does not exist \(expected a checkpoint"):
+        resolve_checkpoint(tmp_path / "nope")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a Hugging Face model directory .* there is nothing to export"):
+        resolve_checkpoint(model)
+    (model / "adapter_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a peft adapter directory, not a tether checkpoint"):
+        resolve_checkpoint(model)
+    with pytest.raises(CheckpointError, match=r"is not a tether checkpoint \(no actor/ or MANIFEST.json\) nor a run directory"):
+        resolve_checkpoint(tmp_path)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="run directory .* holds no checkpoint with complete actor weights: it has none yet"):
+        resolve_checkpoint(run)
+    write_checkpoint(run / "checkpoints", 2, _writers())
+    newest = write_checkpoint(run / "checkpoints", 4, _writers())
+    (newest / "optim.pt").write_bytes(b"garbage")  # export needs only actor/: step 4 is still the one
+    assert resolve_checkpoint(run) == newest
+    (newest / "actor" / "model.safetensors").write_bytes(b"y" * 1000)
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step_000002"
+
+
+@pytest.mark.slow
+def test_export_a_run_directory_and_a_checkpoint_with_a_damaged_optimizer(trained, tmp_path, capsys, caplog):
+    import shutil
+
+    from tether.cli import main
+
+    _, out = trained
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    latest = latest_valid_checkpoint(run / "checkpoints")
+    assert main(["export", str(run), str(tmp_path / "from_run")]) == 0
+    assert (tmp_path / "from_run" / "model.safetensors").read_bytes() == (latest / "actor" / "model.safetensors").read_bytes()
+    (latest / "optim.pt").write_bytes(b"not an optimizer")
+    assert main(["export", str(latest), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (latest / "actor" / "model.safetensors").read_bytes()
+    assert "file optim.pt has 16 bytes" in caplog.text and "the actor's files verify" in caplog.text
+    assert main(["export", str(run / "config.yaml"), str(tmp_path / "x")]) == 2
+    assert "is not a tether checkpoint" in capsys.readouterr().err

@@ -157,3 +157,29 @@ def test_truncated_checkpoint_named_by_the_cli_and_auto_falls_back(tmp_path, set
     assert t.step == 4 and "step_000006: file optim.pt has 1000 bytes" in caplog.text
     t.fit()
     assert_same(read_lines(run), want)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_or_sigint_finishes_the_step_checkpoints_it_and_resumes_from_it(tmp_path, setup, sig, code):
+    reward, want = setup
+    run = tmp_path / "run"
+    proc = train(run, reward, env={"SLOW_REWARD_S": "0.4"})
+    deadline = time.monotonic() + 90
+    while max((r["step"] for r in read_lines(run)), default=0) < 2:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.02)
+    proc.send_signal(sig)  # lands during step 3 (each step takes > 0.4 s), which is not a save_freq step
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    done = max(r["step"] for r in read_lines(run))
+    assert 2 <= done < 6  # 2 only if the signal beat the loop's check after step 2's own checkpoint
+    assert f"{sig.name} received: finishing the step in progress" in err
+    assert f"tether train: stopped by {sig.name} after step {done}; checkpoint step {done} written" in err
+    assert f"trainer.output_dir={run}" in err.rsplit("To continue:", 1)[1]
+    last = latest_valid_checkpoint(run / "checkpoints")
+    assert last is not None and last.name == f"step_{done:06d}"  # the interrupted step itself, whole
+
+    err = resume_and_finish(run, reward)
+    assert f"resumed from {last} (step {done})" in err
+    assert_same(read_lines(run), want)  # as if never interrupted

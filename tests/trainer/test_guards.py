@@ -236,7 +236,12 @@ def test_injected_kl_explosion(tmp_path, caplog, action):
     assert m3["kl/ref_mean"] > 1.0 and m3["guard/kl_explosion"] == 1.0
     assert "guard/kl_explosion: step 3: KL to the reference" in caplog.text
     if action == "raise_coef":
-        assert m3["guard/coef_scale"] == 2.0 and m3["kl/coef"] == pytest.approx(2 * m2["kl/coef"], rel=1e-12)
+        # the step's rewards were shaped with the old beta: kl/coef and reward/rlhf_mean use it, and the
+        # doubled one is the next step's (issue 10 item 3: rlhf_mean was off by 2x here)
+        assert m3["guard/coef_scale"] == 2.0 and m3["kl/coef"] == m2["kl/coef"] == m2["kl/coef_next"] == 0.05
+        assert m3["kl/coef_next"] == pytest.approx(2 * m3["kl/coef"], rel=1e-12)
+        rlhf = m3["reward/score_mean"] - m3["kl/coef"] * m3["kl/ref_seq_mean"]
+        assert m3["reward/rlhf_mean"] == pytest.approx(rlhf, rel=1e-5, abs=1e-6)
         assert m3["policy/updates"] == 2.0 and not same(before, params(t))
     else:
         assert m3["guard/coef_scale"] == 1.0 and "policy/updates" not in m3 and same(before, params(t))
@@ -286,6 +291,39 @@ def test_nan_rewards_are_dropped_counted_and_never_reach_the_weights(tmp_path, c
     with pytest.raises(TrainingStopped, match=r"step 2: every sample of the batch was dropped.*guard\.on_nonfinite=stop"):
         stop.fit()
     assert_finite(stop)
+
+
+HANGING_REWARD = '''
+import time
+from tether.tasks.digitsum import compute_score
+
+CALLS = [0]
+
+def reward(data_sources, solution_strs, ground_truths, extra_infos):
+    """Call 2 hangs forever; every other call scores normally."""
+    CALLS[0] += 1
+    if CALLS[0] >= 2:
+        time.sleep(10**6)
+    return [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
+'''
+
+
+@pytest.mark.slow
+def test_a_hung_reward_function_is_abandoned_and_the_run_stops_after_the_empty_batch_streak(tmp_path, caplog):
+    fn = tmp_path / "hanging_reward.py"
+    fn.write_text(textwrap.dedent(HANGING_REWARD))
+    t = make(tmp_path, f"reward.function={fn}:reward", "reward.timeout_s=1", "trainer.total_steps=6")
+    m1 = t.train_step()
+    assert m1["reward/timeout_count"] == 0.0 and m1["policy/updates"] == 2.0
+    before = params(t)
+    m2 = t.train_step()  # hangs: abandoned after 1 s, all 16 samples are errors, no update
+    assert m2["reward/timeout_count"] == 16.0 and m2["reward/error_count"] == 16.0 and m2["guard/empty_batch"] == 1.0
+    assert "policy/updates" not in m2 and same(before, params(t))
+    assert "did not return within reward.timeout_s=1 s: 16 of 16 sample(s) count as errors" in caplog.text
+    t.train_step()
+    with pytest.raises(TrainingStopped, match="every sample was dropped .*reward/error_count=16.* for 3 steps in a row"):
+        t.train_step()  # the existing consecutive-failure rule (guards.EMPTY_STREAK_STOP = 3)
+    assert t.step == 4 and same(before, params(t))
 
 
 @pytest.mark.slow
@@ -354,6 +392,7 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     assert sorted(recs) == [0, 1, 2, 3, 4, 5, 6]
     assert recs[4]["guard/rollback"] == 1.0 and recs[4]["guard/rollbacks"] == 1.0 and recs[4]["guard/coef_scale"] == 3.0
     assert recs[3]["kl/coef"] == 0.05 and recs[5]["kl/coef"] == pytest.approx(0.15, rel=1e-12)
+    assert recs[4]["kl/coef"] == 0.05 and recs[4]["kl/coef_next"] == pytest.approx(0.15, rel=1e-12)  # rolled back after its update
     assert recs[3]["actor/lr"] == 1e-3 and recs[5]["actor/lr"] == pytest.approx(2.5e-4, rel=1e-12)
     assert recs[6]["guard/stop"] == 1.0 and recs[6]["guard/rollback_limit"] == 1.0
 

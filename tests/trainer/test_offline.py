@@ -116,3 +116,72 @@ def test_online_mode_override_generates_in_an_offline_run(setup, model_dir):
     assert batch.prompts == [prompts.texts[0]] * 3 + [prompts.texts[1]] * 3  # no group expansion
     assert batch.response_ids.shape[1] <= 6  # the engine's max_new_tokens, not the dataset's responses
     assert int(batch.response_mask.sum(-1).min()) >= 1
+
+
+# ---------------------------------------------------------------- data.filter, data.overlong_responses
+
+
+def _offline_rows(pairs):
+    records = [{"prompt": p, "data_source": "openai/gsm8k", "response": r, "score": s} for p, r, s in pairs]
+    return rows_from_records(records, "test", response_key="response", score_key="score")
+
+
+def test_filter_by_score_range_empty_and_duplicates_counts_each_reason():
+    from tether.data.offline import filter_offline_rows
+
+    rows = _offline_rows([("q1", "a", 1.0), ("q1", "a", 1.0), ("q1", "  ", 1.0), ("q2", "b", -3.0), ("q2", "c", None),
+                          ("q2", "b", 0.5), ("q3", "a", 2.5)])  # fmt: skip
+    kept, c = filter_offline_rows(rows, score_min=0.0, score_max=2.0, drop_duplicates=True)
+    assert [(r.prompt, r.response) for r in kept] == [("q1", "a"), ("q2", "b")]
+    assert (c.total, c.score, c.empty, c.duplicate, c.dropped) == (7, 3, 1, 1, 5)  # scores -3, None, 2.5; "  "; q1/a again
+    assert c.first == {"duplicate": 1, "empty": 2, "score": 3}
+    assert c.describe((0.0, 2.0)) == "3 with a score missing or outside [0, 2], 1 empty response(s), 1 duplicate (prompt, response) pair(s)"
+    kept, c = filter_offline_rows(rows)  # defaults: only empty responses go
+    assert len(kept) == 6 and (c.score, c.empty, c.duplicate) == (0, 1, 0)
+    kept, c = filter_offline_rows(rows, drop_empty=False)
+    assert len(kept) == 7 and c.describe((None, None)) == "nothing"
+
+
+@pytest.mark.parametrize("mode", ["drop", "truncate"])
+def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mode):
+    from tether.data.offline import overlong_responses
+    from tether.trainer.prompts import prepare_offline_rows
+
+    tok = load_tokenizer(model_dir)
+    long = " ".join(["7 + 7 = 14"] * 20)
+    n_long = len(tok(long, add_special_tokens=False)["input_ids"])
+    limit = len(tok("12 #### 12", add_special_tokens=False)["input_ids"]) + 1  # the longest short one fits with its EOS
+    assert n_long >= limit
+    rows = _offline_rows([("q1", "#### 7", 1.0), ("q1", long, 1.0), ("q2", "12 #### 12", 1.0)])
+    assert overlong_responses(rows, tok, limit) == [(1, n_long)]
+    assert overlong_responses(rows, tok, limit - 1) == [(1, n_long), (2, limit - 1)]  # no room left for the EOS
+    out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses=mode), limit)
+    msg = f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: row 1 ({n_long} tokens)"
+    assert msg in caplog.text
+    if mode == "drop":
+        assert [r.response for r in out] == ["#### 7", "12 #### 12"] and "data.overlong_responses=drop" in caplog.text
+    else:
+        assert [r.response for r in out] == ["#### 7", long, "12 #### 12"] and "cut there without an EOS" in caplog.text
+
+
+def test_overlong_responses_error_and_nothing_left(model_dir):
+    from tether.config import ConfigError
+    from tether.trainer.prompts import prepare_offline_rows
+
+    tok = load_tokenizer(model_dir)
+    rows = _offline_rows([("q1", "#### 7 and more words here", 1.0), ("q1", "", 0.0)])
+    with pytest.raises(ConfigError, match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*row 0 .*data.overlong_responses=drop"):
+        prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses="error"), 2)
+    with pytest.raises(ConfigError, match="no offline row left of 2 after data.filter and data.overlong_responses"):
+        prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 2)
+
+
+def test_filter_config_is_checked_before_anything_loads():
+    from tether.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.filter.score_min \(1.0\) must not exceed data.filter.score_max \(0.0\)"):
+        load_config(None, ["data.filter.score_min=1", "data.filter.score_max=0"])
+    with pytest.raises(ConfigError, match="data.filter.score_min/score_max filter on the dataset's scores: set data.score_key"):
+        load_config(None, ["rollout.mode=offline", "data.response_key=response", "data.filter.score_min=0.5"])
+    with pytest.raises(ConfigError, match="overlong_responses"):
+        load_config(None, ["data.overlong_responses=cut"])

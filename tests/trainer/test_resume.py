@@ -182,3 +182,22 @@ def test_crash_before_the_first_checkpoint_starts_over_cleanly(tmp_path, monkeyp
     want = read_lines(tmp_path / "full")
     assert [r["step"] for r in want] in ([0, 1, 2, 3], [1, 2, 3])  # step 0: the reference's validation, if logged
     assert_same_metrics(read_lines(tmp_path / "run"), want)
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    """algo.filter_groups draws a varying number of prompts per step; the sampler's position covers them all."""
+    extra = ["data.embedded_train_size=12", "rollout.n=2", "algo.filter_groups=true", "algo.filter_groups_max_draws=4"]
+    full = Trainer(cfg(tmp_path / "full", *extra))
+    full.fit()
+    want = read_lines(tmp_path / "full")
+    assert any(r.get("rollout/draws", 0) > 1 for r in want if r["step"] <= 2)  # extra draws before the checkpoint
+    run = tmp_path / "run"
+    crash_after(Trainer(cfg(run, *extra)), 3)
+    state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    drawn = sum(r["rollout/prompts_drawn"] for r in want if 1 <= r["step"] <= 2)
+    assert state["data"]["epoch"] * 12 + state["data"]["index"] == drawn
+    resumed = Trainer(cfg(run, *extra))
+    assert resumed.step == 2
+    resumed.fit()
+    assert_same_metrics(read_lines(run), want)
+    assert resumed.sampler.state_dict() == full.sampler.state_dict()

@@ -7,7 +7,9 @@ KL values are in nats per token unless a name says otherwise. See ``docs/api.md`
 
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    NORM_BY_STD,
     AdvantageInputs,
+    canonical_norm_by_std,
     compute_advantages,
     compute_gae,
     compute_grpo_advantages,
@@ -16,6 +18,7 @@ from .advantages import (
     compute_rloo_advantages,
     gae_reference_loop,
     reverse_discounted_cumsum,
+    zero_variance_groups,
 )
 from .controllers import (
     KL_CONTROLLERS,
@@ -73,7 +76,9 @@ __all__ = [
     "make_kl_controller",
     # advantages
     "ADVANTAGE_ESTIMATORS",
+    "NORM_BY_STD",
     "AdvantageInputs",
+    "canonical_norm_by_std",
     "compute_advantages",
     "compute_gae",
     "compute_grpo_advantages",
@@ -82,6 +87,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "zero_variance_groups",
     # losses
     "AGG_MODES",
     "agg_loss",

@@ -26,7 +26,9 @@ from .masked import as_bool_mask, masked_sum, masked_whiten
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "NORM_BY_STD",
     "AdvantageInputs",
+    "canonical_norm_by_std",
     "compute_advantages",
     "compute_gae",
     "compute_grpo_advantages",
@@ -35,6 +37,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "zero_variance_groups",
 ]
 
 _SCAN_BLOCK = 32
@@ -328,23 +331,66 @@ def _broadcast(per_seq: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> to
     return torch.where(m, per_seq.to(dtype)[:, None], torch.zeros((), dtype=dtype, device=m.device))
 
 
+def zero_variance_groups(scores: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Which responses belong to a group that carries no comparison: (B,) bool.
+
+    True for a response whose group's participating scores (responses with ≥ 1 valid token) are
+    all equal, whose group has fewer than two participants, or that does not participate itself.
+    Such groups give every group-relative advantage (grpo, drgrpo, rloo,
+    reinforce_plus_plus_baseline) exactly 0; DAPO's dynamic sampling drops them.
+
+    Args:
+        scores: (B,) sequence rewards; response_mask: (B, T); group_ids: (B,) int64.
+
+    Raises:
+        ValueError: shape mismatch, non-integer group_ids.
+
+    Source: Yu et al. 2025 (DAPO, sec. 3.2, dynamic sampling: keep 0 < |correct| < G).
+    """
+    m = _check_bt(response_mask)
+    _, part, gidx, _, _, constant = _group_stats(scores, m, group_ids)
+    return constant[gidx] | ~part
+
+
+NORM_BY_STD: tuple[str, ...] = ("group", "batch", "none")
+"""Choices of GRPO's advantage scaling (``algo.norm_by_std``; TRL's ``scale_rewards``)."""
+
+
+def canonical_norm_by_std(value: str | bool) -> str:
+    """``"group"``, ``"batch"`` or ``"none"``; the old booleans map ``True``→``"group"``,
+    ``False``→``"none"``.
+
+    Raises:
+        ValueError: anything else (lists the choices).
+    """
+    if value is True or value is False:
+        return "group" if value else "none"
+    if value not in NORM_BY_STD:
+        raise ValueError(f"norm_by_std must be one of {', '.join(NORM_BY_STD)} (or true/false), got {value!r}")
+    return value
+
+
 def compute_grpo_advantages(
     scores: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: torch.Tensor,
     *,
-    norm_by_std: bool = True,
+    norm_by_std: str | bool = "group",
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO outcome advantage: (score - group mean) / (group std + eps) on every valid token.
+    """GRPO outcome advantage: (score - group mean) / (std + eps) on every valid token.
 
     Args:
         scores: (B,) sequence rewards.
         response_mask: (B, T), non-zero = counts.
         group_ids: (B,) int64 prompt labels.
-        norm_by_std: divide by the unbiased group std + eps; False gives Dr. GRPO (Liu et al.
-            2025), which only subtracts the mean.
-        eps: added to the std (verl's default 1e-6).
+        norm_by_std: which std divides the centred score (one of :data:`NORM_BY_STD`):
+            ``"group"`` the unbiased std of the response's group (GRPO); ``"batch"`` the
+            unbiased std of all participating scores of the batch (Liu et al. 2025, "Tricks or
+            Traps", group mean + batch std; TRL's ``scale_rewards="batch"``); ``"none"`` no
+            division (Dr. GRPO, Liu et al. 2025), the mean subtraction only. ``True``/``False``
+            are accepted as ``"group"``/``"none"``.
+        eps: added to the std (verl's default 1e-6; TRL uses 1e-4).
 
     Returns:
         ``(advantages, returns)`` (B, T), equal (verl returns the same tensor twice), 0 on
@@ -354,21 +400,28 @@ def compute_grpo_advantages(
         group's mean/std. Statistics in float64; output dtype of ``scores`` (float32 for ints).
 
     Raises:
-        ValueError: shape mismatch, non-integer group_ids, eps < 0.
+        ValueError: shape mismatch, non-integer group_ids, eps < 0, an unknown ``norm_by_std``.
 
     Source: Shao et al. 2024 (DeepSeekMath, sec. 4.1.2, outcome supervision); verl
-    ``compute_grpo_outcome_advantage`` (unbiased std, eps 1e-6); Liu et al. 2025 (Dr. GRPO).
+    ``compute_grpo_outcome_advantage`` (unbiased std, eps 1e-6); Liu et al. 2025 (Dr. GRPO);
+    TRL ``GRPOTrainer`` ``scale_rewards`` (group | batch | none).
     """
     m = _check_bt(response_mask)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
+    scale = canonical_norm_by_std(norm_by_std)
     x, part, gidx, count, total, constant = _group_stats(scores, m, group_ids)
     mean = total / count.clamp(min=1)  # (G,)
     d = torch.where(part, x - mean[gidx], 0.0)  # (B,)
-    if norm_by_std:
+    if scale == "group":
         sq = torch.zeros_like(mean).index_add_(0, gidx, d * d)  # (G,)
         std = torch.sqrt(sq / (count - 1).clamp(min=1))  # (G,) unbiased
         d = d / (std[gidx] + eps)
+    elif scale == "batch":
+        n = part.sum()
+        xb = torch.where(part, x - x.sum() / n.clamp(min=1), 0.0)  # (B,) centred on the batch mean
+        std = torch.sqrt((xb * xb).sum() / (n - 1).clamp(min=1))  # unbiased, over participating scores
+        d = d / (std + eps)
     adv = torch.where(constant[gidx] | ~part, 0.0, d)  # (B,)
     out = _broadcast(adv, m, _float_dtype(scores))
     return out, out.clone()
@@ -486,7 +539,8 @@ class AdvantageInputs:
         values: (B, T) critic values; required by gae.
         gamma: discount (gae, reinforce_plus_plus).
         lam: GAE λ (gae).
-        norm_by_std: grpo divides by the group std (drgrpo forces False).
+        norm_by_std: grpo's scaling, ``"group"`` | ``"batch"`` | ``"none"`` (drgrpo forces
+            ``"none"``); see :func:`compute_grpo_advantages`.
         eps: grpo's std epsilon.
         whiten: gae whitens its advantages.
     """
@@ -497,7 +551,7 @@ class AdvantageInputs:
     values: torch.Tensor | None = None
     gamma: float = 1.0
     lam: float = 1.0
-    norm_by_std: bool = True
+    norm_by_std: str | bool = "group"
     eps: float = 1e-6
     whiten: bool = True
 
@@ -535,7 +589,7 @@ def _adv_grpo(inputs: AdvantageInputs):
 def _adv_drgrpo(inputs: AdvantageInputs):
     ids = _need_groups("drgrpo", inputs)
     return compute_grpo_advantages(
-        _scores(inputs), inputs.response_mask, ids, norm_by_std=False, eps=inputs.eps
+        _scores(inputs), inputs.response_mask, ids, norm_by_std="none", eps=inputs.eps
     )
 
 

@@ -12,6 +12,10 @@ KL(π ‖ π_ref) = E_π[k1]:
 ``abs`` = |r| is the heuristic verl also offers. Straight-through variants (``"k1+"``, ``"k3+"``,
 ...) return the forward value of the named estimator with the gradient of k2, as verl does with
 ``backward - backward.detach() + forward.detach()``.
+
+The log-ratio clamp exists only to keep k3's ``exp(-r)`` finite, so (as in verl) it is applied
+only inside k3: k1, abs and k2 see the exact r, and the gradient of k2 and of every ``+`` variant
+is r wherever r is finite, however far the token drifted.
 """
 
 from __future__ import annotations
@@ -80,16 +84,20 @@ def kl_penalty(
         estimator: one of :data:`LOGPROB_KL_ESTIMATORS` — ``"k1"``/``"kl"``, ``"abs"``,
             ``"k2"``/``"mse"``, ``"k3"``/``"low_var_kl"``, each optionally with a trailing
             ``"+"`` (straight-through: forward value of the named estimator, gradient of k2).
-        log_ratio_clamp: r = log π - log π_ref is clamped to [-c, c] before use, for every
-            estimator (verl: 20, applied inside k3 before the exp). Clamping every estimator
-            keeps k2 = ½r² and the k2 gradient finite in float32 for log-ratios of any size,
-            including ±inf. ``None`` disables the clamp (then huge log-ratios can overflow).
-        value_clamp: k3 is clamped to [-c, c] after evaluation (verl: 10). Only k3 is clamped.
+        log_ratio_clamp: inside k3 only, r is clamped to [-c, c] before ``exp(-r)`` (verl: 20),
+            which keeps k3 finite; past the clamp k3 has no gradient (verl's too). k1, abs and
+            k2 and every straight-through gradient use the unclamped r, so a token that drifted
+            far keeps its pull back (∂k1/∂log π = 1, ∂abs/∂log π = sign r, ∂k2/∂log π = r).
+            ``None`` disables the clamp (then k3 overflows to inf for r < -88 in float32).
+        value_clamp: k3 is clamped to [-c, c] after evaluation (verl: 10). Only k3.
 
     Returns:
         (B, T) per-token estimate in nats, float32 at least (inputs are upcast from
-        bf16/fp16). Positions where both log-probs are -inf (padding) give NaN; mask them out
-        with ``torch.where`` (every tether consumer does).
+        bf16/fp16). k1, abs and k2 are exact, so a token π_ref gives probability 0 (r = +inf)
+        has KL inf there (the trainer's non-finite guard then skips the step); k3 stays within
+        ±``value_clamp``. The gradient of k2 and of every ``+`` variant is r where r is finite
+        and 0 where r = ±inf. Positions where both log-probs are -inf (padding) give NaN; mask
+        them out with ``torch.where`` (every tether consumer does).
 
     Raises:
         ValueError: unknown estimator (lists the valid names), ``"full"`` (which needs logits:
@@ -112,9 +120,7 @@ def kl_penalty(
         if val is not None and not val > 0:
             raise ValueError(f"{arg} must be > 0 or None, got {val!r}")
     dtype = torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
-    r = logprobs.to(dtype) - ref_logprobs.to(dtype)  # (B, T) log-ratio k1
-    if log_ratio_clamp is not None:
-        r = r.clamp(-log_ratio_clamp, log_ratio_clamp)
+    r = logprobs.to(dtype) - ref_logprobs.to(dtype)  # (B, T) log-ratio k1, unclamped
     plus = name.endswith("+")
     base = name[:-1] if plus else name
     if base == "k1":
@@ -123,14 +129,26 @@ def kl_penalty(
         value = r.abs()
     elif base == "k2":
         value = 0.5 * r * r
-    else:  # k3
-        value = _k3(r)
+    else:  # k3: the only estimator that exponentiates, so the only one clamped
+        rc = r if log_ratio_clamp is None else r.clamp(-log_ratio_clamp, log_ratio_clamp)
+        value = _k3(rc)
         if value_clamp is not None:
             value = value.clamp(-value_clamp, value_clamp)
-    if not plus or base == "k2":
+    if not plus and base != "k2":
         return value
-    k2 = 0.5 * r * r  # finite (r is clamped), so k2 - k2.detach() is exactly 0 in the forward pass
-    return value.detach() + (k2 - k2.detach())
+    return value.detach() + _k2_gradient(r)
+
+
+def _k2_gradient(r: torch.Tensor) -> torch.Tensor:
+    """(B, T) zeros in the forward pass whose gradient w.r.t. r is r (k2's), and 0 where r = ±inf.
+
+    ``r·(r − r)`` with the first factor detached: exactly 0 forward (no ``inf − inf`` even where
+    ½r² overflows), ∂/∂r = r. Non-finite r (a token π_ref gives probability 0) has no finite
+    gradient, so it gets none.
+    """
+    finite = torch.isfinite(r)
+    r_f = torch.where(finite, r, torch.zeros((), dtype=r.dtype, device=r.device))  # (B, T)
+    return r_f.detach() * (r_f - r_f.detach())
 
 
 def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:

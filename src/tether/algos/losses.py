@@ -33,10 +33,11 @@ Count = int | float | torch.Tensor | None
 
 
 def loss_normalizers(response_mask: torch.Tensor) -> tuple[int, int]:
-    """``(total_tokens, total_seqs)`` of a (B, T) mask: the valid tokens and the responses (B,
-    rows). Compute these once on the whole mini-batch and pass them to every micro-batch call."""
+    """``(total_tokens, total_seqs)`` of a (B, T) mask: the valid tokens and the responses with at
+    least one valid token (a dropped sample's empty row is not a response the loss sees). Compute
+    these once on the whole mini-batch and pass them to every micro-batch call."""
     m = as_bool_mask(response_mask)
-    return int(m.sum().item()), int(m.shape[0])
+    return int(m.sum().item()), int(m.any(dim=-1).sum().item())
 
 
 def _denominator(given: Count, own: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -71,8 +72,9 @@ def agg_loss(
 ) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss into a scalar.
 
-    With N = ``total_tokens`` (valid tokens), S = ``total_seqs`` (responses, i.e. rows) and n_b the
-    valid tokens of row b:
+    With N = ``total_tokens`` (valid tokens), S = ``total_seqs`` (responses with at least one valid
+    token: rows of a dropped sample, all 0 in the mask, are not counted) and n_b the valid tokens
+    of row b:
 
     * ``token-mean``: Σ_{b,t valid} ℓ / N — a true per-token mean over the whole mini-batch
       (DAPO's token-level loss; verl's default);
@@ -81,9 +83,9 @@ def agg_loss(
     * ``seq-mean-token-sum-norm``: Σ_b (Σ_t ℓ / C) / S with a constant C = ``norm_constant``
       (default T, the padded response length of this tensor) — Dr. GRPO's length-independent
       normaliser. Because C is a constant and S a mean over sequences, the loss depends neither
-      on response lengths nor on batch size. verl divides Σ_b Σ_t ℓ by T only and relies on its
-      gradient-accumulation scale to average over sequences; tether folds that mean into S so
-      that micro-batch sums are exact. Set ``norm_constant`` to the configured maximum response
+      on response lengths nor on batch size (current verl takes the same mean over non-empty
+      sequences before dividing by its ``loss_scale_factor``; early verl divided Σ_b Σ_t ℓ by T
+      only). Set ``norm_constant`` to the configured maximum response
       length so C stays fixed across batches whose padding differs.
 
     Args:
@@ -92,9 +94,9 @@ def agg_loss(
         mode: one of :data:`AGG_MODES`.
         total_tokens: N for the whole mini-batch when this call sees one micro-batch (int, float
             or 0-d tensor, e.g. all-reduced across ranks); default: this call's count.
-        total_seqs: S for the whole mini-batch; default: this call's number of rows B. A response
-            with no valid token counts in S and adds 0 (verl's ``torch.mean`` over the batch does
-            the same).
+        total_seqs: S for the whole mini-batch; default: this call's rows with at least one valid
+            token. An empty row adds 0 and is not counted, so a dropped sample never shrinks the
+            other samples' weight (verl's ``agg_loss`` excludes fully masked sequences the same way).
         norm_constant: C for ``seq-mean-token-sum-norm``; default T.
 
     Returns:
@@ -106,8 +108,8 @@ def agg_loss(
         ValueError: unknown mode (lists the valid ones), shape mismatch, a negative or
             non-finite total, ``norm_constant`` ≤ 0.
 
-    Source: verl ``core_algos.agg_loss`` (mode names and formulas, except the sum-norm mean over
-    sequences noted above); Yu et al. 2025 (DAPO, token-level loss); Liu et al. 2025 (Dr. GRPO).
+    Source: verl ``core_algos.agg_loss`` (mode names, formulas, and the mean over non-empty
+    sequences); Yu et al. 2025 (DAPO, token-level loss); Liu et al. 2025 (Dr. GRPO).
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
@@ -124,7 +126,7 @@ def agg_loss(
         if not (math.isfinite(c) and c > 0):
             raise ValueError(f"norm_constant must be a finite number > 0, got {norm_constant!r}")
         seq = seq / c
-    return seq.sum() / _denominator(total_seqs, torch.tensor(m.shape[0]), "total_seqs", x)
+    return seq.sum() / _denominator(total_seqs, m.any(dim=-1).sum(), "total_seqs", x)
 
 
 def ppo_policy_loss(

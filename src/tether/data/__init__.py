@@ -8,7 +8,14 @@ from .gsm8k import (
     convert_gsm8k_solutions,
     gsm8k_final_answer,
 )
-from .prompts import check_prompt_lengths, has_chat_template, render_prompt, render_prompts
+from .prompts import (
+    check_chat_template,
+    check_prompt_lengths,
+    has_chat_template,
+    is_multi_turn,
+    render_prompt,
+    render_prompts,
+)
 from .rows import (
     MAX_REPORTED_ERRORS,
     VALID_ROLES,
@@ -31,11 +38,13 @@ __all__ = [
     "DataError",
     "LoadReport",
     "PromptRow",
+    "check_chat_template",
     "check_prompt_lengths",
     "convert_gsm8k",
     "convert_gsm8k_solutions",
     "gsm8k_final_answer",
     "has_chat_template",
+    "is_multi_turn",
     "load_rows",
     "load_rows_report",
     "read_records",

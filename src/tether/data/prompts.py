@@ -10,7 +10,10 @@ Rules (:func:`render_prompt`):
 * **chat prompts without a chat template** (or ``apply_chat_template=False``): the message contents
   joined with a blank line (``"\\n\\n"``), roles dropped, no generation prompt, suffix appended to the
   last user message. A single-message prompt is therefore just its content: what a base model
-  should see. Give the tokenizer a chat template when roles matter.
+  should see. Give the tokenizer a chat template when roles matter. :func:`check_chat_template`
+  (called by the trainer and ``tether eval`` before any work) warns once when this happens with
+  ``apply_chat_template=True``, and refuses multi-turn conversations, whose joined text would
+  erase who said what.
 * **plain string prompts** are used raw (plus the suffix appended to the end), never wrapped in a
   user message, even when the tokenizer has a chat template: a string prompt is taken to be already
   formatted (e.g. a completion-style prompt, or one rendered elsewhere). Store prompts as a list of
@@ -19,17 +22,67 @@ Rules (:func:`render_prompt`):
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .rows import MAX_REPORTED_ERRORS, DataError, PromptRow
 
-__all__ = ["check_prompt_lengths", "has_chat_template", "render_prompt", "render_prompts"]
+__all__ = ["check_chat_template", "check_prompt_lengths", "has_chat_template", "is_multi_turn", "render_prompt", "render_prompts"]
+
+log = logging.getLogger("tether")
+_warned_no_template: set[str] = set()  # tokenizers already warned about (once per process)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     """True when ``tokenizer`` has a non-empty ``chat_template`` (a string or a dict of templates)."""
     tpl = getattr(tokenizer, "chat_template", None)
     return bool(tpl)
+
+
+def is_multi_turn(messages: list[dict]) -> bool:
+    """True for a conversation of more than one turn: an assistant (or tool) message, or more than
+    one user message. A system message plus one user message is a single turn."""
+    roles = [m.get("role") for m in messages]
+    return roles.count("user") > 1 or any(r in ("assistant", "tool") for r in roles)
+
+
+def check_chat_template(rows: list[PromptRow], tokenizer: Any, *, apply_chat_template: bool = True, what: str = "actor.model") -> None:
+    """Say what happens to chat prompts when the tokenizer has no chat template, before any work.
+
+    With ``apply_chat_template`` and chat-message prompts but no ``tokenizer.chat_template``: a
+    warning, once per tokenizer and process, saying that the message contents are joined instead
+    and how to set a template; an error when a prompt is a multi-turn conversation
+    (:func:`is_multi_turn`). Nothing otherwise (string prompts, a template, or
+    ``apply_chat_template=False``, which asks for the joined text explicitly).
+
+    Raises:
+        DataError: a multi-turn conversation and no chat template (naming the first such row, its
+            roles, and the number of such rows).
+    """
+    if not apply_chat_template or tokenizer is None or has_chat_template(tokenizer):
+        return
+    chats = [r for r in rows if isinstance(r.prompt, list)]
+    if not chats:
+        return
+    name = str(getattr(tokenizer, "name_or_path", "") or what)
+    how = ("set a template in the model directory (a \"chat_template\" entry in tokenizer_config.json, or a "
+           "chat_template.jinja file; e.g. tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR))")
+    multi = [r for r in chats if is_multi_turn(r.prompt)]
+    if multi:
+        first = multi[0]
+        roles = ", ".join(str(m.get("role")) for m in first.prompt)
+        raise DataError(
+            f"{len(multi)} prompt(s) are multi-turn conversations (first: row {first.index}, roles {roles}) but the tokenizer of "
+            f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, {how}; "
+            "or give single-turn prompts", [f"row {r.index}" for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
+    if name not in _warned_no_template:
+        _warned_no_template.add(name)
+        log.warning(
+            "the tokenizer of %s (%s) has no chat template: the %d chat prompt(s) are rendered as their message contents "
+            "joined by a blank line, roles dropped and no generation prompt (right for a base model, wrong for a chat "
+            "model). To use a template, %s; data.apply_chat_template=false uses the joined text without this warning.",
+            what, name, len(chats), how,
+        )
 
 
 def _with_suffix(messages: list[dict], suffix: str) -> list[dict]:

@@ -22,6 +22,21 @@ Every sample invalid is reported (``reward/all_invalid = 1``); the trainer decid
 Empty responses (``""``) are scored like any other (the trainer counts them separately).
 
 Order of operations on valid samples: raw → clip → normalise (``none`` / ``batch`` / ``running``).
+
+Hangs (``timeout_s``): with a timeout, a reward *function* (user or built-in) runs in a daemon worker
+thread and the caller waits at most ``timeout_s`` seconds for the whole batch. Past it the call is
+abandoned: the caller stops waiting, every sample not yet scored counts as an error
+(``reward/timeout_count``, one message naming ``reward.timeout_s``), samples a built-in per-row
+function had already scored keep their score, and the worker is told to stop at its next sample.
+Why a watchdog thread and not a process pool: the function is called exactly as without a timeout
+(no pickling, no re-import, module state and caches kept, no fork of a process holding models), at
+the cost of one thread start per batch. A thread cannot be killed: an abandoned call keeps running
+(and using its CPU) until it returns, but being a daemon thread it blocks neither the next batch
+(each batch gets a fresh thread) nor interpreter exit. Limits: code that never releases the GIL (a
+C extension looping forever; a catastrophic regular expression in ``re``) stalls every thread and
+cannot be abandoned by any in-process mechanism; and code that installs signal handlers, such as
+``math_verify``'s default ``parsing_timeout``/``timeout_seconds``, only works on the main thread:
+pass ``None`` to those and let ``timeout_s`` bound the batch. Reward models are not timed out.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,10 +152,14 @@ class RewardManager:
         base_dir: directory for a relative ``function`` file path (default: current directory).
         reward_model_chat_template: apply the reward model's own chat template to message prompts
             (see :class:`~tether.rewards.model.RewardModelScorer`).
+        timeout_s: seconds a reward function may take per batch before its unscored samples count
+            as errors (see the module docstring); None waits forever (and runs the function on the
+            calling thread).
 
     Raises:
         ValueError: both ``function`` and ``reward_model``; bad ``clip`` (not ``lo < hi``) or
-            ``normalize``; a user function or reward model that cannot be loaded.
+            ``normalize``; ``timeout_s`` not positive; a user function or reward model that cannot
+            be loaded.
     """
 
     def __init__(
@@ -154,7 +174,10 @@ class RewardManager:
         max_length: int = 1024,
         base_dir: str | Path | None = None,
         reward_model_chat_template: bool = True,
+        timeout_s: float | None = None,
     ):
+        if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
+            raise ValueError(f"reward.timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
         if function and reward_model:
             raise ValueError("set either reward.function or reward.model, not both")
         if normalize not in NORMALIZE_MODES:
@@ -179,6 +202,8 @@ class RewardManager:
                                             max_length=max_length, use_chat_template=reward_model_chat_template)
         self.running = RunningMeanStd()
         self._extra_ok: dict[int, bool] = {}
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self._abandoned: list[threading.Thread] = []  # timed-out calls, possibly still running
 
     # ------------------------------------------------------------------ checks before training
 
@@ -224,9 +249,11 @@ class RewardManager:
             return fn(response, row.ground_truth, extra)
         return fn(response, row.ground_truth)
 
-    def _raw_builtin(self, rows, responses, outcomes):
+    def _raw_builtin(self, rows, responses, outcomes, errors, cancel=None):
         fns: dict[str, Callable | BaseException] = {}
         for i, (row, resp) in enumerate(zip(rows, responses, strict=True)):
+            if cancel is not None and cancel.is_set():
+                return
             ds_score, ds_resp = getattr(row, "score", None), getattr(row, "response", None)
             if ds_score is not None and ds_resp is not None and resp == ds_resp:
                 outcomes[i] = ("dataset", ds_score)
@@ -246,7 +273,7 @@ class RewardManager:
             except Exception as e:
                 outcomes[i] = ("error", e)
 
-    def _raw_user(self, rows, responses, outcomes, errors):
+    def _raw_user(self, rows, responses, outcomes, errors, cancel=None):
         fn = self.user_fn
         args = ([r.data_source for r in rows], list(responses), [r.ground_truth for r in rows],
                 [dict(r.extra_info) if isinstance(r.extra_info, dict) else r.extra_info for r in rows])
@@ -256,6 +283,8 @@ class RewardManager:
         except Exception as e:
             errors.append(f"batch call of {self.function_spec} raised {_brief(e)}; retrying sample by sample")
             for i in range(b):
+                if cancel is not None and cancel.is_set():
+                    return
                 try:
                     one = fn(*[[a[i]] for a in args])
                     seq = _as_list(one)
@@ -275,6 +304,41 @@ class RewardManager:
             return
         for i, v in enumerate(seq):
             outcomes[i] = ("value", v)
+
+    def _raw_with_timeout(self, work, outcomes: list, errors: list[str]) -> int:
+        """Run ``work(outcomes, errors, cancel)`` in a daemon thread for at most ``timeout_s``
+        seconds; returns how many samples were left unscored (marked ``("timeout", None)``)."""
+        pending = object()
+        box: list = [pending] * len(outcomes)
+        box_errors: list[str] = []
+        cancel, done = threading.Event(), threading.Event()
+
+        def run():
+            try:
+                work(box, box_errors, cancel)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=run, name="tether-reward", daemon=True)
+        worker.start()
+        finished = done.wait(self.timeout_s)
+        if not finished:
+            cancel.set()  # the worker stops before its next sample; a call in progress runs on
+            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [worker]
+        snapshot, n_left = list(box), 0
+        for i, v in enumerate(snapshot):
+            if v is pending:
+                n_left += int(not finished)
+                outcomes[i] = ("timeout", None) if not finished else outcomes[i]
+            else:
+                outcomes[i] = v
+        errors.extend(box_errors[:MAX_ERRORS])
+        if n_left:
+            what = self.function_spec or "the built-in reward function"
+            errors.insert(0, f"{what} did not return within reward.timeout_s={self.timeout_s:g} s: {n_left} of "
+                             f"{len(outcomes)} sample(s) count as errors; the call was abandoned (it may still be "
+                             f"running in a background thread: {len(self._abandoned)} such call(s) alive)")
+        return n_left
 
     def _raw_model(self, rows, prompts, responses, outcomes):
         for i, v in enumerate(self.scorer.score(rows, prompts, responses)):
@@ -296,7 +360,8 @@ class RewardManager:
             score was outside the clip range), ``reward/raw_mean``, ``reward/raw_std`` (over valid
             raw scores; 0.0 when none), ``reward/dataset_score_count`` (offline rows scored by their
             dataset score), and with ``normalize="running"`` ``reward/running_mean``,
-            ``reward/running_std``.
+            ``reward/running_std``; with ``timeout_s`` ``reward/timeout_count`` (samples left
+            unscored when the batch ran past the timeout, also counted in ``reward/error_count``).
 
         Raises:
             ValueError: ``rows``, ``prompts`` and ``responses`` differ in length (a caller bug).
@@ -312,14 +377,24 @@ class RewardManager:
         if b:
             if self.scorer is not None:
                 self._raw_model(rows, prompts, responses, outcomes)
-            elif self.user_fn is not None:
-                self._raw_user(rows, responses, outcomes, errors)
             else:
-                self._raw_builtin(rows, responses, outcomes)
+                raw_fn = self._raw_user if self.user_fn is not None else self._raw_builtin
+
+                def work(out, errs, cancel=None):
+                    raw_fn(rows, responses, out, errs, cancel)
+
+                if self.timeout_s is None:
+                    work(outcomes, errors)
+                else:
+                    self._raw_with_timeout(work, outcomes, errors)
 
         raw: list[float | None] = [None] * b
-        n_err = n_nonfinite = n_nonnum = n_dataset = 0
+        n_err = n_nonfinite = n_nonnum = n_dataset = n_timeout = 0
         for i, (kind, v) in enumerate(outcomes):
+            if kind == "timeout":
+                n_err += 1
+                n_timeout += 1
+                continue
             if kind == "dataset":
                 raw[i] = float(v)
                 n_dataset += 1
@@ -376,6 +451,8 @@ class RewardManager:
             "reward/raw_std": std,
             "reward/dataset_score_count": float(n_dataset),
         })
+        if self.timeout_s is not None:
+            metrics["reward/timeout_count"] = float(n_timeout)
         return RewardResult(scores=scores, valid=valid, raw_scores=raw_t, metrics=metrics,
                             errors=errors[:MAX_ERRORS])
 

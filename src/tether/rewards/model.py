@@ -11,6 +11,53 @@ __all__ = ["RewardModelScorer"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
+#: What the error messages say a reward model must be.
+REWARD_MODEL_IS = ("a reward model must be a sequence classifier with one label: an AutoModelForSequenceClassification "
+                   "directory (architectures *ForSequenceClassification) with num_labels=1 and its trained score head in "
+                   "the weights, e.g. one trained with TRL's RewardTrainer")
+_HEAD_NAMES = ("score", "classifier")  # the head module of *ForSequenceClassification models
+
+
+def _config(p: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_is_classifier(p: Path) -> None:
+    """Refuse a causal LM (or another non-classifier) before transformers bolts a random head on it.
+
+    Raises:
+        ValueError: config.json names architectures and none is a ``*ForSequenceClassification``.
+    """
+    archs = _config(p).get("architectures") or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        kind = "a causal language model" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "not a sequence classifier"
+        raise ValueError(f"reward model {p} is {kind} (config.json architectures: {', '.join(archs)}); {REWARD_MODEL_IS}")
+
+
+def _head_mismatch(p: Path) -> str:
+    """What a head-size mismatch is: config.json's label count against the head in the weights."""
+    cfg = _config(p)
+    n = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
+    shapes = {}
+    try:
+        from safetensors import safe_open
+
+        for f in sorted(p.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k.split(".")[0] in _HEAD_NAMES and k.endswith("weight"):
+                        shapes[k] = list(st.get_slice(k).get_shape())
+    except Exception:  # noqa: BLE001 - the description is best effort; the error is raised anyway
+        pass
+    found = ", ".join(f"{k} of shape {v} ({v[0]} label(s))" for k, v in shapes.items()) or "a head of another size"
+    return f"config.json says num_labels={n} (id2label has {n} entries) but the weights hold {found}"
+
+
 class RewardModelScorer:
     """Scores (prompt, response) pairs with ``AutoModelForSequenceClassification`` (one logit).
 
@@ -62,16 +109,23 @@ class RewardModelScorer:
             raise ValueError(f"reward model {p}: cannot load its tokenizer: {type(e).__name__}: {e}") from e
         if len(tok) < 2 or not tok("a b")["input_ids"]:
             raise ValueError(f"reward model {p}: cannot load its tokenizer: it is empty (vocabulary of {len(tok)})")
+        _check_is_classifier(p)
         try:
             dtype = torch.float32 if str(device).startswith("cpu") else "auto"
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(p), local_files_only=True, trust_remote_code=False, dtype=dtype)
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(p), local_files_only=True, trust_remote_code=False, dtype=dtype, output_loading_info=True)
         except Exception as e:
+            if "mismatched" in str(e) or "size mismatch" in str(e):
+                raise ValueError(f"reward model {p}: {_head_mismatch(p)}; {REWARD_MODEL_IS}") from None
             raise ValueError(f"reward model {p}: cannot load it as AutoModelForSequenceClassification: "
-                             f"{type(e).__name__}: {e}") from e
+                             f"{type(e).__name__}: {str(e)[:300]}") from None
         if model.config.num_labels != 1:
-            raise ValueError(f"reward model {p} has num_labels={model.config.num_labels}; a scalar reward model "
-                             "needs a single-logit head (num_labels=1)")
+            raise ValueError(f"reward model {p} is a sequence classifier with num_labels={model.config.num_labels} "
+                             f"({model.config.architectures or type(model).__name__}); {REWARD_MODEL_IS}")
+        missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in _HEAD_NAMES]
+        if missing:
+            raise ValueError(f"reward model {p}: its weights hold no classification head (missing {', '.join(sorted(missing))}): "
+                             f"it would score with a randomly initialised head; {REWARD_MODEL_IS}")
         pad_id = tok.pad_token_id
         if pad_id is None:
             pad_id = model.config.pad_token_id

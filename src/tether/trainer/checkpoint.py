@@ -156,8 +156,12 @@ def write_checkpoint(ckpt_root: Path, step: int, writers: dict) -> Path:
     return final
 
 
-def verify_checkpoint(path: Path) -> dict:
+def verify_checkpoint(path: Path, only: str | None = None) -> dict:
     """Check a checkpoint's manifest, sizes and checksums; return the manifest.
+
+    Args:
+        only: check only the files under this prefix of the manifest (e.g. ``"actor/"``: what an
+            export needs); None checks every file.
 
     Raises:
         CheckpointError: naming the checkpoint and the missing, truncated or altered file.
@@ -175,9 +179,13 @@ def verify_checkpoint(path: Path) -> dict:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not files or not all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in files.values()):
         raise CheckpointError(f"checkpoint {path}: file {MANIFEST} is corrupt (no file list)")
+    if only is not None and not any(rel.startswith(only) for rel in files):
+        raise CheckpointError(f"checkpoint {path}: file {MANIFEST} lists no {only} files")
     for rel, meta in files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CheckpointError(f"checkpoint {path}: file {MANIFEST} names a path outside the checkpoint: {rel!r}")
+        if only is not None and not rel.startswith(only):
+            continue
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path}: file {rel} is missing")
@@ -201,15 +209,16 @@ def list_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def latest_valid_checkpoint(ckpt_root: Path, errors: list[str] | None = None) -> Path | None:
+def latest_valid_checkpoint(ckpt_root: Path, errors: list[str] | None = None, only: str | None = None) -> Path | None:
     """The newest checkpoint that verifies; corrupt or incomplete ones are reported and skipped.
 
     Args:
         errors: if given, the message of every skipped checkpoint is appended to it.
+        only: verify only the files under this prefix (see :func:`verify_checkpoint`).
     """
     for _, p in list_checkpoints(ckpt_root):
         try:
-            verify_checkpoint(p)
+            verify_checkpoint(p, only=only)
             return p
         except CheckpointError as e:
             log.warning("resume: skipping %s", e)

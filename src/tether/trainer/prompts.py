@@ -9,7 +9,15 @@ import numpy as np
 import torch
 
 from tether.config import EMBEDDED, ConfigError, DataConfig
-from tether.data import PromptRow, has_chat_template, load_rows, render_prompt, rows_from_records, split_rows
+from tether.data import (
+    PromptRow,
+    check_chat_template,
+    has_chat_template,
+    load_rows,
+    render_prompt,
+    rows_from_records,
+    split_rows,
+)
 
 log = logging.getLogger("tether")
 
@@ -50,13 +58,48 @@ def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[
     return train, val
 
 
+def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_new_tokens: int) -> list[PromptRow]:
+    """Offline pairs that will be trained on: ``data.filter`` applied, then ``data.overlong_responses``
+    (responses that do not fit ``rollout.max_new_tokens`` with their EOS); the counts are logged.
+
+    Raises:
+        ConfigError: an overlong response with ``data.overlong_responses=error`` (naming the rows),
+            or no row left.
+    """
+    from tether.data.offline import filter_offline_rows, overlong_responses
+
+    f = cfg.filter
+    kept, counts = filter_offline_rows(rows, score_min=f.score_min, score_max=f.score_max, drop_empty=f.drop_empty, drop_duplicates=f.drop_duplicates)
+    if counts.dropped:
+        log.warning("data.filter: dropped %d of %d offline rows: %s", counts.dropped, counts.total, counts.describe((f.score_min, f.score_max)))
+    long = overlong_responses(kept, tokenizer, max_new_tokens)
+    if long:
+        shown = ", ".join(f"row {kept[i].index} ({n} tokens)" for i, n in long[:5])
+        msg = f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} with their EOS: {shown}"
+        mode = cfg.overlong_responses
+        if mode == "error":
+            raise ConfigError(msg + " (raise rollout.max_new_tokens, or set data.overlong_responses=drop or truncate)")
+        if mode == "truncate":
+            log.warning("%s; they are cut there without an EOS and keep the whole response's score (data.overlong_responses=truncate)", msg)
+        else:
+            drop = {i for i, _ in long}
+            kept = [r for i, r in enumerate(kept) if i not in drop]
+            log.warning("%s; dropped: a whole response's label does not belong to its prefix (data.overlong_responses=drop)", msg)
+    if not kept and rows:
+        raise ConfigError(f"data.train_files: no offline row left of {len(rows)} after data.filter and data.overlong_responses")
+    return kept
+
+
 def prepare_prompts(rows: list[PromptRow], tokenizer, cfg: DataConfig, what: str) -> PromptSet:
     """Render every prompt and tokenize it; prompts over ``max_prompt_length`` are an error or dropped.
 
     Raises:
         ConfigError: an overlong prompt with ``data.overlong_prompts=error`` (naming the rows), or no
             prompt left.
+        DataError: multi-turn chat prompts and a tokenizer without a chat template
+            (:func:`~tether.data.check_chat_template`, which also warns once about single-turn ones).
     """
+    check_chat_template(rows, tokenizer, apply_chat_template=cfg.apply_chat_template, what="MODEL_OR_CHECKPOINT" if what == "DATA" else "actor.model")
     texts, ids, kept, overlong = [], [], [], []
     for row in rows:
         try:

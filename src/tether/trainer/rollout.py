@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tether.rollout import response_mask_from_ids
 from tether.batch import RolloutBatch
+from tether.rollout import response_mask_from_ids
 from tether.trainer.prompts import PromptSet, collate_prompts
 
 

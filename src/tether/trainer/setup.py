@@ -128,12 +128,12 @@ def build_roles(cfg: TetherConfig) -> Roles:
     val_reward = None
     if cfg.rollout.mode == "offline" and cfg.data.score_key and not (cfg.reward.function or cfg.reward.model):
         reward = OfflineScores()
-        val_reward = RewardManager(clip=cfg.reward.clip)  # validation generates: built-in rewards by data_source
+        val_reward = RewardManager(clip=cfg.reward.clip, timeout_s=cfg.reward.timeout_s)  # validation generates: built-in rewards by data_source
     else:
         reward_model = str(resolve_model_path(cfg.reward.model, "reward.model")) if cfg.reward.model else None
         reward = RewardManager(
             function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
-            model_batch_size=cfg.reward.model_batch_size, device=str(device),
+            model_batch_size=cfg.reward.model_batch_size, device=str(device), timeout_s=cfg.reward.timeout_s,
         )  # fmt: skip
     return Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward)
 

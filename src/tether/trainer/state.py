@@ -31,7 +31,7 @@ log = logging.getLogger("tether")
 #: Config keys that may change between a run and its resumption without a warning.
 RESUME_FREE_KEYS = {
     "trainer.total_steps", "trainer.resume", "trainer.output_dir", "trainer.progress", "trainer.report", "trainer.loggers",
-    "trainer.threads", "trainer.device", "trainer.project",
+    "trainer.threads", "trainer.device", "trainer.project", "reward.timeout_s",
 }  # fmt: skip
 
 
@@ -52,17 +52,19 @@ class CheckpointManager:
         self.resumed_from: Path | None = None
         self._diagnostics_state: dict | None = None
         self._step_record: dict | None = None
+        self.last_saved_step: int | None = None
 
     # -------------------------------------------------------------- saving
-    def maybe_save(self, metrics: dict | None = None) -> Path | None:
-        """Save every ``trainer.save_freq`` steps and at ``trainer.total_steps``.
+    def maybe_save(self, metrics: dict | None = None, *, force: bool = False) -> Path | None:
+        """Save every ``trainer.save_freq`` steps, at ``trainer.total_steps``, and when ``force``d
+        (a stop signal: ``tether.trainer.signals``).
 
         Args:
             metrics: the step's metrics so far; stored so that a crash between the checkpoint and the
                 step's line in metrics.jsonl does not lose that line on resume.
         """
         freq = self.t.cfg.trainer.save_freq
-        if self.t.step == self.t.cfg.trainer.total_steps or (freq and self.t.step % freq == 0):
+        if force or self.t.step == self.t.cfg.trainer.total_steps or (freq and self.t.step % freq == 0):
             return self.save(metrics=metrics)
         return None
 
@@ -121,6 +123,7 @@ class CheckpointManager:
             )
 
         path = write_checkpoint(self.root, t.step, {"weights": weights, "optim": optim, "state": trainer_state})
+        self.last_saved_step = t.step
         prune_checkpoints(self.root, t.cfg.trainer.keep_last, self.protected())
         return path
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tether.algos import kl_penalty, masked_mean
+from tether.algos import kl_penalty, masked_mean, zero_variance_groups
 from tether.batch import RolloutBatch
 from tether.metrics.diversity import diversity_metrics
 
@@ -31,7 +31,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     lengths = mask.sum(-1).float()
     per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
-    beta = trainer.beta
+    beta = batch.extra.get("kl_coef", trainer.beta)  # the β that shaped this step's rewards / loss
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
@@ -55,10 +55,12 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
+    m |= learning_signal_metrics(batch, grouped=trainer.cfg.algo.adv_estimator in GROUP_ESTIMATORS)
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
     m |= batch.extra.get("reward_metrics", {})
+    m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = trainer.tok.pad_token_id
@@ -67,6 +69,31 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         prompts = [[t for t in p if t != pad] for p, k in zip(batch.prompt_ids.tolist(), keep, strict=True) if k]
         m |= diversity_metrics(tokens, groups, prompts=prompts)
     return m
+
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the prompt's group (a group of equal scores gives 0)."""
+
+
+def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dict[str, float]:
+    """What the doctor's ``no_learning_signal`` check reads.
+
+    ``rollout/zero_var_group_frac`` (only when ``grouped``: a group-relative estimator, see
+    :data:`GROUP_ESTIMATORS`): the fraction of the batch's prompts (groups with a counted response)
+    whose counted responses all got the same score, or that have a single one: they give every
+    group-relative advantage exactly 0 (all wrong or all right). ``advantages/abs_mean``: the mean
+    |advantage| over counted tokens (0 = nothing to learn from this batch).
+    """
+    valid = batch.response_mask.sum(-1) > 0  # (B,)
+    out = {}
+    if grouped and batch.scores is not None and bool(valid.any()):
+        flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)[valid]  # (B',)
+        groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
+        flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)  # (G,)
+        out["rollout/zero_var_group_frac"] = float(flat_group.float().mean())
+    if batch.advantages is not None and bool(valid.any()):
+        out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.response_mask))
+    return out
 
 
 def distinct_prompt_indices(prompts) -> list[int]:

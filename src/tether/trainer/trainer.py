@@ -24,11 +24,12 @@ from tether.algos import (
     mean_kl_per_token,
     token_level_rewards_from_kl,
 )
-from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.batch import RolloutBatch
+from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer.guards import GuardMonitor, TrainingStopped
-from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_prompts
+from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
 from tether.trainer.setup import build_roles
+from tether.trainer.signals import StopSignals, TrainingInterrupted
 
 log = logging.getLogger("tether")
 
@@ -115,7 +116,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
         from tether.diagnostics import LiveDiagnostics, read_metrics
 
-        self.diagnostics = LiveDiagnostics(every=10, config=cfg.to_dict())
+        self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
             self.ckpt.restore_diagnostics(self.diagnostics)
@@ -125,6 +126,8 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
+        if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
+            train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         if hasattr(self.roles.reward, "check_rows"):
@@ -146,13 +149,16 @@ class Trainer:
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
-        if self.step == 0 and self.cfg.trainer.val_freq:
-            self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
         try:
-            while self.step < self.cfg.trainer.total_steps:
-                metrics = self.train_step()
-                history.append(metrics)
-                progress.update(metrics)
+            with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
+                if self.step == 0 and self.cfg.trainer.val_freq:
+                    self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                while self.step < self.cfg.trainer.total_steps:
+                    metrics = self.train_step()
+                    history.append(metrics)
+                    progress.update(metrics)
+                    if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
+                        raise TrainingInterrupted(self._signals.signum, self.step)
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
             self.ckpt.save(final=True)
@@ -170,10 +176,7 @@ class Trainer:
         """One step: the algorithm, phase by phase."""
         self.step += 1
         timer = PhaseTimer()
-        with timer("rollout"):
-            batch = self.rollout()
-        with timer("reward"):
-            self.score(batch)
+        batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
             self.compute_logprobs(batch)
         with timer("values"):
@@ -195,8 +198,9 @@ class Trainer:
         with timer("validate"):
             metrics |= self.maybe_validate()
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
+        metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
-            self.ckpt.maybe_save(metrics)  # the step's line is kept in the checkpoint
+            self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
         metrics |= timer.times
         train_s = sum(v for k, v in timer.times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
         metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(train_s, 1e-9)  # training phases only
@@ -205,11 +209,29 @@ class Trainer:
             log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
         return metrics
 
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGTERM/SIGINT arrived during :meth:`fit`: this step is checkpointed, then the run stops."""
+        signals = getattr(self, "_signals", None)
+        return signals is not None and signals.signum is not None
+
     # ------------------------------------------------------------------ phases
     @property
     def beta(self) -> float:
         """β in use: the controller's value times the guard's scale (raised after KL explosions)."""
         return self.controller.value * self.guard.coef_scale
+
+    def sample(self, timer: PhaseTimer) -> RolloutBatch:
+        """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
+        if self.cfg.algo.filter_groups:
+            from tether.trainer.sampling import dynamic_sample
+
+            return dynamic_sample(self, timer)
+        with timer("rollout"):
+            batch = self.rollout()
+        with timer("reward"):
+            self.score(batch)
+        return batch
 
     def rollout(self) -> RolloutBatch:
         """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts."""
@@ -246,6 +268,7 @@ class Trainer:
             kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kl_cfg.estimator, log_ratio_clamp=kl_cfg.log_ratio_clamp, value_clamp=kl_cfg.value_clamp)
         mask = batch.response_mask.bool()
         batch.kl = torch.where(mask, kl, 0.0)
+        batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
         batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
 
@@ -266,6 +289,8 @@ class Trainer:
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         if self.step <= self.cfg.critic.warmup_steps and self.roles.critic is not None:
             return {}
+        if self.cfg.kl.placement == "loss":
+            batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         spec = self.roles.actor_spec(self.cfg, self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0, self.guard)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
         self.roles.engine.sync_weights(self.roles.actor.model)

@@ -8,9 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tether.algos import agg_loss, kl_full, kl_penalty, logprobs_from_logits, ppo_policy_loss
-from tether.models import response_logprobs
+from tether.algos import (
+    agg_loss,
+    kl_full,
+    kl_penalty,
+    logprobs_from_logits,
+    loss_normalizers,
+    ppo_policy_loss,
+)
 from tether.batch import RolloutBatch
+from tether.models import response_logprobs
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
@@ -172,8 +179,7 @@ class ActorWorker:
         return out
 
     def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None):
-        total_tokens = float(mini.response_mask.sum())
-        total_seqs = float(len(mini))
+        total_tokens, total_seqs = loss_normalizers(mini.response_mask)  # S counts only non-empty rows
         sums: dict[str, float] = {}
         finite = True
 

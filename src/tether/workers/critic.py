@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from tether.algos import ppo_value_loss
-from tether.models import ValueModel
+from tether.algos import loss_normalizers, ppo_value_loss
 from tether.batch import RolloutBatch
+from tether.models import ValueModel
 from tether.workers.common import MetricAccumulator, micro_batches, mini_batches, optimizer_step, pad_to, trim
 
 
@@ -47,7 +47,7 @@ class CriticWorker:
         skipped = 0
         for _ in range(ppo_epochs):
             for mini in mini_batches(batch, mini_batch_size, gen):
-                total_tokens, total_seqs = float(mini.response_mask.sum()), float(len(mini))
+                total_tokens, total_seqs = loss_normalizers(mini.response_mask)  # S counts only non-empty rows
                 sums = {"value/loss": 0.0, "value/clipfrac": 0.0}
                 finite = True
                 for mb in micro_batches(mini, self.micro_batch_size):
