@@ -151,6 +151,10 @@ def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
         evaluate("embedded", digitsum_file, EvalSettings(n=0))
     assert main(["eval", "embedded", str(digitsum_file), "--n", "2", "--k", "1,4"]) == 2
     assert "k=[4] exceeds n=2" in capsys.readouterr().err
+    assert main(["eval", "embedded", str(digitsum_file), "--greedy", "--k", "1,4"]) == 2
+    assert "needs sampling" in capsys.readouterr().err
+    assert main(["eval", "embedded", str(digitsum_file), "--checkpoints", "all"]) == 2
+    assert "needs a run directory" in capsys.readouterr().err
 
 
 def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
@@ -296,3 +300,23 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     assert "evaluating with hf" in caplog.text
     with pytest.raises(ConfigError, match="vllm package"):
         ev._pick_engine("vllm", "hf")
+
+
+def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
+    from tether.evaluate import select_checkpoints
+    from tether.trainer.checkpoint import write_checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "step_000003").mkdir()  # a write that never finished: no MANIFEST.json
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        select_checkpoints(tmp_path / "run", "all")
+    for step in (1, 2):
+        write_checkpoint(root, step, {"state": lambda d: (d / "state.json").write_text("{}")})
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "all")] == [1, 2]
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "latest")] == [2]
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "2,1")] == [1, 2]
+    with pytest.raises(ConfigError, match=r"step\(s\) \[3\]; complete ones: \[1, 2\]"):
+        select_checkpoints(tmp_path / "run", "1,3")
+    with pytest.raises(ConfigError, match="all, latest or a list of steps"):
+        select_checkpoints(tmp_path / "run", "best")

@@ -16,7 +16,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
   tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
-  tether data aime|gpqa|math500 SRC OUT          benchmark files → verl's schema with their prompt templates
+  tether data aime|gpqa|math500 SRC OUT         benchmark files → verl's schema with their prompt templates
   tether eval MODEL_OR_CHECKPOINT DATA [--n N] [--k 1,4,16] [--checkpoints all] [--out FILE]  pass@k, maj@k, KL, length
   tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
 """
@@ -234,15 +234,15 @@ def cmd_data_benchmark(args: argparse.Namespace) -> int:
 
 
 def _add_benchmark_parsers(da_sub) -> None:
-    from tether.data.benchmarks import TEMPLATES
-
     helps = {"aime": "AIME (problem, answer) → verl schema", "gpqa": "GPQA csv/jsonl/parquet (Question, Correct Answer, "
              "Incorrect Answer 1-3) → verl schema, options shuffled with --seed", "math500": "MATH-500 (problem, answer) → verl schema"}  # fmt: skip
     for name, what in helps.items():
         b = da_sub.add_parser(name, help=what)
         b.add_argument("src")
         b.add_argument("out")
-        b.add_argument("--template", default=None, help=f"prompt template, a Python format string (default: {TEMPLATES[name]!r})")
+        ph = "{question} {A} {B} {C} {D}" if name == "gpqa" else "{problem}"
+        b.add_argument("--template", default=None, help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], "
+                       "see docs/eval.md)")
         b.add_argument("--data-source", default=None, help="data_source written in each row (selects the verifier)")
         if name == "gpqa":
             b.add_argument("--seed", type=int, default=0, help="seed of the per-question option shuffle (default 0)")

@@ -115,6 +115,10 @@ def test_cli_converters(tmp_path, capsys):
     write_records([{"problem": "P", "answer": 7}], src)
     assert main(["data", "aime", str(src), str(tmp_path / "a.jsonl"), "--template", "Q: {problem}\nA:"]) == 0
     assert _read(tmp_path / "a.jsonl")[0]["prompt"][0]["content"] == "Q: P\nA:"
+    m = tmp_path / "m.jsonl"
+    write_records([{"problem": "P", "answer": "\\frac12"}], m)
+    assert main(["data", "math500", str(m), str(tmp_path / "m_out.jsonl"), "--data-source", "math"]) == 0
+    assert _read(tmp_path / "m_out.jsonl")[0]["data_source"] == "math"
     assert main(["data", "math500", str(tmp_path / "missing.jsonl"), str(tmp_path / "m.jsonl")]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
     g = _gpqa_csv(tmp_path / "g.csv", [{"Question": "Q?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c",
