@@ -231,6 +231,9 @@ def test_checkpoint_sweep_writes_the_accuracy_vs_kl_curve(tmp_path, capsys):
     assert mean == pytest.approx(last["kl_ref_seq_mean"])
     assert abs(mean - last["exact/kl_ref_seq"]) < 4 * sem + 1e-9, (mean, sem, last["exact/kl_ref_seq"])
     assert last["exact/kl_ref_seq"] > 0.01  # the run moved: the check is not 0 == 0
+    # a single checkpoint of the run: the KL to the run's reference by default, none with kl=False
+    assert "kl_ref_mean" in evaluate(run, "embedded", EvalSettings(n=2))
+    assert "kl_ref_mean" not in evaluate(run, "embedded", EvalSettings(n=2, kl=False))
 
 
 def test_per_data_source_columns(tmp_path, capsys):

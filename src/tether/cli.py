@@ -196,6 +196,7 @@ def _add_eval_parser(sub) -> None:
     v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory")
     v.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto", help="rollout engine (default: the run's rollout.engine, else hf)")
     v.add_argument("--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)")
+    v.add_argument("--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)")
     v.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     v.add_argument("--seed", type=int, default=0)

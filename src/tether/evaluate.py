@@ -58,6 +58,8 @@ class EvalSettings:
             the run used vllm and vLLM is not usable here), ``hf`` or ``vllm``.
         ref: the reference policy for the KL of the samples (default: the run's ``ref.model`` or
             ``actor.model``; none for a bare model, then no KL is reported).
+        kl: measure the KL to the reference on the samples (two extra forward passes per batch) when a
+            reference is known.
         device: auto | cpu | cuda. dtype: float32 | bfloat16 | float16. seed: torch seed for sampling.
         progress: show a progress bar (prompts done / total, ETA).
     """
@@ -78,6 +80,7 @@ class EvalSettings:
     max_prompt_length: int | None = None
     engine: str = "auto"
     ref: str | None = None
+    kl: bool = True
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -355,14 +358,14 @@ class Evaluator:
         r = self.resolved
         runner = self._runner(model, model_path)
         probe = None
-        if not r["greedy"] and not is_reference and self.reference() is not None:
+        if self.settings.kl and not r["greedy"] and not is_reference and self.reference() is not None:
             probe = KLProbe(ReferenceWorker(model, micro_batch_size=self.settings.batch_size, temperature=r["temperature"]),
                             ReferenceWorker(self.reference(), micro_batch_size=self.settings.batch_size, temperature=r["temperature"]))  # fmt: skip
         torch.manual_seed(self.settings.seed)
         m = evaluate_prompts(runner, self.reward, self.prompts, n=r["n"], ks=r["ks"], batch_size=self.settings.batch_size,
                              indices=self.indices, samples=samples, by_source=by_source, kl_probe=probe,
                              progress=self.settings.progress, do_sample=not r["greedy"])  # fmt: skip
-        if is_reference and not r["greedy"]:
+        if is_reference and self.settings.kl and not r["greedy"]:
             m |= {"kl_ref_mean": 0.0, "kl_ref_k3_mean": 0.0, "kl_ref_seq_mean": 0.0}
         if self.data in EMBEDDED_DATA and not r["greedy"] and r["top_p"] == 1.0:
             m |= self._exact(model)
@@ -629,7 +632,7 @@ def _settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         n=args.n, ks=ks, greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, reward_function=args.reward_function, reward_model=args.reward_model,
-        engine=args.engine, ref=args.ref, device=args.device, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
+        engine=args.engine, ref=args.ref, kl=not args.no_kl, device=args.device, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
 
 
