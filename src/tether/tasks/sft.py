@@ -145,12 +145,16 @@ def _encode_demos(tokenizer, demos: Sequence[tuple[str, str]]) -> tuple[torch.Te
     return ids, lab
 
 
-def new_model(seed: int = 0):
-    """A freshly initialised reference architecture (``LlamaForCausalLM``), seeded."""
+def new_model(seed: int = 0, model_config: dict | None = None):
+    """A freshly initialised reference architecture (``LlamaForCausalLM``), seeded.
+
+    ``model_config``: ``LlamaConfig`` entries that replace :data:`MODEL_CONFIG`'s (e.g.
+    ``{"num_attention_heads": 2, "num_key_value_heads": 2}`` for head size 32, which vLLM's CPU
+    kernels need)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, **MODEL_CONFIG
+        vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, **(MODEL_CONFIG | (model_config or {}))
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -178,6 +182,7 @@ def build_reference(
     p_short: float = DEFAULT_P_SHORT,
     demos_per_prompt: int = DEFAULT_DEMOS_PER_PROMPT,
     log_every: int = 0,
+    model_config: dict | None = None,
 ) -> Path:
     """Train the tiny reference policy by SFT and save it to ``out_dir``.
 
@@ -194,6 +199,7 @@ def build_reference(
         steps, batch_size, lr: optimisation settings (must be positive).
         p_correct, p_short, demos_per_prompt: see :func:`make_demonstrations`.
         log_every: print the loss every so many steps to stderr (0: silent).
+        model_config: architecture changes, as in :func:`new_model`.
 
     Returns:
         ``Path(out_dir)``, holding ``model.safetensors``, ``config.json``, ``generation_config.json``,
@@ -216,7 +222,7 @@ def build_reference(
         )
         ids, labels = _encode_demos(tokenizer, demos)
         attn = (ids != tokenizer.pad_token_id).long()
-        model = new_model(seed)
+        model = new_model(seed, model_config)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))

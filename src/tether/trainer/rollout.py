@@ -40,9 +40,15 @@ class RolloutRunner:
             return self._offline(prompts, indices)
         rep = [i for i in indices for _ in range(n)]
         prompt_ids, prompt_mask = collate_prompts([prompts.ids[i] for i in rep], self.tok.pad_token_id, self.device)
-        response_ids = self.engine.generate(prompt_ids, prompt_mask, **gen_overrides)
+        rollout_logprobs = None
+        if getattr(self.engine, "returns_logprobs", False):  # vLLM: its log-probs, to measure the mismatch with the trainer's
+            response_ids, rollout_logprobs = self.engine.generate(prompt_ids, prompt_mask, return_logprobs=True, **gen_overrides)
+        else:
+            response_ids = self.engine.generate(prompt_ids, prompt_mask, **gen_overrides)
         group_ids = torch.arange(len(indices), device=self.device).repeat_interleave(n)
-        return self._batch(prompts, rep, prompt_ids, prompt_mask, response_ids, group_ids)
+        batch = self._batch(prompts, rep, prompt_ids, prompt_mask, response_ids, group_ids)
+        batch.rollout_logprobs = rollout_logprobs
+        return batch
 
     def _groups(self, prompts: PromptSet) -> tuple[list[list[int]], dict[int, int]]:
         """Row indices of ``prompts`` grouped by identical rendered prompt text (first-appearance

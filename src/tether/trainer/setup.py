@@ -90,6 +90,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
         raise ConfigError("actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16")
     trc = cfg.actor.trust_remote_code
     actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    if cfg.rollout.engine == "vllm":
+        from tether.rollout.vllm import check_vllm_engine
+
+        check_vllm_engine(actor_path, "actor.model", cfg.actor.model)  # no vllm, or a head size its kernels refuse: fail before any model loads
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
@@ -146,6 +150,8 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         return VLLMRolloutEngine(
             actor_path, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
             dtype=cfg.actor.dtype, seed=cfg.trainer.seed, trust_remote_code=cfg.actor.trust_remote_code,
+            gpu_memory_utilization=r.vllm.gpu_memory_utilization, kv_cache_gib=r.vllm.kv_cache_gib, max_model_len=r.vllm.max_model_len,
+            eos_token_ids=generation_eos_ids(model),
         )  # fmt: skip
     from tether.rollout import HFRolloutEngine
 

@@ -59,6 +59,8 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
+    if batch.rollout_logprobs is not None:
+        m |= logprob_diff_metrics(batch.rollout_logprobs, batch.old_logprobs, mask)
     m |= batch.extra.get("reward_metrics", {})
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
@@ -94,6 +96,27 @@ def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dic
     if batch.advantages is not None and bool(valid.any()):
         out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.response_mask))
     return out
+
+
+def logprob_diff_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """The training–inference mismatch of one step: how far the rollout engine's log-probs of the
+    sampled tokens are from the trainer's recomputed ones, on the same weights.
+
+    Args:
+        rollout_logprobs: (B, T) the engine's log π(a_t|s_t) (vLLM's), nats; NaN where unknown.
+        old_logprobs: (B, T) the actor's log π_old(a_t|s_t) from its own forward pass, nats.
+        response_mask: (B, T) 1 = the token counts.
+    Returns:
+        ``rollout/logprob_diff_mean``: mean of |rollout − old| over every counted token with a known
+        engine log-prob (a token mean over the whole batch, not per response), nats;
+        ``rollout/logprob_diff_max``: its maximum, nats. Both NaN when no token qualifies. (verl logs
+        the same comparison on probabilities as ``training/rollout_probs_diff_*``.)
+    """
+    diff = (rollout_logprobs.to(old_logprobs.device).float() - old_logprobs.float()).abs()
+    keep = response_mask.bool() & torch.isfinite(diff)
+    if not bool(keep.any()):
+        return {"rollout/logprob_diff_mean": float("nan"), "rollout/logprob_diff_max": float("nan")}
+    return {"rollout/logprob_diff_mean": float(diff[keep].mean()), "rollout/logprob_diff_max": float(diff[keep].max())}
 
 
 def distinct_prompt_indices(prompts) -> list[int]:

