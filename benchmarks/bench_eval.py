@@ -3,7 +3,8 @@
 A tiny Qwen2-architecture model with a GSM8K-like tokenizer (built locally by ``tether.testing``,
 nothing downloaded) answers P synthetic GSM8K-style prompts with n samples each, through the same
 :class:`tether.evaluate.Evaluator` as ``tether eval`` (reward: the GSM8K verifier; each response runs
-to ``--max-new-tokens`` unless it samples EOS). One row per ``--batch-sizes`` value: wall seconds,
+to ``--max-new-tokens`` unless it samples EOS), one engine for all rows, started by an untimed
+warm-up. One row per ``--batch-sizes`` value: wall seconds,
 prompts/s, samples/s, generated tokens/s. With ``--engine vllm`` (a GPU with vLLM) the same sweep runs
 through vLLM.
 
@@ -54,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| batch size (prompts) | sequences / call | seconds | prompts/s | samples/s | tokens/s |   ({a.prompts} prompts x n={a.n}, "
               f"<= {a.max_new_tokens} tokens, {a.engine} on {a.device})")  # fmt: skip
         print("|---|---|---|---|---|---|")
+        ev = Evaluator(data, EvalSettings(n=a.n, max_new_tokens=a.max_new_tokens, device=a.device, engine=a.engine), tok, torch.device(a.device))
+        everything = ev.indices
+        ev.indices = everything[:4]
+        ev(model, model_path=model_dir)  # warm-up, untimed: builds the engine (vLLM's start-up and compilation)
+        ev.indices = everything
         for bs in (int(x) for x in a.batch_sizes.split(",")):
-            s = EvalSettings(n=a.n, max_new_tokens=a.max_new_tokens, batch_size=bs, device=a.device, engine=a.engine)
-            ev = Evaluator(data, s, tok, torch.device(a.device))
+            ev.settings.batch_size = bs  # one engine for every row
             samples: list[dict] = []
             t0 = time.perf_counter()
             m = ev(model, model_path=model_dir, samples=samples)
