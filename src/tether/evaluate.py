@@ -273,7 +273,8 @@ class Evaluator:
         if s.limit is not None:
             self.indices = self.indices[: s.limit]
         reward_model = str(Path(r["reward_model"]).expanduser()) if r["reward_model"] else None
-        self.reward = RewardManager(function=r["reward_function"], reward_model=reward_model, device=str(device))
+        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
+        self.reward = RewardManager(function=r["reward_function"], reward_model=reward_model, device=str(device), timeout_s=timeout)
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
         self.engine = None
         self._ref = None
