@@ -42,3 +42,21 @@ def test_validation_uses_the_capped_subset_with_a_progress_bar(small_cfg, capsys
     assert "validation" in err and "3/3" in err and "prompt" in err
     m2 = t.maybe_validate(force=True)
     assert m2["val/prompts"] == 3
+
+
+def test_validation_logs_each_data_source(small_cfg, tmp_path):
+    from tether.data import write_records
+    from tether.rewards import register_reward_function
+    from tether.tasks.digitsum import make_dataset
+    from tether.trainer import Trainer
+
+    register_reward_function("test/digitsum-copy", "tether.tasks.digitsum:compute_score", overwrite=True)
+    rows = make_dataset("val")
+    rows[2]["data_source"] = rows[3]["data_source"] = "test/digitsum-copy"
+    val = tmp_path / "val.jsonl"
+    write_records(rows, val)
+    t = Trainer(small_cfg(f"data.val_files={val}", "trainer.report=false"))
+    m = t.maybe_validate(force=True)
+    for ds in ("tether/digitsum", "test/digitsum-copy"):
+        assert m[f"val/{ds}/prompts"] == 2 and 0.0 <= m[f"val/{ds}/pass@1"] <= 1.0
+    assert m["val/pass@1"] == pytest.approx((m["val/tether/digitsum/pass@1"] + m["val/test/digitsum-copy/pass@1"]) / 2)
