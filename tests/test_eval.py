@@ -131,6 +131,7 @@ def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["settings"]["n"] == 2 and doc["settings"]["ks"] == [1, 2] and doc["settings"]["greedy"] is False and len(doc["samples"]) == 24
     assert {"index", "sample", "answer", "correct", "length", "truncated", "prompt", "response"} <= set(doc["samples"][0])
+    assert out.with_suffix(".txt").read_text().splitlines() == lines[:-1]  # the printed table, beside the JSON
     assert float(table["pass@1"]) == pytest.approx(doc["metrics"]["pass@1"], abs=5e-5)
     _check_aggregates(doc["metrics"], doc["samples"], 2)
 

@@ -201,7 +201,8 @@ def _add_eval_parser(sub) -> None:
     v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
-    v.add_argument("--out", default=None, help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON here")
+    v.add_argument("--out", default=None, help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON "
+                   "here, and the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)")
     v.add_argument("--samples", action="store_true", help="include each sample's prompt and response text in the JSON")
     v.set_defaults(func=cmd_eval)
 

@@ -649,9 +649,10 @@ def main_eval(args) -> int:
     try:
         s = _settings_from_args(args)
         if args.checkpoints is not None:
-            results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints)
+            out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
+            results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
             print(curve_table(results, s.resolved))
-            print(f"written to {Path(args.model) / 'eval'} (curve.png, curve.md, curve.json, step_*.json)")
+            print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
             return 0
         samples: list[dict] = []
         by_source: dict = {}
@@ -662,12 +663,13 @@ def main_eval(args) -> int:
     seconds = time.perf_counter() - t0
     r = s.resolved
     mode = "greedy" if r["greedy"] else f"sampled, temperature {r['temperature']}, top_p {r['top_p']}"
-    print(f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
-          f"engine {r['engine']}), {seconds:.1f}s")  # fmt: skip
-    print(format_table(metrics, r, by_source))
+    text = (f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
+            f"engine {r['engine']}), {seconds:.1f}s\n" + format_table(metrics, r, by_source))  # fmt: skip
+    print(text)
     if args.out:
         path = write_json(args.out, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
-        print(f"written to {path}")
+        path.with_suffix(".txt").write_text(text + "\n")
+        print(f"written to {path} and {path.with_suffix('.txt')}")
     return 0
 
 
