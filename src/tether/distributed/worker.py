@@ -143,15 +143,22 @@ class RankWorker:
         else:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
+        cdt = cfg.actor.compute_dtype
+        if cdt != "float32":  # as the local backend: the LM heads stay fp32 under autocast
+            from tether.models import fp32_lm_head
+
+            fp32_lm_head(model)
+            if ref_model is not None:
+                fp32_lm_head(ref_model)
         model = self._parallelize(model)
         if ref_model is None:
-            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp)
+            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
         else:
             ref_model.requires_grad_(False)
-            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp)
+            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
         self.actor = ActorWorker(
             model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp,
+            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt,
         )  # fmt: skip
         self.actor.dp = self.dp
 
@@ -209,6 +216,8 @@ class RankWorker:
     @register(ALL)
     def update_actor(self, batch: RolloutBatch, spec, step: int) -> dict[str, float]:
         """``ActorWorker.update``: every rank draws the same mini-batches and trains on its share of each."""
+        if spec.reuse_logprobs:
+            raise ValueError("actor.reuse_update_logprobs is not supported by trainer.backend=ray yet (the trainer never asks for it there)")
         return self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref)
 
     @register(ALL)
