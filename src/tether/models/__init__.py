@@ -165,6 +165,8 @@ def response_logprobs(
             are computed in fp32 either way.
     Returns:
         (logprobs (B, T) nats, entropy (B, T) nats or None, logits (B, T, V) / temperature-free or None).
+        Under tensor parallelism the logits are a DTensor sharded on V and the log-softmax is
+        :mod:`tether.distributed.vocab_parallel`'s.
         Position t scores token P+t from the logits at P+t-1, with logits divided by ``temperature``.
     """
     kwargs = {}
@@ -174,7 +176,12 @@ def response_logprobs(
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kwargs)
     logits = out.logits[:, -response_len - 1 : -1, :]  # (B, T, V)
     ids = input_ids[:, -response_len:]
-    logprobs, entropy = logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=with_entropy)
+    if type(logits).__name__ == "DTensor":  # tensor parallelism: (B, T, V / tp) shards, never gathered
+        from tether.distributed.vocab_parallel import logprobs_and_entropy
+
+        logprobs, entropy = logprobs_and_entropy(logits, ids, temperature, with_entropy=with_entropy)
+    else:
+        logprobs, entropy = logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=with_entropy)
     return logprobs, entropy, (logits if return_logits else None)
 
 

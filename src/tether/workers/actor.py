@@ -10,12 +10,11 @@ import torch
 
 from tether.algos import (
     agg_loss,
-    kl_full,
     kl_penalty,
-    logprobs_from_logits,
     ppo_policy_loss,
 )
 from tether.batch import RolloutBatch
+from tether.distributed.vocab_parallel import kl_full, logprobs_from_logits  # plain or vocabulary-sharded (tensor-parallel) logits
 from tether.models import response_logprobs
 from tether.workers.common import (
     LocalDataParallel,
