@@ -83,6 +83,11 @@ class ActorConfig(_Section):
         "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
+    tp_size: int = Field(
+        1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
+        "group's ranks form a (dp = ranks / tp_size) x tp_size mesh; attention/MLP projections split column/row-wise, embedding and "
+        "LM head over the vocabulary (docs/distributed.md#tensor-parallelism). 1 = FSDP2 only."
+    )
 
 
 class RefConfig(_Section):
@@ -336,6 +341,11 @@ def _check_distributed(cfg) -> None:
         raise ValueError(f"trainer.n_workers={t.n_workers} must equal trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} (one worker per GPU)")
     if t.n_gpus_per_node == 0 and t.device == "cuda":
         raise ValueError("trainer.device=cuda with trainer.backend=ray needs trainer.n_gpus_per_node >= 1")
+    n = t.nnodes * t.n_gpus_per_node if t.n_gpus_per_node and t.n_workers == 1 else t.n_workers
+    if n % cfg.actor.tp_size:
+        raise ValueError(f"actor.tp_size={cfg.actor.tp_size} must divide the worker group's {n} ranks (trainer.n_workers, or nnodes * n_gpus_per_node)")
+    if cfg.actor.tp_size > 1 and cfg.actor.lora.rank > 0:
+        raise ValueError("actor.tp_size > 1 with LoRA (actor.lora.rank > 0) is not supported: peft's adapter layers are not split by tensor parallelism")
     if cfg.rollout.engine == "vllm":
         raise ValueError("trainer.backend=ray runs rollouts with rollout.engine=hf for now (vLLM replicas as Ray actors are not wired yet)")
 
@@ -362,6 +372,8 @@ class TetherConfig(_Section):
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
         if self.trainer.backend == "ray":
             _check_distributed(self)
+        elif self.actor.tp_size > 1:
+            raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")

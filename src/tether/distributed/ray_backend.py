@@ -91,7 +91,7 @@ class WorkerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.name, self.n = name, n
+        self.name, self.n, self.tp = name, n, cfg.actor.tp_size  # n = dp × tp ranks
         gpus = 1 if cfg.trainer.n_gpus_per_node else 0
         bundle = {"CPU": 1} | ({"GPU": 1} if gpus else {})
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
@@ -141,10 +141,10 @@ class WorkerGroup:
         import ray
 
         mode = getattr(RankWorker, method).dispatch_mode
-        if mode == DP_SPLIT:
-            shards, parts = split_batch(args[0], self.n)
-            refs = [getattr(w, method).remote(s, *args[1:], **kwargs) for w, s in zip(self.workers, shards, strict=True)]
-            outs = self._get(refs, method)
+        if mode == DP_SPLIT:  # one shard per dp rank, sent to each of its tp ranks; the tp ranks' results are equal
+            shards, parts = split_batch(args[0], self.n // self.tp)
+            refs = [getattr(w, method).remote(shards[i // self.tp], *args[1:], **kwargs) for i, w in enumerate(self.workers)]
+            outs = self._get(refs, method)[:: self.tp]
             if isinstance(outs[0], tuple):
                 return tuple(None if outs[0][j] is None else gather_rows([o[j] for o in outs], parts) for j in range(len(outs[0])))
             return gather_rows(outs, parts)

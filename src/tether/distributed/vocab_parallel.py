@@ -110,7 +110,7 @@ def sharded_logprobs_and_entropy(logits: DTensor, ids: torch.Tensor, temperature
         return logprobs, None
     lp = z - _CopyToShards.apply(lse, group)[:, None]  # (N, V / tp) log π
     p = torch.exp(lp)
-    plogp = torch.where(p > 0, p * lp, torch.zeros_like(p)).sum(-1)  # 0 · log 0 = 0
+    plogp = (p * torch.where(p > 0, lp, torch.zeros_like(lp))).sum(-1)  # 0 · log 0 = 0, with finite gradients at -inf
     entropy = -_ReduceFromShards.apply(plogp, group)
     return logprobs, entropy.reshape(lead)
 
@@ -134,7 +134,7 @@ def sharded_kl_full(logits: DTensor, ref_logits: DTensor, temperature: float = 1
     lp = z - _CopyToShards.apply(_lse(z, group), group)[:, None]
     lq = zr - _CopyToShards.apply(_lse(zr, group), group)[:, None]
     p = torch.exp(lp)
-    part = torch.where(p > 0, p * (lp - lq), torch.zeros_like(p)).sum(-1)
+    part = (p * torch.where(p > 0, lp - lq, torch.zeros_like(lp))).sum(-1)  # 0 · log 0 = 0, finite gradients
     return _ReduceFromShards.apply(part, group).reshape(lead)
 
 

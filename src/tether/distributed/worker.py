@@ -56,6 +56,11 @@ def fsdp_settings(cfg) -> FSDPSettings:
 class RankWorker:
     """The roles of one rank. ``roles`` ⊆ {"actor", "critic"}; "actor" brings the reference with it.
 
+    With ``actor.tp_size`` = tp > 1 the group's ranks form a (world_size / tp) × tp mesh
+    (:class:`ParallelDims`): rank r is data-parallel rank r // tp, and the tp ranks of one dp rank
+    receive the same shard of a batch (the driver's :class:`~tether.distributed.ray_backend.WorkerGroup`
+    sends it to each) and return the same results.
+
     Args:
         cfg: the run's TetherConfig.
         rank, world_size: this rank in its worker group's process group.
@@ -78,10 +83,12 @@ class RankWorker:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world_size)
-        self.dims = ParallelDims(dp_shard=world_size, world_size=world_size)
+        self.dims = ParallelDims.from_world(world_size, cfg.actor.tp_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.settings = fsdp_settings(cfg)
-        self.dp = DataParallel(rank, world_size)
+        # the tp ranks of one dp rank see the same rows; the loss normalisers and metrics reduce over dp only
+        dp_group = self.mesh["dp_shard"].get_group() if self.dims.tp > 1 else None
+        self.dp = DataParallel(self.dims.dp_rank(rank), self.dims.dp_shard, group=dp_group)
         self.actor = self.ref = self.critic = None
         if "actor" in self.role_names:
             self._build_actor(lora_state)
@@ -108,11 +115,13 @@ class RankWorker:
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype])
 
     def _parallelize(self, model):
-        """FSDP2 over ``model``; a meta-device model is then materialised and every rank takes rank 0's
+        """Tensor parallelism (actor.tp_size > 1; its head counts checked first) and FSDP2 over ``model``; a meta-device model is then materialised and every rank takes rank 0's
         weights (``set_model_state_dict(..., broadcast_from_rank0=True)``) and buffers (rotary tables)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        self.dims.check_model(config, "actor")
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
         model = parallelize(model if meta else model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh)

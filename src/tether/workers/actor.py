@@ -14,7 +14,7 @@ from tether.algos import (
     ppo_policy_loss,
 )
 from tether.batch import RolloutBatch
-from tether.distributed.vocab_parallel import kl_full, logprobs_from_logits  # plain or vocabulary-sharded (tensor-parallel) logits
+from tether.distributed.vocab_parallel import kl_full, logprobs_from_logits
 from tether.models import response_logprobs
 from tether.workers.common import (
     LocalDataParallel,
