@@ -80,7 +80,22 @@ def _spec(b):
 
 
 def measure(name: str) -> dict:
-    """Run in a fresh process: build the model, warm up, then measure one update both ways."""
+    """Build the model, warm up, then measure one update both ways (meant for a fresh process:
+    ``rss`` is that process's; ``tracked`` does not depend on it). Leaves torch's RNG and thread
+    count as it found them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            torch.set_num_threads(1)
+            return _measure(name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(name: str) -> dict:
     import gc
     import resource
 
@@ -89,8 +104,6 @@ def measure(name: str) -> dict:
 
     from tether.workers.actor import ActorWorker
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
     case = CASES[name]
     rss_before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     model = AutoModelForCausalLM.from_config(_config(case), dtype=torch.float32, attn_implementation="sdpa")

@@ -130,7 +130,7 @@ class ModelShape:
         mt = cfg.model_type
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        dtype = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").removeprefix("torch.")
+        dtype = str(getattr(cfg, "dtype", None) or "float32")  # transformers 5 reads config.json's torch_dtype into dtype.removeprefix("torch.")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
             model_type=mt, vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
@@ -202,7 +202,8 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
 
     * each RMSNorm: its input upcast to float32 (4 bytes per element of b·s·h; the input itself
       in a float32 model), the normalised value in the compute dtype (e) that the weight multiplies,
-      and the weighted output the next projections save (e): b·s·h·(4 + 2e), twice per layer;
+      and the weighted output the next projections save (e): b·s·h·(4 + 2e), twice per layer
+      (plus the float32 rsqrt of the variance, b·s·4);
     * attention: q, and k, v repeated to all heads (``repeat_kv``: SDPA gets a padding mask, so no
       grouped-query kernel), and the attention output (SDPA's, which o_proj saves as its input):
       4·b·s·heads·head_dim·e, plus SDPA's float32 logsumexp b·heads·s·4 (a fused kernel: no s²
@@ -217,7 +218,7 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
     al. 2022, eq. 5, with sequence parallelism). Returns bytes on one device.
     """
     h, i, q = shape.hidden, shape.intermediate, shape.q_dim
-    norms = 2 * b * s * h * (4 + 2 * e)
+    norms = 2 * b * s * (h * (4 + 2 * e) + 4)  # + the float32 rsqrt(variance), one per position
     attn = b * s * 4 * q * e + b * shape.heads * s * 4
     mlp = 4 * b * s * i * e
     return math.ceil((norms + attn + mlp) / tp)
@@ -227,11 +228,11 @@ def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing
     """Activations saved over the whole forward of one micro-batch (b sequences, s tokens), bytes.
 
     Without checkpointing: every layer's :func:`activation_bytes_per_layer`, plus the final norm
-    (b·s·h·(4 + 2e)). With per-layer checkpointing: each layer keeps only its input (b·s·h·e) and
+    (b·s·(h·(4 + 2e) + 4)). With per-layer checkpointing: each layer keeps only its input (b·s·h·e) and
     one layer's activations are rebuilt at a time in the backward (Korthikanti et al. 2022, §4.3,
     "full recomputation": 2·s·b·h per layer in fp16, plus one layer).
     """
-    final_norm = b * s * shape.hidden * (4 + 2 * e) // tp
+    final_norm = b * s * (shape.hidden * (4 + 2 * e) + 4) // tp
     per_layer = activation_bytes_per_layer(shape, b, s, e, tp)
     if checkpointing:
         return shape.layers * b * s * shape.hidden * e // tp + per_layer + final_norm
@@ -365,6 +366,7 @@ class Plan:
     params: dict[str, int]
     notes: list[str] = field(default_factory=list)
     suggestions: list[tuple[str, int]] = field(default_factory=list)
+    combined: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def persistent(self) -> int:
@@ -493,9 +495,10 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
                                 accumulates=s.accumulates)
     if s.reward_model and reward is not None:
         params["reward model"] = reward.reward_model_params()
-        er = DTYPE_BYTES[reward.dtype] if s.accelerator else 4
-        items.append(Item("reward model", f"weights ({reward.dtype if s.accelerator else 'float32'}, unsharded)", params["reward model"] * er // s.tp,
-                          note="loaded whole on each device that scores (dtype=auto on a GPU)"))
+        rd = reward.dtype if s.accelerator else "float32"
+        b = params["reward model"] * DTYPE_BYTES[rd] // n
+        items.append(Item("reward model", f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""), 0 if s.offload else b,
+                          host=b if s.offload else 0, note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"))
     per_seq_kv = actor.kv_bytes_per_token(ec) * seq // s.tp
     if s.engine == "vllm" and s.accelerator:
         weights = p_actor * ec // s.tp
@@ -518,26 +521,22 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
     return plan
 
 
-def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> list[tuple[str, int]]:
-    """What each single change would bring the peak to (bytes), for a plan that does not fit.
-
-    Tried: tp × 2 (up to ``max_tp`` and while it divides the heads and the devices), CPU offload,
-    activation checkpointing, half the micro-batch, half the response length, LoRA rank 64 on a
-    full-parameter actor, and bfloat16 compute with fp32 master weights.
-    """
-    s, a = settings, shapes["actor"]
+def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, PlanSettings]]:
+    """Single changes to try on ``s``, each as (label naming the key or flag, new settings)."""
     tries: list[tuple[str, PlanSettings]] = []
     t2 = s.tp * 2
     if t2 <= max_tp and s.devices % t2 == 0 and a.heads % t2 == 0 and a.kv_heads % t2 == 0:
         tries.append((f"tensor parallel {t2} (--tp-size {t2})", replace(s, tp=t2)))
     if not s.offload:
-        tries.append(("CPU offload (trainer.fsdp.cpu_offload=true)", replace(s, offload=True)))
-    if not s.actor_checkpointing:
-        tries.append(("activation checkpointing (actor.gradient_checkpointing=true)", replace(s, actor_checkpointing=True, critic_checkpointing=True)))
-    if s.actor_micro_batch > 1:
-        m = s.actor_micro_batch // 2
+        tries.append(("CPU offload (trainer.fsdp.cpu_offload=true, Ray backend)", replace(s, offload=True)))
+    if not (s.actor_checkpointing and (s.critic_checkpointing or not s.critic)):
+        tries.append(("activation checkpointing of actor and critic (trainer.fsdp.activation_checkpointing=true)",
+                      replace(s, actor_checkpointing=True, critic_checkpointing=True)))
+    if max(s.actor_micro_batch, s.critic_micro_batch) > 1:
+        m = max(1, max(s.actor_micro_batch, s.critic_micro_batch) // 2)
         tries.append((f"micro-batch {m} (actor.micro_batch_size={m} critic.micro_batch_size={m})",
-                      replace(s, actor_micro_batch=m, critic_micro_batch=min(s.critic_micro_batch, m), logprob_micro_batch=min(s.logprob_micro_batch, m))))
+                      replace(s, actor_micro_batch=min(s.actor_micro_batch, m), critic_micro_batch=min(s.critic_micro_batch, m),
+                              logprob_micro_batch=min(s.logprob_micro_batch, m), accumulates=True)))
     if s.response_len > 1:
         r = s.response_len // 2
         tries.append((f"response length {r} (rollout.max_new_tokens={r})", replace(s, response_len=r)))
@@ -545,7 +544,33 @@ def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> lis
         tries.append(("LoRA rank 64 (actor.lora.rank=64 ref.model=null)", replace(s, lora_rank=64, separate_ref=False)))
     if s.compute_dtype == "float32":
         tries.append(("bfloat16 compute, fp32 master weights (trainer.fsdp.param_dtype=bfloat16)", replace(s, compute_dtype="bfloat16")))
-    return [(label, plan_memory(t, **shapes).peak) for label, t in tries]
+    return tries
+
+
+def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """What each single change would bring the peak to, and a greedy combination that fits.
+
+    Tried: tp × 2 (up to ``max_tp``, while it divides the heads, KV heads and devices), CPU offload,
+    activation checkpointing, half the micro-batch, half the response length, LoRA rank 64 on a
+    full-parameter actor, bfloat16 compute with fp32 master weights.
+
+    Returns:
+        ``(single, combined)``: [(label, peak bytes)] for each change alone; and the changes taken
+        one after another, each time the one that lowers the peak most, until the plan fits (or
+        nothing lowers it further), with the peak after each.
+    """
+    single = [(label, plan_memory(t, **shapes).peak) for label, t in _changes(settings, shapes["actor"], max_tp)]
+    combined: list[tuple[str, int]] = []
+    cur, peak = settings, plan_memory(settings, **shapes).peak
+    for _ in range(8):
+        if peak <= cur.device_memory:
+            break
+        options = [(plan_memory(t, **shapes).peak, label, t) for label, t in _changes(cur, shapes["actor"], max_tp)]
+        if not options or min(options, key=lambda o: o[0])[0] >= peak:
+            break
+        peak, label, cur = min(options, key=lambda o: o[0])
+        combined.append((label, peak))
+    return single, combined
 
 
 def _gib(b: int) -> str:
@@ -572,13 +597,14 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{'phase ' + ph:<85} {_gib(b):>10}{'  <- largest' if ph == plan.peak_phase else ''}")
     lines.append(f"{'peak per device':<85} {_gib(plan.peak):>10}")
     if plan.host_per_node:
-        lines.append(f"{'host memory per node (offloaded shards)':<85} {_gib(plan.host_per_node):>10}")
+        lines.append(f"{'host memory per node (offloaded shards of ' + str(min(s.devices, s.gpus_per_node)) + ' devices)':<85} {_gib(plan.host_per_node):>10}")
     lines.append("")
     for note in plan.notes:
         lines.append(f"note: {note}")
     if plan.fits:
         lines.append(f"verdict: FITS: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, headroom {plan.headroom / GIB:.1f} GiB "
-                     f"({plan.headroom / s.device_memory:.0%})")
+                     f"({plan.headroom / s.device_memory:.0%})" + (f"; needs {plan.host_per_node / GIB:.0f} GiB of host RAM per node for the offloaded shards"
+                                                            if plan.host_per_node else ""))
     else:
         lines.append(f"verdict: DOES NOT FIT: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, over by {-plan.headroom / GIB:.1f} GiB")
         if plan.suggestions:
@@ -586,6 +612,12 @@ def format_plan(plan: Plan) -> str:
             for label, peak in sorted(plan.suggestions, key=lambda x: x[1]):
                 verdict = "fits" if peak <= s.device_memory else "still over"
                 lines.append(f"  {label:<82} {_gib(peak)} GiB  {verdict}")
+        if plan.combined:
+            lines.append("together, the largest saving first (peak after each):")
+            for label, peak in plan.combined:
+                lines.append(f"  + {label:<80} {_gib(peak)} GiB")
+            fits = plan.combined[-1][1] <= s.device_memory
+            lines.append("  -> fits" if fits else "  -> still does not fit: more devices, or a smaller model")
     return "\n".join(lines)
 
 
@@ -612,7 +644,26 @@ def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = 
             raise ValueError(f"tensor-parallel size {s.tp} must divide the attention heads ({sh.heads}) and KV heads ({sh.kv_heads}) of {key}")
     plan = plan_memory(s, **shapes)
     if not plan.fits:
-        plan.suggestions = suggestions(s, shapes)
+        plan.suggestions, plan.combined = suggestions(s, shapes)
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
         plan.notes.append(f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local backend uses one device")
     return plan
+
+
+def main_plan(config: str | None, overrides: list[str], *, devices: int, device_memory: str, tp_size: int | None = None, offload: bool | None = None,
+              param_dtype: str | None = None, gpus_per_node: int | None = None) -> int:
+    """``tether plan``: print the table and the verdict. Returns 0 when it fits, 1 when it does not,
+    2 for a bad config, model directory or flag (the message names it)."""
+    import sys
+
+    from tether.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides)
+        plan = plan_config(cfg, devices=devices, device_memory=parse_size(device_memory), tp_size=tp_size, offload=offload,
+                           param_dtype=param_dtype, gpus_per_node=gpus_per_node)  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        print(f"tether plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
