@@ -171,6 +171,7 @@ def test_cli_plans_the_7b_preset_on_8_gpus(capsys):
     for row in ("weights (float32)", "AdamW moments (float32)", "reference", "critic", "reward model", "KV cache", "peak per device"):
         assert row in out
     assert "verdict: FITS" in out
+    assert "reward model           weights (bfloat16, no optimizer)" in out  # the checkpoint's torch_dtype, as dtype=auto loads it
 
 
 def test_cli_32b_preset_does_not_fit_one_node_of_80gb_and_says_what_would(capsys):
@@ -231,3 +232,17 @@ def test_predicted_peak_matches_with_and_without_checkpointing(case):
     measured = bench.measure(case)["tracked"]
     predicted = bench.predict(case)["predicted"]
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
+
+
+def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
+    shape = ModelShape.from_config(FIXTURES / "qwen2.5-72b")  # 72.7 B: 135 GiB of bfloat16 weights
+    s = PlanSettings(devices=8, tp=4, storage_dtype="bfloat16", compute_dtype="bfloat16", actor_checkpointing=True, prompt_len=1024,
+                     response_len=1024, lora_rank=64, separate_ref=False, engine="vllm", vllm_util=0.35)  # fmt: skip
+    plan = plan_memory(s, shape)
+    vllm = next(i for i in plan.items if i.role == "rollout (vLLM)")
+    assert vllm.bytes == int(0.35 * 80 * GIB)
+    assert plan.peak < s.device_memory and not plan.fits  # 28 GiB cannot hold 135.4 / 4 GiB of weights
+    assert "does not hold its weights at tp 4" in plan.problems[0]
+    eight = plan_memory(PlanSettings(**{**s.__dict__, "rollout_tp": 8}), shape)
+    weights, kv_per_seq = shape.causal_lm_params() * 2 // 8, shape.kv_bytes_per_token(2) * 2048 // 8
+    assert eight.fits and f"holds {(vllm.bytes - weights) // kv_per_seq} sequences" in next(i.note for i in eight.items if i.role == "rollout (vLLM)")

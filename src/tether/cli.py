@@ -206,7 +206,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
     return main_plan(config, overrides, devices=args.devices, device_memory=args.device_memory, tp_size=args.tp_size,
-                     offload=args.offload, param_dtype=args.param_dtype, gpus_per_node=args.gpus_per_node)  # fmt: skip
+                     offload=args.offload, param_dtype=args.param_dtype, gpus_per_node=args.gpus_per_node,
+                     activation_checkpointing=args.activation_checkpointing, rollout_tp=args.rollout_tp)  # fmt: skip
 
 
 def _add_plan_parser(sub) -> None:
@@ -218,6 +219,9 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size (default actor.tp_size where the config has it, else 1)")
     pl.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None, help="FSDP2 CPU offload of parameters, gradients and optimizer (default trainer.fsdp.cpu_offload)")
     pl.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default trainer.fsdp.param_dtype, else actor.dtype)")
+    pl.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="checkpoint actor and critic activations (default actor.gradient_checkpointing for the actor, trainer.fsdp.activation_checkpointing for both)")
+    pl.add_argument("--rollout-tp", type=int, default=None, help="vLLM's tensor-parallel size (default --tp-size)")
     pl.add_argument("--gpus-per-node", type=int, default=None, help="devices per node, for offloaded host memory (default trainer.n_gpus_per_node, else 8)")
     pl.set_defaults(func=cmd_plan)
 

@@ -118,6 +118,8 @@ class ModelShape:
             if not (p / "config.json").is_file():
                 raise ValueError(f"{p}: no config.json (tether plan reads the architecture from it)")
             raw = json.loads((p / "config.json").read_text())
+            if "torch_dtype" in raw:  # the name before transformers 5
+                raw.setdefault("dtype", raw.pop("torch_dtype"))
             cfg = AutoConfig.for_model(raw.pop("model_type"), **raw) if "model_type" in raw else PretrainedConfig(**raw)
         return cls.from_hf(cfg)
 
@@ -130,7 +132,7 @@ class ModelShape:
         mt = cfg.model_type
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        dtype = str(getattr(cfg, "dtype", None) or "float32")  # transformers 5 reads config.json's torch_dtype into dtype.removeprefix("torch.")
+        dtype = str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")  # config.json's torch_dtype
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
             model_type=mt, vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
@@ -291,6 +293,7 @@ class PlanSettings:
     critic: bool = False
     reward_model: bool = False
     engine: str = "hf"
+    rollout_tp: int | None = None
     vllm_util: float = 0.35
     vllm_kv_gib: float | None = None
     accelerator: bool = True
@@ -299,9 +302,15 @@ class PlanSettings:
     def dp(self) -> int:
         return self.devices // self.tp
 
+    @property
+    def engine_tp(self) -> int:
+        """vLLM's tensor-parallel size (``--rollout-tp``; default the training tp)."""
+        return self.rollout_tp or self.tp
+
     @classmethod
     def from_config(cls, cfg, *, devices: int = 1, device_memory: int = 80 * GIB, tp_size: int | None = None, offload: bool | None = None,
-                    param_dtype: str | None = None, gpus_per_node: int | None = None, accelerator: bool = True) -> PlanSettings:
+                    param_dtype: str | None = None, gpus_per_node: int | None = None, activation_checkpointing: bool | None = None,
+                    rollout_tp: int | None = None, accelerator: bool = True) -> PlanSettings:
         """Read a :class:`tether.config.TetherConfig`; flags given here override it.
 
         Keys read: ``actor.dtype``, ``actor.micro_batch_size``, ``actor.gradient_checkpointing``,
@@ -323,6 +332,8 @@ class PlanSettings:
         storage = cfg.actor.dtype
         compute = param_dtype or (getattr(fsdp, "param_dtype", None) if fsdp is not None else None) or storage
         ac = bool(getattr(fsdp, "activation_checkpointing", False)) if fsdp is not None else False
+        if activation_checkpointing is not None:
+            ac = activation_checkpointing
         mini = max(1, math.ceil(cfg.algo.mini_batch_size / dp))
         rollout_batch = cfg.data.batch_size * cfg.rollout.n
         vllm = getattr(cfg.rollout, "vllm", None)
@@ -330,14 +341,14 @@ class PlanSettings:
             devices=devices, device_memory=device_memory, tp=tp, storage_dtype=storage, compute_dtype=compute,
             gpus_per_node=gpus_per_node or int(getattr(cfg.trainer, "n_gpus_per_node", 0) or 8),
             offload=bool(offload if offload is not None else (getattr(fsdp, "cpu_offload", False) if fsdp is not None else False)),
-            actor_checkpointing=cfg.actor.gradient_checkpointing or ac, critic_checkpointing=ac,
+            actor_checkpointing=ac if activation_checkpointing is not None else (cfg.actor.gradient_checkpointing or ac), critic_checkpointing=ac,
             accumulates=mini > min(cfg.actor.micro_batch_size, cfg.critic.micro_batch_size),
             actor_micro_batch=min(cfg.actor.micro_batch_size, mini), critic_micro_batch=min(cfg.critic.micro_batch_size, mini),
             logprob_micro_batch=min(cfg.actor.micro_batch_size, max(1, math.ceil(rollout_batch / dp))),
             prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens, rollout_batch=rollout_batch,
             lora_rank=cfg.actor.lora.rank, lora_targets=cfg.actor.lora.target_modules,
             separate_ref=cfg.actor.lora.rank == 0, critic=cfg.algo.adv_estimator == "gae", reward_model=cfg.reward.model is not None,
-            engine=cfg.rollout.engine, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
+            engine=cfg.rollout.engine, rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
             accelerator=accelerator,
         )  # fmt: skip
 
@@ -365,8 +376,9 @@ class Plan:
     items: list[Item]
     params: dict[str, int]
     notes: list[str] = field(default_factory=list)
-    suggestions: list[tuple[str, int]] = field(default_factory=list)
-    combined: list[tuple[str, int]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[tuple[str, int, int]] = field(default_factory=list)
+    combined: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def persistent(self) -> int:
@@ -395,7 +407,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.settings.device_memory
+        """The peak is within the device's memory and nothing else rules the run out (``problems``)."""
+        return self.peak <= self.settings.device_memory and not self.problems
 
     @property
     def headroom(self) -> int:
@@ -501,24 +514,21 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
                           host=b if s.offload else 0, note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"))
     per_seq_kv = actor.kv_bytes_per_token(ec) * seq // s.tp
     if s.engine == "vllm" and s.accelerator:
-        weights = p_actor * ec // s.tp
+        weights = p_actor * ec // s.engine_tp
+        kv_seq = actor.kv_bytes_per_token(ec) * seq // s.engine_tp
         reserve = weights + int(s.vllm_kv_gib * GIB) if s.vllm_kv_gib else int(s.vllm_util * s.device_memory)
-        seqs = max(0, reserve - weights) // max(per_seq_kv, 1)
-        items.append(Item("rollout (vLLM)", "reservation: weights + KV cache", reserve,
+        seqs = max(0, reserve - weights) // max(kv_seq, 1)
+        items.append(Item("rollout (vLLM)", f"reservation: weights (tp {s.engine_tp}) + KV cache", reserve,
                           note=f"KV cache holds {seqs} sequences of {seq} tokens at once (max_num_seqs {VLLM_MAX_NUM_SEQS})"))
-        if reserve <= weights:
-            s_note = f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its own weights ({weights / GIB:.1f} GiB)"
-        else:
-            s_note = ""
+        problems = [] if seqs >= 1 else [f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
+                                         f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
+                                         f"or --rollout-tp"]
     else:
         per_dev = math.ceil(s.rollout_batch / s.dp)
         items.append(Item("rollout (HF generate)", f"KV cache ({per_dev} sequences × {seq} tokens)", per_dev * per_seq_kv, "rollout",
                           note="in the actor's dtype; the weights are the actor's"))
-        s_note = ""
-    plan = Plan(s, items, params)
-    if s_note:
-        plan.notes.append(s_note)
-    return plan
+        problems = []
+    return Plan(s, items, params, problems=problems)
 
 
 def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, PlanSettings]]:
@@ -528,12 +538,13 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
     if t2 <= max_tp and s.devices % t2 == 0 and a.heads % t2 == 0 and a.kv_heads % t2 == 0:
         tries.append((f"tensor parallel {t2} (--tp-size {t2})", replace(s, tp=t2)))
     if not s.offload:
-        tries.append(("CPU offload (trainer.fsdp.cpu_offload=true, Ray backend)", replace(s, offload=True)))
+        tries.append(("CPU offload (--offload; trainer.fsdp.cpu_offload=true)", replace(s, offload=True)))
     if not (s.actor_checkpointing and (s.critic_checkpointing or not s.critic)):
-        tries.append(("activation checkpointing of actor and critic (trainer.fsdp.activation_checkpointing=true)",
+        tries.append(("activation checkpointing, actor and critic (--activation-checkpointing)",
                       replace(s, actor_checkpointing=True, critic_checkpointing=True)))
-    if max(s.actor_micro_batch, s.critic_micro_batch) > 1:
-        m = max(1, max(s.actor_micro_batch, s.critic_micro_batch) // 2)
+    micro = max(s.actor_micro_batch, s.critic_micro_batch if s.critic else 0)
+    if micro > 1:
+        m = micro // 2
         tries.append((f"micro-batch {m} (actor.micro_batch_size={m} critic.micro_batch_size={m})",
                       replace(s, actor_micro_batch=min(s.actor_micro_batch, m), critic_micro_batch=min(s.critic_micro_batch, m),
                               logprob_micro_batch=min(s.logprob_micro_batch, m), accumulates=True)))
@@ -542,8 +553,17 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
         tries.append((f"response length {r} (rollout.max_new_tokens={r})", replace(s, response_len=r)))
     if s.lora_rank == 0:
         tries.append(("LoRA rank 64 (actor.lora.rank=64 ref.model=null)", replace(s, lora_rank=64, separate_ref=False)))
+    if s.engine == "vllm" and s.accelerator:
+        r2 = s.engine_tp * 2
+        if r2 <= min(s.devices, max_tp) and a.heads % r2 == 0 and a.kv_heads % r2 == 0:
+            tries.append((f"vLLM tensor parallel {r2} (--rollout-tp {r2})", replace(s, rollout_tp=r2)))
+        if s.vllm_kv_gib is None and s.vllm_util < 0.85:
+            u = round(min(0.9, s.vllm_util + 0.2), 2)
+            tries.append((f"vLLM takes {u:.0%} of the device (rollout.vllm.gpu_memory_utilization={u})", replace(s, vllm_util=u)))
+    if s.engine == "hf" and s.accelerator:
+        tries.append((f"vLLM rollouts, paged KV cache in {s.vllm_util:.0%} of the device (rollout.engine=vllm)", replace(s, engine="vllm")))
     if s.compute_dtype == "float32":
-        tries.append(("bfloat16 compute, fp32 master weights (trainer.fsdp.param_dtype=bfloat16)", replace(s, compute_dtype="bfloat16")))
+        tries.append(("bfloat16 compute, fp32 master weights (--param-dtype bfloat16)", replace(s, compute_dtype="bfloat16")))
     return tries
 
 
@@ -552,24 +572,29 @@ def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tup
 
     Tried: tp × 2 (up to ``max_tp``, while it divides the heads, KV heads and devices), CPU offload,
     activation checkpointing, half the micro-batch, half the response length, LoRA rank 64 on a
-    full-parameter actor, bfloat16 compute with fp32 master weights.
+    full-parameter actor, vLLM instead of HF generate, bfloat16 compute with fp32 master weights.
 
     Returns:
-        ``(single, combined)``: [(label, peak bytes)] for each change alone; and the changes taken
-        one after another, each time the one that lowers the peak most, until the plan fits (or
-        nothing lowers it further), with the peak after each.
+        ``(single, combined)``: [(label, score, peak bytes)] for each change alone (score = peak, plus
+        2**62 when something else rules the run out, e.g. vLLM's reservation too small); and the
+        changes taken one after another, each time the one that lowers the score most, until the
+        plan fits (or nothing lowers it further), with the score and peak after each.
     """
-    single = [(label, plan_memory(t, **shapes).peak) for label, t in _changes(settings, shapes["actor"], max_tp)]
-    combined: list[tuple[str, int]] = []
-    cur, peak = settings, plan_memory(settings, **shapes).peak
+    def score(t: PlanSettings) -> tuple[int, int]:
+        p = plan_memory(t, **shapes)
+        return p.peak + (1 << 62 if p.problems else 0), p.peak
+
+    single = [(label, *score(t)) for label, t in _changes(settings, shapes["actor"], max_tp)]
+    combined: list[tuple[str, int, int]] = []
+    cur, best = settings, score(settings)[0]
     for _ in range(8):
-        if peak <= cur.device_memory:
+        if best <= cur.device_memory:
             break
-        options = [(plan_memory(t, **shapes).peak, label, t) for label, t in _changes(cur, shapes["actor"], max_tp)]
-        if not options or min(options, key=lambda o: o[0])[0] >= peak:
+        options = [(*score(t), label, t) for label, t in _changes(cur, shapes["actor"], max_tp)]
+        if not options or min(options, key=lambda o: o[0])[0] >= best:
             break
-        peak, label, cur = min(options, key=lambda o: o[0])
-        combined.append((label, peak))
+        best, peak, label, cur = min(options, key=lambda o: o[0])
+        combined.append((label, best, peak))
     return single, combined
 
 
@@ -601,20 +626,23 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     for note in plan.notes:
         lines.append(f"note: {note}")
+    for problem in plan.problems:
+        lines.append(f"problem: {problem}")
     if plan.fits:
         lines.append(f"verdict: FITS: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, headroom {plan.headroom / GIB:.1f} GiB "
                      f"({plan.headroom / s.device_memory:.0%})" + (f"; needs {plan.host_per_node / GIB:.0f} GiB of host RAM per node for the offloaded shards"
                                                             if plan.host_per_node else ""))
     else:
-        lines.append(f"verdict: DOES NOT FIT: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, over by {-plan.headroom / GIB:.1f} GiB")
+        over = f"over by {-plan.headroom / GIB:.1f} GiB" if plan.headroom < 0 else "see the problem above"
+        lines.append(f"verdict: DOES NOT FIT: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, {over}")
         if plan.suggestions:
             lines.append("each change alone would give (peak per device):")
-            for label, peak in sorted(plan.suggestions, key=lambda x: x[1]):
-                verdict = "fits" if peak <= s.device_memory else "still over"
+            for label, score, peak in sorted(plan.suggestions, key=lambda x: x[1]):
+                verdict = "fits" if score <= s.device_memory else ("still over" if score == peak else "ruled out (see above)")
                 lines.append(f"  {label:<82} {_gib(peak)} GiB  {verdict}")
         if plan.combined:
             lines.append("together, the largest saving first (peak after each):")
-            for label, peak in plan.combined:
+            for label, _, peak in plan.combined:
                 lines.append(f"  + {label:<80} {_gib(peak)} GiB")
             fits = plan.combined[-1][1] <= s.device_memory
             lines.append("  -> fits" if fits else "  -> still does not fit: more devices, or a smaller model")
@@ -622,7 +650,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = None, offload: bool | None = None, param_dtype: str | None = None,
-                gpus_per_node: int | None = None) -> Plan:
+                gpus_per_node: int | None = None, activation_checkpointing: bool | None = None, rollout_tp: int | None = None) -> Plan:
     """The plan of a :class:`tether.config.TetherConfig`: reads ``config.json`` of ``actor.model``,
     ``ref.model``, ``critic.model`` and ``reward.model`` (local directories; no weights).
 
@@ -635,7 +663,7 @@ def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = 
         return None if name is None else ModelShape.from_config(resolve_model_path(name, key))
 
     s = PlanSettings.from_config(cfg, devices=devices, device_memory=device_memory, tp_size=tp_size, offload=offload, param_dtype=param_dtype,
-                                 gpus_per_node=gpus_per_node)  # fmt: skip
+                                 gpus_per_node=gpus_per_node, activation_checkpointing=activation_checkpointing, rollout_tp=rollout_tp)  # fmt: skip
     actor = shape(cfg.actor.model, "actor.model")
     shapes = {"actor": actor, "ref": shape(cfg.ref.model, "ref.model"), "critic": shape(cfg.critic.model, "critic.model"),
               "reward": shape(cfg.reward.model, "reward.model")}
@@ -651,7 +679,8 @@ def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = 
 
 
 def main_plan(config: str | None, overrides: list[str], *, devices: int, device_memory: str, tp_size: int | None = None, offload: bool | None = None,
-              param_dtype: str | None = None, gpus_per_node: int | None = None) -> int:
+              param_dtype: str | None = None, gpus_per_node: int | None = None, activation_checkpointing: bool | None = None,
+              rollout_tp: int | None = None) -> int:
     """``tether plan``: print the table and the verdict. Returns 0 when it fits, 1 when it does not,
     2 for a bad config, model directory or flag (the message names it)."""
     import sys
@@ -661,7 +690,8 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
     try:
         cfg = load_config(config, overrides)
         plan = plan_config(cfg, devices=devices, device_memory=parse_size(device_memory), tp_size=tp_size, offload=offload,
-                           param_dtype=param_dtype, gpus_per_node=gpus_per_node)  # fmt: skip
+                           param_dtype=param_dtype, gpus_per_node=gpus_per_node, activation_checkpointing=activation_checkpointing,
+                           rollout_tp=rollout_tp)  # fmt: skip
     except (ConfigError, ValueError) as e:
         print(f"tether plan: {e}", file=sys.stderr)
         return 2
