@@ -4,6 +4,7 @@ checkpoint or a run directory; table and JSON output."""
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 import pytest
@@ -15,8 +16,6 @@ from tether.data import write_records
 from tether.evaluate import EvalSettings, evaluate, resolve_policy
 from tether.tasks.digitsum import make_dataset
 
-SHORT = EvalSettings(max_new_tokens=4, batch_size=8)  # the embedded task's responses are <= 4 tokens
-
 
 @pytest.fixture(scope="module")
 def digitsum_file(tmp_path_factory):
@@ -27,24 +26,43 @@ def digitsum_file(tmp_path_factory):
     return path
 
 
-def _check_aggregates(metrics, samples, k):
+def _check_aggregates(metrics, samples, n):
+    """Every aggregate recomputed from the per-sample records: pass@1, pass@n (any correct), mean@n,
+    the unbiased pass@k for the other k (1 - C(n-c,k)/C(n,k) per prompt), maj@n, length."""
     by_prompt = defaultdict(list)
     for s in samples:
         by_prompt[s["index"]].append(s)
-    assert len(by_prompt) == metrics["prompts"] and all(len(v) == k for v in by_prompt.values())
+    assert len(by_prompt) == metrics["prompts"] and all(len(v) == n for v in by_prompt.values())
     assert metrics["pass@1"] == pytest.approx(sum(s["correct"] for s in samples) / len(samples))
-    assert metrics[f"mean@{k}"] == pytest.approx(sum(s["score"] for s in samples) / len(samples))
-    assert metrics[f"pass@{k}"] == pytest.approx(sum(any(s["correct"] for s in v) for v in by_prompt.values()) / len(by_prompt))
+    assert metrics[f"mean@{n}"] == pytest.approx(sum(s["score"] for s in samples) / len(samples))
+    assert metrics[f"pass@{n}"] == pytest.approx(sum(any(s["correct"] for s in v) for v in by_prompt.values()) / len(by_prompt))
+    for k in range(2, n):
+        if f"pass@{k}" in metrics:
+            want = sum(1 - math.comb(n - sum(s["correct"] for s in v), k) / math.comb(n, k) for v in by_prompt.values()) / len(by_prompt)
+            assert metrics[f"pass@{k}"] == pytest.approx(want)
     assert metrics["length_mean"] == pytest.approx(sum(s["length"] for s in samples) / len(samples))
+    assert metrics["truncated_frac"] == pytest.approx(sum(s["truncated"] for s in samples) / len(samples))
+    if n == 1:
+        assert "maj@1" not in metrics
+        return
+    votes = []
+    for v in by_prompt.values():
+        answers = [s["answer"] for s in v if s["answer"] is not None]
+        if not answers:
+            votes.append(False)
+            continue
+        best = max(dict.fromkeys(answers), key=answers.count)  # most frequent; ties: first seen
+        votes.append(next(s["correct"] for s in v if s["answer"] == best))
+    assert metrics[f"maj@{n}"] == pytest.approx(sum(votes) / len(votes))
 
 
 def test_sampled_accuracy_of_the_embedded_reference(digitsum_file):
     """The digit-sum reference policy solves about 46% of prompts: pass@1 is strictly between 0 and 1,
     pass@4 above it, and every aggregate equals the one recomputed from the per-sample records."""
     samples: list[dict] = []
-    s = EvalSettings(k=4, max_new_tokens=4, batch_size=8)
+    s = EvalSettings(n=4, max_new_tokens=4, batch_size=8)
     m = evaluate("embedded", digitsum_file, s, samples=samples)
-    assert s.resolved["k"] == 4 and m["prompts"] == 12 and len(samples) == 48
+    assert s.resolved["n"] == 4 and s.resolved["ks"] == [1, 2, 4] and m["prompts"] == 12 and len(samples) == 48
     assert 0.0 < m["pass@1"] < 1.0 and m["pass@1"] < m["pass@4"] <= 1.0
     _check_aggregates(m, samples, 4)
     assert 1.0 <= m["length_mean"] <= 4.0 and 0.0 <= m["distinct_1"] <= 1.0 and "self_bleu" in m
@@ -56,7 +74,7 @@ def test_greedy_is_deterministic_and_matches_generate(digitsum_file):
     runs = []
     for _ in range(2):
         samples: list[dict] = []
-        m = evaluate("embedded", digitsum_file, EvalSettings(k=8, greedy=True, max_new_tokens=4, batch_size=8), samples=samples)
+        m = evaluate("embedded", digitsum_file, EvalSettings(greedy=True, max_new_tokens=4, batch_size=8), samples=samples)
         runs.append((m, samples))
     (m, samples), (m2, samples2) = runs
     assert m == m2 and samples == samples2 and len(samples) == 12  # greedy: k = 1
@@ -88,7 +106,7 @@ def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_p
     from tether.data import load_rows
 
     prompts = prepare_prompts(load_rows(digitsum_file), t.tok, cfg.data, "val")
-    want = evaluate_prompts(t.roles.engine, t.roles.reward, prompts, k=1, batch_size=8, do_sample=False)
+    want = evaluate_prompts(t.roles.engine, t.roles.reward, prompts, n=1, batch_size=8, do_sample=False)
     s = EvalSettings(greedy=True, batch_size=8)
     got = evaluate(run, digitsum_file, s)
     assert got == want
@@ -98,7 +116,7 @@ def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_p
     # and the run's val_n is the default k when sampling
     sampled = EvalSettings(batch_size=8)
     evaluate(run / "checkpoints" / "step_000002", digitsum_file, sampled)
-    assert sampled.resolved["k"] == 3
+    assert sampled.resolved["n"] == 3
 
 
 def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
@@ -107,11 +125,13 @@ def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
-    assert "12 prompts x k=2" in lines[0] and lines[1].split() == ["metric", "value"]
+    assert "12 prompts x n=2" in lines[0] and "engine hf" in lines[0] and lines[1].split() == ["metric", "all"]
     table = {ln.split()[0]: ln.split()[1] for ln in lines[3:] if len(ln.split()) == 2 and not ln.startswith("written")}
-    assert list(table)[:3] == ["pass@1", "mean@2", "pass@2"]
+    assert list(table)[:4] == ["pass@1", "pass@2", "maj@2", "mean@2"]
     doc = json.loads(out.read_text())
-    assert doc["settings"]["k"] == 2 and doc["settings"]["greedy"] is False and len(doc["samples"]) == 24
+    assert doc["settings"]["n"] == 2 and doc["settings"]["ks"] == [1, 2] and doc["settings"]["greedy"] is False and len(doc["samples"]) == 24
+    assert {"index", "sample", "answer", "correct", "length", "truncated", "prompt", "response"} <= set(doc["samples"][0])
+    assert out.with_suffix(".txt").read_text().splitlines() == lines[:-1]  # the printed table, beside the JSON
     assert float(table["pass@1"]) == pytest.approx(doc["metrics"]["pass@1"], abs=5e-5)
     _check_aggregates(doc["metrics"], doc["samples"], 2)
 
@@ -128,8 +148,14 @@ def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
     write_records([{"prompt": "1,2=", "data_source": "no/such/source"}], bad)
     assert main(["eval", "embedded", str(bad), "--max-new-tokens", "4"]) == 2
     assert "no/such/source" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="k >= 1"):
-        evaluate("embedded", digitsum_file, EvalSettings(k=0))
+    with pytest.raises(ConfigError, match="n \\(samples per prompt\\) must be >= 1"):
+        evaluate("embedded", digitsum_file, EvalSettings(n=0))
+    assert main(["eval", "embedded", str(digitsum_file), "--n", "2", "--k", "1,4"]) == 2
+    assert "k=[4] exceeds n=2" in capsys.readouterr().err
+    assert main(["eval", "embedded", str(digitsum_file), "--greedy", "--k", "1,4"]) == 2
+    assert "needs sampling" in capsys.readouterr().err
+    assert main(["eval", "embedded", str(digitsum_file), "--checkpoints", "all"]) == 2
+    assert "needs a run directory" in capsys.readouterr().err
 
 
 def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
@@ -149,7 +175,7 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     reward = RewardManager(normalize="running")
     before = reward.state_dict()
     runner = RolloutRunner(HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4), tok, torch.device("cpu"), max_new_tokens=4)
-    evaluate_prompts(runner, reward, prompts, k=2, batch_size=8)
+    evaluate_prompts(runner, reward, prompts, n=2, batch_size=8)
     assert reward.state_dict() == before
     batch = runner.rollout(prompts, [0, 1], 2)
     reward(batch.rows, batch.prompts, batch.responses)  # a training call does update it
@@ -157,9 +183,144 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
 
 
 def test_embedded_data_needs_no_file():
-    """DATA=embedded evaluates the digit-sum task's held-out prompts (the 4 val sums) without a file."""
+    """DATA=embedded evaluates the digit-sum task's whole held-out split (the 4 val sums) without a
+    file, with the task's own response length (4 tokens) and the exact values by enumeration."""
+    from tether.tasks.digitsum import make_dataset
+    from tether.tasks.exact import reference_success_rate
+
     samples: list[dict] = []
-    m = evaluate("embedded", "embedded", EvalSettings(k=2, max_new_tokens=4, batch_size=8), samples=samples)
-    assert m["prompts"] == 4 and len(samples) == 8
+    s = EvalSettings(n=2, batch_size=8)
+    m = evaluate("embedded", "embedded", s, samples=samples)
+    assert s.resolved["max_new_tokens"] == 4 and m["prompts"] == 4 and len(samples) == 8
     assert sorted({s["prompt"] for s in samples}) == ["3,11=", "3,16=", "3,21=", "3,6="]
     _check_aggregates(m, samples, 2)
+    # exact/score_mean is the reference's exact success probability on the val split (pass@1 without sampling noise)
+    assert m["exact/n_prompts"] == 4 and m["exact/score_mean"] == pytest.approx(reference_success_rate(prompts=make_dataset("val")), abs=1e-9)
+    assert m["exact/kl_ref_tok"] == pytest.approx(0.0, abs=1e-12)  # the policy is the reference
+
+
+@pytest.mark.slow
+def test_checkpoint_sweep_writes_the_accuracy_vs_kl_curve(tmp_path, capsys):
+    """`tether eval RUN_DIR embedded --checkpoints all` on a short embedded run: the reference as step 0
+    (KL 0), each complete checkpoint, a table, curve.png and per-step JSON; the sampled KL (k1 on the
+    eval samples, nats per response) agrees with the exact KL by enumeration within sampling error."""
+    from tether.trainer import Trainer
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [
+        "trainer.total_steps=4", "trainer.save_freq=2", "trainer.keep_last=5", "trainer.val_freq=0", "trainer.progress=false",
+        "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "data.batch_size=4", "data.embedded_train_size=8",
+        "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=2e-3", f"trainer.output_dir={run}",
+    ])  # fmt: skip
+    Trainer(cfg).fit()
+    rc = main(["eval", str(run), "embedded", "--checkpoints", "all", "--n", "64", "--k", "1,8,64", "--batch-size", "4", "--no-progress"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| step | pass@1 | maj@64 | pass@64 | mean@64 | kl_ref (nats/tok)" in table
+    doc = json.loads((run / "eval" / "curve.json").read_text())
+    steps = [r["step"] for r in doc["results"]]
+    assert steps == [0, 2, 4]
+    assert (run / "eval" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ref, last = doc["results"][0]["metrics"], doc["results"][-1]["metrics"]
+    assert ref["kl_ref_mean"] == 0.0 and ref["exact/kl_ref_seq"] == pytest.approx(0.0, abs=1e-12)
+    assert last["kl_ref_mean"] > 0.0
+    per_step = json.loads((run / "eval" / "step_000004.json").read_text())
+    kl_seq = [s["kl_ref"] * s["length"] for s in per_step["samples"]]
+    assert len(kl_seq) == 4 * 64 and {"answer", "correct", "length", "kl_ref"} <= set(per_step["samples"][0])
+    mean = sum(kl_seq) / len(kl_seq)
+    sem = (sum((x - mean) ** 2 for x in kl_seq) / (len(kl_seq) - 1) / len(kl_seq)) ** 0.5
+    assert mean == pytest.approx(last["kl_ref_seq_mean"])
+    assert abs(mean - last["exact/kl_ref_seq"]) < 4 * sem + 1e-9, (mean, sem, last["exact/kl_ref_seq"])
+    assert last["exact/kl_ref_seq"] > 0.01  # the run moved: the check is not 0 == 0
+    # a single checkpoint of the run: the KL to the run's reference by default, none with kl=False
+    assert "kl_ref_mean" in evaluate(run, "embedded", EvalSettings(n=2))
+    assert "kl_ref_mean" not in evaluate(run, "embedded", EvalSettings(n=2, kl=False))
+
+
+def test_per_data_source_columns(tmp_path, capsys):
+    """Rows of two data sources: one column per source, each the same metrics over its own prompts,
+    and the overall column their prompt-weighted mix."""
+    from tether.rewards import register_reward_function
+
+    register_reward_function("test/digitsum-copy", "tether.tasks.digitsum:compute_score", overwrite=True)
+    rows = make_dataset("train")[:6]
+    for r in rows[3:]:
+        r["data_source"] = "test/digitsum-copy"
+    path = tmp_path / "mixed.jsonl"
+    write_records(rows, path)
+    by_source: dict = {}
+    samples: list[dict] = []
+    m = evaluate("embedded", path, EvalSettings(n=4, max_new_tokens=4, batch_size=4), samples=samples, by_source=by_source)
+    assert list(by_source) == ["tether/digitsum", "test/digitsum-copy"]
+    for ds, sm in by_source.items():
+        mine = [s for s in samples if s["data_source"] == ds]
+        assert sm["prompts"] == 3 and sm["pass@1"] == pytest.approx(sum(s["correct"] for s in mine) / len(mine))
+    assert m["pass@2"] == pytest.approx((by_source["tether/digitsum"]["pass@2"] + by_source["test/digitsum-copy"]["pass@2"]) / 2)
+    assert main(["eval", "embedded", str(path), "--n", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
+    header = capsys.readouterr().out.splitlines()[1].split()
+    assert header == ["metric", "all", "tether/digitsum", "test/digitsum-copy"]
+
+
+def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monkeypatch, caplog):
+    """Stand-in for vLLM (no GPU here): engine=vllm builds one VLLMRolloutEngine and pushes each
+    policy's weights with sync_weights, the interface the trainer uses; engine=auto falls back to hf
+    with a warning when the run used vllm and vLLM is not usable."""
+    import tether.rollout.vllm as vllm_mod
+    from tether.evaluate import Evaluator
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.rollout import HFRolloutEngine
+
+    built, synced = [], []
+
+    class StandIn(HFRolloutEngine):
+        def __init__(self, model_path, tokenizer, **kw):
+            built.append((str(model_path), kw))
+            self.tokenizer = tokenizer
+            super().__init__(None, tokenizer, temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
+                             max_new_tokens=kw["max_new_tokens"], do_sample=kw["do_sample"])  # fmt: skip
+
+        def sync_weights(self, model):
+            synced.append(model)
+            self.model = model
+
+    path = resolve_model_path("embedded")
+    tok = load_tokenizer(path)
+    monkeypatch.setattr(vllm_mod, "check_vllm_available", lambda: None)
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", StandIn)
+    ev = Evaluator("embedded", EvalSettings(n=2, engine="vllm", top_p=0.99), tok, torch.device("cpu"))  # top_p < 1: no exact enumeration (speed)
+    assert ev.resolved["engine"] == "vllm"
+    a, b = load_causal_lm(path), load_causal_lm(path)
+    m1 = ev(a, model_path=path)
+    m2 = ev(b, model_path=path)
+    assert len(built) == 1 and built[0][0] == str(path) and built[0][1]["max_new_tokens"] == 4
+    assert synced == [a, b] and m1["prompts"] == m2["prompts"] == 4
+
+    def missing():
+        raise ConfigError("rollout.engine=vllm: the vllm package is not installed")
+
+    monkeypatch.setattr(vllm_mod, "check_vllm_available", missing)
+    with caplog.at_level("WARNING", logger="tether"):
+        assert ev._pick_engine("auto", "vllm") == "hf"
+    assert "evaluating with hf" in caplog.text
+    with pytest.raises(ConfigError, match="vllm package"):
+        ev._pick_engine("vllm", "hf")
+
+
+def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
+    from tether.evaluate import select_checkpoints
+    from tether.trainer.checkpoint import write_checkpoint
+
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "step_000003").mkdir()  # a write that never finished: no MANIFEST.json
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        select_checkpoints(tmp_path / "run", "all")
+    for step in (1, 2):
+        write_checkpoint(root, step, {"state": lambda d: (d / "state.json").write_text("{}")})
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "all")] == [1, 2]
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "latest")] == [2]
+    assert [s for s, _ in select_checkpoints(tmp_path / "run", "2,1")] == [1, 2]
+    with pytest.raises(ConfigError, match=r"step\(s\) \[3\]; complete ones: \[1, 2\]"):
+        select_checkpoints(tmp_path / "run", "1,3")
+    with pytest.raises(ConfigError, match="all, latest or a list of steps"):
+        select_checkpoints(tmp_path / "run", "best")

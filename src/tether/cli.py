@@ -16,7 +16,8 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
   tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
-  tether eval MODEL_OR_CHECKPOINT DATA [--k N] [--greedy] [--out FILE]  pass@1, mean@k, length, diversity
+  tether data aime|gpqa|math500 SRC OUT         benchmark files → verl's schema with their prompt templates
+  tether eval MODEL_OR_CHECKPOINT DATA [--n N] [--k 1,4,16] [--checkpoints all] [--out FILE]  pass@k, maj@k, KL, length
   tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
   tether plan [CONFIG.yaml] [key=value ...] --devices N --device-memory 80GiB  memory per device, fits or not
 """
@@ -179,23 +180,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval_parser(sub) -> None:
-    v = sub.add_parser("eval", help="accuracy (pass@1, mean@k), response length and diversity of a model or checkpoint")
+    v = sub.add_parser("eval", help="pass@k, maj@k, mean@n, KL to the reference, response length and diversity of a model, checkpoint or run")
     v.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="model directory, checkpoint (step_N), run directory, or 'embedded'")
     v.add_argument("data", metavar="DATA", help="prompts in verl's schema (.jsonl/.json/.parquet), or embedded[:val|:train] for the digit-sum task's prompts")
-    v.add_argument("--k", type=int, default=None, help="samples per prompt (default 4, or the run's trainer.val_n)")
+    v.add_argument("--n", type=int, default=None, help="samples per prompt (default 4, the run's trainer.val_n, or the largest --k)")
+    v.add_argument("--k", default=None, help="comma-separated k of pass@k and maj@k, each <= n (default 1,2,4,...,n)")
+    v.add_argument("--checkpoints", default=None, metavar="all|latest|STEPS",
+                   help="with a run directory: evaluate these checkpoints and the reference (step 0); writes RUN_DIR/eval/curve.png")
     v.add_argument("--greedy", action="store_true", help="greedy decoding, one response per prompt")
     v.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0, or the run's)")
     v.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default 1.0, or the run's)")
-    v.add_argument("--max-new-tokens", type=int, default=None, help="response limit in tokens (default 512, or the run's)")
-    v.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    v.add_argument("--max-new-tokens", type=int, default=None, help="response limit in tokens (default 512, 4 for DATA=embedded, or the run's)")
+    v.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (batch-size x n sequences)")
     v.add_argument("--limit", type=int, default=None, help="only the first N distinct prompts")
     v.add_argument("--reward-function", default=None, help="file.py:name or module:name (default: built-in by data_source)")
     v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory")
+    v.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto", help="rollout engine (default: the run's rollout.engine, else hf)")
+    v.add_argument("--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)")
+    v.add_argument("--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)")
     v.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--out", default=None, help="also write the metrics (and settings) as JSON here")
-    v.add_argument("--samples", action="store_true", help="include every response with its score in the JSON")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v.add_argument("--out", default=None, help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON "
+                   "here, and the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)")
+    v.add_argument("--samples", action="store_true", help="include each sample's prompt and response text in the JSON")
     v.set_defaults(func=cmd_eval)
 
 
@@ -238,6 +247,38 @@ def cmd_data_solutions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_benchmark(args: argparse.Namespace) -> int:
+    from tether.data import DataError
+    from tether.data.benchmarks import CONVERTERS
+
+    kwargs = {k: v for k, v in (("template", args.template), ("data_source", args.data_source)) if v is not None}
+    if args.dataset == "gpqa":
+        kwargs["seed"] = args.seed
+    try:
+        n = CONVERTERS[args.dataset](Path(args.src), Path(args.out), **kwargs)
+    except DataError as e:
+        print(f"tether data: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def _add_benchmark_parsers(da_sub) -> None:
+    helps = {"aime": "AIME (problem, answer) → verl schema", "gpqa": "GPQA csv/jsonl/parquet (Question, Correct Answer, "
+             "Incorrect Answer 1-3) → verl schema, options shuffled with --seed", "math500": "MATH-500 (problem, answer) → verl schema"}  # fmt: skip
+    for name, what in helps.items():
+        b = da_sub.add_parser(name, help=what)
+        b.add_argument("src")
+        b.add_argument("out")
+        ph = "{question} {A} {B} {C} {D}" if name == "gpqa" else "{problem}"
+        b.add_argument("--template", default=None, help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], "
+                       "see docs/eval.md)")
+        b.add_argument("--data-source", default=None, help="data_source written in each row (selects the verifier)")
+        if name == "gpqa":
+            b.add_argument("--seed", type=int, default=0, help="seed of the per-question option shuffle (default 0)")
+        b.set_defaults(func=cmd_data_benchmark)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
@@ -277,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     gs.add_argument("out")
     gs.add_argument("--suffix", default=None, help="instruction appended to each question (default none)")
     gs.set_defaults(func=cmd_data_solutions)
+    _add_benchmark_parsers(da_sub)
     return p
 
 

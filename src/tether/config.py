@@ -250,7 +250,10 @@ class TrainerConfig(_Section):
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off, or a checkpoint path.")
     val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
-    val_n: int = Field(4, ge=1, description="Samples per validation prompt (mean@k).")
+    val_n: int = Field(4, ge=1, description="Samples per validation prompt: mean@n, pass@k and maj@k for k = 1, 2, 4, ... <= n.")
+    val_max_prompts: int | None = Field(
+        None, ge=1, description="Validate on at most this many prompts: a fixed subset drawn once with trainer.seed, the same at "
+        "every validation (null = all).")  # fmt: skip
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run.")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks (jsonl is always written)."

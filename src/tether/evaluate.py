@@ -1,18 +1,24 @@
-"""``tether eval MODEL_OR_CHECKPOINT DATA``: accuracy, response length and diversity of a policy.
+"""``tether eval MODEL_OR_CHECKPOINT DATA``: accuracy (unbiased pass@k, maj@k, mean@n), KL to the
+reference, response length and diversity of a policy, or of every checkpoint of a run.
 
 The evaluation itself is :func:`tether.trainer.stats.evaluate_prompts`, the function the trainer
-runs every ``trainer.val_freq`` steps; this module only loads what it needs:
+runs every ``trainer.val_freq`` steps; this module only loads what it needs (:class:`Evaluator`):
 
 * the policy: a Hugging Face model directory, a tether checkpoint (``.../checkpoints/step_N``; a
   LoRA checkpoint is loaded as base model + adapter), a run directory (its latest complete
-  checkpoint), a bare peft adapter directory, or ``embedded``;
+  checkpoint, or with :func:`evaluate_checkpoints` all of them), a bare peft adapter directory, or
+  ``embedded``;
 * the prompts: a verl-schema ``.jsonl``/``.json``/``.parquet`` file rendered exactly as in training
-  (chat template, instruction suffix, ``max_prompt_length``);
-* the reward: the built-in function of each row's ``data_source``, a user function or a reward model.
+  (chat template, instruction suffix, ``max_prompt_length``), or the embedded task's split;
+* the reward: the built-in verifier of each row's ``data_source``, a user function or a reward model;
+* the rollout engine of the run (``rollout.engine``: HF generate or vLLM), built once, each policy's
+  weights pushed with ``sync_weights``;
+* the reference (the run's ``ref.model`` / ``actor.model``), for the KL of the eval samples.
 
-When the checkpoint belongs to a run (``<run>/config.yaml``), that run's data rendering and reward
-settings are the defaults, so ``tether eval runs/x data/test.parquet`` scores exactly what the
-run's validation scored; any option given on the command line wins.
+When the checkpoint belongs to a run (``<run>/config.yaml``), that run's data rendering, reward,
+sampling and engine settings are the defaults, so ``tether eval runs/x data/test.parquet`` scores
+exactly what the run's validation scored; any option given on the command line wins. See
+``docs/eval.md``.
 """
 
 from __future__ import annotations
@@ -37,18 +43,29 @@ class EvalSettings:
     """What ``tether eval`` does. Fields left None take the run's config (if any), else the default.
 
     Attributes:
-        k: samples per prompt (mean@k, pass@k); 1 with ``greedy``. Default 4 (= ``trainer.val_n``).
-        greedy: decode greedily (then k = 1).
+        n: samples per prompt (mean@n, pass@k, maj@k); 1 with ``greedy``. Default 4 (or the run's
+            ``trainer.val_n``), or the largest of ``ks``.
+        ks: the k of pass@k and maj@k, each <= n (default 1, 2, 4, ... <= n and n).
+        greedy: decode greedily (then n = 1).
         temperature, top_p: sampling settings (defaults 1.0, 1.0 or the run's ``rollout.*``).
-        max_new_tokens: response limit, tokens (default 512 or the run's ``rollout.max_new_tokens``).
-        batch_size: prompts per generate call (``batch_size * k`` sequences).
+        max_new_tokens: response limit, tokens (default 512, the task's own 4 for ``DATA=embedded``, or
+            the run's ``rollout.max_new_tokens``).
+        batch_size: prompts per generate call (``batch_size * n`` sequences).
         limit: evaluate only the first N distinct prompts.
         reward_function, reward_model: as ``reward.function`` / ``reward.model``.
         prompt_key, apply_chat_template, instruction_suffix, max_prompt_length: as ``data.*``.
+        engine: ``auto`` (the run's ``rollout.engine``; hf without a run, and hf with a warning when
+            the run used vllm and vLLM is not usable here), ``hf`` or ``vllm``.
+        ref: the reference policy for the KL of the samples (default: the run's ``ref.model`` or
+            ``actor.model``; none for a bare model, then no KL is reported).
+        kl: measure the KL to the reference on the samples (two extra forward passes per batch) when a
+            reference is known.
         device: auto | cpu | cuda. dtype: float32 | bfloat16 | float16. seed: torch seed for sampling.
+        progress: show a progress bar (prompts done / total, ETA).
     """
 
-    k: int | None = None
+    n: int | None = None
+    ks: list[int] | None = None
     greedy: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -61,9 +78,13 @@ class EvalSettings:
     apply_chat_template: bool | None = None
     instruction_suffix: str | None = None
     max_prompt_length: int | None = None
+    engine: str = "auto"
+    ref: str | None = None
+    kl: bool = True
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
+    progress: bool = False
     resolved: dict = field(default_factory=dict)  # filled by evaluate(): the settings actually used
 
 
@@ -116,10 +137,16 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
     Raises:
         ConfigError: see :func:`resolve_policy`; a tokenizer or base model that cannot be loaded.
     """
-    from tether.models import DTYPES, load_causal_lm, load_tokenizer
+    from tether.models import load_tokenizer
 
     where, kind, run = resolve_policy(path)
-    tok = load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
+    return _load_resolved(where, kind, dtype, device), load_tokenizer(where, key="MODEL_OR_CHECKPOINT"), run
+
+
+def _load_resolved(where: Path, kind: str, dtype: str, device: str):
+    """The model at a :func:`resolve_policy` result (checkpoint already verified), in eval mode on ``device``."""
+    from tether.models import DTYPES, load_causal_lm
+
     if kind == "adapter":
         from peft import AutoPeftModelForCausalLM
 
@@ -130,129 +157,486 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
             raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
     else:
         model = load_causal_lm(where, dtype=dtype)
-    model.to(device).eval()
-    return model, tok, run
+    return model.to(device).eval()
 
 
-def _run_defaults(run: Path | None) -> dict[str, Any]:
+def _run_config(run: Path | None):
     if run is None or not (run / "config.yaml").is_file():
-        return {}
+        return None
     from tether.config import load_config
 
     try:
-        cfg = load_config(run / "config.yaml")
+        return load_config(run / "config.yaml")
     except ConfigError as e:
         log.warning("tether eval: ignoring %s: %s", run / "config.yaml", e)
+        return None
+
+
+def _run_defaults(cfg) -> dict[str, Any]:
+    if cfg is None:
         return {}
     return {
         "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "max_new_tokens": cfg.rollout.max_new_tokens,
-        "k": cfg.trainer.val_n, "reward_function": cfg.reward.function, "reward_model": cfg.reward.model,
+        "n": cfg.trainer.val_n, "reward_function": cfg.reward.function, "reward_model": cfg.reward.model,
         "prompt_key": cfg.data.prompt_key, "apply_chat_template": cfg.data.apply_chat_template,
         "instruction_suffix": cfg.data.instruction_suffix, "max_prompt_length": cfg.data.max_prompt_length,
+        "engine": cfg.rollout.engine, "beta": cfg.kl.coef,
     }  # fmt: skip
 
 
-DEFAULTS = {"k": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "prompt_key": "prompt",
-            "apply_chat_template": True, "instruction_suffix": "", "max_prompt_length": 2048}  # fmt: skip
+DEFAULTS = {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "prompt_key": "prompt",
+            "apply_chat_template": True, "instruction_suffix": "", "max_prompt_length": 2048, "engine": "hf",
+            "beta": 0.05}  # fmt: skip
+EMBEDDED_DATA = ("embedded", "embedded:val", "embedded:train")
+
+#: exact/* values shown in the table for the embedded task (all of them go to the JSON)
+EXACT_SHOWN = ("exact/score_mean", "exact/ref_score_mean", "exact/opt_score_mean", "exact/kl_ref_tok", "exact/kl_ref_seq",
+               "exact/objective", "exact/opt_objective", "exact/correct_effective_answers", "exact/n_prompts")  # fmt: skip
+
+
+def _adapter_base(where: Path) -> Path | None:
+    base = json.loads((where / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return Path(base).expanduser() if base else None
+
+
+class Evaluator:
+    """Everything of an evaluation that does not depend on the policy's weights: the resolved
+    settings, the rendered prompts, the reward, the reference (for the KL) and the rollout engine.
+    Call it with a policy model; :func:`evaluate` evaluates one policy, :func:`evaluate_checkpoints`
+    every checkpoint of a run with one Evaluator.
+
+    Raises (at construction):
+        ConfigError: bad settings (k > n, an unusable engine, ...) or no prompt left.
+        DataError: the data file is missing or malformed.
+        ValueError: rows whose ``data_source`` has no reward function (and none was given).
+    """
+
+    def __init__(self, data: str | Path, settings: EvalSettings, tok, device, *, run: Path | None = None):
+        from tether.config import DataConfig
+        from tether.data import load_rows
+        from tether.metrics.accuracy import parse_ks
+        from tether.rewards import RewardManager
+        from tether.trainer.prompts import prepare_prompts
+        from tether.trainer.stats import distinct_prompt_indices
+
+        s = self.settings = settings
+        self.tok, self.device, self.run, self.data = tok, device, run, str(data)
+        self.cfg = _run_config(run)
+        base = DEFAULTS | {k: v for k, v in _run_defaults(self.cfg).items() if v is not None}
+        if self.data in EMBEDDED_DATA and self.cfg is None:
+            from tether.tasks.digitsum import MAX_NEW_TOKENS
+
+            base["max_new_tokens"] = MAX_NEW_TOKENS  # the task's own response length: k digits + EOS
+        r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
+             ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "prompt_key",
+              "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
+        if s.ks and s.n is None:
+            r["n"] = max(s.ks)
+        if s.greedy:
+            if s.ks and max(s.ks) > 1:
+                raise ConfigError(f"--greedy decodes one response per prompt; k={s.ks} needs sampling (drop --greedy)")
+            r["n"] = 1
+        try:
+            r["n"], ks = parse_ks(s.ks, r["n"])
+            r["ks"] = sorted({1, *ks})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if r["max_new_tokens"] < 1 or s.batch_size < 1 or not r["temperature"] > 0 or not 0 < r["top_p"] <= 1:
+            raise ConfigError(f"need max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
+        r["engine"] = self._pick_engine(s.engine, base["engine"])
+        self.beta = float(base["beta"])
+        s.resolved = self.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype,
+                                          "seed": s.seed, "run": str(run) if run else None}  # fmt: skip
+        if self.data in EMBEDDED_DATA:  # the embedded task's prompts, no file needed
+            from tether.data import rows_from_records
+            from tether.tasks.digitsum import make_dataset
+
+            split = self.data.partition(":")[2] or "val"
+            rows = rows_from_records(make_dataset(split), source=f"embedded:{split}")
+        else:
+            rows = load_rows(data, prompt_key=r["prompt_key"])
+        if s.limit is not None:  # render only what is evaluated: the rows of the first `limit` distinct prompts
+            seen: set[str] = set()
+            kept = []
+            for row in rows:
+                key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
+                if key in seen or len(seen) < s.limit:
+                    seen.add(key)
+                    kept.append(row)
+            rows = kept
+        data_cfg = DataConfig(
+            train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
+            instruction_suffix=r["instruction_suffix"], max_prompt_length=r["max_prompt_length"], overlong_prompts="drop",
+        )  # fmt: skip
+        self.prompts = prepare_prompts(rows, tok, data_cfg, "DATA")
+        self.indices = distinct_prompt_indices(self.prompts)
+        if s.limit is not None:
+            self.indices = self.indices[: s.limit]
+        reward_model = str(Path(r["reward_model"]).expanduser()) if r["reward_model"] else None
+        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
+        self.reward = RewardManager(function=r["reward_function"], reward_model=reward_model, device=str(device), timeout_s=timeout)
+        self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
+        self.engine = None
+        self._ref = None
+        self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
+
+    def _pick_engine(self, asked: str, run_engine: str) -> str:
+        if asked not in ("auto", "hf", "vllm"):
+            raise ConfigError(f"engine must be auto, hf or vllm, got {asked!r}")
+        want = run_engine if asked == "auto" else asked
+        if want == "vllm":
+            from tether.rollout.vllm import check_vllm_available
+
+            try:
+                check_vllm_available()
+            except ConfigError as e:
+                if asked == "vllm":
+                    raise
+                log.warning("tether eval: the run used rollout.engine=vllm but %s; evaluating with hf", e)
+                return "hf"
+        return want
+
+    # ---------------------------------------------------------------------------- reference, engine
+
+    def reference_path(self) -> Path | None:
+        """The reference policy's model directory: ``settings.ref``, else the run's ``ref.model`` or
+        ``actor.model`` (a LoRA run's reference is its base model), else None."""
+        from tether.models import resolve_model_path
+
+        if self.settings.ref:
+            return resolve_model_path(self.settings.ref, "--ref")
+        if self.cfg is None:
+            return None
+        return resolve_model_path(self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model")
+
+    def reference(self):
+        """The frozen reference model (loaded once), or None when there is none."""
+        if self._ref is None:
+            path = self.reference_path()
+            if path is None:
+                return None
+            from tether.models import load_causal_lm
+
+            self._ref = load_causal_lm(path, dtype=self.settings.dtype).to(self.device).eval()
+        return self._ref
+
+    def engine_config(self):
+        """The run's config (or the defaults) with this evaluation's sampling settings and engine: what
+        the trainer's engine builder reads (``rollout.*``, ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``)."""
+        from tether.config import load_config
+
+        r, s = self.resolved, self.settings
+        overrides = [f"rollout.engine={r['engine']}", f"rollout.temperature={r['temperature']}", f"rollout.top_p={r['top_p']}", "rollout.top_k=0",
+                     f"rollout.max_new_tokens={r['max_new_tokens']}", f"rollout.do_sample={str(not r['greedy']).lower()}",
+                     f"actor.dtype={s.dtype}", f"trainer.seed={s.seed}"]  # fmt: skip
+        return load_config(self.run / "config.yaml" if self.cfg is not None else None, overrides)
+
+    def _runner(self, model, model_path: Path | None):
+        """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
+        by the trainer's own builder (``tether.trainer.setup``); later policies are pushed with
+        ``sync_weights``, the engine interface the trainer uses after every update."""
+        from tether.trainer.rollout import RolloutRunner
+        from tether.trainer.setup import _build_engine, generation_eos_ids
+
+        r = self.resolved
+        if self.engine is None:
+            self.engine = _build_engine(self.engine_config(), model, self.tok, model_path)
+            if r["engine"] == "vllm":  # vLLM loaded model_path (a LoRA policy's base): push the policy itself
+                self.engine.sync_weights(model)
+        else:
+            self.engine.sync_weights(model)
+        return RolloutRunner(self.engine, self.tok, self.device, max_new_tokens=r["max_new_tokens"], eos_token_ids=generation_eos_ids(model))
+
+    # ---------------------------------------------------------------------------------- evaluation
+
+    def __call__(self, model, *, model_path: Path | None = None, samples: list[dict] | None = None,
+                 by_source: dict | None = None, is_reference: bool = False) -> dict[str, float]:  # fmt: skip
+        """Evaluate ``model`` (an HF causal LM); returns the metrics of
+        :func:`tether.trainer.stats.evaluate_prompts`, with ``kl_ref_*`` when a reference is known
+        and decoding samples (``is_reference``: the model is the reference, KL 0 without a forward),
+        and ``exact/*`` on the embedded task."""
+        from tether.trainer.stats import KLProbe, evaluate_prompts
+        from tether.workers.actor import ReferenceWorker
+
+        r = self.resolved
+        runner = self._runner(model, model_path)
+        probe = None
+        if self.settings.kl and not r["greedy"] and not is_reference and self.reference() is not None:
+            probe = KLProbe(ReferenceWorker(model, micro_batch_size=self.settings.batch_size, temperature=r["temperature"]),
+                            ReferenceWorker(self.reference(), micro_batch_size=self.settings.batch_size, temperature=r["temperature"]))  # fmt: skip
+        torch.manual_seed(self.settings.seed)
+        m = evaluate_prompts(runner, self.reward, self.prompts, n=r["n"], ks=r["ks"], batch_size=self.settings.batch_size,
+                             indices=self.indices, samples=samples, by_source=by_source, kl_probe=probe,
+                             progress=self.settings.progress, do_sample=not r["greedy"])  # fmt: skip
+        if is_reference and self.settings.kl and not r["greedy"]:
+            m |= {"kl_ref_mean": 0.0, "kl_ref_k3_mean": 0.0, "kl_ref_seq_mean": 0.0}
+        if self.data in EMBEDDED_DATA and not r["greedy"] and r["top_p"] == 1.0:
+            m |= self._exact(model)
+        return m
+
+    def _exact(self, model) -> dict[str, float]:
+        """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
+        the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
+        from tether.tasks.exact import evaluate_policy
+
+        ref = self.reference() if self.reference() is not None else model
+        prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
+        return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
+                               n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
 
 
 def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,
-             samples: list[dict] | None = None) -> dict[str, float]:
+             samples: list[dict] | None = None, by_source: dict | None = None) -> dict[str, float]:
     """Evaluate a policy on a dataset; returns the metrics of
-    :func:`tether.trainer.stats.evaluate_prompts` (``pass@1``, ``mean@k``, ``pass@k``,
-    ``length_mean``, diversity, ...). ``settings.resolved`` is filled with the settings used.
+    :func:`tether.trainer.stats.evaluate_prompts` (``pass@k``, ``maj@k``, ``mean@n``,
+    ``length_mean``, diversity, ``kl_ref_mean`` when the run's reference is known, ``exact/*`` on the
+    embedded task). ``settings.resolved`` is filled with the settings used.
 
     Raises:
         ConfigError: a bad model/checkpoint path, bad settings, or no prompt left.
         DataError: the data file is missing or malformed (line numbers named).
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
-    from tether.config import DataConfig
-    from tether.data import load_rows
-    from tether.rewards import RewardManager
-    from tether.rollout import HFRolloutEngine
-    from tether.trainer.prompts import prepare_prompts
-    from tether.trainer.rollout import RolloutRunner
-    from tether.trainer.setup import generation_eos_ids, pick_device
-    from tether.trainer.stats import distinct_prompt_indices, evaluate_prompts
+    from tether.trainer.setup import pick_device
 
     s = settings or EvalSettings()
     device = pick_device(s.device)
-    model, tok, run = load_policy(model_or_checkpoint, dtype=s.dtype, device=str(device))
-    base = DEFAULTS | {k: v for k, v in _run_defaults(run).items() if v is not None}
-    r = {name: getattr(s, name) if getattr(s, name) is not None else base.get(name) for name in
-         ("k", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "prompt_key",
-          "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
-    if s.greedy:
-        r["k"] = 1
-    if r["k"] < 1 or r["max_new_tokens"] < 1 or s.batch_size < 1 or not r["temperature"] > 0 or not 0 < r["top_p"] <= 1:
-        raise ConfigError(f"need k >= 1, max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
-    s.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype, "seed": s.seed,
-                      "run": str(run) if run else None}  # fmt: skip
-
-    if str(data) in ("embedded", "embedded:val", "embedded:train"):  # the embedded task's prompts, no file needed
-        from tether.data import rows_from_records
-        from tether.tasks.digitsum import make_dataset
-
-        split = str(data).partition(":")[2] or "val"
-        rows = rows_from_records(make_dataset(split), source=f"embedded:{split}")
-    else:
-        rows = load_rows(data, prompt_key=r["prompt_key"])
-    if s.limit is not None:  # render only what is evaluated: the rows of the first `limit` distinct prompts
-        seen: set[str] = set()
-        kept = []
-        for row in rows:
-            key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
-            if key in seen or len(seen) < s.limit:
-                seen.add(key)
-                kept.append(row)
-        rows = kept
-    data_cfg = DataConfig(
-        train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
-        instruction_suffix=r["instruction_suffix"], max_prompt_length=r["max_prompt_length"], overlong_prompts="drop",
-    )  # fmt: skip
-    prompts = prepare_prompts(rows, tok, data_cfg, "DATA")
-    indices = distinct_prompt_indices(prompts)
-    if s.limit is not None:
-        indices = indices[: s.limit]
-    reward_model = str(Path(r["reward_model"]).expanduser()) if r["reward_model"] else None
-    reward = RewardManager(function=r["reward_function"], reward_model=reward_model, device=str(device))
-    reward.check_rows([prompts.rows[i] for i in indices])
-
-    engine = HFRolloutEngine(model, tok, temperature=r["temperature"], top_p=r["top_p"], top_k=0,
-                             max_new_tokens=r["max_new_tokens"], do_sample=not s.greedy)  # fmt: skip
-    runner = RolloutRunner(engine, tok, device, max_new_tokens=r["max_new_tokens"], eos_token_ids=generation_eos_ids(model))
-    torch.manual_seed(s.seed)
-    return evaluate_prompts(runner, reward, prompts, k=r["k"], batch_size=s.batch_size, indices=indices, samples=samples)
+    where, kind, run = resolve_policy(model_or_checkpoint)
+    tok = load_policy_tokenizer(where)
+    ev = Evaluator(data, s, tok, device, run=run)  # bad settings and data fail before the model loads
+    model = _load_resolved(where, kind, s.dtype, str(device))
+    path = _adapter_base(where) if kind == "adapter" else where
+    return ev(model, model_path=path, samples=samples, by_source=by_source)
 
 
-# the table's rows, in order; other metrics follow alphabetically
-_FIRST = ("pass@1", "mean@{k}", "pass@{k}", "score_mean", "length_mean", "length_max", "truncated_frac", "prompts")
+# ---------------------------------------------------------------------------------- checkpoint sweep
 
 
-def format_table(metrics: dict[str, float], settings: dict) -> str:
-    """A two-column text table of the metrics, accuracy first."""
-    k = settings.get("k", 1)
-    first = [name.format(k=k) for name in _FIRST]
-    names = list(dict.fromkeys([n for n in first if n in metrics] + sorted(m for m in metrics if m not in first)))
-    width = max(len(n) for n in names)
-    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  ------"]
-    for n in names:
-        v = metrics[n]
-        shown = f"{v:.0f}" if n in ("prompts", "length_max") else (f"{v:.4f}" if math.isfinite(v) else str(v))
-        lines.append(f"{n:<{width}}  {shown}")
+def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints of a run, oldest first: ``all``, ``latest`` or
+    a comma-separated list of steps. Incomplete or corrupt checkpoints are skipped with a warning.
+
+    Raises:
+        ConfigError: no checkpoints directory, no complete checkpoint, a bad ``which`` or a step that
+            has no complete checkpoint (naming the ones there are).
+    """
+    from tether.trainer.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        raise ConfigError(f"--checkpoints needs a run directory (with checkpoints/); {run_dir} has none")
+    ok = []
+    for step, p in sorted(list_checkpoints(root)):
+        try:
+            verify_checkpoint(p)
+            ok.append((step, p))
+        except CheckpointError as e:
+            log.warning("tether eval: skipping %s", e)
+    if not ok:
+        raise ConfigError(f"run directory {run_dir} holds no complete checkpoint")
+    if which == "all":
+        return ok
+    if which == "latest":
+        return ok[-1:]
+    try:
+        steps = [int(x) for x in which.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--checkpoints must be all, latest or a list of steps (e.g. 100,200), got {which!r}") from None
+    have = dict(ok)
+    missing = [st for st in steps if st not in have]
+    if missing or not steps:
+        raise ConfigError(f"no complete checkpoint for step(s) {missing or which!r}; complete ones: {sorted(have)}")
+    return [(st, have[st]) for st in sorted(set(steps))]
+
+
+def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSettings | None = None, *, which: str = "all",
+                         out_dir: str | Path | None = None) -> list[dict]:  # fmt: skip
+    """Evaluate the reference (as step 0) and every selected checkpoint of a run with one
+    :class:`Evaluator` (one engine, weights pushed per checkpoint); write ``eval/curve.png``
+    (accuracy against step and against the KL to the reference of the eval prompts' own samples),
+    ``eval/curve.md`` (the table), ``eval/curve.json`` and ``eval/step_NNNNNN.json`` (every sample).
+
+    Returns:
+        One ``{"step", "checkpoint", "metrics", "by_source"}`` per evaluated policy, step 0 first.
+
+    Raises:
+        ConfigError: see :func:`select_checkpoints`; bad settings; a run without a reference to
+            measure the KL against (no config.yaml and no ``settings.ref``).
+    """
+    from tether.trainer.setup import pick_device
+
+    s = settings or EvalSettings()
+    run = Path(run_dir).expanduser()
+    chosen = select_checkpoints(run, which)
+    device = pick_device(s.device)
+    tok = load_policy_tokenizer(_checkpoint_actor(chosen[0][1])[0])
+    ev = Evaluator(data, s, tok, device, run=run)
+    ref_path = ev.reference_path()
+    if ref_path is None:
+        raise ConfigError(f"{run} has no config.yaml naming the reference; give --ref MODEL_DIR")
+    out = Path(out_dir) if out_dir else run / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    policies = [(0, None)] + [(st, p) for st, p in chosen if st != 0]
+    for st, ckpt in policies:
+        t0 = time.perf_counter()
+        if ckpt is None:
+            model, path, is_ref = ev.reference(), ref_path, True
+        else:
+            w, kind = _checkpoint_actor(ckpt)
+            model = _load_resolved(w, kind, s.dtype, str(device))
+            path, is_ref = (_adapter_base(w) if kind == "adapter" else w), False
+        samples: list[dict] = []
+        by_source: dict = {}
+        m = ev(model, model_path=path, samples=samples, by_source=by_source, is_reference=is_ref)
+        seconds = time.perf_counter() - t0
+        res = {"step": st, "checkpoint": str(ckpt) if ckpt else f"reference {ref_path}", "metrics": m, "by_source": by_source,
+               "seconds": round(seconds, 3)}  # fmt: skip
+        write_json(out / f"step_{st:06d}.json", res["checkpoint"], str(data), m, ev.resolved, seconds, samples, by_source=by_source)
+        results.append(res)
+        log.info("tether eval: step %d: pass@1 %.4f, KL %.4f nats/token (%.1fs)", st, m["pass@1"], m.get("kl_ref_mean", float("nan")), seconds)
+        if not is_ref:
+            del model
+    (out / "curve.json").write_text(json.dumps({"run": str(run), "data": str(data), "settings": ev.resolved, "results": results}, indent=2) + "\n")
+    (out / "curve.md").write_text(curve_table(results, ev.resolved) + "\n")
+    plot_curve(results, ev.resolved, out / "curve.png")
+    return results
+
+
+def _checkpoint_actor(ckpt: Path) -> tuple[Path, str]:
+    """(actor directory, "adapter" | "model") of a checkpoint :func:`select_checkpoints` verified."""
+    actor = Path(ckpt) / "actor"
+    return actor, "adapter" if (actor / "adapter_config.json").is_file() else "model"
+
+
+def load_policy_tokenizer(where: Path):
+    from tether.models import load_tokenizer
+
+    return load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
+
+
+def _curve_keys(settings: dict) -> list[str]:
+    kmax = max(settings["ks"])
+    keys = ["pass@1"] + ([f"maj@{kmax}", f"pass@{kmax}"] if kmax > 1 else [])
+    return keys
+
+
+def curve_table(results: list[dict], settings: dict) -> str:
+    """A markdown table, one row per policy: step, accuracy, KL to the reference (nats per token, k1
+    and k3 on the eval samples), response length and truncation rate."""
+    keys = _curve_keys(settings) + [f"mean@{settings['n']}"]
+    exact = all("exact/score_mean" in r["metrics"] for r in results)
+    head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"] + (["exact pass@1", "exact kl_ref (nats/tok)"] if exact else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        m = r["metrics"]
+        cells = [str(r["step"]), *(f"{m[k]:.4f}" for k in keys), f"{m.get('kl_ref_mean', float('nan')):.4f}",
+                 f"{m.get('kl_ref_k3_mean', float('nan')):.4f}", f"{m['length_mean']:.1f}", f"{m['truncated_frac']:.3f}"]  # fmt: skip
+        if exact:
+            cells += [f"{m['exact/score_mean']:.4f}", f"{m['exact/kl_ref_tok']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, model: str, data: str, metrics: dict, settings: dict, seconds: float, samples: list | None) -> Path:
-    """``{"model", "data", "settings", "metrics", "seconds"[, "samples"]}`` as indented JSON."""
+def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
+    """``curve.png``: accuracy against step (left) and against the KL to the reference (right, nats
+    per token on the eval prompts' own samples, each point labelled with its step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = _curve_keys(settings)
+    steps = [r["step"] for r in results]
+    kl = [r["metrics"].get("kl_ref_mean", float("nan")) for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in keys:
+        ys = [r["metrics"][key] for r in results]
+        a.plot(steps, ys, marker="o", label=key)
+        b.plot(kl, ys, marker="o", label=key)
+    if all("exact/score_mean" in r["metrics"] for r in results):  # the embedded task: the same without sampling noise
+        ys = [r["metrics"]["exact/score_mean"] for r in results]
+        a.plot(steps, ys, ls="--", marker=".", label="exact pass@1")
+        b.plot([r["metrics"]["exact/kl_ref_tok"] for r in results], ys, ls="--", marker=".", label="exact pass@1 vs exact KL")
+    for x, y, st in zip(kl, [r["metrics"]["pass@1"] for r in results], steps, strict=True):
+        b.annotate(str(st), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    a.set_xlabel("step")
+    b.set_xlabel("KL(π‖π_ref) on the eval samples, nats / token")
+    for ax in (a, b):
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"n={settings['n']} samples per prompt, temperature {settings['temperature']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _first_rows(settings: dict) -> list[str]:
+    n, ks = settings.get("n", 1), settings.get("ks", [1])
+    return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}"]
+            + ["answered_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
+               "score_sem", "prompts", "samples"])  # fmt: skip
+
+
+def format_table(metrics: dict[str, float], settings: dict, by_source: dict | None = None) -> str:
+    """A text table of the metrics, accuracy first: one column for all prompts and, with ``by_source``
+    holding two or more data sources, one column per source. The diversity and ``exact/*``
+    metrics follow (only the headline ``exact/*`` values; the JSON holds all)."""
+    first = [m for m in _first_rows(settings) if m in metrics]
+    rest = sorted(m for m in metrics if m not in first and m != "score_mean" and (not m.startswith("exact/") or m in EXACT_SHOWN))
+    names = first + rest
+    cols = [("all", metrics)] + (list(by_source.items()) if by_source and len(by_source) > 1 else [])
+    width = max(len(n) for n in names)
+    cw = [max(8, len(c)) for c, _ in cols]
+    lines = [f"{'metric':<{width}}  " + "  ".join(f"{c:>{w}}" for (c, _), w in zip(cols, cw, strict=True)),
+             f"{'-' * width}  " + "  ".join("-" * w for w in cw)]  # fmt: skip
+    for n in names:
+        cells = []
+        for (_, m), w in zip(cols, cw, strict=True):
+            v = m.get(n)
+            shown = "" if v is None else (f"{v:.0f}" if n in ("prompts", "samples", "length_max", "exact/n_prompts")
+                                          else (f"{v:.4f}" if math.isfinite(v) else str(v)))  # fmt: skip
+            cells.append(f"{shown:>{w}}")
+        lines.append(f"{n:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+_TEXT_KEYS = ("prompt", "response")
+
+
+def write_json(path: str | Path, model: str, data: str, metrics: dict, settings: dict, seconds: float, samples: list | None,
+               *, by_source: dict | None = None, texts: bool = True) -> Path:  # fmt: skip
+    """``{"model", "data", "settings", "metrics", "by_source", "seconds", "samples"}`` as indented JSON;
+    ``texts=False`` leaves each sample's prompt and response text out (ids, answers, scores stay)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"model": str(model), "data": str(data), "settings": settings, "metrics": metrics, "seconds": round(seconds, 3)}
+    doc = {"model": str(model), "data": str(data), "settings": settings, "metrics": metrics, "by_source": by_source or {},
+           "seconds": round(seconds, 3)}  # fmt: skip
     if samples is not None:
-        doc["samples"] = samples
+        doc["samples"] = samples if texts else [{k: v for k, v in r.items() if k not in _TEXT_KEYS} for r in samples]
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+def _settings_from_args(args) -> EvalSettings:
+    from tether.metrics.accuracy import parse_ks
+
+    ks = None
+    if args.k is not None:
+        try:
+            ks = parse_ks(args.k, args.n)[1]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return EvalSettings(
+        n=args.n, ks=ks, greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, limit=args.limit, reward_function=args.reward_function, reward_model=args.reward_model,
+        engine=args.engine, ref=args.ref, kl=not args.no_kl, device=args.device, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
+    )  # fmt: skip
 
 
 def main_eval(args) -> int:
@@ -261,28 +645,33 @@ def main_eval(args) -> int:
 
     from tether.data import DataError
 
-    s = EvalSettings(
-        k=args.k, greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, limit=args.limit, reward_function=args.reward_function, reward_model=args.reward_model,
-        device=args.device, dtype=args.dtype, seed=args.seed,
-    )  # fmt: skip
-    if args.greedy and args.k not in (None, 1):
-        print(f"tether eval: --greedy decodes one response per prompt; ignoring --k {args.k}", file=sys.stderr)
-    samples: list[dict] | None = [] if args.samples else None
     t0 = time.perf_counter()
     try:
-        metrics = evaluate(args.model, args.data, s, samples=samples)
+        s = _settings_from_args(args)
+        if args.checkpoints is not None:
+            out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
+            results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
+            print(curve_table(results, s.resolved))
+            print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
+            return 0
+        samples: list[dict] = []
+        by_source: dict = {}
+        metrics = evaluate(args.model, args.data, s, samples=samples, by_source=by_source)
     except (ConfigError, DataError, ValueError) as e:
         print(f"tether eval: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - t0
     r = s.resolved
     mode = "greedy" if r["greedy"] else f"sampled, temperature {r['temperature']}, top_p {r['top_p']}"
-    print(f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x k={r['k']} ({mode}, at most {r['max_new_tokens']} tokens), {seconds:.1f}s")
-    print(format_table(metrics, r))
+    text = (f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
+            f"engine {r['engine']}), {seconds:.1f}s\n" + format_table(metrics, r, by_source))  # fmt: skip
+    print(text)
     if args.out:
-        print(f"written to {write_json(args.out, args.model, args.data, metrics, r, seconds, samples)}")
+        path = write_json(args.out, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
+        path.with_suffix(".txt").write_text(text + "\n")
+        print(f"written to {path} and {path.with_suffix('.txt')}")
     return 0
 
 
-__all__ = ["DEFAULTS", "EvalSettings", "evaluate", "format_table", "load_policy", "main_eval", "resolve_policy", "write_json"]
+__all__ = ["DEFAULTS", "EvalSettings", "Evaluator", "curve_table", "evaluate", "evaluate_checkpoints", "format_table", "load_policy",
+           "main_eval", "plot_curve", "resolve_policy", "select_checkpoints", "write_json"]  # fmt: skip

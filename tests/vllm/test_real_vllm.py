@@ -195,3 +195,33 @@ def test_grpo_three_steps_on_the_digit_sum_task(tmp_path):
     start = load_file(str(model / "model.safetensors"))
     moved = max(float((p.detach().cpu() - start[n]).abs().max()) for n, p in trainer.roles.actor.model.named_parameters() if n in start)
     assert moved > 1e-3  # the actor did change, and vLLM followed it (the diffs above)
+
+
+def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
+    """tether eval with engine=vllm: one engine built by the trainer's builder, each policy pushed with
+    sync_weights; greedy responses equal the HF engine's for both weight sets, and the KL to the
+    reference on sampled responses is exactly 0 for the reference itself and positive for the other model."""
+    from tether.data import write_records
+    from tether.evaluate import EvalSettings, Evaluator
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": t.split("####")[0][:120], "reward_model": {"ground_truth": "7"}}
+            for t in synthetic_math_texts(N_PROMPTS)]  # fmt: skip
+    data = tmp_path / "p.jsonl"
+    write_records(rows, data)
+    m0, m1 = _load(models[0]), _load(models[1])
+    greedy = {}
+    for engine in ("hf", "vllm"):
+        ev = Evaluator(data, EvalSettings(greedy=True, max_new_tokens=MAX_NEW, engine=engine, device=DEVICE, batch_size=4), tok, torch.device(DEVICE))
+        for name, m in (("m0", m0), ("m1", m1)):
+            samples: list[dict] = []
+            ev(m, model_path=models[0], samples=samples)
+            greedy[engine, name] = [s["response"] for s in samples]
+        if engine == "vllm":
+            assert ev.engine.last_sync == "reload_weights" and ev.resolved["engine"] == "vllm"
+    assert greedy["vllm", "m0"] == greedy["hf", "m0"] and greedy["vllm", "m1"] == greedy["hf", "m1"]
+    assert greedy["vllm", "m0"] != greedy["vllm", "m1"]
+    ev = Evaluator(data, EvalSettings(n=4, max_new_tokens=MAX_NEW, engine="vllm", device=DEVICE, batch_size=4, ref=str(models[0])), tok,
+                   torch.device(DEVICE))  # fmt: skip
+    same = ev(m0, model_path=models[0])
+    other = ev(m1, model_path=models[0])
+    assert same["kl_ref_mean"] == 0.0 and other["kl_ref_mean"] > 0.1 and same["samples"] == other["samples"] == 4 * N_PROMPTS

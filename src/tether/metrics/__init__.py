@@ -1,5 +1,7 @@
-"""Metrics computed from rollouts: diversity and mode collapse (see ``docs/metrics.md``)."""
+"""Metrics computed from rollouts: diversity and mode collapse (see ``docs/metrics.md``), accuracy of
+sampled responses (pass@k, mean@n, maj@k; see ``docs/eval.md``)."""
 
+from tether.metrics.accuracy import accuracy_metrics, default_ks, maj_at_k, majority_vote, parse_ks, pass_at_k
 from tether.metrics.diversity import (
     collapse_rate,
     distinct_n,
@@ -10,6 +12,12 @@ from tether.metrics.diversity import (
 )
 
 __all__ = [
+    "accuracy_metrics",
+    "default_ks",
+    "maj_at_k",
+    "majority_vote",
+    "parse_ks",
+    "pass_at_k",
     "collapse_rate",
     "distinct_n",
     "diversity_metrics",

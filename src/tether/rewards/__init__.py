@@ -6,12 +6,15 @@ Importing this package imports neither ``torch`` nor ``transformers`` nor any ta
 imported when a manager is called or a reward model is loaded.
 """
 
+from .benchmarks import aime_compute_score, extract_aime_answer, extract_choice_letter, gpqa_compute_score
 from .manager import DEFAULT_REWARD_MODEL_CLIP, RewardManager, RewardResult, to_score
 from .math import (
     extract_gsm8k_answer,
     extract_last_boxed,
+    extract_math_answer,
     gsm8k_compute_score,
     gsm8k_strict_compute_score,
+    math_boxed_compute_score,
     math_compute_score,
     math_is_equiv,
     normalize_math_answer,
@@ -19,8 +22,11 @@ from .math import (
 )
 from .normalize import NORMALIZE_MODES, RunningMeanStd
 from .registry import (
+    ANSWER_EXTRACTORS,
     REWARD_FUNCTIONS,
     batched,
+    extract_answer,
+    get_answer_extractor,
     get_reward_function,
     load_user_function,
     register_reward_function,
@@ -28,6 +34,15 @@ from .registry import (
 )
 
 __all__ = [
+    "ANSWER_EXTRACTORS",
+    "aime_compute_score",
+    "extract_aime_answer",
+    "extract_answer",
+    "extract_choice_letter",
+    "extract_math_answer",
+    "get_answer_extractor",
+    "gpqa_compute_score",
+    "math_boxed_compute_score",
     "DEFAULT_REWARD_MODEL_CLIP",
     "NORMALIZE_MODES",
     "REWARD_FUNCTIONS",

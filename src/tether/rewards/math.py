@@ -1,4 +1,5 @@
-"""Rule-based math rewards: GSM8K final-answer match and MATH-style ``\\boxed{}`` match.
+"""Rule-based math rewards: GSM8K final-answer match and MATH answer equivalence (math-verify, with a
+``\\boxed{}`` string match as its fallback).
 
 Both follow verl's per-sample signature
 ``compute_score(solution_str: str, ground_truth, extra_info: dict | None = None) -> float`` and
@@ -40,14 +41,24 @@ interpreted. The ground truth may be an int, float, or a string parsed the same 
 
 MATH (:func:`math_compute_score`)
 ---------------------------------
-The answer is the content of the **last** ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces are
+Answer equivalence through ``math-verify`` (Hugging Face's answer checker, the one lighteval and
+open-r1 use): the solution's answer is the content of its last ``\\boxed{}`` (highest priority), else
+an answer marked "the final answer is ..."; the ground truth is parsed as ``\\boxed{ground truth}``;
+both become SymPy objects and are compared symbolically and numerically (fractions, decimals,
+``\\sqrt``, intervals, sets, tuples, percentages, units dropped). When math-verify cannot parse either
+side (an empty list), the answer falls back to :func:`math_boxed_compute_score`, the string-and-number
+match below. math-verify's own timeouts (5 s per parse or comparison, ``signal.alarm``) apply in the
+main thread; elsewhere they are off (signals work only in the main thread).
+
+:func:`math_boxed_compute_score` (the fallback, and before math-verify the MATH reward itself): the
+answer is the content of the **last** ``\\boxed{...}`` (or ``\\fbox{...}``; nested braces are
 balanced; ``\\boxed 5`` without braces reads up to the next space or ``$``). No boxed answer → 0.0.
 The ground truth is used as is, or, if it contains ``\\boxed``, its last boxed content (so a full
 MATH ``solution`` works as ground truth). Both sides are normalised by
 :func:`normalize_math_answer` and compared as strings; if both parse as numbers
 (:func:`parse_math_number`: integers, decimals, thousands commas, ``a/b``, ``\\frac{a}{b}``, with
 sign) they are compared as numbers instead. verl's ``math.py`` (Hendrycks' ``is_equiv``) compares
-normalised strings only and strips units more aggressively; ours adds numeric equality
+normalised strings only and strips units more aggressively; this adds numeric equality
 (``0.5`` = ``\\frac{1}{2}`` = ``1/2``) and keeps ``\\text{}`` contents.
 """
 
@@ -63,7 +74,10 @@ __all__ = [
     "extract_last_boxed",
     "gsm8k_compute_score",
     "gsm8k_strict_compute_score",
+    "extract_math_answer",
+    "math_boxed_compute_score",
     "math_compute_score",
+    "math_verify_score",
     "math_is_equiv",
     "normalize_math_answer",
     "parse_math_number",
@@ -345,10 +359,21 @@ def math_is_equiv(answer: str, ground_truth: str) -> bool:
     return na is not None and nb is not None and na == nb
 
 
-def math_compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """MATH-style boxed-answer reward (verl signature): 1.0 when the last ``\\boxed{}`` of the
-    solution matches the ground truth (:func:`math_is_equiv`), else 0.0 (also when there is no
-    boxed answer).
+def _math_ground_truth(ground_truth: Any) -> str:
+    if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
+        raise ValueError(f"MATH ground truth is empty: {ground_truth!r}")
+    gt = str(ground_truth)
+    if "\\boxed" in gt or "\\fbox" in gt:
+        boxed = extract_last_boxed(gt)
+        if boxed is not None:
+            gt = boxed
+    return gt
+
+
+def math_boxed_compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """MATH-style boxed-answer match without math-verify (verl signature): 1.0 when the last
+    ``\\boxed{}`` of the solution matches the ground truth (:func:`math_is_equiv`), else 0.0 (also
+    when there is no boxed answer). The fallback of :func:`math_compute_score`.
 
     Args:
         solution_str: the model's response.
@@ -359,14 +384,71 @@ def math_compute_score(solution_str: str, ground_truth: Any, extra_info: dict | 
     Raises:
         ValueError: ``ground_truth`` is None or empty (a data problem).
     """
-    if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
-        raise ValueError(f"MATH ground truth is empty: {ground_truth!r}")
-    gt = str(ground_truth)
-    if "\\boxed" in gt or "\\fbox" in gt:
-        boxed = extract_last_boxed(gt)
-        if boxed is not None:
-            gt = boxed
+    gt = _math_ground_truth(ground_truth)
     ans = extract_last_boxed(solution_str)
     if ans is None:
         return 0.0
     return 1.0 if math_is_equiv(ans, gt) else 0.0
+
+
+def _mv_timeout() -> int | None:
+    """math-verify's timeouts use ``signal.alarm``, which only the main thread may set."""
+    import threading
+
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def _mv_parse_solution(solution_str: str) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    configs = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+               ExprExtractionConfig(try_extract_without_anchor=False)]  # fmt: skip
+    return parse(solution_str, extraction_config=configs, parsing_timeout=_mv_timeout())
+
+
+def math_verify_score(solution_str: str, ground_truth: Any) -> float | None:
+    """1.0 / 0.0 from math-verify, or None when it cannot parse the solution's answer or the ground
+    truth (then :func:`math_compute_score` falls back to :func:`math_boxed_compute_score`).
+
+    Raises:
+        ValueError: ``ground_truth`` is None or empty.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gt = _math_ground_truth(ground_truth)
+    t = _mv_timeout()
+    gold = parse("\\boxed{" + gt + "}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=t)
+    pred = _mv_parse_solution(solution_str)
+    if not gold or not pred:
+        return None
+    return 1.0 if verify(gold, pred, timeout_seconds=t) else 0.0
+
+
+def math_compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """MATH / MATH-500 reward (verl signature): 1.0 when the solution's final answer (last
+    ``\\boxed{}``, else a marked final answer) equals the ground truth by math-verify
+    (:func:`math_verify_score`); when math-verify cannot parse either side, the boxed match
+    :func:`math_boxed_compute_score`. Else 0.0.
+
+    Args:
+        solution_str: the model's response.
+        ground_truth: the reference answer (string or number), or a full solution containing
+            ``\\boxed{}`` (its last boxed content is used).
+        extra_info: ignored.
+
+    Raises:
+        ValueError: ``ground_truth`` is None or empty (a data problem).
+    """
+    v = math_verify_score(solution_str, ground_truth)
+    return v if v is not None else math_boxed_compute_score(solution_str, ground_truth)
+
+
+def extract_math_answer(solution_str: str) -> str | None:
+    """The solution's final answer as a canonical string, for majority voting (maj@k): math-verify's
+    parsed form (``str`` of the SymPy object, so ``0.5``, ``\\frac12`` and ``1/2`` all give ``"1/2"``),
+    else the normalised last ``\\boxed{}`` content (:func:`normalize_math_answer`), else None."""
+    pred = _mv_parse_solution(solution_str)
+    if pred:
+        return str(pred[0])
+    boxed = extract_last_boxed(solution_str)
+    return normalize_math_answer(boxed) if boxed is not None else None

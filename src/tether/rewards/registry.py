@@ -26,10 +26,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ANSWER_EXTRACTORS",
     "REWARD_FUNCTIONS",
     "BatchRewardFn",
     "SampleRewardFn",
     "batched",
+    "extract_answer",
+    "get_answer_extractor",
     "get_reward_function",
     "load_user_function",
     "register_reward_function",
@@ -41,6 +44,15 @@ BatchRewardFn = Callable[[list, list, list, list], Sequence]
 
 _GSM8K = "tether.rewards.math:gsm8k_compute_score"
 _MATH = "tether.rewards.math:math_compute_score"
+_AIME = "tether.rewards.benchmarks:aime_compute_score"
+_GPQA = "tether.rewards.benchmarks:gpqa_compute_score"
+
+#: ``data_source`` values of the public AIME sets (``tether data aime`` writes ``"aime"``).
+AIME_SOURCES = ("aime", "AI-MO/aimo-validation-aime", "HuggingFaceH4/aime_2024", "Maxwell-Jia/AIME_2024",
+                "opencompass/AIME2025", "math-ai/aime24", "math-ai/aime25")  # fmt: skip
+#: ``data_source`` values of GPQA (``tether data gpqa`` writes ``"Idavidrein/gpqa"``).
+GPQA_SOURCES = ("Idavidrein/gpqa", "gpqa")
+_MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
 
 #: ``data_source`` → ``"module:function"`` of a per-sample reward function (imported on first use).
 REWARD_FUNCTIONS: dict[str, str] = {
@@ -51,6 +63,20 @@ REWARD_FUNCTIONS: dict[str, str] = {
     "DigitalLearningGmbH/MATH-lighteval": _MATH,
     "HuggingFaceH4/MATH-500": _MATH,
     "math": _MATH,
+    **{ds: _AIME for ds in AIME_SOURCES},
+    **{ds: _GPQA for ds in GPQA_SOURCES},
+}
+
+#: ``data_source`` → ``"module:function"`` of ``extract(solution_str, extra_info) -> answer or None``:
+#: the answer a response commits to, the vote of maj@k (answers compare equal when they are the same
+#: answer). Sources not listed vote with their whitespace-normalised response text.
+ANSWER_EXTRACTORS: dict[str, str] = {
+    "tether/digitsum": "tether.rewards.registry:response_text_answer",
+    "openai/gsm8k": "tether.rewards.registry:gsm8k_answer",
+    "gsm8k": "tether.rewards.registry:gsm8k_answer",
+    **{ds: "tether.rewards.registry:math_answer" for ds in _MATH_SOURCES},
+    **{ds: "tether.rewards.registry:aime_answer" for ds in AIME_SOURCES},
+    **{ds: "tether.rewards.registry:gpqa_answer" for ds in GPQA_SOURCES},
 }
 
 _cache: dict[str, Callable] = {}
@@ -203,3 +229,60 @@ def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:
     batch.__doc__ = fn.__doc__
     batch.__wrapped__ = fn  # type: ignore[attr-defined]
     return batch
+
+
+# ------------------------------------------------------------------------------ answer extraction
+
+
+def response_text_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
+    """The response itself, whitespace collapsed; None when empty (the default vote of maj@k)."""
+    text = " ".join(str(solution_str).split())
+    return text or None
+
+
+def gsm8k_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
+    """GSM8K's final answer (flexible mode) as an exact number string (``"1000"``, ``"1/2"``)."""
+    from .math import extract_gsm8k_answer
+
+    v = extract_gsm8k_answer(solution_str, "flexible")
+    return None if v is None else str(v)
+
+
+def math_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
+    """MATH's final answer in math-verify's parsed form (:func:`tether.rewards.math.extract_math_answer`)."""
+    from .math import extract_math_answer
+
+    return extract_math_answer(solution_str)
+
+
+def aime_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
+    """AIME's integer answer (:func:`tether.rewards.benchmarks.extract_aime_answer`) as a string."""
+    from .benchmarks import extract_aime_answer
+
+    v = extract_aime_answer(solution_str)
+    return None if v is None else str(v)
+
+
+def gpqa_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
+    """GPQA's option letter (:func:`tether.rewards.benchmarks.extract_choice_letter`)."""
+    from .benchmarks import extract_choice_letter
+
+    choices = (extra_info or {}).get("choices") if isinstance(extra_info, dict) else None
+    return extract_choice_letter(solution_str, choices if isinstance(choices, dict) else None)
+
+
+def get_answer_extractor(data_source: str) -> Callable[[str, dict | None], Any]:
+    """The answer extractor of ``data_source`` (:data:`ANSWER_EXTRACTORS`), or
+    :func:`response_text_answer` for any other source."""
+    path = ANSWER_EXTRACTORS.get(data_source)
+    return resolve_import_path(path) if path else response_text_answer
+
+
+def extract_answer(data_source: str, solution_str: str, extra_info: dict | None = None) -> str | None:
+    """The answer a response commits to, as a string, or None; never raises (an extractor that
+    fails on a malformed response gives None)."""
+    try:
+        a = get_answer_extractor(data_source)(solution_str, extra_info)
+    except Exception:  # noqa: BLE001 - a bad sample must not stop an evaluation
+        return None
+    return None if a is None else str(a)

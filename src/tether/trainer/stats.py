@@ -128,77 +128,174 @@ def distinct_prompt_indices(prompts) -> list[int]:
     return list(first.values())
 
 
+def capped_indices(indices: list[int], max_prompts: int | None, seed: int) -> list[int]:
+    """At most ``max_prompts`` of ``indices``: a subset drawn with ``random.Random(seed)``, kept in
+    their original order, the same for the same arguments (``trainer.val_max_prompts``)."""
+    if max_prompts is None or len(indices) <= max_prompts:
+        return list(indices)
+    import random
+
+    keep = set(random.Random(seed).sample(range(len(indices)), max_prompts))
+    return [i for j, i in enumerate(indices) if j in keep]
+
+
+class KLProbe:
+    """Per-token KL to the reference of sampled responses, for evaluation.
+
+    ``policy`` and ``reference`` are objects with ``compute_logprobs(batch) -> (B, T)`` log-probs in
+    nats at the sampling temperature (:class:`~tether.workers.actor.ReferenceWorker` wraps any model,
+    LoRA adapters included); :meth:`__call__` returns each response's k1 = mean over its valid tokens
+    of log π − log π_ref (an unbiased estimate of KL(π‖π_ref) per token on π's own samples, as the
+    trainer's ``kl/ref_mean_unclamped``) and k3 = mean of e^(−r) + r − 1, both (B,).
+    """
+
+    def __init__(self, policy, reference):
+        self.policy, self.reference = policy, reference
+
+    def __call__(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        lp = self.policy.compute_logprobs(batch).float()
+        ref = self.reference.compute_logprobs(batch).float()
+        mask = batch.response_mask
+        k1 = kl_penalty(lp, ref, "k1", log_ratio_clamp=None)
+        k3 = kl_penalty(lp, ref, "k3")
+        return masked_mean(k1, mask, dim=-1).cpu(), masked_mean(k3, mask, dim=-1).cpu()
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True, leave=False, file=sys.stderr, mininterval=0)
+
+
 @torch.no_grad()
-def evaluate_prompts(runner, reward, prompts, *, k: int, batch_size: int, indices: list[int] | None = None,
-                     samples: list[dict] | None = None, **gen_overrides) -> dict[str, float]:
-    """Sample ``k`` responses per prompt, score them, and summarise: the evaluation shared by the
+def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_size: int, ks: list[int] | None = None,
+                     indices: list[int] | None = None, samples: list[dict] | None = None, by_source: dict | None = None,
+                     kl_probe: KLProbe | None = None, progress: bool = False, desc: str = "eval", k: int | None = None,
+                     **gen_overrides) -> dict[str, float]:  # fmt: skip
+    """Sample ``n`` responses per prompt, score them, and summarise: the evaluation shared by the
     trainer's validation (every ``trainer.val_freq`` steps) and ``tether eval``.
 
     Args:
         runner: a :class:`~tether.trainer.rollout.RolloutRunner` (always generates here, also for an
-            offline run).
+            offline run) around the run's rollout engine (HF or vLLM).
         reward: a reward callable ``(rows, prompts, responses) -> RewardResult`` (a RewardManager).
             Its state (running normalisation) is restored afterwards: evaluating never changes training.
         prompts: a PromptSet; indices: which of its rows (default all), each evaluated once.
-        k: samples per prompt (1 for greedy decoding).
-        batch_size: prompts per generate call (``batch_size * k`` sequences).
-        samples: when a list, one dict per response is appended (``index``, ``sample``, ``prompt``,
-            ``response``, ``score``, ``correct``, ``length``).
+        n: samples per prompt (1 for greedy decoding); ``k`` is its former name.
+        ks: the k of pass@k and maj@k (each <= n; default 1, 2, 4, ... and n).
+        batch_size: prompts per generate call (``batch_size * n`` sequences).
+        samples: when a list, one record per response is appended: ``index`` (the row's source index),
+            ``sample`` (0..n-1), ``data_source``, ``answer`` (the extracted answer,
+            :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``length``
+            (tokens), ``truncated``, ``kl_ref`` (nats per token, with ``kl_probe``), ``prompt``,
+            ``response``.
+        by_source: when a dict, filled with ``{data_source: metrics}`` (the accuracy and length
+            metrics of :func:`summarize_samples` per source).
+        kl_probe: a :class:`KLProbe`: adds ``kl_ref_mean`` / ``kl_ref_k3_mean`` (nats per token, mean
+            over responses) and ``kl_ref_seq_mean`` (nats per response).
+        progress: show a progress bar (prompts done / total, ETA) on stderr, titled ``desc``.
         gen_overrides: passed to the engine (e.g. ``do_sample=False``, ``temperature=0.6``).
 
     Returns:
-        Unprefixed metrics: ``score_mean`` and ``mean@k`` (mean raw score over all samples; a sample the
-        reward could not score counts 0), ``score_sem`` (its standard error from sampling, see
-        :func:`score_sem`), ``pass@1`` (fraction of samples with score >=
-        :data:`CORRECT_THRESHOLD`: the unbiased pass@1 estimate from k samples), ``pass@k`` (fraction of
-        prompts with at least one correct sample), ``length_mean`` / ``length_max`` (response tokens,
-        EOS included), ``truncated_frac`` (responses that hit the length limit), ``prompts``, and the
-        diversity metrics of :func:`tether.metrics.diversity.diversity_metrics` over each prompt's k
-        samples (``distinct_1``, ...).
+        Unprefixed metrics: those of :func:`summarize_samples` over all prompts (``pass@k``,
+        ``maj@k``, ``mean@n``, ``score_mean``, ``score_sem``, lengths, ``truncated_frac``, ...) plus
+        the diversity metrics of :func:`tether.metrics.diversity.diversity_metrics` over each
+        prompt's n samples (``distinct_1``, ...).
 
     Raises:
-        ValueError: no prompt to evaluate.
+        ValueError: no prompt to evaluate, or a k > n.
     """
+    from tether.metrics.accuracy import default_ks
+    from tether.rewards import extract_answer
+
+    n = n if n is not None else k
+    if n is None or n < 1:
+        raise ValueError(f"evaluate_prompts needs n >= 1 samples per prompt, got {n}")
+    ks = default_ks(n) if ks is None else sorted(set(ks))
+    if any(not 1 <= x <= n for x in ks):
+        raise ValueError(f"every k must be in 1..n={n}, got {ks}")
     idx_all = list(range(len(prompts))) if indices is None else list(indices)
     if not idx_all:
         raise ValueError("nothing to evaluate: the prompt set is empty")
     saved = reward.state_dict() if hasattr(reward, "state_dict") else None
     eos = runner.tok.eos_token_id
-    scores, lengths, truncated, tokens, groups = [], [], [], [], []
+    records: list[dict] = []
+    tokens, groups = [], []
+    bar = _progress(len(idx_all), desc, progress)
     try:
         for start in range(0, len(idx_all), batch_size):
             idx = idx_all[start : start + batch_size]
-            batch = runner.rollout(prompts, idx, k, mode="online", **gen_overrides)
+            batch = runner.rollout(prompts, idx, n, mode="online", **gen_overrides)
             res = reward(batch.rows, batch.prompts, batch.responses)
             s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
-            scores.append(s.view(len(idx), k))
-            lengths.append(batch.response_mask.sum(-1).float().cpu())
-            ended = torch.isin(batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device))
-            truncated.append((~ended.any(-1)).float().cpu())
+            ended = torch.isin(batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)).any(-1)
+            lengths = batch.response_mask.sum(-1).tolist()
+            kl = kl_probe(batch) if kl_probe is not None else None
             tokens += _response_tokens(batch, eos)
             groups += (batch.group_ids.cpu() + start).tolist()
-            if samples is not None:
-                for j in range(len(batch)):
-                    sc = float(s[j])
-                    samples.append({"index": batch.rows[j].index, "sample": j % k, "prompt": batch.prompts[j], "response": batch.responses[j],
-                                    "score": sc, "correct": sc >= CORRECT_THRESHOLD, "length": int(batch.response_mask[j].sum())})
+            for j, row in enumerate(batch.rows):
+                sc = float(s[j])
+                rec = {"index": row.index, "sample": j % n, "data_source": row.data_source,
+                       "answer": extract_answer(row.data_source, batch.responses[j], row.extra_info),
+                       "score": sc, "correct": sc >= CORRECT_THRESHOLD, "length": int(lengths[j]), "truncated": not bool(ended[j])}  # fmt: skip
+                if kl is not None:
+                    rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
+                rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
+                records.append(rec)
+            if bar is not None:
+                bar.update(len(idx))
     finally:
         if saved is not None:
             reward.load_state_dict(saved)
-    S = torch.cat(scores)  # (prompts, k)
-    L = torch.cat(lengths)
-    out = {
-        "score_mean": float(S.mean()),
-        "score_sem": score_sem(S),
-        f"mean@{k}": float(S.mean()),
-        "pass@1": float((S >= CORRECT_THRESHOLD).float().mean()),
-        f"pass@{k}": float((S >= CORRECT_THRESHOLD).any(-1).float().mean()),
-        "length_mean": float(L.mean()),
-        "length_max": float(L.max()),
-        "truncated_frac": float(torch.cat(truncated).mean()),
-        "prompts": float(len(idx_all)),
-    }
+        if bar is not None:
+            bar.close()
+    out = summarize_samples(records, n, ks)
     out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
+    if by_source is not None:
+        sources = list(dict.fromkeys(r["data_source"] for r in records))
+        for ds in sources:
+            by_source[ds] = summarize_samples([r for r in records if r["data_source"] == ds], n, ks)
+    if samples is not None:
+        samples.extend(records)
+    return out
+
+
+def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, float]:
+    """Metrics of per-sample records (as :func:`evaluate_prompts` writes them, prompt-major, n per prompt).
+
+    Returns:
+        ``pass@k`` (unbiased, Chen et al. 2021) and ``maj@k`` for every k in ``ks`` (``pass@1`` always),
+        ``mean@{n}`` and ``score_mean`` (mean raw score; a sample the reward could not score counts 0),
+        ``score_sem`` (its standard error from sampling, :func:`score_sem`), ``answered_frac`` (samples
+        with an extracted answer), ``length_mean`` / ``length_max`` (response tokens, EOS included),
+        ``truncated_frac`` (responses that hit the length limit), ``prompts``, ``samples``; with KL in
+        the records, ``kl_ref_mean``, ``kl_ref_k3_mean`` (nats per token) and ``kl_ref_seq_mean`` (nats
+        per response). See :mod:`tether.metrics.accuracy`.
+    """
+    from tether.metrics.accuracy import accuracy_metrics
+
+    P = len(records) // n
+    if P == 0 or P * n != len(records):
+        raise ValueError(f"need a positive multiple of n={n} records, got {len(records)}")
+    by_prompt = [records[i * n : (i + 1) * n] for i in range(P)]
+    S = torch.tensor([[r["score"] for r in g] for g in by_prompt], dtype=torch.float64)  # (P, n)
+    out = accuracy_metrics(S.tolist(), [[r["correct"] for r in g] for g in by_prompt], [[r["answer"] for r in g] for g in by_prompt], ks)
+    L = torch.tensor([float(r["length"]) for r in records])
+    out |= {
+        "score_mean": out[f"mean@{n}"], "score_sem": score_sem(S),
+        "answered_frac": sum(r["answer"] is not None for r in records) / len(records),
+        "length_mean": float(L.mean()), "length_max": float(L.max()),
+        "truncated_frac": sum(bool(r["truncated"]) for r in records) / len(records), "samples": float(len(records)),
+    }  # fmt: skip
+    if "kl_ref" in records[0]:
+        k1 = torch.tensor([r["kl_ref"] for r in records], dtype=torch.float64)
+        out["kl_ref_mean"] = float(k1.mean())
+        out["kl_ref_k3_mean"] = float(torch.tensor([r["kl_ref_k3"] for r in records], dtype=torch.float64).mean())
+        out["kl_ref_seq_mean"] = float((k1 * L.double()).mean())
     return out
 
 
@@ -216,15 +313,22 @@ def score_sem(S: torch.Tensor) -> float:
 
 
 def validate(trainer) -> dict[str, float]:
-    """``val/*``: :func:`evaluate_prompts` on the held-out prompts, k = ``trainer.val_n`` samples each,
-    with the training sampling settings; plus ``exact/*`` on the embedded task. In an offline run
-    the policy generates (each distinct prompt once) and generated responses are scored by the
-    reward function (``roles.val_reward``), not by the dataset's score column."""
+    """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
+    with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
+    fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
+    ``exact/*`` on the embedded task. In an offline run the policy generates (each distinct prompt
+    once) and generated responses are scored by the reward function (``roles.val_reward``), not by
+    the dataset's score column."""
     cfg = trainer.cfg
     reward = getattr(trainer.roles, "val_reward", None) or trainer.roles.reward
-    indices = distinct_prompt_indices(trainer.val_set) if cfg.rollout.mode == "offline" else None
-    m = evaluate_prompts(trainer.roles.engine, reward, trainer.val_set, k=cfg.trainer.val_n, batch_size=cfg.data.batch_size, indices=indices)
+    indices = distinct_prompt_indices(trainer.val_set) if cfg.rollout.mode == "offline" else list(range(len(trainer.val_set)))
+    indices = capped_indices(indices, cfg.trainer.val_max_prompts, cfg.trainer.seed)
+    per_source: dict[str, dict] = {}
+    m = evaluate_prompts(trainer.roles.engine, reward, trainer.val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size,
+                         indices=indices, by_source=per_source, progress=cfg.trainer.progress, desc="validation")  # fmt: skip
     out = {f"val/{key}": v for key, v in m.items()}
+    if len(per_source) > 1:
+        out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
     if exact_evaluation_applies(cfg):
         out |= exact_metrics(trainer)
     return out

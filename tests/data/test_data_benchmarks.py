@@ -1,0 +1,129 @@
+"""tether data aime|gpqa|math500: rows written by hand in the public sets' layouts → verl schema."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tether.cli import main
+from tether.data import DataError, load_rows, write_records
+from tether.data.benchmarks import TEMPLATES, convert_aime, convert_gpqa, convert_math500, gpqa_options
+from tether.rewards import get_reward_function
+
+GPQA_FIELDS = ["Record ID", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3", "Subdomain"]
+
+
+def _gpqa_csv(path, rows):
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=GPQA_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_aime_layouts(tmp_path):
+    src = tmp_path / "aime.jsonl"
+    write_records([
+        {"id": 60, "problem": "Find $m+n$.", "answer": "033", "url": "https://x"},   # AI-MO / HuggingFaceH4 layout
+        {"ID": "2024-I-2", "Problem": "How many?", "Solution": "...", "Answer": 25},  # Maxwell-Jia layout
+        {"question": "Compute N.", "answer": " 204 "},                                # opencompass layout
+    ], src)  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert convert_aime(src, out) == 3
+    rows = _read(out)
+    assert rows[0]["prompt"] == [{"role": "user", "content": "Find $m+n$. Let's think step by step and output the final answer within \\boxed{}."}]
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["33", "25", "204"]
+    assert {r["data_source"] for r in rows} == {"aime"} and rows[0]["extra_info"]["id"] == 60
+    fn = get_reward_function(rows[0]["data_source"])
+    assert fn("so \\boxed{033}", rows[0]["reward_model"]["ground_truth"]) == 1.0
+    assert len(load_rows(out)) == 3  # loads as training / eval data
+
+
+def test_aime_bad_rows_are_named(tmp_path):
+    src = tmp_path / "aime.jsonl"
+    write_records([{"problem": "ok", "answer": 1}, {"problem": "x", "answer": "3.5"}, {"answer": 3}, {"problem": "y", "answer": 1000}], src)
+    with pytest.raises(DataError) as e:
+        convert_aime(src, tmp_path / "o.jsonl")
+    msg = str(e.value)
+    assert "3 malformed" in msg and "line 2" in msg and "3.5" in msg and "line 3: no 'problem'" in msg and "outside 0..999" in msg
+
+
+def test_math500_layout_and_solution_fallback(tmp_path):
+    src = tmp_path / "math500.jsonl"
+    write_records([
+        {"problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?", "solution": "... $\\boxed{\\frac34}$", "answer": "\\frac{3}{4}",
+         "subject": "Algebra", "level": 1, "unique_id": "test/algebra/1.json"},
+        {"problem": "Simplify.", "solution": "It is $\\boxed{\\sqrt{2}}$."},
+    ], src)  # fmt: skip
+    out = tmp_path / "out.parquet"
+    assert convert_math500(src, out) == 2
+    rows = load_rows(out)
+    assert [r.ground_truth for r in rows] == ["\\frac{3}{4}", "\\sqrt{2}"]
+    assert rows[0].data_source == "HuggingFaceH4/MATH-500" and rows[0].extra_info["subject"] == "Algebra"
+    assert rows[0].prompt[0]["content"].endswith("within \\boxed{}.")
+    assert get_reward_function(rows[0].data_source)("$\\boxed{0.75}$", rows[0].ground_truth) == 1.0
+
+
+def test_gpqa_shuffle_is_fixed_by_seed_and_question(tmp_path):
+    row = {"Record ID": "rec1", "Question": "Which energy?", "Correct Answer": " 4.2 eV\n", "Incorrect Answer 1": "2.1 eV",
+           "Incorrect Answer 2": "10^-4 eV", "Incorrect Answer 3": "42 eV", "Subdomain": "Physics"}  # fmt: skip
+    other = dict(row, **{"Record ID": "rec2", "Question": "Which other energy?"})
+    src = _gpqa_csv(tmp_path / "gpqa_diamond.csv", [row, other])
+    out = tmp_path / "out.jsonl"
+    assert convert_gpqa(src, out) == 2
+    rows = _read(out)
+    for r in rows:
+        choices, letter = r["extra_info"]["choices"], r["reward_model"]["ground_truth"]
+        assert choices[letter] == "4.2 eV" and sorted(choices.values()) == sorted(["4.2 eV", "2.1 eV", "10^-4 eV", "42 eV"])
+        content = r["prompt"][0]["content"]
+        assert content.startswith("Answer the following multiple choice question.") and "'Answer: $LETTER'" in content
+        assert content.endswith("\n".join(f"{k}) {v}" for k, v in choices.items()))
+        assert get_reward_function(r["data_source"])(f"... Answer: {letter}", letter, r["extra_info"]) == 1.0
+    # the same seed and question always give the same order, whatever else is in the file
+    alone = _gpqa_csv(tmp_path / "one.csv", [other])
+    convert_gpqa(alone, tmp_path / "one.jsonl")
+    assert _read(tmp_path / "one.jsonl")[0]["extra_info"]["choices"] == rows[1]["extra_info"]["choices"]
+    # the order is a permutation that depends on the seed: over 24 questions two seeds disagree somewhere
+    letters = {seed: [gpqa_options(f"q{i}", "right", ["w1", "w2", "w3"], seed)[1] for i in range(24)] for seed in (0, 1)}
+    assert letters[0] != letters[1] and set(letters[0]) == set("ABCD")
+    assert letters[0] == [gpqa_options(f"q{i}", "right", ["w1", "w2", "w3"], 0)[1] for i in range(24)]
+
+
+def test_gpqa_missing_fields_and_template_override(tmp_path):
+    src = _gpqa_csv(tmp_path / "bad.csv", [{"Question": "Q?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "",
+                                            "Incorrect Answer 3": "d"}])  # fmt: skip
+    with pytest.raises(DataError, match=r"line 2: missing or empty field\(s\) \['Incorrect Answer 2'\]"):
+        convert_gpqa(src, tmp_path / "o.jsonl")
+    good = _gpqa_csv(tmp_path / "good.csv", [{"Question": "Q?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c",
+                                              "Incorrect Answer 3": "d"}])  # fmt: skip
+    convert_gpqa(good, tmp_path / "t.jsonl", template="{question} | {A} | {B} | {C} | {D} \\boxed{}")
+    content = _read(tmp_path / "t.jsonl")[0]["prompt"][0]["content"]
+    parts = content.split(" | ")
+    assert parts[0] == "Q?" and parts[4].endswith(" \\boxed{}") and sorted([*parts[1:4], parts[4].split(" ")[0]]) == ["a", "b", "c", "d"]
+    with pytest.raises(DataError, match=r"needs the placeholder\(s\) \{D\}"):
+        convert_gpqa(good, tmp_path / "t.jsonl", template="{question} {A} {B} {C}")
+
+
+def test_cli_converters(tmp_path, capsys):
+    src = tmp_path / "aime.jsonl"
+    write_records([{"problem": "P", "answer": 7}], src)
+    assert main(["data", "aime", str(src), str(tmp_path / "a.jsonl"), "--template", "Q: {problem}\nA:"]) == 0
+    assert _read(tmp_path / "a.jsonl")[0]["prompt"][0]["content"] == "Q: P\nA:"
+    m = tmp_path / "m.jsonl"
+    write_records([{"problem": "P", "answer": "\\frac12"}], m)
+    assert main(["data", "math500", str(m), str(tmp_path / "m_out.jsonl"), "--data-source", "math"]) == 0
+    assert _read(tmp_path / "m_out.jsonl")[0]["data_source"] == "math"
+    assert main(["data", "math500", str(tmp_path / "missing.jsonl"), str(tmp_path / "m.jsonl")]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    g = _gpqa_csv(tmp_path / "g.csv", [{"Question": "Q?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c",
+                                        "Incorrect Answer 3": "d"}])  # fmt: skip
+    assert main(["data", "gpqa", str(g), str(tmp_path / "g0.jsonl"), "--seed", "0"]) == 0
+    assert main(["data", "gpqa", str(g), str(tmp_path / "g0b.jsonl")]) == 0
+    assert _read(tmp_path / "g0.jsonl") == _read(tmp_path / "g0b.jsonl")
+    assert TEMPLATES["gpqa"].count("{") == 5
