@@ -246,3 +246,12 @@ def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
     eight = plan_memory(PlanSettings(**{**s.__dict__, "rollout_tp": 8}), shape)
     weights, kv_per_seq = shape.causal_lm_params() * 2 // 8, shape.kv_bytes_per_token(2) * 2048 // 8
     assert eight.fits and f"holds {(vllm.bytes - weights) // kv_per_seq} sequences" in next(i.note for i in eight.items if i.role == "rollout (vLLM)")
+
+
+def test_cli_overrides_may_follow_the_flags_and_a_misspelt_flag_is_an_error(capsys):
+    m = FIXTURES / "qwen2.5-7b"
+    rc = main(["plan", str(PRESET), "--devices", "8", *_preset_overrides(m), "actor.micro_batch_size=1"])
+    assert rc == 0 and "micro-batch 1 × 1536 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(PRESET), *_preset_overrides(m), "--devcies", "8"])
+    assert e.value.code == 2 and "--devcies" in capsys.readouterr().err

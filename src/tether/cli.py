@@ -327,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "command", None) == "plan":  # key=value overrides after the flags
-        args.overrides = [*args.overrides, *extra]
+    if extra and getattr(args, "command", None) == "plan" and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # key=value overrides after the flags
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

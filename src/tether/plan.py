@@ -15,9 +15,10 @@ what each role keeps on one device:
 * the **logits** of one micro-batch and the chunked log-prob buffers of
   :mod:`tether.algos.logprobs`;
 * the frozen **reference** (weights only), the **critic** (a value model trained like the actor),
-  the **reward model** (weights only, in its checkpoint's dtype) and the rollout engine: HF
-  ``generate``'s KV cache, or **vLLM**'s reservation (``rollout.vllm.gpu_memory_utilization`` of the
-  device, or the weights plus ``rollout.vllm.kv_cache_gib``).
+  the **reward model** (weights only, in its checkpoint's dtype) and the rollout engine, which runs
+  in ``actor.dtype``: HF ``generate``'s KV cache, or **vLLM**'s reservation
+  (``rollout.vllm.gpu_memory_utilization`` of the device, or the weights plus
+  ``rollout.vllm.kv_cache_gib``).
 
 Phases run one after another (rollout, log-probs, critic update, actor update), so the peak is the
 memory every phase keeps (weights, optimizer state, vLLM's reservation) plus the largest phase.
@@ -46,7 +47,10 @@ __all__ = [
     "logits_bytes",
     "parse_size",
     "plan_memory",
+    "plan_config",
+    "suggestions",
     "format_plan",
+    "main_plan",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -512,10 +516,10 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
         b = params["reward model"] * DTYPE_BYTES[rd] // n
         items.append(Item("reward model", f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""), 0 if s.offload else b,
                           host=b if s.offload else 0, note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"))
-    per_seq_kv = actor.kv_bytes_per_token(ec) * seq // s.tp
+    per_seq_kv = actor.kv_bytes_per_token(es) * seq // s.tp  # both engines run in actor.dtype
     if s.engine == "vllm" and s.accelerator:
-        weights = p_actor * ec // s.engine_tp
-        kv_seq = actor.kv_bytes_per_token(ec) * seq // s.engine_tp
+        weights = p_actor * es // s.engine_tp
+        kv_seq = actor.kv_bytes_per_token(es) * seq // s.engine_tp
         reserve = weights + int(s.vllm_kv_gib * GIB) if s.vllm_kv_gib else int(s.vllm_util * s.device_memory)
         seqs = max(0, reserve - weights) // max(kv_seq, 1)
         items.append(Item("rollout (vLLM)", f"reservation: weights (tp {s.engine_tp}) + KV cache", reserve,
@@ -567,7 +571,7 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
     return tries
 
 
-def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     """What each single change would bring the peak to, and a greedy combination that fits.
 
     Tried: tp × 2 (up to ``max_tp``, while it divides the heads, KV heads and devices), CPU offload,
