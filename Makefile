@@ -32,7 +32,7 @@ VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf
 
-.PHONY: install demo test test-fast bench lint clean install-vllm test-vllm
+.PHONY: install demo test test-fast bench bench-peer lint clean install-vllm test-vllm
 
 install: $(VENV)/.installed
 
@@ -56,6 +56,23 @@ bench: install
 	$(BIN)/python benchmarks/bench_gae.py
 	$(BIN)/python benchmarks/bench_logprobs.py
 	$(BIN)/python benchmarks/bench_train.py
+
+# TRL 1.16 in a venv of its own (never in the default install): torch first, then trl, then this
+# tether; fails if installing trl changed torch. Then the side-by-side benchmark of issue 13.
+TRL_VENV ?= .venv-trl
+TRL_VERSION ?= 1.16.0
+$(TRL_VENV)/.installed: pyproject.toml Makefile
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(TRL_VENV)/bin/python -c "import torch; print(torch.__version__)" > $(TRL_VENV)/.torch-before
+	$(TRL_VENV)/bin/python -m pip install -q "trl==$(TRL_VERSION)" "torch==$(TORCH_VERSION)"
+	$(TRL_VENV)/bin/python -m pip install -q -e . "torch==$(TORCH_VERSION)"
+	$(TRL_VENV)/bin/python -c "import torch; print(torch.__version__)" | cmp -s - $(TRL_VENV)/.torch-before \
+		|| { echo "installing trl changed torch: $$(cat $(TRL_VENV)/.torch-before) -> $$($(TRL_VENV)/bin/python -c 'import torch; print(torch.__version__)')"; exit 1; }
+	touch $@
+
+bench-peer: $(TRL_VENV)/.installed
+	$(TRL_VENV)/bin/python benchmarks/bench_peer_trl.py $(ARGS)
 
 install-vllm: $(VLLM_VENV)/.installed
 

@@ -2,7 +2,8 @@
 
 For tiny Qwen2 models of about 1M to 50M parameters (GQA, untied and tied heads), one actor update
 (one mini-batch = one micro-batch of b responses, PPO clipped loss, AdamW step through
-``tether.workers.ActorWorker.update``), in float32 and in bfloat16 (``actor.dtype=bfloat16``), runs after a warm-up update (so AdamW's moments exist, as
+``tether.workers.ActorWorker.update``), in float32, in bfloat16 (``actor.dtype=bfloat16``) and
+with bfloat16 autocast over float32 weights (``actor.compute_dtype=bfloat16``), runs after a warm-up update (so AdamW's moments exist, as
 they do from step 2 of a run). Measured:
 
 * ``tracked``: the peak of live tensor bytes during the update, from torch's
@@ -44,10 +45,17 @@ CASES = {
 }
 BF16 = {"5M-bf16": "5M", "25M-long-bf16": "25M-long", "25M-long-ckpt-bf16": "25M-long-ckpt"}
 """bfloat16 weights, gradients, AdamW moments and compute (``actor.dtype=bfloat16``) of a float32 case."""
+AMP = {"25M-long-amp": "25M-long", "25M-long-ckpt-amp": "25M-long-ckpt"}
+"""float32 weights with bfloat16 autocast (``actor.compute_dtype=bfloat16``, float32 LM head) of a float32 case."""
 
 
-def _case(name: str) -> tuple[tuple, str]:
-    return (CASES[BF16[name]], "bfloat16") if name in BF16 else (CASES[name], "float32")
+def _case(name: str) -> tuple[tuple, str, str]:
+    """(case, actor.dtype, actor.compute_dtype)."""
+    if name in BF16:
+        return CASES[BF16[name]], "bfloat16", "bfloat16"
+    if name in AMP:
+        return CASES[AMP[name]], "float32", "bfloat16"
+    return CASES[name], "float32", "float32"
 
 
 def _config(case):
@@ -108,14 +116,18 @@ def _measure(name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tether.models import fp32_lm_head
     from tether.workers.actor import ActorWorker
 
-    case, dtype = _case(name)
+    case, dtype, compute = _case(name)
     rss_before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     model = AutoModelForCausalLM.from_config(_config(case), dtype=getattr(torch, dtype), attn_implementation="sdpa")
     if case[-1]:
         model.gradient_checkpointing_enable()
-    actor = ActorWorker(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=case[7], temperature=1.0)
+    if compute != dtype:
+        fp32_lm_head(model)  # as tether.trainer.setup does for actor.compute_dtype=bfloat16
+    actor = ActorWorker(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=case[7],
+                        temperature=1.0, compute_dtype=compute)  # fmt: skip
     batch, spec = _batch(case), _spec(case[7])
     actor.update(batch, spec, 0)  # AdamW's moments now exist
     gc.collect()
@@ -134,10 +146,10 @@ def _measure(name: str) -> dict:
 def predict(name: str) -> dict:
     from tether.plan import ModelShape, PlanSettings, plan_memory
 
-    case, dtype = _case(name)
+    case, dtype, compute = _case(name)
     shape = ModelShape.from_hf(_config(case))
     b, p, t, ckpt = case[7:]
-    s = PlanSettings(devices=1, storage_dtype=dtype, compute_dtype=dtype, actor_checkpointing=ckpt, actor_micro_batch=b,
+    s = PlanSettings(devices=1, storage_dtype=dtype, compute_dtype=compute, autocast=compute != dtype, actor_checkpointing=ckpt, actor_micro_batch=b,
                      logprob_micro_batch=b, prompt_len=p, response_len=t, rollout_batch=b, separate_ref=False, accelerator=False)  # fmt: skip
     plan = plan_memory(s, shape)
     kept = sum(i.bytes for i in plan.items if i.role == "actor" and i.phase == "always")
@@ -154,7 +166,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args.one)))
         return 0
-    names = list(CASES)[:2] if args.quick else [*CASES, *BF16]
+    names = list(CASES)[:2] if args.quick else [*CASES, *BF16, *AMP]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     rows = []
     print("| model | parameters | micro-batch × tokens | checkpointing | predicted MiB | tracked peak MiB | error | peak RSS − RSS before the model, MiB |")
@@ -165,7 +177,7 @@ def main() -> int:
         pr = predict(name)
         assert pr["params"] == m["params"], (name, pr["params"], m["params"])
         err = pr["predicted"] / m["tracked"] - 1
-        case, _ = _case(name)
+        case = _case(name)[0]
         rows.append((name, err))
         print(f"| {name} | {m['params']:,} | {case[7]} × {case[8] + case[9]} | {'on' if case[-1] else 'off'} | {pr['predicted'] / 2**20:.1f} | "
               f"{m['tracked'] / 2**20:.1f} | {err:+.1%} | {m['rss_growth'] / 2**20:.1f} |")

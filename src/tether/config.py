@@ -73,6 +73,15 @@ class ActorConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor, reference and critic.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the model directory (off unless you trust it).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor's backward pass.")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Autocast dtype of the actor's, reference's and rollout's forward passes; parameters, gradients and "
+        "optimizer stay in actor.dtype (fp32 master weights), the LM head, log-softmax, KL and losses in fp32."
+    )
+    reuse_update_logprobs: bool = Field(
+        True, description="With one PPO epoch and one mini-batch per step, old_logprobs and entropy come from the update's own forward, "
+        "detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update (kl.placement loss/none, "
+        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
 
 

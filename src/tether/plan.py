@@ -199,7 +199,7 @@ class ModelShape:
         return self.layers * 2 * self.kv_dim * dtype_bytes
 
 
-def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: int = 1) -> int:
+def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: int = 1, *, autocast: bool = False) -> int:
     """Bytes one decoder layer saves for its backward, for a micro-batch of b sequences of s tokens.
 
     Counted tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in
@@ -213,24 +213,32 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
     * attention: q, and k, v repeated to all heads (``repeat_kv``: SDPA gets a padding mask, so no
       grouped-query kernel), and the attention output (SDPA's, which o_proj saves as its input):
       4·b·s·heads·head_dim·e, plus SDPA's float32 logsumexp b·heads·s·4 (a fused kernel: no s²
-      probabilities);
+      probabilities), plus the (b, 1, s, s) additive padding mask each layer's SDPA keeps in e
+      bytes (b·s²·e: a separate copy per layer, as measured on CPU);
     * the SwiGLU MLP: gate (SiLU's input), SiLU(gate), up and their product (down_proj's input):
       4·b·s·I·e.
 
     Checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks`` on tiny Qwen2 models
     (tests/test_plan.py).
 
+    ``autocast`` (``actor.compute_dtype=bfloat16`` over float32 weights): the norms keep their
+    input and normalised value in float32 and each projection saves its own e-byte cast of the
+    norm's output (q, k, v: three; gate, up: two): b·s·h·(16 + 5e) per layer.
+
     With tensor and sequence parallelism of degree tp every term is split tp ways (Korthikanti et
     al. 2022, eq. 5, with sequence parallelism). Returns bytes on one device.
     """
     h, i, q = shape.hidden, shape.intermediate, shape.q_dim
-    norms = 2 * b * s * (h * (4 + 2 * e) + 4)  # + the float32 rsqrt(variance), one per position
-    attn = b * s * 4 * q * e + b * shape.heads * s * 4
+    if autocast:  # float32 x and normalised value per norm; each projection saves its own cast of the output
+        norms = b * s * h * (16 + 5 * e) + 2 * b * s * 4
+    else:
+        norms = 2 * b * s * (h * (4 + 2 * e) + 4)  # + the float32 rsqrt(variance), one per position
+    attn = b * s * 4 * q * e + b * shape.heads * s * 4 + b * s * s * e  # + the layer's (b, 1, s, s) mask in e bytes
     mlp = 4 * b * s * i * e
     return math.ceil((norms + attn + mlp) / tp)
 
 
-def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing: bool, tp: int = 1) -> int:
+def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing: bool, tp: int = 1, autocast: bool = False) -> int:
     """Activations saved over the whole forward of one micro-batch (b sequences, s tokens), bytes.
 
     Without checkpointing: every layer's :func:`activation_bytes_per_layer`, plus the final norm
@@ -238,30 +246,32 @@ def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing
     one layer's activations are rebuilt at a time in the backward (Korthikanti et al. 2022, §4.3,
     "full recomputation": 2·s·b·h per layer in fp16, plus one layer).
     """
-    final_norm = b * s * (shape.hidden * (4 + 2 * e) + 4) // tp
-    per_layer = activation_bytes_per_layer(shape, b, s, e, tp)
+    final_norm = b * s * (shape.hidden * (12 if autocast else (4 + 2 * e)) + 4) // tp  # autocast: the fp32 LM head saves fp32
+    per_layer = activation_bytes_per_layer(shape, b, s, e, tp, autocast=autocast)
     if checkpointing:
         return shape.layers * b * s * shape.hidden * e // tp + per_layer + final_norm
     return shape.layers * per_layer + final_norm
 
 
-def logits_bytes(shape: ModelShape, b: int, s: int, t: int, e: int, *, tp: int = 1, accelerator: bool = True, train: bool = True) -> int:
+def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, accelerator: bool = True, train: bool = True) -> int:
     """Peak bytes of the LM head's output and the log-prob computation for one micro-batch.
 
-    The model returns (b, s, V) logits in the compute dtype (every position, e bytes each);
-    :func:`tether.algos.logprobs_and_entropy_from_logits` reads the (b, t, V) response slice in
-    chunks of at most ``DEFAULT_CHUNK_ELEMENTS`` logits (2**24 on an accelerator, 2**22 on a CPU),
-    in float32. Without grad: the logits and about three chunk temporaries. In training the
-    backward first holds the logits, the (b, t, V) gradient it builds and two chunk temporaries
-    (log p and p); then the (b, s, V) gradient of the full logits and the LM head's (V, h) weight
-    gradient: the larger of the two. Vocabulary-parallel (tp) splits V. Measured on CPU against
-    ``MemTracker`` (``benchmarks/plan_vs_measured.py``).
+    The LM head runs on the last t + 1 positions only (``logits_to_keep``,
+    :func:`tether.models.response_logprobs`): (b, t+1, V) logits of e bytes each (4 with
+    ``actor.compute_dtype=bfloat16``, whose LM head stays float32; else the compute dtype).
+    :func:`tether.algos.logprobs_and_entropy_from_logits` reads the (b, t, V) slice in chunks of at
+    most ``DEFAULT_CHUNK_ELEMENTS`` logits (2**24 on an accelerator, 2**22 on a CPU), in float32.
+    Without grad: the logits and about three chunk temporaries. In training the backward first holds
+    the logits, the (b, t, V) gradient it builds and two chunk temporaries (log p and p); then the
+    (b, t+1, V) gradient of the kept logits and the LM head's (V, h) weight gradient: the larger of
+    the two. Vocabulary-parallel (tp) splits V. Measured on CPU against ``MemTracker``
+    (``benchmarks/plan_vs_measured.py``).
     """
     from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
 
     v = math.ceil(shape.vocab / tp)
     chunk = min(DEFAULT_CHUNK_ELEMENTS["accelerator" if accelerator else "cpu"], b * t * v) * 4  # float32 bytes
-    logits = b * s * v * e
+    logits = b * (t + 1) * v * e
     if not train:
         return logits + 3 * chunk
     return max(logits + b * t * v * e + 2 * chunk, logits + shape.hidden * v * e)
@@ -300,6 +310,7 @@ class PlanSettings:
     rollout_tp: int | None = None
     vllm_util: float = 0.35
     vllm_kv_gib: float | None = None
+    autocast: bool = False
     accelerator: bool = True
 
     @property
@@ -334,7 +345,10 @@ class PlanSettings:
             raise ValueError(f"--devices {devices} must be a positive multiple of the tensor-parallel size {tp}")
         dp = devices // tp
         storage = cfg.actor.dtype
-        compute = param_dtype or (getattr(fsdp, "param_dtype", None) if fsdp is not None else None) or storage
+        fsdp_dtype = param_dtype or (getattr(fsdp, "param_dtype", None) if fsdp is not None else None)
+        amp = getattr(cfg.actor, "compute_dtype", "float32")  # torch.autocast over actor.dtype weights (main's actor.compute_dtype)
+        autocast = fsdp_dtype is None and amp != "float32" and amp != storage
+        compute = fsdp_dtype or (amp if autocast else storage)
         ac = bool(getattr(fsdp, "activation_checkpointing", False)) if fsdp is not None else False
         if activation_checkpointing is not None:
             ac = activation_checkpointing
@@ -352,7 +366,7 @@ class PlanSettings:
             prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens, rollout_batch=rollout_batch,
             lora_rank=cfg.actor.lora.rank, lora_targets=cfg.actor.lora.target_modules,
             separate_ref=cfg.actor.lora.rank == 0, critic=cfg.algo.adv_estimator == "gae", reward_model=cfg.reward.model is not None,
-            engine=cfg.rollout.engine, rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
+            autocast=autocast, engine=cfg.rollout.engine, rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
             accelerator=accelerator,
         )  # fmt: skip
 
@@ -449,21 +463,27 @@ def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: 
         temp = n_train * et // n if s.accelerator else 2 * largest * et
         items.append(Item(role, "AdamW step temporaries", temp, step,
                           note="foreach AdamW: one tensor per parameter (GPU); the CPU loop: two of the largest tensor"))
-    if n > 1 or ec != es or s.offload:
+    amp = s.autocast and lm  # the critic runs without autocast
+    if amp:
+        casts = shape.layers * (shape.block_params() - 2 * shape.hidden) * ec // s.tp
+        items.append(Item(role, f"autocast {s.compute_dtype} copies of the layers' weights", casts, back,
+                          note="torch.autocast caches one cast per weight through the forward; the backward keeps them"))
+    elif n > 1 or (ec != es and not s.autocast) or s.offload:
         units = (shape.root_params() + 2 * shape.block_params()) if lm else (shape.value_model_params() - (shape.layers - 2) * shape.block_params())
         items.append(Item(role, f"compute copy ({s.compute_dtype}, root + 2 blocks)", units * ec // s.tp, back,
                           note="FSDP2 all-gathered units, freed after each block (reshard_after_forward)"))
         items.append(Item(role, "unsharded grads of the gathered units", units * ec // s.tp, back, note="before the reduce-scatter"))
     seq = s.prompt_len + s.response_len
-    act_on = activation_bytes(shape, micro, seq, ec, checkpointing=True, tp=s.tp)
-    act_off = activation_bytes(shape, micro, seq, ec, checkpointing=False, tp=s.tp)
-    layer = activation_bytes_per_layer(shape, micro, seq, ec, s.tp)
+    ea = ec if (amp or not s.autocast) else es  # an autocast run's critic computes in actor.dtype
+    act_on = activation_bytes(shape, micro, seq, ea, checkpointing=True, tp=s.tp, autocast=amp)
+    act_off = activation_bytes(shape, micro, seq, ea, checkpointing=False, tp=s.tp, autocast=amp)
+    layer = activation_bytes_per_layer(shape, micro, seq, ea, s.tp, autocast=amp)
     what = f"activations (micro-batch {micro} × {seq} tokens, checkpointing {'on' if ckpt else 'off'})"
     note = f"with checkpointing {act_on / GIB:.2f} GiB, without {act_off / GIB:.2f} GiB"
     if not lm:
         items.append(Item(role, what, act_on if ckpt else act_off, back, note=note))
         return items
-    logits = logits_bytes(shape, micro, seq, s.response_len, ec, tp=s.tp, accelerator=s.accelerator)
+    logits = logits_bytes(shape, micro, s.response_len, 4 if amp else ec, tp=s.tp, accelerator=s.accelerator)
     if ckpt:
         # the layer inputs are kept; the logits' backward is over before the first layer is recomputed
         items.append(Item(role, what.replace("activations", "layer inputs"), act_on - layer, back, note=note))
@@ -499,7 +519,8 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
     items = _trained_role("actor", actor, p_actor + (p_train if s.lora_rank else 0), p_train, s, s.actor_micro_batch, s.actor_checkpointing, lm=True,
                            accumulates=s.accumulates)
     mb = s.logprob_micro_batch
-    items.append(Item("actor", "log-prob forward: logits + chunks", logits_bytes(actor, mb, seq, s.response_len, ec, tp=s.tp, accelerator=s.accelerator, train=False),
+    items.append(Item("actor", "log-prob forward: logits + chunks", logits_bytes(actor, mb, s.response_len, 4 if s.autocast else ec, tp=s.tp,
+                                                                                  accelerator=s.accelerator, train=False),
                       "log-probs", note=f"micro-batch {mb}, no grad"))
     if s.separate_ref:
         params["reference"] = ref.causal_lm_params()
@@ -516,7 +537,8 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
         b = params["reward model"] * DTYPE_BYTES[rd] // n
         items.append(Item("reward model", f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""), 0 if s.offload else b,
                           host=b if s.offload else 0, note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"))
-    per_seq_kv = actor.kv_bytes_per_token(es) * seq // s.tp  # both engines run in actor.dtype
+    ek = ec if s.autocast else es  # HF generate runs under the actor's autocast; vLLM in actor.dtype
+    per_seq_kv = actor.kv_bytes_per_token(ek) * seq // s.tp
     if s.engine == "vllm" and s.accelerator:
         weights = p_actor * es // s.engine_tp
         kv_seq = actor.kv_bytes_per_token(es) * seq // s.engine_tp

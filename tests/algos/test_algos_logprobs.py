@@ -185,3 +185,20 @@ def test_errors():
         kl_full(logits, logits[:, :2])
     with pytest.raises(ValueError, match=r"\(\.\.\., V\)"):
         entropy_from_logits(torch.randn(4))
+
+
+def test_unused_entropy_output_costs_no_gradient_and_changes_nothing():
+    """Entropy kept only as a metric (not in the loss) gives the same logits gradient as log-probs alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 7, (2, 5))
+    w = torch.randn(2, 5, dtype=torch.float64)
+    lp, ent = logprobs_and_entropy_from_logits(logits, ids, 0.9, with_entropy=True, chunk_size=2)
+    (g_both,) = torch.autograd.grad((lp * w).sum(), logits, retain_graph=True)
+    lp_only = logprobs_and_entropy_from_logits(logits, ids, 0.9, with_entropy=False, chunk_size=2)[0]
+    (g_lp,) = torch.autograd.grad((lp_only * w).sum(), logits)
+    assert torch.equal(g_both, g_lp)
+    (g_ent,) = torch.autograd.grad(ent.sum(), logits)  # entropy alone: log-probs' gradient is None, not zeros
+    naive = -(torch.softmax(logits / 0.9, -1) * torch.log_softmax(logits / 0.9, -1)).sum(-1)
+    (g_naive,) = torch.autograd.grad(naive.sum(), logits)
+    torch.testing.assert_close(g_ent, g_naive, atol=1e-12, rtol=0)

@@ -127,6 +127,9 @@ class _LogprobEntropy(torch.autograd.Function):
             del z
         ctx.save_for_backward(logits, ids, lse, ent)
         ctx.temperature, ctx.rows = temperature, rows
+        # an output the loss does not use (entropy kept only as a metric) gets None, not a zero
+        # gradient, so backward skips its per-chunk work
+        ctx.set_materialize_grads(False)
         return lp, ent
 
     @staticmethod

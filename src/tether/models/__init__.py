@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -78,10 +79,57 @@ def load_causal_lm(path: Path, *, dtype: str = "float32", trust_remote_code: boo
         raise ConfigError(f"cannot load a causal LM from {path}: {type(e).__name__}: {first}") from None
 
 
+def autocast(device: torch.device | str, compute_dtype: str = "float32"):
+    """``torch.autocast`` to ``compute_dtype`` on ``device`` (``actor.compute_dtype``), or a no-op for float32.
+
+    Under bfloat16 the matmuls run in bf16 while parameters, their gradients and the optimizer stay
+    in the parameter dtype (fp32 master weights); the LM head stays fp32 (:func:`fp32_lm_head`), and
+    log-softmax, entropy, KL and the losses are computed in fp32 from fp32 logits.
+    """
+    device_type = torch.device(device).type
+    if compute_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=DTYPES[compute_dtype])
+
+
+def fp32_lm_head(model: nn.Module) -> nn.Module:
+    """Make the LM head run in fp32 outside autocast (its input cast to fp32), so logits, and the
+    log-probs and KL computed from them, carry fp32 precision under ``actor.compute_dtype=bfloat16``
+    (TRL's ``cast_lm_head_to_fp32`` does the same). Idempotent; returns ``model``."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "_tether_fp32", False):
+        return model
+    inner = head.forward
+
+    def forward(x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return inner(x.to(head.weight.dtype), *args, **kwargs)
+
+    head.forward = forward
+    head._tether_fp32 = True
+    return model
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) positions that skip left padding, exactly as ``generate`` computes them."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 0)
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    """Keyword names of the causal LM's ``forward`` (a PEFT wrapper's base model; cached per module)."""
+    import inspect
+
+    cached = getattr(model, "_tether_forward_params", None)
+    if cached is not None:
+        return cached
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(inspect.signature(base.forward).parameters)
+    try:
+        model._tether_forward_params = names
+    except (AttributeError, TypeError):  # pragma: no cover - a module that refuses attributes
+        pass
+    return names
 
 
 def response_logprobs(
@@ -93,17 +141,29 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     return_logits: bool = False,
+    compute_dtype: str = "float32",
 ):
     """Log-probs of the response tokens under ``model``.
+
+    The LM head runs only on the T + 1 last positions (``logits_to_keep``, where the model's forward
+    accepts it, as Hugging Face's Llama/Qwen2/Mistral/Gemma do; else on every position), so prompt
+    positions cost no (P, V) logits; the log-softmax and entropy stay chunked
+    (:func:`tether.algos.logprobs_and_entropy_from_logits`).
 
     Args:
         input_ids, attention_mask: (B, P+T), prompt left-padded then response right-padded.
         response_len: T.
+        compute_dtype: the model forward runs under :func:`autocast` to this dtype; log-probs and entropy
+            are computed in fp32 either way.
     Returns:
         (logprobs (B, T) nats, entropy (B, T) nats or None, logits (B, T, V) / temperature-free or None).
         Position t scores token P+t from the logits at P+t-1, with logits divided by ``temperature``.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    kwargs = {}
+    if "logits_to_keep" in _forward_params(model):
+        kwargs["logits_to_keep"] = response_len + 1
+    with autocast(input_ids.device, compute_dtype):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kwargs)
     logits = out.logits[:, -response_len - 1 : -1, :]  # (B, T, V)
     ids = input_ids[:, -response_len:]
     logprobs, entropy = logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=with_entropy)

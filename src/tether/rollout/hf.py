@@ -27,9 +27,10 @@ class HFRolloutEngine:
 
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
-        eos_token_ids: list[int] | None = None,
+        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32",
     ):  # fmt: skip
         self.model = model
+        self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
         # generation stops at any of these (the tokenizer's EOS and the model's generation_config EOS ids)
         self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
@@ -48,7 +49,16 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         kwargs = {**self.kwargs, **overrides}
-        out = self.model.generate(
+        from tether.models import autocast
+
+        with autocast(prompt_ids.device, self.compute_dtype):
+            out = self._generate(prompt_ids, prompt_mask, kwargs)
+        if was_training:
+            self.model.train()
+        return out[:, prompt_ids.shape[1] :]
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        return self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -56,9 +66,6 @@ class HFRolloutEngine:
             use_cache=True,
             **kwargs,
         )
-        if was_training:
-            self.model.train()
-        return out[:, prompt_ids.shape[1] :]
 
     def sync_weights(self, model) -> None:
         """The HF engine shares the actor's module: nothing to push."""

@@ -72,11 +72,12 @@ class GuardMonitor:
         return out
 
     # ------------------------------------------------------------------ across steps
-    def before_update(self, step: int, kl_mean: float, scores: torch.Tensor, beta: float, *, n_valid: int | None = None, why: str = "") -> str:
+    def before_update(self, step: int, kl_mean: float | None, scores: torch.Tensor, beta: float, *, n_valid: int | None = None, why: str = "") -> str:
         """'update' or 'skip' for this step's update; raises TrainingStopped when configured to stop.
 
         Args:
-            kl_mean: ``kl/ref_mean`` of the batch (NaN when no sample is left, e.g. every reward invalid).
+            kl_mean: ``kl/ref_mean`` of the batch (NaN when no sample is left, e.g. every reward invalid);
+                None when the update measures it (then :meth:`check_kl` runs after the update).
             scores: the batch's scores (invalid samples are already 0 and dropped).
             n_valid: responses left after dropping bad samples; 0 skips the update with the event
                 ``guard/empty_batch`` (or stops under ``guard.on_nonfinite=stop``), naming ``why``.
@@ -96,6 +97,10 @@ class GuardMonitor:
             return "skip"
         self.empty_streak = 0
         scores_finite = bool(torch.isfinite(scores).all())
+        if kl_mean is None:  # the update measures the KL itself (actor.reuse_update_logprobs): check_kl runs after it
+            kl_mean = 0.0
+            if scores_finite:
+                return "update"
         if not math.isfinite(kl_mean) or not scores_finite:
             what = "scores" if not scores_finite else f"KL to the reference ({kl_mean}; non-finite, or no valid sample left)"
             msg = f"step {step}: non-finite {what}; the update is not applied"
@@ -103,6 +108,18 @@ class GuardMonitor:
                 raise self._stop("nonfinite", msg + " (guard.on_nonfinite=stop)")
             self._event("nonfinite", msg)
             return "skip"
+        return self.check_kl(step, kl_mean, beta)
+
+    def check_kl(self, step: int, kl_mean: float, beta: float, *, after_update: bool = False) -> str:
+        """guard.max_kl on ``kl/ref_mean``: 'update' or 'skip'; raises TrainingStopped when configured to stop.
+
+        ``after_update``: the KL was measured by the update's own forward (actor.reuse_update_logprobs,
+        only with guard.on_max_kl=raise_coef), so a raised β applies from the next step on, and a
+        non-finite KL is reported (the actor has already dropped a non-finite loss).
+        """
+        if after_update and not math.isfinite(kl_mean):
+            self._event("nonfinite", f"step {step}: non-finite KL to the reference ({kl_mean}) measured in the update")
+            return "update"
         if kl_mean > self.cfg.max_kl:
             msg = f"step {step}: KL to the reference {kl_mean:.4f} nats/token > guard.max_kl={self.cfg.max_kl}"
             action = self.cfg.on_max_kl

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tether.config import ConfigError, TetherConfig
-from tether.models import ValueModel, load_causal_lm, load_tokenizer, resolve_model_path
+from tether.models import ValueModel, fp32_lm_head, load_causal_lm, load_tokenizer, resolve_model_path
 from tether.workers import ActorWorker, CriticWorker, ReferenceWorker
 from tether.workers.actor import ActorUpdateSpec
 
@@ -30,14 +30,14 @@ class Roles:
     val_reward: Any = None  # scores generated validation responses when `reward` only replays dataset scores
 
     @staticmethod
-    def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard) -> ActorUpdateSpec:
+    def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard, *, reuse_logprobs: bool = False) -> ActorUpdateSpec:
         a, k = cfg.algo, cfg.kl
         return ActorUpdateSpec(
             ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
             dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef, kl_loss_coef=kl_loss_coef,
             kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
-            norm_constant=float(cfg.rollout.max_new_tokens),
+            norm_constant=float(cfg.rollout.max_new_tokens), reuse_logprobs=reuse_logprobs,
         )  # fmt: skip
 
 
@@ -98,6 +98,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    cdt = cfg.actor.compute_dtype
     temp = cfg.rollout.temperature
     if cfg.actor.lora.rank > 0:
         if cfg.ref.model is not None:
@@ -106,16 +107,20 @@ def build_roles(cfg: TetherConfig) -> Roles:
             raise ConfigError("ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 "
                               "(the reference is the base model with the adapters disabled)")
         model = _apply_lora(model, cfg)
-        ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
+        ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt)
     else:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
         if ref_path != actor_path:
             check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
         ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-        ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp)
+        if cdt != "float32":
+            fp32_lm_head(ref_model)  # patched after the deepcopy: each head keeps its own forward
+        ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt)
+    if cdt != "float32":
+        fp32_lm_head(model)
     actor = ActorWorker(
         model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-        grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp,
+        grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt,
     )  # fmt: skip
     critic = None
     if cfg.algo.adv_estimator == "gae":
@@ -157,7 +162,7 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
 
     return HFRolloutEngine(
         model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
-        eos_token_ids=generation_eos_ids(model),
+        eos_token_ids=generation_eos_ids(model), compute_dtype=cfg.actor.compute_dtype,
     )  # fmt: skip
 
 

@@ -6,6 +6,7 @@ timed into ``timing/<phase>_s``; :meth:`Trainer.train_step` reads like the algor
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -175,6 +176,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One step: the algorithm, phase by phase."""
         self.step += 1
+        t_step = time.perf_counter()
         timer = PhaseTimer()
         batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
@@ -192,6 +194,9 @@ class Trainer:
                 update_metrics |= self.update_critic(batch)
             with timer("update_actor"):
                 update_metrics |= self.update_actor(batch)
+        if batch.kl is None:  # the update gave the old log-probs (actor.reuse_update_logprobs)
+            with timer("kl"):
+                self.finish_kl(batch)
         with timer("controller"):
             self.update_controller(batch)
         metrics = self.step_metrics(batch) | update_metrics
@@ -201,9 +206,8 @@ class Trainer:
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
             self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
-        metrics |= timer.times
-        train_s = sum(v for k, v in timer.times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
-        metrics["perf/tokens_per_s"] = float(batch.response_mask.sum()) / max(train_s, 1e-9)  # training phases only
+        metrics |= timer.times | self.perf_metrics(batch, timer.times)
+        metrics["timing/step_s"] = time.perf_counter() - t_step
         self.logger.log(self.step, metrics)
         for finding in self.diagnostics.update(self.step, metrics):
             log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
@@ -247,8 +251,34 @@ class Trainer:
         for msg in result.errors[:3]:
             log.warning("step %d: reward: %s", self.step, msg)
 
+    def reuse_update_logprobs(self, batch: RolloutBatch) -> bool:
+        """Whether the update's own log-probs, detached, serve as old_logprobs (actor.reuse_update_logprobs).
+
+        Exact when the old policy is the current one (one epoch, one mini-batch per step), and used only
+        where nothing needs π_old's log-probs before the update: no KL in the reward, no exact (full)
+        KL, no critic, and guard.on_max_kl=raise_coef (the KL check then follows the update).
+        """
+        c = self.cfg
+        return (
+            c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
+            and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
+            and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
+        )  # fmt: skip
+
+    @functools.cached_property
+    def _actor_has_dropout(self) -> bool:
+        """Dropout in the actor (a Dropout module with p > 0, e.g. LoRA's, or attention dropout in its
+        config): the update's train-mode forward then differs from the no-grad eval pass, so it is not reused."""
+        model = self.roles.actor.model
+        modules = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        return modules or float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0
+
     def compute_logprobs(self, batch: RolloutBatch) -> None:
-        """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each)."""
+        """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
+        actor's pass is left to the update when :meth:`reuse_update_logprobs`."""
+        if self.reuse_update_logprobs(batch):
+            batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
+            return
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
         batch.old_logprobs, batch.entropy, kl_full, ref_lp = self.roles.actor.compute_logprobs(batch, with_entropy=True, full_kl_ref=full)
         batch.ref_logprobs = ref_lp if ref_lp is not None else self.roles.ref.compute_logprobs(batch)
@@ -262,6 +292,11 @@ class Trainer:
     def apply_kl(self, batch: RolloutBatch) -> None:
         """Per-token KL to the reference, and the token-level rewards (β·KL subtracted when placed in the reward)."""
         kl_cfg = self.cfg.kl
+        if batch.old_logprobs is None:  # measured by the update (reuse_update_logprobs): the KL is not in the reward
+            batch.kl = None
+            batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
+            batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, torch.zeros_like(batch.ref_logprobs), batch.response_mask, 0.0)
+            return
         if kl_cfg.estimator == "full":
             kl = batch.extra["kl_full"]
         else:
@@ -271,6 +306,17 @@ class Trainer:
         batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
         batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
+
+    def finish_kl(self, batch: RolloutBatch) -> None:
+        """The KL to the reference and its guard check, after an update that measured the old log-probs
+        itself (measured here instead when no update ran, for the step's metrics)."""
+        if batch.old_logprobs is None:
+            batch.old_logprobs, batch.entropy, _, _ = self.roles.actor.compute_logprobs(batch, with_entropy=True)
+        k = self.cfg.kl
+        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, k.estimator, log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp)
+        batch.kl = torch.where(batch.response_mask.bool(), kl, 0.0)
+        if self.n_valid(batch):
+            self.guard.check_kl(self.step, self.kl_mean(batch), self.beta, after_update=True)
 
     def compute_advantages(self, batch: RolloutBatch) -> None:
         a = self.cfg.algo
@@ -291,8 +337,11 @@ class Trainer:
             return {}
         if self.cfg.kl.placement == "loss":
             batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
-        spec = self.roles.actor_spec(self.cfg, self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0, self.guard)
+        beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
+        spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
+        if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
+            batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
         self.roles.engine.sync_weights(self.roles.actor.model)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
             self.roles.ref.reset_to(self.roles.actor.model)
@@ -304,8 +353,11 @@ class Trainer:
         """Responses that still count after bad samples were dropped."""
         return int((batch.response_mask.sum(-1) > 0).sum())
 
-    def kl_mean(self, batch: RolloutBatch) -> float:
-        """kl/ref_mean: per-token KL averaged over each response, then over responses (nats per token)."""
+    def kl_mean(self, batch: RolloutBatch) -> float | None:
+        """kl/ref_mean: per-token KL averaged over each response, then over responses (nats per token);
+        None while the update is still to measure it (reuse_update_logprobs)."""
+        if batch.kl is None:
+            return None
         if self.n_valid(batch) == 0:
             return float("nan")
         return float(mean_kl_per_token(batch.kl, batch.response_mask))
@@ -316,6 +368,34 @@ class Trainer:
             self.controller.update(kl, n_steps=self.n_valid(batch))
 
     # ------------------------------------------------------------------ metrics, validation
+    def perf_metrics(self, batch: RolloutBatch, times: dict[str, float]) -> dict[str, float]:
+        """perf/tokens_per_s (response tokens over the training phases: all but validation and
+        checkpointing), split into perf/generate_tokens_per_s (rollout) and perf/train_tokens_per_s
+        (the phases after reward), and perf/mfu of the actor update (``tether.trainer.perf``)."""
+        from tether.trainer.perf import matmul_ceiling_flops, matmul_params, update_flops
+
+        tokens = float(batch.response_mask.sum())
+        train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
+        gen_s = times.get("timing/rollout_s", 0.0)
+        out = {
+            "perf/tokens_per_s": tokens / max(train_s, 1e-9),
+            "perf/generate_tokens_per_s": tokens / max(gen_s, 1e-9),
+            "perf/train_tokens_per_s": tokens / max(train_s - gen_s - times.get("timing/reward_s", 0.0), 1e-9),
+        }
+        update_s = times.get("timing/update_actor_s", 0.0)
+        if update_s > 0 and hasattr(self.roles.actor.model, "get_input_embeddings"):
+            if not hasattr(self, "_matmul_ceiling"):
+                from tether.models import DTYPES
+
+                dtype = DTYPES[self.cfg.actor.compute_dtype if self.cfg.actor.compute_dtype != "float32" else self.cfg.actor.dtype]
+                self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
+                self._matmul_params = matmul_params(self.roles.actor.model)
+                log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
+            context = float(batch.prompt_mask.sum()) + tokens
+            flops = update_flops(*self._matmul_params, context, tokens) * self.cfg.algo.ppo_epochs
+            out["perf/mfu"] = flops / update_s / self._matmul_ceiling
+        return out
+
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         from tether.trainer.stats import rollout_metrics
 

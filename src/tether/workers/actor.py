@@ -40,9 +40,15 @@ class ActorUpdateSpec:
     target_kl: float | None  # early stop on policy/approx_kl (guard.target_kl)
     seed: int
     norm_constant: float  # seq-mean-token-sum-norm divisor: the maximum response length, tokens
+    # old_logprobs := the update's own log-probs, detached (ratio exactly 1): one epoch and one mini-batch
+    # only, where the old policy is the current one; the update then returns them and the entropy, (B, T)
+    # in the batch's row order, as "_old_logprobs" and "_entropy" in its result (actor.reuse_update_logprobs)
+    reuse_logprobs: bool = False
 
 
-def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None):
+def _forward_logprobs(
+    model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32"
+):
     """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch.
 
     With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary
@@ -57,7 +63,9 @@ def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, tempera
         for mb in micro_batches(batch, micro_batch_size):
             ids, mask, t = trim(mb)
             keep = full_kl_ref is not None
-            lp, ent, lg = response_logprobs(model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=keep)
+            lp, ent, lg = response_logprobs(
+                model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=keep, compute_dtype=compute_dtype
+            )
             lps.append(pad_to(lp.float(), T))
             if with_entropy:
                 ents.append(pad_to(ent.float(), T))
@@ -76,9 +84,10 @@ def _forward_logprobs(model, batch: RolloutBatch, micro_batch_size: int, tempera
 class ReferenceWorker:
     """The frozen reference π_ref: a separate copy, or the actor's own model with its LoRA adapters disabled."""
 
-    def __init__(self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0):
+    def __init__(self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0, compute_dtype: str = "float32"):
         if (model is None) == (adapter_host is None):
             raise ValueError("ReferenceWorker needs exactly one of model or adapter_host")
+        self.compute_dtype = compute_dtype
         self.model = model
         self.adapter_host = adapter_host
         self.micro_batch_size = micro_batch_size
@@ -99,11 +108,11 @@ class ReferenceWorker:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (B, T), nats."""
         with self._context():
-            return _forward_logprobs(self.module, batch, self.micro_batch_size, self.temperature, False)[0]
+            return _forward_logprobs(self.module, batch, self.micro_batch_size, self.temperature, False, compute_dtype=self.compute_dtype)[0]
 
     def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
         with torch.no_grad(), self._context():
-            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True)[2]
+            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
 
     def reset_to(self, actor_model) -> None:
         """Copy the actor's weights into the reference (ref.reset_every)."""
@@ -115,8 +124,12 @@ class ReferenceWorker:
 class ActorWorker:
     """Owns the policy π_θ, its AdamW optimizer and LR schedule; computes log-probs and PPO updates."""
 
-    def __init__(self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float):
+    def __init__(
+        self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float,
+        compute_dtype: str = "float32",
+    ):  # fmt: skip
         self.model = model
+        self.compute_dtype = compute_dtype
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -128,7 +141,7 @@ class ActorWorker:
         """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
         ref_logprobs (B, T) from the same reference pass; nats."""
         self.model.eval()
-        return _forward_logprobs(self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref)
+        return _forward_logprobs(self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref, self.compute_dtype)
 
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
@@ -150,9 +163,18 @@ class ActorWorker:
         gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
         skipped = updates = 0
         early_stop = False
+        if spec.reuse_logprobs:
+            if spec.ppo_epochs != 1 or spec.mini_batch_size < len(batch):
+                raise ValueError(
+                    f"reuse_logprobs needs one epoch and one mini-batch per step (ppo_epochs={spec.ppo_epochs}, "
+                    f"mini_batch_size={spec.mini_batch_size} < {len(batch)} responses): otherwise the old policy is not the current one"
+                )
+            # filled micro-batch by micro-batch, returned (not written into ``batch``, which a remote role only holds a copy of)
+            measured = {"old_logprobs": torch.zeros_like(batch.response_mask, dtype=torch.float32)}
+            measured["entropy"] = torch.zeros_like(measured["old_logprobs"])
         for _ in range(spec.ppo_epochs):
-            for mini in mini_batches(batch, spec.mini_batch_size, gen):
-                metrics, loss_finite = self._mini_batch_step(mini, spec, ref)
+            for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
+                metrics, loss_finite = self._mini_batch_step(mini, spec, ref, out=(measured, rows) if spec.reuse_logprobs else None)
                 if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
                     # Spinning Up's early stop: the policy is already too far from the rollout policy,
                     # so neither this mini-batch's update nor the remaining ones are applied
@@ -176,25 +198,45 @@ class ActorWorker:
         out["guard/nonfinite_skip"] = float(skipped)
         out["guard/early_stop"] = float(early_stop)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        if spec.reuse_logprobs:
+            out["_old_logprobs"], out["_entropy"] = measured["old_logprobs"], measured["entropy"]
         return out
 
-    def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None):
+    def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None):
+        """Forward/backward of one mini-batch, micro-batch by micro-batch; returns (metric sums, all losses finite).
+
+        With ``out = (measured, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
+        are its old log-probs, and they and the entropy are written to ``measured["old_logprobs"]`` and
+        ``measured["entropy"]`` (B, T) at ``rows``.
+        """
         total_tokens, total_seqs = loss_normalizers(mini.response_mask)  # S counts only non-empty rows
         sums: dict[str, float] = {}
         finite = True
+        need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
+        with_entropy = spec.entropy_coef > 0 or out is not None
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + value
 
+        start = 0
         for mb in micro_batches(mini, self.micro_batch_size):
             ids, mask, t = trim(mb)
-            need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
             lp, ent, logits = response_logprobs(
-                self.model, ids, mask, t, temperature=self.temperature, with_entropy=spec.entropy_coef > 0, return_logits=need_logits
-            )
+                self.model, ids, mask, t, temperature=self.temperature, with_entropy=with_entropy, return_logits=need_logits,
+                compute_dtype=self.compute_dtype,
+            )  # fmt: skip
             rmask = mb.response_mask[:, :t]
+            if out is not None:
+                old = lp.detach()
+                measured, rows = out
+                idx = rows[start : start + len(mb)].to(old.device)
+                measured["old_logprobs"][idx, :t] = old.float()
+                measured["entropy"][idx, :t] = ent.detach().float()
+            else:
+                old = mb.old_logprobs[:, :t]
+            start += len(mb)
             pg_loss, pg_metrics = ppo_policy_loss(
-                lp, mb.old_logprobs[:, :t], mb.advantages[:, :t], rmask,
+                lp, old, mb.advantages[:, :t], rmask,
                 clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
                 agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
                 log_ratio_clamp=spec.log_ratio_clamp,

@@ -11,11 +11,13 @@ import torch
 from tether.batch import RolloutBatch
 
 
-def mini_batches(batch: RolloutBatch, size: int, generator: torch.Generator) -> Iterator[RolloutBatch]:
-    """Shuffled mini-batches of ``size`` responses (the last may be smaller)."""
+def mini_batches(batch: RolloutBatch, size: int, generator: torch.Generator, *, with_index: bool = False) -> Iterator:
+    """Shuffled mini-batches of ``size`` responses (the last may be smaller); with ``with_index``,
+    (row indices (b,) into ``batch``, mini-batch) pairs."""
     perm = torch.randperm(len(batch), generator=generator)
     for start in range(0, len(batch), size):
-        yield batch.select(perm[start : start + size])
+        rows = perm[start : start + size]
+        yield (rows, batch.select(rows)) if with_index else batch.select(rows)
 
 
 def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:

@@ -1,0 +1,95 @@
+"""Speed-ups that must not change the numbers: old log-probs from the update's own forward
+(actor.reuse_update_logprobs), and the step's timing/perf metrics; bf16 autocast runs."""
+
+import math
+
+import pytest
+import torch
+
+from tether.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+# one epoch, one mini-batch of all 16 responses, KL in the loss: the old policy is the current one
+ONE_MINI = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05", "trainer.val_freq=0", "trainer.save_freq=0",
+            "trainer.report=false", "actor.micro_batch_size=8"]  # fmt: skip
+SAME = ("reward/score_mean", "kl/ref_mean", "kl/k3_mean", "kl/ref_mean_unclamped", "policy/entropy", "policy/loss", "policy/pg_loss",
+        "actor/kl_loss", "policy/approx_kl", "policy/clipfrac", "policy/grad_norm", "ref/logprob_mean")  # fmt: skip
+
+
+def _run(small_cfg, tmp_path, name, *overrides, steps=2):
+    t = Trainer(small_cfg(*ONE_MINI, *overrides, out=tmp_path / name))
+    calls = []
+    orig = t.roles.actor.compute_logprobs
+    t.roles.actor.compute_logprobs = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    hist = [t.train_step() for _ in range(steps)]
+    return t, hist, len(calls)
+
+
+def test_reused_update_logprobs_give_the_same_run(small_cfg, tmp_path):
+    fast, h_fast, n_fast = _run(small_cfg, tmp_path, "fast")
+    slow, h_slow, n_slow = _run(small_cfg, tmp_path, "slow", "actor.reuse_update_logprobs=false")
+    assert (n_fast, n_slow) == (0, 2)  # the fast path skips the actor's no-grad pass
+    for a, b in zip(h_fast, h_slow, strict=True):
+        for k in SAME:
+            assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-7), (k, a[k], b[k])
+        assert a["policy/approx_kl"] == 0.0 and a["policy/clipfrac"] == 0.0  # ratio exactly 1
+    for (k, p), q in zip(fast.roles.actor.model.state_dict().items(), slow.roles.actor.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["kl.placement=reward"], id="kl-in-reward"),  # the advantages need π_old's KL before the update
+        pytest.param(["algo.mini_batch_size=8"], id="two-mini-batches"),  # the second mini-batch's old policy is not its current one
+        pytest.param(["algo.ppo_epochs=2"], id="two-epochs"),
+        pytest.param(["guard.on_max_kl=skip"], id="kl-guard-skips-before-update"),
+        pytest.param(["actor.lora.rank=4", "actor.lora.dropout=0.1"], id="lora-dropout"),  # train-mode forward ≠ eval pass
+    ],
+)
+def test_old_logprob_pass_kept_where_it_is_needed(small_cfg, tmp_path, overrides):
+    _, hist, calls = _run(small_cfg, tmp_path, "run", *overrides, steps=1)
+    assert calls == 1
+    assert math.isfinite(hist[0]["kl/ref_mean"]) and math.isfinite(hist[0]["policy/entropy"])
+
+
+def test_reuse_spec_rejects_two_mini_batches(small_cfg, tmp_path):
+    from dataclasses import replace
+
+    t = Trainer(small_cfg(*ONE_MINI, out=tmp_path / "r"))
+    batch = t.rollout()
+    t.score(batch)
+    t.compute_logprobs(batch)
+    t.apply_kl(batch)
+    t.compute_advantages(batch)
+    spec = replace(t.roles.actor_spec(t.cfg, 0.05, t.guard, reuse_logprobs=True), mini_batch_size=8)
+    with pytest.raises(ValueError, match="one mini-batch"):
+        t.roles.actor.update(batch, spec, 1, ref=t.roles.ref)
+
+
+def test_kl_guard_after_an_update_that_measured_the_kl(small_cfg, tmp_path):
+    """guard.max_kl still acts (β raised for the next step) when the KL comes from the update."""
+    t = Trainer(small_cfg(*ONE_MINI, "guard.max_kl=1e-12", out=tmp_path / "g"))
+    t.train_step()  # step 1: π = π_ref, KL exactly 0
+    m = t.train_step()  # step 2: KL > 0 > max_kl
+    assert m["guard/kl_explosion"] == 1.0 and t.guard.coef_scale == 2.0
+
+
+def test_step_time_and_perf_metrics(small_cfg, tmp_path):
+    _, hist, _ = _run(small_cfg, tmp_path, "p", steps=1)
+    m = hist[0]
+    phases = sum(v for k, v in m.items() if k.startswith("timing/") and k != "timing/step_s")
+    assert m["timing/step_s"] >= phases > 0
+    tokens = m["response/length_mean"] * 16
+    assert math.isclose(m["perf/generate_tokens_per_s"], tokens / m["timing/rollout_s"], rel_tol=1e-6)
+    assert m["perf/train_tokens_per_s"] > m["perf/tokens_per_s"] > 0
+    assert 0 < m["perf/mfu"] < 1
+
+
+def test_bf16_compute_trains_and_stays_close_to_fp32(small_cfg, tmp_path):
+    _, h32, _ = _run(small_cfg, tmp_path, "fp32", steps=1)
+    t16, h16, _ = _run(small_cfg, tmp_path, "bf16", "actor.compute_dtype=bfloat16", steps=1)
+    assert all(p.dtype == torch.float32 for p in t16.roles.actor.model.parameters())  # fp32 master weights
+    assert abs(h16[0]["policy/entropy"] - h32[0]["policy/entropy"]) < 0.05
+    assert math.isfinite(h16[0]["policy/loss"]) and h16[0]["kl/ref_mean"] == 0.0  # actor and reference round alike
