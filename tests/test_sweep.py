@@ -102,6 +102,14 @@ def test_run_name_sanitises_and_hashes_long_names():
     assert "/" not in na
 
 
+def test_run_name_keeps_the_minus_sign_of_negative_values():
+    # Regression: the slug's strip("-") dropped a value's own minus, so -0.01 and 0.01 collided.
+    assert sw.run_name([("algo.entropy_coef", -0.01)]) == "algo.entropy_coef=-0.01"
+    assert sw.run_name([("kl.coef", -1)]) == "kl.coef=-1"
+    assert sw.run_name([("kl.schedule.stages", [[-5, 0.1]])]) == "kl.schedule.stages=-5,-0.1"
+    assert sw.run_name([("algo.entropy_coef", -0.01)]) != sw.run_name([("algo.entropy_coef", 0.01)])
+
+
 def test_load_spec_merges_file_and_command_line(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text(

@@ -140,8 +140,16 @@ def parse_grid_arg(text: str) -> tuple[str, list[Any]]:
     return key, split_values(raw)
 
 
+_UNSAFE = r"[^A-Za-z0-9._=,+\-]+"
+
+
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=,+\-]+", "-", text).strip("-")
+    """``text`` with unsafe characters dropped at the ends and turned into ``-`` inside.
+
+    Only what was unsafe is dropped, so a value's own minus sign stays (``-0.01`` → ``-0.01``).
+    """
+    inner = re.sub(rf"^{_UNSAFE}|{_UNSAFE}$", "", text)
+    return re.sub(_UNSAFE, "-", inner)
 
 
 def run_name(overrides: Sequence[tuple[str, Any]]) -> str:
