@@ -51,6 +51,7 @@ __all__ = [
     "PromptRow",
     "load_rows",
     "load_rows_report",
+    "not_an_object",
     "read_records",
     "rows_from_records",
     "split_rows",
@@ -178,6 +179,20 @@ class _BadLine:
         self.message = message
 
 
+def not_an_object(rec: Any) -> str | None:
+    """Why a record from :func:`read_records` is not a JSON object, or None when it is one.
+
+    A jsonl line that is not valid JSON gives ``"invalid JSON (<reason> at column N)"``; any other
+    non-dict, ``"expected a JSON object, got <type>"``. Every reader of raw records uses this, so a
+    bad line is described alike by the training loader and the ``tether data`` converters.
+    """
+    if isinstance(rec, _BadLine):
+        return rec.message
+    if not isinstance(rec, dict):
+        return f"expected a JSON object, got {type(rec).__name__}"
+    return None
+
+
 def _read_jsonl(text: str, src: str) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     # split on "\n" only: str.splitlines() would also split inside JSON strings holding U+2028 etc.
@@ -296,10 +311,9 @@ def _row_from_record(
     score_key: str | None,
 ) -> PromptRow | str:
     """Build a row, or return a problem message."""
-    if isinstance(rec, _BadLine):
-        return rec.message
-    if not isinstance(rec, dict):
-        return f"expected a JSON object, got {type(rec).__name__}"
+    problem = not_an_object(rec)
+    if problem:
+        return problem
     if prompt_key not in rec:
         hint = ""
         if "question" in rec and "answer" in rec:
