@@ -72,9 +72,9 @@ def check_chat_template(rows: list[PromptRow], tokenizer: Any, *, apply_chat_tem
         first = multi[0]
         roles = ", ".join(str(m.get("role")) for m in first.prompt)
         raise DataError(
-            f"{len(multi)} prompt(s) are multi-turn conversations (first: row {first.index}, roles {roles}) but the tokenizer of "
+            f"{len(multi)} prompt(s) are multi-turn conversations (first: {first.where}, roles {roles}) but the tokenizer of "
             f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, {how}; "
-            "or give single-turn prompts", [f"row {r.index}" for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
+            "or give single-turn prompts", [r.where for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
     if name not in _warned_no_template:
         _warned_no_template.add(name)
         log.warning(
@@ -125,7 +125,7 @@ def render_prompt(
     if isinstance(prompt, str):
         return prompt + instruction_suffix
     if not isinstance(prompt, list):
-        raise TypeError(f"row {row.index}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
+        raise TypeError(f"{row.where}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
     msgs = _with_suffix(prompt, instruction_suffix)
     if apply_chat_template and tokenizer is not None and has_chat_template(tokenizer):
         out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -193,7 +193,7 @@ def check_prompt_lengths(
         if n > max_prompt_length:
             n_long += 1
             if len(long) < MAX_REPORTED_ERRORS:
-                long.append(f"row {r.index}: {n} tokens")
+                long.append(f"{r.where}: {n} tokens")
         else:
             keep.append(r)
     if n_long and (not drop or not keep):

@@ -93,6 +93,9 @@ class PromptRow:
             the source record).
         response: a fixed response (offline RLHF data), or None.
         score: the dataset's reward for ``response``, or None.
+        locator: where the record is in its file, as :func:`read_records` names it (``"line 9"``,
+            1-based physical jsonl line; ``"record 3"``, 1-based, for .json/.parquet/in-memory
+            records); ``""`` for rows built by hand. Not part of equality.
 
     Rows whose prompt is a list are not hashable (the dataclass is frozen but holds a list).
     """
@@ -104,6 +107,13 @@ class PromptRow:
     index: int
     response: str | None = None
     score: float | None = None
+    locator: str = field(default="", compare=False, repr=False)
+
+    @property
+    def where(self) -> str:
+        """The row's place for messages: :attr:`locator`, else ``"record N"`` (1-based from ``index``),
+        so every message about a file's rows counts them from 1 as its lines are."""
+        return self.locator or f"record {self.index + 1}"
 
 
 @dataclass
@@ -304,6 +314,7 @@ def _check_prompt(prompt: Any, key: str) -> str | None:
 def _row_from_record(
     rec: Any,
     index: int,
+    locator: str = "",
     *,
     default_data_source: str,
     prompt_key: str,
@@ -372,7 +383,7 @@ def _row_from_record(
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
     return PromptRow(prompt=prompt, data_source=ds, ground_truth=gt, extra_info=extra, index=index,
-                     response=response, score=score)
+                     response=response, score=score, locator=locator)
 
 
 def _build(
@@ -389,7 +400,7 @@ def _build(
     problems: list[str] = []
     n_bad = 0
     for index, (loc, rec) in enumerate(located):
-        r = _row_from_record(rec, index, default_data_source=default_data_source, prompt_key=prompt_key,
+        r = _row_from_record(rec, index, loc, default_data_source=default_data_source, prompt_key=prompt_key,
                              response_key=response_key, score_key=score_key)
         if isinstance(r, str):
             n_bad += 1
