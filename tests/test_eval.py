@@ -156,6 +156,12 @@ def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
     assert "needs sampling" in capsys.readouterr().err
     assert main(["eval", "embedded", str(digitsum_file), "--checkpoints", "all"]) == 2
     assert "needs a run directory" in capsys.readouterr().err
+    # Regression: a bad sampling flag printed the internal settings dict instead of naming the flag.
+    assert main(["eval", "embedded", str(digitsum_file), "--temperature", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--temperature must be > 0, got 0.0 (for greedy decoding use --greedy)" in err and "{" not in err
+    assert main(["eval", "embedded", str(digitsum_file), "--top-p", "5", "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1, got 0; --top-p must be in (0, 1], got 5.0" in capsys.readouterr().err
 
 
 def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):

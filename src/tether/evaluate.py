@@ -245,8 +245,12 @@ class Evaluator:
             r["ks"] = sorted({1, *ks})
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if r["max_new_tokens"] < 1 or s.batch_size < 1 or not r["temperature"] > 0 or not 0 < r["top_p"] <= 1:
-            raise ConfigError(f"need max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
+        bad = [f"--max-new-tokens must be >= 1, got {r['max_new_tokens']}" if r["max_new_tokens"] < 1 else "",
+               f"--batch-size must be >= 1, got {s.batch_size}" if s.batch_size < 1 else "",
+               f"--temperature must be > 0, got {r['temperature']} (for greedy decoding use --greedy)" if not r["temperature"] > 0 else "",
+               f"--top-p must be in (0, 1], got {r['top_p']}" if not 0 < r["top_p"] <= 1 else ""]  # fmt: skip
+        if any(bad):
+            raise ConfigError("; ".join(b for b in bad if b))
         r["engine"] = self._pick_engine(s.engine, base["engine"])
         self.beta = float(base["beta"])
         s.resolved = self.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype,
