@@ -92,9 +92,13 @@ def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from tether.outputs import output_problem
     from tether.tasks.sft import build_reference, default_reference_path
 
     out = Path(args.out) if args.out else default_reference_path()
+    if problem := output_problem(out, "dir", "--out"):
+        print(f"tether sft: {problem}", file=sys.stderr)
+        return 2
     kwargs = {"seed": args.seed}
     if args.steps is not None:
         if args.steps < 1:

@@ -653,9 +653,13 @@ def main_eval(args) -> int:
 
     from tether.data import DataError
 
+    from tether.outputs import output_problem
+
     t0 = time.perf_counter()
     try:
         s = _settings_from_args(args)
+        if args.out and (problem := output_problem(args.out, "dir" if args.checkpoints is not None else "file", "--out")):
+            raise ConfigError(problem)
         if args.checkpoints is not None:
             out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)

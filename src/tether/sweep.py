@@ -873,6 +873,10 @@ def main_sweep(
     """Entry point of ``tether sweep``: 0 when every run finished, 1 when some failed, 2 on a bad spec."""
     try:
         spec = load_spec(spec_path, grid=grid, fixed=fixed, out=out, workers=workers, tail=tail, exact_final=exact_final)
+        from tether.outputs import output_problem
+
+        if problem := output_problem(spec.out, "dir", "the sweep's out"):
+            raise SweepError(problem)
         runs = spec.runs()
         from tether.config import ConfigError, load_config
 

@@ -259,12 +259,16 @@ def write_records(records: Sequence[dict], path: str | Path) -> int:
         The number of records written.
 
     Raises:
-        DataError: unsupported extension.
+        DataError: unsupported extension; a path that is a directory or lies under a file.
     """
+    from tether.outputs import output_problem
+
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in _SUFFIXES:
         raise DataError(f"{p}: unsupported extension {p.suffix!r}; expected one of {', '.join(_SUFFIXES)}")
+    if problem := output_problem(p, "file", "the output"):
+        raise DataError(problem)
     p.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".parquet":
         import pyarrow as pa
