@@ -385,10 +385,13 @@ class Evaluator:
     def _exact(self, model) -> dict[str, float]:
         """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
         the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
-        from tether.tasks.exact import evaluate_policy
+        from tether.tasks.exact import evaluate_policy, exact_space_problem
 
         ref = self.reference() if self.reference() is not None else model
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
+        if problem := exact_space_problem(model, prompts):
+            log.warning("%s", problem)
+            return {}
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
                                n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
 
