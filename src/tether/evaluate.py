@@ -655,7 +655,6 @@ def main_eval(args) -> int:
     import sys
 
     from tether.data import DataError
-
     from tether.outputs import output_problem
 
     t0 = time.perf_counter()
