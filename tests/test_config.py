@@ -32,6 +32,15 @@ def test_unknown_key_has_did_you_mean():
         load_config(None, ["trainer.total_step=3"])
 
 
+def test_unknown_key_without_close_match_lists_the_section():
+    # nothing close to 'foo': the message lists the sections, not a bare "unknown key"
+    with pytest.raises(ConfigError, match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, "
+                       r"reward, data, kl, algo, trainer, guard\)"):
+        load_config(None, ["foo.bar=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'guard.zzz' \(keys of guard: target_kl, max_kl, "):
+        load_config(None, ["guard.zzz=1"])
+
+
 @pytest.mark.parametrize(
     "override, key",
     [

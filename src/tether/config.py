@@ -392,11 +392,20 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _did_you_mean(key: str) -> str:
-    close = difflib.get_close_matches(key, _known_keys(TetherConfig), n=3, cutoff=0.6)
+    close = [k for k in difflib.get_close_matches(key, _known_keys(TetherConfig), n=3, cutoff=0.6)
+             if not key.startswith(k + ".")]  # 'guard' is no suggestion for 'guard.zzz'
     if not close:
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in _known_keys(TetherConfig) if k.rsplit(".", 1)[-1] == leaf][:3]
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    if close:
+        return f" (did you mean {' or '.join(close)}?)"
+    # nothing close: list what the section holds (the sections themselves for a top-level key)
+    section, _, _ = key.rpartition(".")
+    prefix = section + "." if section else ""
+    here = [k[len(prefix):] for k in _known_keys(TetherConfig) if k.startswith(prefix) and "." not in k[len(prefix):]]
+    if not here:
+        return ""
+    return f" ({'keys of ' + section if section else 'sections'}: {', '.join(here)})"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
