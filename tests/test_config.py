@@ -150,3 +150,21 @@ def test_train_with_a_bare_key_says_an_override_needs_key_value(capsys, tmp_path
     assert "config file not found" in capsys.readouterr().err
     assert main(["train", "actor.lr=1e-4", "kl.coef"]) == 2  # a bare key after the first argument
     assert "override 'kl.coef' is not of the form key=value" in capsys.readouterr().err
+
+
+def test_rollback_drop_must_be_below_one():
+    # a drop of the whole score or more cannot happen to a score >= 0: rollback could never fire
+    assert load_config(None, ["guard.rollback_drop=0.99"]).guard.rollback_drop == 0.99
+    with pytest.raises(ConfigError, match=r"guard.rollback_drop.*less than 1 \(got 1.5\)"):
+        load_config(None, ["guard.rollback_drop=1.5"])
+
+
+def test_critic_warmup_covering_the_whole_run_is_an_error():
+    # warmup_steps=5 of 2 steps: the actor would never be trained
+    with pytest.raises(ConfigError, match=r"critic.warmup_steps=5 >= trainer.total_steps=2: only the critic"):
+        load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=5", "trainer.total_steps=2"])
+    with pytest.raises(ConfigError, match=r"critic.warmup_steps=2 >= trainer.total_steps=2"):
+        load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=2", "trainer.total_steps=2"])
+    assert load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=2"]).critic.warmup_steps == 1
+    # without a critic the warm-up is not used
+    assert load_config(None, ["algo.adv_estimator=grpo", "critic.warmup_steps=5", "trainer.total_steps=2"]).trainer.total_steps == 2

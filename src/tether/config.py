@@ -314,7 +314,7 @@ class GuardConfig(_Section):
     on_max_kl: Literal["raise_coef", "skip", "stop"] = Field("raise_coef", description="What exceeding guard.max_kl does.")
     coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run.")
-    rollback_drop: float = Field(0.05, ge=0, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off).")
+    rollback_drop: float = Field(0.05, ge=0, lt=1, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off; below 1, since a fall of the whole score or more never happens to a score >= 0).")
     rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean.")
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
@@ -362,6 +362,9 @@ class TetherConfig(_Section):
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
         if self.trainer.backend == "ray":
             _check_distributed(self)
+        if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
+            raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
+                             "only the critic would be trained, never the actor (lower critic.warmup_steps)")
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")

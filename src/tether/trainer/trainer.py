@@ -156,6 +156,9 @@ class Trainer:
             with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
                 if self.step == 0 and self.cfg.trainer.val_freq:
                     self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                if self.step >= self.cfg.trainer.total_steps:
+                    log.warning("nothing to train: the run is already at step %d >= trainer.total_steps=%d "
+                                "(raise trainer.total_steps to continue it)", self.step, self.cfg.trainer.total_steps)
                 while self.step < self.cfg.trainer.total_steps:
                     metrics = self.train_step()
                     history.append(metrics)
