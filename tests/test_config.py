@@ -168,3 +168,23 @@ def test_critic_warmup_covering_the_whole_run_is_an_error():
     assert load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=2"]).critic.warmup_steps == 1
     # without a critic the warm-up is not used
     assert load_config(None, ["algo.adv_estimator=grpo", "critic.warmup_steps=5", "trainer.total_steps=2"]).trainer.total_steps == 2
+
+
+def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path, monkeypatch):
+    # one rule, as on the command line; a path only found next to the config file is a clear error up front
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "cfgdir" / "rw.py").write_text("def f(data_sources, solution_strs, ground_truths, extra_infos):\n    return []\n")
+    (tmp_path / "cfgdir" / "c.yaml").write_text("reward:\n  function: rw.py:f\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory "
+                       r".*write 'cfgdir/rw.py:f' or an absolute path"):
+        load_config("cfgdir/c.yaml")
+    (tmp_path / "cfgdir" / "d.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: t.jsonl\n")
+    (tmp_path / "cfgdir" / "t.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"data.train_files: 't.jsonl' .*write 'cfgdir/t.jsonl'"):
+        load_config("cfgdir/d.yaml")
+    (tmp_path / "cfgdir" / "e.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: cfgdir/t.jsonl\n")
+    cfg = load_config("cfgdir/e.yaml")
+    assert cfg.reward.function == "cfgdir/rw.py:f" and cfg.data.train_files == "cfgdir/t.jsonl"
+    # the same value as an override is taken from the current directory without a check (it is the command line)
+    assert load_config("cfgdir/e.yaml", ["data.train_files=missing.jsonl"]).data.train_files == "missing.jsonl"

@@ -486,10 +486,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
+        _check_file_relative_paths(tree, p)
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     return build_config(tree)
+
+
+#: Config keys that hold a local path (``reward.function``: the file part of ``file.py:name``).
+PATH_KEYS = ("actor.model", "ref.model", "critic.model", "reward.function", "reward.model", "data.train_files", "data.val_files")
+
+
+def _path_part(key: str, value: str) -> str | None:
+    if key == "reward.function":
+        target = value.rpartition(":")[0]
+        return target if target.endswith(".py") or "/" in target or "\\" in target else None
+    return None if value == EMBEDDED else value
+
+
+def _check_file_relative_paths(tree: dict, config_path: Path) -> None:
+    """One rule for relative paths: they are taken from the current directory, in a config file as on
+    the command line (so ``configs/gsm8k.yaml`` names ``data/gsm8k/train.parquet`` from the project
+    root). A relative path in the file that is missing from the current directory but present next
+    to the config file is an error that says so, instead of a "not found" later.
+
+    Raises:
+        ConfigError: naming the key, the path as written and the path to write.
+    """
+    base = config_path.parent
+    if base.resolve() == Path.cwd().resolve():
+        return
+    for key in PATH_KEYS:
+        section, _, name = key.partition(".")
+        value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
+        part = _path_part(key, value) if isinstance(value, str) else None
+        if not part or Path(part).expanduser().is_absolute() or Path(part).exists():
+            continue
+        if (base / part).exists():
+            fixed = value.replace(part, str(base / part), 1)
+            raise ConfigError(f"{key}: {part!r} in {config_path} is not in the current directory ({Path.cwd()}) but is next "
+                              f"to the config file. Relative paths are taken from the current directory, in a config file as "
+                              f"on the command line: write {fixed!r} or an absolute path")
 
 
 def config_to_yaml(cfg: TetherConfig) -> str:
