@@ -330,3 +330,25 @@ def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
         select_checkpoints(tmp_path / "run", "1,3")
     with pytest.raises(ConfigError, match="all, latest or a list of steps"):
         select_checkpoints(tmp_path / "run", "best")
+
+
+def test_a_model_without_a_run_on_the_embedded_task_is_measured_against_the_tasks_reference(tmp_path):
+    """An exported model (no run's config.yaml) on DATA=embedded: the reference is the task's shipped
+    one, not the model itself (which gave exact/kl_ref_tok = 0 and the policy's own score as ref)."""
+    from transformers import AutoTokenizer
+
+    from tether.models import load_causal_lm, resolve_model_path
+    from tether.tasks.exact import reference_success_rate
+
+    ref_dir = resolve_model_path("embedded")
+    model = load_causal_lm(ref_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "exp")
+    AutoTokenizer.from_pretrained(ref_dir).save_pretrained(tmp_path / "exp")
+    m = evaluate(tmp_path / "exp", "embedded", EvalSettings(n=2, batch_size=8))
+    assert m["exact/ref_score_mean"] == pytest.approx(reference_success_rate(prompts=make_dataset("val")), abs=1e-9)
+    assert m["exact/score_mean"] != pytest.approx(m["exact/ref_score_mean"], abs=1e-3)
+    assert m["exact/kl_ref_tok"] > 1e-3 and m["kl_ref_mean"] is not None

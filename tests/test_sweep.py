@@ -129,6 +129,17 @@ def test_load_spec_merges_file_and_command_line(tmp_path):
         sw.load_spec(None, exact_final="some")
 
 
+@pytest.mark.parametrize("workers", [0, -1, 1.5, "2"])
+def test_workers_below_one_or_not_whole_is_an_error(tmp_path, workers):
+    # --workers 0 used to fall back silently to one per core, -1 to one
+    with pytest.raises(sw.SweepError, match=rf"workers must be a whole number >= 1 .*got {workers!r}"):
+        sw.load_spec(None, workers=workers)
+    p = tmp_path / "s.yaml"
+    p.write_text(f"workers: {workers!r}\n")
+    with pytest.raises(sw.SweepError, match="workers must be a whole number >= 1"):
+        sw.load_spec(p)
+
+
 # ----------------------------------------------------------------------------------------------
 # resumability
 

@@ -286,6 +286,7 @@ class Evaluator:
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
         self.engine = None
         self._ref = None
+        self._no_ref = False  # reference() found none (checked once)
         self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
@@ -308,23 +309,32 @@ class Evaluator:
 
     def reference_path(self) -> Path | None:
         """The reference policy's model directory: ``settings.ref``, else the run's ``ref.model`` or
-        ``actor.model`` (a LoRA run's reference is its base model), else None."""
+        ``actor.model`` (a LoRA run's reference is its base model), else, without a run, the embedded
+        task's shipped reference on ``DATA=embedded`` (the reference its exact numbers are defined
+        against), else None."""
         from tether.models import resolve_model_path
 
         if self.settings.ref:
             return resolve_model_path(self.settings.ref, "--ref")
         if self.cfg is None:
-            return None
+            return resolve_model_path(EMBEDDED) if self.data in EMBEDDED_DATA else None
         return resolve_model_path(self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model")
 
     def reference(self):
-        """The frozen reference model (loaded once), or None when there is none."""
-        if self._ref is None:
+        """The frozen reference model (loaded once), or None when there is none (or, for the embedded
+        task's default reference, when the policy's tokenizer is another one: logged once)."""
+        if self._ref is None and not self._no_ref:
             path = self.reference_path()
             if path is None:
+                self._no_ref = True
                 return None
             from tether.models import load_causal_lm
 
+            if not self.settings.ref and self.cfg is None and not _same_vocab(self.tok, path):
+                log.warning("eval: the policy's tokenizer is not the embedded task's, so its shipped reference %s cannot be "
+                            "the reference: no kl_ref, and exact/ref_* are the policy's own (give --ref DIR)", path)
+                self._no_ref = True
+                return None
             self._ref = load_causal_lm(path, dtype=self.settings.dtype).to(self.device).eval()
         return self._ref
 
@@ -394,6 +404,12 @@ class Evaluator:
             return {}
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
                                n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
+
+
+def _same_vocab(tok, path: Path) -> bool:
+    from tether.models import load_tokenizer
+
+    return tok.get_vocab() == load_tokenizer(path).get_vocab()
 
 
 def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,

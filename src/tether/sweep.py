@@ -319,6 +319,7 @@ def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed
             value = data.get(key)
         if value is not None:
             setattr(spec, key, value)
+    _check_workers(spec.workers)
     if spec.exact_final not in ("none", "val", "train", "all"):
         raise SweepError(f"exact_final must be none, val, train or all, got {spec.exact_final!r}")
     return spec
@@ -326,6 +327,12 @@ def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed
 
 # ----------------------------------------------------------------------------------------------
 # running
+
+
+def _check_workers(workers) -> None:
+    """``workers`` (parallel runs) is None (one per core) or a whole number >= 1."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise SweepError(f"workers must be a whole number >= 1 (parallel runs), got {workers!r}")
 
 
 def available_cores() -> int:
@@ -429,7 +436,8 @@ def run_sweep(
     """
     out = Path(spec.out)
     runs = spec.runs()
-    workers = max(1, int(workers or spec.workers or available_cores()))
+    _check_workers(workers)
+    workers = int(workers or spec.workers or available_cores())
     threads = max(1, available_cores() // workers)
     env = dict(os.environ) | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if dry_run:

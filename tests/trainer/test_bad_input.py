@@ -140,6 +140,32 @@ def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeyp
     assert fixed == again and claimed and not claimed_again
 
 
+def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):
+    from tether.trainer.trainer import claim_run_dir
+
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (user / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. "
+                       r"A run would overwrite them"):
+        claim_run_dir(None, str(user))
+    assert (user / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # a run's directory (config.yaml or checkpoints/) is reused: resume
+    (user / "config.yaml").write_text("{}\n")
+    assert claim_run_dir(None, str(user)) == (user, False)
+    ck = tmp_path / "ck"
+    (ck / "checkpoints").mkdir(parents=True)
+    (ck / "metrics.jsonl").write_text("")
+    assert claim_run_dir(None, str(ck)) == (ck, False)
+    # an empty directory, dotfiles and the sweep's train.log are fine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".keep").write_text("")
+    (empty / "train.log").write_text("")
+    assert claim_run_dir(None, str(empty)) == (empty, False)
+
+
 def test_a_failed_start_leaves_an_existing_run_untouched(small_cfg, tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -167,7 +167,7 @@ def check_prompt_lengths(
         tokenizer: the policy's tokenizer.
         max_prompt_length: the maximum prompt length in tokens (>= 1).
         apply_chat_template, instruction_suffix: as in :func:`render_prompt`.
-        drop: drop the long rows (with a ``UserWarning`` giving the count) instead of failing.
+        drop: drop the long rows (with a warning on the ``tether`` logger giving the count) instead of failing.
 
     Returns:
         The rows that fit (all of them, or a :class:`DataError` is raised, unless ``drop``).
@@ -177,7 +177,6 @@ def check_prompt_lengths(
             ``drop`` is False, or every prompt is too long.
         ValueError: ``max_prompt_length < 1``.
     """
-    import warnings
 
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
@@ -201,6 +200,5 @@ def check_prompt_lengths(
             f"{n_long} prompt(s) of {len(rows)} longer than max_prompt_length={max_prompt_length} tokens: "
             + "; ".join(long) + (" ..." if n_long > len(long) else ""), long, n_long)
     if n_long:
-        warnings.warn(f"dropped {n_long} prompt(s) longer than {max_prompt_length} tokens: "
-                      + "; ".join(long[:3]), stacklevel=2)
+        log.warning("dropped %d prompt(s) longer than %d tokens: %s", n_long, max_prompt_length, "; ".join(long[:3]))
     return keep

@@ -35,9 +35,9 @@ empty dataset (no rows at all, or none left after skipping) is always an error.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +57,8 @@ __all__ = [
     "split_rows",
     "write_records",
 ]
+
+log = logging.getLogger("tether")
 
 #: Chat roles accepted in a prompt's messages.
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -478,7 +480,7 @@ def load_rows_report(
 def _warn_skipped(rep: LoadReport) -> None:
     if rep.n_skipped:
         first = "; ".join(rep.problems[:3])
-        warnings.warn(f"{rep.source}: skipped {rep.n_skipped} malformed row(s); first: {first}", stacklevel=3)
+        log.warning("%s: skipped %d malformed row(s); first: %s", rep.source, rep.n_skipped, first)
 
 
 def load_rows(
@@ -498,7 +500,7 @@ def load_rows(
         prompt_key: the column holding the prompt (verl: ``prompt``).
         response_key: for offline data, the column holding a fixed response (required per row).
         score_key: for offline data, the column holding the response's reward (number or null).
-        skip_invalid: drop malformed rows instead of failing; a ``UserWarning`` gives the count
+        skip_invalid: drop malformed rows instead of failing; a warning on the ``tether`` logger gives the count
             and the first problems (use :func:`load_rows_report` to get them as data).
 
     Returns:
