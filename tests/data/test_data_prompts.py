@@ -67,7 +67,7 @@ def test_check_prompt_lengths(chat_tokenizer_dir, caplog):
     with caplog.at_level("WARNING", logger="tether"):
         kept = check_prompt_lengths(rows, tok, 50, drop=True)
     assert [r.index for r in kept] == [0, 2]
-    assert [r.name for r in caplog.records] == ["tether"] and "dropped 1 prompt(s) longer than 50 tokens: row 1" in caplog.text
+    assert [r.name for r in caplog.records] == ["tether"] and "dropped 1 prompt(s) longer than 50 tokens: record 2" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="tether"):
         assert check_prompt_lengths(rows[:1], tok, 50) == rows[:1]
