@@ -32,6 +32,15 @@ def test_unknown_key_has_did_you_mean():
         load_config(None, ["trainer.total_step=3"])
 
 
+def test_unknown_key_without_close_match_lists_the_section():
+    # nothing close to 'foo': the message lists the sections, not a bare "unknown key"
+    with pytest.raises(ConfigError, match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, "
+                       r"reward, data, kl, algo, trainer, guard\)"):
+        load_config(None, ["foo.bar=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'guard.zzz' \(keys of guard: target_kl, max_kl, "):
+        load_config(None, ["guard.zzz=1"])
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -141,3 +150,41 @@ def test_train_with_a_bare_key_says_an_override_needs_key_value(capsys, tmp_path
     assert "config file not found" in capsys.readouterr().err
     assert main(["train", "actor.lr=1e-4", "kl.coef"]) == 2  # a bare key after the first argument
     assert "override 'kl.coef' is not of the form key=value" in capsys.readouterr().err
+
+
+def test_rollback_drop_must_be_below_one():
+    # a drop of the whole score or more cannot happen to a score >= 0: rollback could never fire
+    assert load_config(None, ["guard.rollback_drop=0.99"]).guard.rollback_drop == 0.99
+    with pytest.raises(ConfigError, match=r"guard.rollback_drop.*less than 1 \(got 1.5\)"):
+        load_config(None, ["guard.rollback_drop=1.5"])
+
+
+def test_critic_warmup_covering_the_whole_run_is_an_error():
+    # warmup_steps=5 of 2 steps: the actor would never be trained
+    with pytest.raises(ConfigError, match=r"critic.warmup_steps=5 >= trainer.total_steps=2: only the critic"):
+        load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=5", "trainer.total_steps=2"])
+    with pytest.raises(ConfigError, match=r"critic.warmup_steps=2 >= trainer.total_steps=2"):
+        load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=2", "trainer.total_steps=2"])
+    assert load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=2"]).critic.warmup_steps == 1
+    # without a critic the warm-up is not used
+    assert load_config(None, ["algo.adv_estimator=grpo", "critic.warmup_steps=5", "trainer.total_steps=2"]).trainer.total_steps == 2
+
+
+def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path, monkeypatch):
+    # one rule, as on the command line; a path only found next to the config file is a clear error up front
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "cfgdir" / "rw.py").write_text("def f(data_sources, solution_strs, ground_truths, extra_infos):\n    return []\n")
+    (tmp_path / "cfgdir" / "c.yaml").write_text("reward:\n  function: rw.py:f\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory "
+                       r".*write 'cfgdir/rw.py:f' or an absolute path"):
+        load_config("cfgdir/c.yaml")
+    (tmp_path / "cfgdir" / "d.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: t.jsonl\n")
+    (tmp_path / "cfgdir" / "t.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"data.train_files: 't.jsonl' .*write 'cfgdir/t.jsonl'"):
+        load_config("cfgdir/d.yaml")
+    (tmp_path / "cfgdir" / "e.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: cfgdir/t.jsonl\n")
+    cfg = load_config("cfgdir/e.yaml")
+    assert cfg.reward.function == "cfgdir/rw.py:f" and cfg.data.train_files == "cfgdir/t.jsonl"
+    # the same value as an override is taken from the current directory without a check (it is the command line)
+    assert load_config("cfgdir/e.yaml", ["data.train_files=missing.jsonl"]).data.train_files == "missing.jsonl"

@@ -7,7 +7,6 @@ import io
 import json
 import math
 import random
-import warnings
 
 import pytest
 
@@ -15,7 +14,6 @@ from tether.diagnostics import (
     CHECKS,
     Finding,
     LiveDiagnostics,
-    MetricsFileWarning,
     check_clipfrac_high,
     check_collapse_rising,
     check_entropy_collapse,
@@ -339,33 +337,35 @@ def write_run(tmp_path, records, tail: str = "", config: str | None = None):
     return run
 
 
-def test_read_metrics_tolerates_and_reports_a_truncated_last_line(tmp_path):
+def test_read_metrics_tolerates_and_reports_a_truncated_last_line(tmp_path, caplog):
     run = write_run(tmp_path, [{"step": 0, "a": 1.0}, {"step": 1, "a": 2.0}], tail='{"step": 2, "a": 3.')
-    with pytest.warns(
-        MetricsFileWarning, match="last line \\(3, 19 characters, no final newline\\) is truncated"
-    ):
+    with caplog.at_level("WARNING", logger="tether"):
         records = read_metrics(run)
     assert records == [{"step": 0, "a": 1.0}, {"step": 1, "a": 2.0}]
+    assert [r.name for r in caplog.records] == ["tether"]  # the tether logger, not a Python warning
+    assert "last line (3, 19 characters, no final newline) is truncated" in caplog.text
     # the same path given as the file itself
-    with pytest.warns(MetricsFileWarning):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tether"):
         assert read_metrics(run / "metrics.jsonl") == records
+    assert len(caplog.records) == 1
 
 
-def test_read_metrics_clean_file_and_final_line_without_newline(tmp_path):
+def test_read_metrics_clean_file_and_final_line_without_newline(tmp_path, caplog):
     run = write_run(tmp_path, [{"step": 0, "a": 1.0}], tail='\n{"step": 1, "a": 2.0}')
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with caplog.at_level("WARNING", logger="tether"):
         assert read_metrics(run) == [{"step": 0, "a": 1.0}, {"step": 1, "a": 2.0}]
+    assert caplog.records == []
 
 
-def test_read_metrics_reports_malformed_middle_lines(tmp_path):
+def test_read_metrics_reports_malformed_middle_lines(tmp_path, caplog):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "a\n[1, 2]\n{"a": 1}\n{"step": 4}\n')
-    with pytest.warns(MetricsFileWarning) as rec:
+    with caplog.at_level("WARNING", logger="tether"):
         records = read_metrics(run)
     assert records == [{"step": 0}, {"step": 4}]
-    messages = [str(w.message) for w in rec]
+    messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3
     assert "line 2 is malformed" in messages[0]
     assert "line 3 is malformed (not a JSON object but list)" in messages[1]

@@ -156,6 +156,12 @@ def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
     assert "needs sampling" in capsys.readouterr().err
     assert main(["eval", "embedded", str(digitsum_file), "--checkpoints", "all"]) == 2
     assert "needs a run directory" in capsys.readouterr().err
+    # Regression: a bad sampling flag printed the internal settings dict instead of naming the flag.
+    assert main(["eval", "embedded", str(digitsum_file), "--temperature", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--temperature must be > 0, got 0.0 (for greedy decoding use --greedy)" in err and "{" not in err
+    assert main(["eval", "embedded", str(digitsum_file), "--top-p", "5", "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1, got 0; --top-p must be in (0, 1], got 5.0" in capsys.readouterr().err
 
 
 def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
@@ -324,3 +330,25 @@ def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
         select_checkpoints(tmp_path / "run", "1,3")
     with pytest.raises(ConfigError, match="all, latest or a list of steps"):
         select_checkpoints(tmp_path / "run", "best")
+
+
+def test_a_model_without_a_run_on_the_embedded_task_is_measured_against_the_tasks_reference(tmp_path):
+    """An exported model (no run's config.yaml) on DATA=embedded: the reference is the task's shipped
+    one, not the model itself (which gave exact/kl_ref_tok = 0 and the policy's own score as ref)."""
+    from transformers import AutoTokenizer
+
+    from tether.models import load_causal_lm, resolve_model_path
+    from tether.tasks.exact import reference_success_rate
+
+    ref_dir = resolve_model_path("embedded")
+    model = load_causal_lm(ref_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "exp")
+    AutoTokenizer.from_pretrained(ref_dir).save_pretrained(tmp_path / "exp")
+    m = evaluate(tmp_path / "exp", "embedded", EvalSettings(n=2, batch_size=8))
+    assert m["exact/ref_score_mean"] == pytest.approx(reference_success_rate(prompts=make_dataset("val")), abs=1e-9)
+    assert m["exact/score_mean"] != pytest.approx(m["exact/ref_score_mean"], abs=1e-3)
+    assert m["exact/kl_ref_tok"] > 1e-3 and m["kl_ref_mean"] is not None

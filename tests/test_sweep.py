@@ -102,6 +102,14 @@ def test_run_name_sanitises_and_hashes_long_names():
     assert "/" not in na
 
 
+def test_run_name_keeps_the_minus_sign_of_negative_values():
+    # Regression: the slug's strip("-") dropped a value's own minus, so -0.01 and 0.01 collided.
+    assert sw.run_name([("algo.entropy_coef", -0.01)]) == "algo.entropy_coef=-0.01"
+    assert sw.run_name([("kl.coef", -1)]) == "kl.coef=-1"
+    assert sw.run_name([("kl.schedule.stages", [[-5, 0.1]])]) == "kl.schedule.stages=-5,-0.1"
+    assert sw.run_name([("algo.entropy_coef", -0.01)]) != sw.run_name([("algo.entropy_coef", 0.01)])
+
+
 def test_load_spec_merges_file_and_command_line(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text(
@@ -119,6 +127,17 @@ def test_load_spec_merges_file_and_command_line(tmp_path):
         sw.load_spec(bad)
     with pytest.raises(sw.SweepError, match="exact_final"):
         sw.load_spec(None, exact_final="some")
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, "2"])
+def test_workers_below_one_or_not_whole_is_an_error(tmp_path, workers):
+    # --workers 0 used to fall back silently to one per core, -1 to one
+    with pytest.raises(sw.SweepError, match=rf"workers must be a whole number >= 1 .*got {workers!r}"):
+        sw.load_spec(None, workers=workers)
+    p = tmp_path / "s.yaml"
+    p.write_text(f"workers: {workers!r}\n")
+    with pytest.raises(sw.SweepError, match="workers must be a whole number >= 1"):
+        sw.load_spec(p)
 
 
 # ----------------------------------------------------------------------------------------------

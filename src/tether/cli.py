@@ -19,6 +19,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
   tether data aime|gpqa|math500 SRC OUT         benchmark files → verl's schema with their prompt templates
   tether eval MODEL_OR_CHECKPOINT DATA [--n N] [--k 1,4,16] [--checkpoints all] [--out FILE]  pass@k, maj@k, KL, length
   tether sweep [SPEC.yaml] [--grid K=V1,V2 ...] [key=value ...]  a grid of train runs, table + plots
+  tether plan [CONFIG.yaml] [key=value ...] --devices N --device-memory 80GiB  memory per device, fits or not
 """
 
 
@@ -91,9 +92,13 @@ def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from tether.outputs import output_problem
     from tether.tasks.sft import build_reference, default_reference_path
 
     out = Path(args.out) if args.out else default_reference_path()
+    if problem := output_problem(out, "dir", "--out"):
+        print(f"tether sft: {problem}", file=sys.stderr)
+        return 2
     kwargs = {"seed": args.seed}
     if args.steps is not None:
         if args.steps < 1:
@@ -207,6 +212,33 @@ def _add_eval_parser(sub) -> None:
     v.set_defaults(func=cmd_eval)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tether.plan import main_plan
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]
+    return main_plan(config, overrides, devices=args.devices, device_memory=args.device_memory, tp_size=args.tp_size,
+                     offload=args.offload, param_dtype=args.param_dtype, gpus_per_node=args.gpus_per_node,
+                     activation_checkpointing=args.activation_checkpointing, rollout_tp=args.rollout_tp)  # fmt: skip
+
+
+def _add_plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="per-device memory of every role from the models' config.json (no weights); fits or not")
+    pl.add_argument("config", nargs="?", help="YAML config file")
+    pl.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for tether train")
+    pl.add_argument("--devices", type=int, default=1, help="devices the roles share (dp × tp; default 1)")
+    pl.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB, 141GB (default 80GiB)")
+    pl.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size (default actor.tp_size where the config has it, else 1)")
+    pl.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None, help="FSDP2 CPU offload of parameters, gradients and optimizer (default trainer.fsdp.cpu_offload)")
+    pl.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default trainer.fsdp.param_dtype, else actor.dtype)")
+    pl.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="checkpoint actor and critic activations (default actor.gradient_checkpointing for the actor, trainer.fsdp.activation_checkpointing for both)")
+    pl.add_argument("--rollout-tp", type=int, default=None, help="vLLM's tensor-parallel size (default --tp-size)")
+    pl.add_argument("--gpus-per-node", type=int, default=None, help="devices per node, for offloaded host memory (default trainer.n_gpus_per_node, else 8)")
+    pl.set_defaults(func=cmd_plan)
+
+
 def cmd_data_solutions(args: argparse.Namespace) -> int:
     from tether.data import DataError, convert_gsm8k_solutions
 
@@ -277,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
     _add_sweep_parser(sub)
     _add_eval_parser(sub)
+    _add_plan_parser(sub)
     da = sub.add_parser("data", help="dataset conversion")
     da_sub = da.add_subparsers(dest="dataset")
     g = da_sub.add_parser("gsm8k", help="GSM8K jsonl → verl-schema jsonl/parquet")
@@ -297,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "plan" and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # key=value overrides after the flags
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if not argv else 2

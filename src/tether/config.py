@@ -319,7 +319,7 @@ class GuardConfig(_Section):
     on_max_kl: Literal["raise_coef", "skip", "stop"] = Field("raise_coef", description="What exceeding guard.max_kl does.")
     coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run.")
-    rollback_drop: float = Field(0.05, ge=0, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off).")
+    rollback_drop: float = Field(0.05, ge=0, lt=1, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off; below 1, since a fall of the whole score or more never happens to a score >= 0).")
     rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean.")
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
@@ -374,6 +374,9 @@ class TetherConfig(_Section):
             _check_distributed(self)
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
+        if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
+            raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
+                             "only the critic would be trained, never the actor (lower critic.warmup_steps)")
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
@@ -404,11 +407,20 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _did_you_mean(key: str) -> str:
-    close = difflib.get_close_matches(key, _known_keys(TetherConfig), n=3, cutoff=0.6)
+    close = [k for k in difflib.get_close_matches(key, _known_keys(TetherConfig), n=3, cutoff=0.6)
+             if not key.startswith(k + ".")]  # 'guard' is no suggestion for 'guard.zzz'
     if not close:
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in _known_keys(TetherConfig) if k.rsplit(".", 1)[-1] == leaf][:3]
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    if close:
+        return f" (did you mean {' or '.join(close)}?)"
+    # nothing close: list what the section holds (the sections themselves for a top-level key)
+    section, _, _ = key.rpartition(".")
+    prefix = section + "." if section else ""
+    here = [k[len(prefix):] for k in _known_keys(TetherConfig) if k.startswith(prefix) and "." not in k[len(prefix):]]
+    if not here:
+        return ""
+    return f" ({'keys of ' + section if section else 'sections'}: {', '.join(here)})"
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -486,10 +498,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
+        _check_file_relative_paths(tree, p)
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     return build_config(tree)
+
+
+#: Config keys that hold a local path (``reward.function``: the file part of ``file.py:name``).
+PATH_KEYS = ("actor.model", "ref.model", "critic.model", "reward.function", "reward.model", "data.train_files", "data.val_files")
+
+
+def _path_part(key: str, value: str) -> str | None:
+    if key == "reward.function":
+        target = value.rpartition(":")[0]
+        return target if target.endswith(".py") or "/" in target or "\\" in target else None
+    return None if value == EMBEDDED else value
+
+
+def _check_file_relative_paths(tree: dict, config_path: Path) -> None:
+    """One rule for relative paths: they are taken from the current directory, in a config file as on
+    the command line (so ``configs/gsm8k.yaml`` names ``data/gsm8k/train.parquet`` from the project
+    root). A relative path in the file that is missing from the current directory but present next
+    to the config file is an error that says so, instead of a "not found" later.
+
+    Raises:
+        ConfigError: naming the key, the path as written and the path to write.
+    """
+    base = config_path.parent
+    if base.resolve() == Path.cwd().resolve():
+        return
+    for key in PATH_KEYS:
+        section, _, name = key.partition(".")
+        value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
+        part = _path_part(key, value) if isinstance(value, str) else None
+        if not part or Path(part).expanduser().is_absolute() or Path(part).exists():
+            continue
+        if (base / part).exists():
+            fixed = value.replace(part, str(base / part), 1)
+            raise ConfigError(f"{key}: {part!r} in {config_path} is not in the current directory ({Path.cwd()}) but is next "
+                              f"to the config file. Relative paths are taken from the current directory, in a config file as "
+                              f"on the command line: write {fixed!r} or an absolute path")
 
 
 def config_to_yaml(cfg: TetherConfig) -> str:

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import statistics
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +58,6 @@ __all__ = [
     "LIVE_EVERY",
     "Finding",
     "LiveDiagnostics",
-    "MetricsFileWarning",
     "check_clipfrac_high",
     "check_collapse_rising",
     "check_entropy_collapse",
@@ -72,6 +71,8 @@ __all__ = [
     "format_findings",
     "read_metrics",
 ]
+
+log = logging.getLogger("tether")
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -100,10 +101,6 @@ class Finding:
     evidence: dict = field(default_factory=dict)
     suggestion: str = ""
     severity: Literal["warning", "info"] = "warning"
-
-
-class MetricsFileWarning(UserWarning):
-    """A line of ``metrics.jsonl`` could not be read (truncated last line or a malformed line)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -730,7 +727,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     """Read the per-step records of a run: ``RUN_DIR/metrics.jsonl`` (or a ``.jsonl`` file path).
 
     Blank lines are skipped. A truncated last line (no final newline, not valid JSON: the writer
-    was interrupted) is tolerated: it is dropped and reported with a :class:`MetricsFileWarning`.
+    was interrupted) is tolerated: it is dropped and reported as a warning on the ``tether`` logger.
     A malformed line elsewhere (invalid JSON, not an object, or no integer ``"step"``) is dropped
     and reported the same way. Records are returned in file order, unmodified (duplicate steps of a
     resumed run included; the checks deduplicate).
@@ -744,7 +741,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(f"no {METRICS_FILE} at {path}")
     records, problems = _read_records(path)
     for p in problems:
-        warnings.warn(p.message, MetricsFileWarning, stacklevel=2)
+        log.warning("%s", p.message)
     return records
 
 

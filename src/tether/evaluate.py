@@ -245,8 +245,12 @@ class Evaluator:
             r["ks"] = sorted({1, *ks})
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if r["max_new_tokens"] < 1 or s.batch_size < 1 or not r["temperature"] > 0 or not 0 < r["top_p"] <= 1:
-            raise ConfigError(f"need max_new_tokens >= 1, batch_size >= 1, temperature > 0 and 0 < top_p <= 1; got {r}")
+        bad = [f"--max-new-tokens must be >= 1, got {r['max_new_tokens']}" if r["max_new_tokens"] < 1 else "",
+               f"--batch-size must be >= 1, got {s.batch_size}" if s.batch_size < 1 else "",
+               f"--temperature must be > 0, got {r['temperature']} (for greedy decoding use --greedy)" if not r["temperature"] > 0 else "",
+               f"--top-p must be in (0, 1], got {r['top_p']}" if not 0 < r["top_p"] <= 1 else ""]  # fmt: skip
+        if any(bad):
+            raise ConfigError("; ".join(b for b in bad if b))
         r["engine"] = self._pick_engine(s.engine, base["engine"])
         self.beta = float(base["beta"])
         s.resolved = self.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype,
@@ -282,6 +286,7 @@ class Evaluator:
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
         self.engine = None
         self._ref = None
+        self._no_ref = False  # reference() found none (checked once)
         self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
@@ -304,23 +309,32 @@ class Evaluator:
 
     def reference_path(self) -> Path | None:
         """The reference policy's model directory: ``settings.ref``, else the run's ``ref.model`` or
-        ``actor.model`` (a LoRA run's reference is its base model), else None."""
+        ``actor.model`` (a LoRA run's reference is its base model), else, without a run, the embedded
+        task's shipped reference on ``DATA=embedded`` (the reference its exact numbers are defined
+        against), else None."""
         from tether.models import resolve_model_path
 
         if self.settings.ref:
             return resolve_model_path(self.settings.ref, "--ref")
         if self.cfg is None:
-            return None
+            return resolve_model_path(EMBEDDED) if self.data in EMBEDDED_DATA else None
         return resolve_model_path(self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model")
 
     def reference(self):
-        """The frozen reference model (loaded once), or None when there is none."""
-        if self._ref is None:
+        """The frozen reference model (loaded once), or None when there is none (or, for the embedded
+        task's default reference, when the policy's tokenizer is another one: logged once)."""
+        if self._ref is None and not self._no_ref:
             path = self.reference_path()
             if path is None:
+                self._no_ref = True
                 return None
             from tether.models import load_causal_lm
 
+            if not self.settings.ref and self.cfg is None and not _same_vocab(self.tok, path):
+                log.warning("eval: the policy's tokenizer is not the embedded task's, so its shipped reference %s cannot be "
+                            "the reference: no kl_ref, and exact/ref_* are the policy's own (give --ref DIR)", path)
+                self._no_ref = True
+                return None
             self._ref = load_causal_lm(path, dtype=self.settings.dtype).to(self.device).eval()
         return self._ref
 
@@ -381,12 +395,21 @@ class Evaluator:
     def _exact(self, model) -> dict[str, float]:
         """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
         the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
-        from tether.tasks.exact import evaluate_policy
+        from tether.tasks.exact import evaluate_policy, exact_space_problem
 
         ref = self.reference() if self.reference() is not None else model
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
+        if problem := exact_space_problem(model, prompts):
+            log.warning("%s", problem)
+            return {}
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
                                n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
+
+
+def _same_vocab(tok, path: Path) -> bool:
+    from tether.models import load_tokenizer
+
+    return tok.get_vocab() == load_tokenizer(path).get_vocab()
 
 
 def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,
@@ -648,10 +671,13 @@ def main_eval(args) -> int:
     import sys
 
     from tether.data import DataError
+    from tether.outputs import output_problem
 
     t0 = time.perf_counter()
     try:
         s = _settings_from_args(args)
+        if args.out and (problem := output_problem(args.out, "dir" if args.checkpoints is not None else "file", "--out")):
+            raise ConfigError(problem)
         if args.checkpoints is not None:
             out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)

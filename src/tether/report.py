@@ -74,6 +74,22 @@ def write_report(run_dir: str | Path) -> Path:
     return out
 
 
+def wall_time_s(history: list[dict]) -> float:
+    """Seconds of wall time the logged steps took: the sum of ``timing/step_s``.
+
+    ``timing/step_s`` already contains every ``timing/<phase>_s`` of its step, so the phases are
+    added only for a record without it (a line from before ``timing/step_s`` was logged).
+    """
+    total = 0.0
+    for rec in history:
+        step_s = rec.get("timing/step_s")
+        if isinstance(step_s, (int, float)):
+            total += step_s
+        else:
+            total += sum(v for k, v in rec.items() if k.startswith("timing/") and isinstance(v, (int, float)))
+    return total
+
+
 def _summary(run_dir: Path, history: list[dict]) -> str:
     keys = [
         "reward/score_mean", "val/score_mean", "kl/ref_mean", "kl/coef", "policy/entropy", "response/length_mean",
@@ -86,8 +102,7 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
         _, ys = _series(history, key)
         if ys:
             lines.append(f"| `{key}` | {ys[0]:.4g} | {ys[-1]:.4g} | {min(ys):.4g} | {max(ys):.4g} |")
-    total_s = sum(v for rec in history for k, v in rec.items() if k.startswith("timing/") and isinstance(v, (int, float)))
-    lines += ["", f"Wall time in logged phases: {total_s:.1f} s.", "", "![overview](overview.png)", ""]
+    lines += ["", f"Wall time in logged steps: {wall_time_s(history):.1f} s.", "", "![overview](overview.png)", ""]
     guard: dict[str, float] = {}  # event counts summed over the run (the state gauges are left out)
     for rec in history:
         for k, v in rec.items():

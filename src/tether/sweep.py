@@ -140,8 +140,16 @@ def parse_grid_arg(text: str) -> tuple[str, list[Any]]:
     return key, split_values(raw)
 
 
+_UNSAFE = r"[^A-Za-z0-9._=,+\-]+"
+
+
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=,+\-]+", "-", text).strip("-")
+    """``text`` with unsafe characters dropped at the ends and turned into ``-`` inside.
+
+    Only what was unsafe is dropped, so a value's own minus sign stays (``-0.01`` → ``-0.01``).
+    """
+    inner = re.sub(rf"^{_UNSAFE}|{_UNSAFE}$", "", text)
+    return re.sub(_UNSAFE, "-", inner)
 
 
 def run_name(overrides: Sequence[tuple[str, Any]]) -> str:
@@ -311,6 +319,7 @@ def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed
             value = data.get(key)
         if value is not None:
             setattr(spec, key, value)
+    _check_workers(spec.workers)
     if spec.exact_final not in ("none", "val", "train", "all"):
         raise SweepError(f"exact_final must be none, val, train or all, got {spec.exact_final!r}")
     return spec
@@ -318,6 +327,12 @@ def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed
 
 # ----------------------------------------------------------------------------------------------
 # running
+
+
+def _check_workers(workers) -> None:
+    """``workers`` (parallel runs) is None (one per core) or a whole number >= 1."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise SweepError(f"workers must be a whole number >= 1 (parallel runs), got {workers!r}")
 
 
 def available_cores() -> int:
@@ -421,7 +436,8 @@ def run_sweep(
     """
     out = Path(spec.out)
     runs = spec.runs()
-    workers = max(1, int(workers or spec.workers or available_cores()))
+    _check_workers(workers)
+    workers = int(workers or spec.workers or available_cores())
     threads = max(1, available_cores() // workers)
     env = dict(os.environ) | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     if dry_run:
@@ -865,6 +881,10 @@ def main_sweep(
     """Entry point of ``tether sweep``: 0 when every run finished, 1 when some failed, 2 on a bad spec."""
     try:
         spec = load_spec(spec_path, grid=grid, fixed=fixed, out=out, workers=workers, tail=tail, exact_final=exact_final)
+        from tether.outputs import output_problem
+
+        if problem := output_problem(spec.out, "dir", "the sweep's out"):
+            raise SweepError(problem)
         runs = spec.runs()
         from tether.config import ConfigError, load_config
 

@@ -54,6 +54,18 @@ def test_aime_bad_rows_are_named(tmp_path):
     assert "3 malformed" in msg and "line 2" in msg and "3.5" in msg and "line 3: no 'problem'" in msg and "outside 0..999" in msg
 
 
+def test_malformed_json_line_is_named_as_invalid_json(tmp_path):
+    # Regression: the converters printed the placeholder's class name ("got _BadLine").
+    src = tmp_path / "aime.jsonl"
+    src.write_text('{"problem": "ok", "answer": 1}\n{"problem": "x", "answer": \n[1, 2]\n')
+    with pytest.raises(DataError) as e:
+        convert_aime(src, tmp_path / "o.jsonl")
+    msg = str(e.value)
+    assert f"{src}: line 2: invalid JSON (Expecting value at column 28)" in msg
+    assert f"{src}: line 3: expected a JSON object, got list" in msg
+    assert "_BadLine" not in msg
+
+
 def test_math500_layout_and_solution_fallback(tmp_path):
     src = tmp_path / "math500.jsonl"
     write_records([

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -61,17 +59,19 @@ def test_bad_prompt_type():
         render_prompt(_row(3), None)
 
 
-def test_check_prompt_lengths(chat_tokenizer_dir):
+def test_check_prompt_lengths(chat_tokenizer_dir, caplog):
     tok = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
     rows = [_row("short", 0), _row("word " * 200, 1), _row([{"role": "user", "content": "hi"}], 2)]
-    with pytest.raises(DataError, match=r"1 prompt\(s\) of 3 longer than max_prompt_length=50.*row 1: \d+ tokens"):
+    with pytest.raises(DataError, match=r"1 prompt\(s\) of 3 longer than max_prompt_length=50.*record 2: \d+ tokens"):
         check_prompt_lengths(rows, tok, 50)
-    with pytest.warns(UserWarning, match="dropped 1 prompt"):
+    with caplog.at_level("WARNING", logger="tether"):
         kept = check_prompt_lengths(rows, tok, 50, drop=True)
     assert [r.index for r in kept] == [0, 2]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    assert [r.name for r in caplog.records] == ["tether"] and "dropped 1 prompt(s) longer than 50 tokens: record 2" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tether"):
         assert check_prompt_lengths(rows[:1], tok, 50) == rows[:1]
+    assert caplog.records == []
     with pytest.raises(DataError):
         check_prompt_lengths(rows[1:2], tok, 50, drop=True)  # nothing left
     with pytest.raises(ValueError):
@@ -117,10 +117,10 @@ def test_no_template_and_multi_turn_conversations_is_an_error(plain_tokenizer_di
 
     tok = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
     rows = [_row(MSGS, 0), _row(MULTI, 1), _row(MULTI, 5)]
-    with pytest.raises(DataError, match=r"2 prompt\(s\) are multi-turn conversations \(first: row 1, roles user, assistant, "
+    with pytest.raises(DataError, match=r"2 prompt\(s\) are multi-turn conversations \(first: record 2, roles user, assistant, "
                                         r"user\) but the tokenizer of actor.model .* has no chat template") as e:
         check_chat_template(rows, tok)
-    assert e.value.problems == ["row 1", "row 5"] and e.value.n_bad == 2
+    assert e.value.problems == ["record 2", "record 6"] and e.value.n_bad == 2
     check_chat_template(rows, AutoTokenizer.from_pretrained(chat_tokenizer_dir))  # a template renders the turns
     check_chat_template(rows, tok, apply_chat_template=False)  # explicitly asked for joined text
 

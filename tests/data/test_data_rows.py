@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 
@@ -104,15 +103,18 @@ def test_malformed_rows_fatal_with_line_numbers(tmp_path):
     assert "tether data gsm8k" in e.problems[0]  # hint for raw GSM8K files
 
 
-def test_skip_invalid_drops_and_counts(tmp_path):
+def test_skip_invalid_drops_and_counts(tmp_path, caplog):
     p = _write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "a"}), "{bad", json.dumps({"prompt": "b"})])
     rep = load_rows_report(p, skip_invalid=True)
     assert [r.prompt for r in rep.rows] == ["a", "b"]
     assert [r.index for r in rep.rows] == [0, 2]  # index points back to the source record
     assert rep.n_skipped == 1 and "line 2" in rep.problems[0]
-    with pytest.warns(UserWarning, match="skipped 1 malformed row"):
+    with caplog.at_level("WARNING", logger="tether"):
         rows = load_rows(p, skip_invalid=True)
     assert len(rows) == 2
+    # on the tether logger (printed "WARNING tether: ..."), not a Python warning with a source line
+    assert [(r.name, r.levelname) for r in caplog.records] == [("tether", "WARNING")]
+    assert "d.jsonl: skipped 1 malformed row(s); first: " in caplog.text and "d.jsonl: line 2: invalid JSON" in caplog.text
 
 
 def test_error_list_is_capped(tmp_path):
@@ -244,8 +246,8 @@ def test_split_rows_deterministic():
         split_rows(rows[:1], 0.5)
 
 
-def test_no_warning_when_nothing_skipped(tmp_path):
+def test_no_warning_when_nothing_skipped(tmp_path, caplog):
     p = _write_lines(tmp_path / "d.jsonl", [json.dumps({"prompt": "a"})])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with caplog.at_level("WARNING", logger="tether"):
         load_rows(p, skip_invalid=True)
+    assert caplog.records == []

@@ -60,7 +60,7 @@ def test_unknown_data_source_and_bad_ground_truth_are_invalid_samples():
 def test_check_rows_fails_before_training():
     m = RewardManager()
     m.check_rows(_rows(2))
-    with pytest.raises(ValueError, match=r"data_source 'nope' \(3 row\(s\), first row 0\)"):
+    with pytest.raises(ValueError, match=r"data_source 'nope' \(3 row\(s\), first record 1\)"):
         m.check_rows(_rows(3, ds="nope"))
     # offline rows with a dataset score need no function
     m.check_rows(_rows(2, ds="nope", response="r", score=1.0))

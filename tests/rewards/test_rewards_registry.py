@@ -100,12 +100,51 @@ def test_load_user_function_errors(tmp_path):
         load_user_function(f"{syn}:f")
 
 
-def test_load_user_function_from_module():
-    assert load_user_function("tether.rewards.math:gsm8k_compute_score") is gsm8k_compute_score
+def test_load_user_function_from_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_pkg_xyz.py").write_text(USER_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_user_function("my_rewards_pkg_xyz:my_reward")(["d"], ["1"], [1], [{}]) == [1.0]
+    # a built-in per-sample function takes 3 arguments, not the 4 lists: refused at load time
+    with pytest.raises(ValueError, match=r"'tether.rewards.math:gsm8k_compute_score' has signature "
+                       r"gsm8k_compute_score\(solution_str.*cannot take the four lists"):
+        load_user_function("tether.rewards.math:gsm8k_compute_score")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_user_function("tether.rewards.math:nope")
     with pytest.raises(ValueError, match="cannot import module"):
         load_user_function("no_such_pkg.mod:f")
+
+
+def test_load_user_function_checks_the_signature(tmp_path):
+    f = tmp_path / "sig.py"
+    f.write_text(textwrap.dedent('''
+        from tether.rewards import batched
+
+        def no_args():
+            return []
+
+        def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.0
+
+        @batched
+        def decorated(data_source, solution_str, ground_truth, extra_info=None):
+            return float(solution_str == ground_truth)
+
+        def star(*args):
+            return [0.0] * len(args[0])
+
+        def five(a, b, c, d, e):
+            return []
+    '''))
+    with pytest.raises(ValueError, match=r"'.*sig\.py:no_args' has signature no_args\(\), which cannot take the four "
+                       r"lists tether passes .*expected a batch function \(data_sources, solution_strs"):
+        load_user_function(f"{f}:no_args")
+    with pytest.raises(ValueError, match=r"cannot take the four lists .*missing a required argument: 'e'"):
+        load_user_function(f"{f}:five")
+    with pytest.raises(ValueError, match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*"
+                       r"Decorate it with @tether.rewards.batched"):
+        load_user_function(f"{f}:verl_style")
+    assert load_user_function(f"{f}:decorated")(["d", "d"], ["1", "2"], ["1", "1"], [{}, {}]) == [1.0, 0.0]
+    assert load_user_function(f"{f}:star")(["d"], ["1"], [1], [{}]) == [0.0]
 
 
 def test_batched_adapter():

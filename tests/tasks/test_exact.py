@@ -233,3 +233,31 @@ def test_evaluate_policy(ref, space_4):
     assert one["collapse_rate@4"] > res["exact/collapse_rate@8"]
     with pytest.raises(ValueError, match="same responses"):
         exact.evaluate_prompt(sharp, exact.enumerate_policy(model, tok, "3,5=", 4), space_4.rewards(), 0.1)
+
+
+def test_exact_space_problem_names_the_vocabulary():
+    # Regression: a real model (vocabulary 512) on the embedded task raised mid-run from
+    # enumerate_policy at the step-0 validation; now exact/* is skipped with this note.
+    from types import SimpleNamespace
+
+    from tether.tasks.exact import exact_space_problem
+
+    tiny, big = SimpleNamespace(config=SimpleNamespace(vocab_size=15)), SimpleNamespace(config=SimpleNamespace(vocab_size=512))
+    assert exact_space_problem(tiny, ["3,13="]) is None  # 1 + 14 + 14² + 14³ + 14⁴ = 41,371 responses
+    msg = exact_space_problem(big, ["3,13="])
+    assert msg.startswith("exact/* metrics skipped: the model's vocabulary of 512 tokens gives 68317871105 responses of up to 4 tokens")
+    assert "set data.train_files" in msg
+
+
+def test_exact_metrics_are_skipped_with_one_warning_for_a_big_vocabulary(caplog):
+    from types import SimpleNamespace
+
+    from tether.data import PromptRow
+    from tether.trainer.stats import exact_metrics
+
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=512))
+    trainer = SimpleNamespace(val_set=SimpleNamespace(rows=[PromptRow("3,13=", "tether/digitsum", "3,13", {}, 0)]),
+                              roles=SimpleNamespace(actor=SimpleNamespace(model=model)))
+    with caplog.at_level("WARNING", logger="tether"):
+        assert exact_metrics(trainer) == {} and exact_metrics(trainer) == {}
+    assert caplog.text.count("exact/* metrics skipped") == 1

@@ -62,7 +62,7 @@ def test_row_without_prompt_names_its_line(small_cfg, tmp_path):
 
 
 def test_overlong_prompt_is_an_error_naming_the_row(small_cfg):
-    with pytest.raises(ConfigError, match=r"longer than data.max_prompt_length=3: row 0 \(\d+ tokens\)"):
+    with pytest.raises(ConfigError, match=r"longer than data.max_prompt_length=3: record 1 \(\d+ tokens\)"):
         Trainer(small_cfg("data.max_prompt_length=3"))
 
 
@@ -140,6 +140,32 @@ def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeyp
     assert fixed == again and claimed and not claimed_again
 
 
+def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):
+    from tether.trainer.trainer import claim_run_dir
+
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (user / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. "
+                       r"A run would overwrite them"):
+        claim_run_dir(None, str(user))
+    assert (user / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # a run's directory (config.yaml or checkpoints/) is reused: resume
+    (user / "config.yaml").write_text("{}\n")
+    assert claim_run_dir(None, str(user)) == (user, False)
+    ck = tmp_path / "ck"
+    (ck / "checkpoints").mkdir(parents=True)
+    (ck / "metrics.jsonl").write_text("")
+    assert claim_run_dir(None, str(ck)) == (ck, False)
+    # an empty directory, dotfiles and the sweep's train.log are fine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".keep").write_text("")
+    (empty / "train.log").write_text("")
+    assert claim_run_dir(None, str(empty)) == (empty, False)
+
+
 def test_a_failed_start_leaves_an_existing_run_untouched(small_cfg, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -173,9 +199,20 @@ def test_model_dir_with_truncated_weights(small_cfg, tmp_path):
         Trainer(small_cfg(f"actor.model={bad}"))
 
 
+def test_overlong_prompt_names_its_1_based_file_line(small_cfg, tmp_path):
+    # Regression: an overlong prompt was "row 1" (0-based, blank lines not counted) while a malformed
+    # row of the same file is "line N"; this one is on line 3 (line 2 is blank).
+    ok = json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
+    long = json.dumps({"prompt": "3,13=" * 20, "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
+    f = tmp_path / "long.jsonl"
+    f.write_text(ok + "\n\n" + long + "\n")
+    with pytest.raises(ConfigError, match=r"data.train_files: 1 prompt\(s\) longer than data.max_prompt_length=10: line 3 \(\d+ tokens\)"):
+        Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null", "data.max_prompt_length=10"))
+
+
 def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(small_cfg, tmp_path):
     f = tmp_path / "chars.jsonl"
     f.write_text(json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}) + "\n"
                  + json.dumps({"prompt": "3,1x=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,1"}}) + "\n")
-    with pytest.raises(ConfigError, match=r"data.train_files: row 1 \('3,1x='\) cannot be tokenized"):
+    with pytest.raises(ConfigError, match=r"data.train_files: line 2 \('3,1x='\) cannot be tokenized"):
         Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))

@@ -156,7 +156,7 @@ def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mod
     assert overlong_responses(rows, tok, limit) == [(1, n_long)]
     assert overlong_responses(rows, tok, limit - 1) == [(1, n_long), (2, limit - 1)]  # no room left for the EOS
     out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses=mode), limit)
-    msg = f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: row 1 ({n_long} tokens)"
+    msg = f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: record 2 ({n_long} tokens)"
     assert msg in caplog.text
     if mode == "drop":
         assert [r.response for r in out] == ["#### 7", "12 #### 12"] and "data.overlong_responses=drop" in caplog.text
@@ -170,7 +170,7 @@ def test_overlong_responses_error_and_nothing_left(model_dir):
 
     tok = load_tokenizer(model_dir)
     rows = _offline_rows([("q1", "#### 7 and more words here", 1.0), ("q1", "", 0.0)])
-    with pytest.raises(ConfigError, match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*row 0 .*data.overlong_responses=drop"):
+    with pytest.raises(ConfigError, match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*record 1 .*data.overlong_responses=drop"):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses="error"), 2)
     with pytest.raises(ConfigError, match="no offline row left of 2 after data.filter and data.overlong_responses"):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 2)

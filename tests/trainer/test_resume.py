@@ -168,6 +168,15 @@ def test_resume_warns_about_a_changed_config(tmp_path, caplog):
     assert "config differs" in caplog.text and "kl.coef: 0.05 → 0.2" in caplog.text
 
 
+def test_resume_past_total_steps_says_nothing_was_trained(tmp_path, caplog):
+    extra = ["data.embedded_train_size=8", "trainer.val_freq=0", "trainer.total_steps=2"]
+    Trainer(cfg(tmp_path / "run", *extra)).fit()
+    caplog.clear()
+    again = Trainer(cfg(tmp_path / "run", *extra, "trainer.total_steps=1"))
+    assert again.fit() == [] and again.step == 2
+    assert "nothing to train: the run is already at step 2 >= trainer.total_steps=1" in caplog.text
+
+
 def test_crash_before_the_first_checkpoint_starts_over_cleanly(tmp_path, monkeypatch):
     from tether.trainer import stats
 

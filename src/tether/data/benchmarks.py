@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .rows import MAX_REPORTED_ERRORS, DataError, read_records, write_records
+from .rows import MAX_REPORTED_ERRORS, DataError, not_an_object, read_records, write_records
 
 __all__ = ["AIME_DATA_SOURCE", "CONVERTERS", "GPQA_DATA_SOURCE", "MATH500_DATA_SOURCE", "TEMPLATES", "convert_aime", "convert_gpqa",
            "convert_math500", "fill_template", "gpqa_options"]  # fmt: skip
@@ -101,7 +101,7 @@ def _convert(src: str | Path, out: str | Path, make_row: Callable[[int, dict], d
     records, bad = [], []
     located = _read_source(src)
     for loc, rec in located:
-        row = make_row(len(records), rec) if isinstance(rec, dict) else f"expected an object, got {type(rec).__name__}"
+        row = not_an_object(rec) or make_row(len(records), rec)
         if isinstance(row, str):
             bad.append(f"{src}: {loc}: {row}")
         else:

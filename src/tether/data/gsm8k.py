@@ -24,7 +24,7 @@ import json
 import re
 from pathlib import Path
 
-from .rows import DataError, read_records, write_records
+from .rows import DataError, not_an_object, read_records, write_records
 
 __all__ = [
     "DEFAULT_INSTRUCTION_SUFFIX",
@@ -66,9 +66,9 @@ def _load_src(src: Path, required: tuple[str, ...]) -> list[tuple[str, dict]]:
     problems = []
     out = []
     for loc, rec in located:
-        if not isinstance(rec, dict):
-            msg = getattr(rec, "message", None) or f"expected a JSON object, got {type(rec).__name__}"
-            problems.append(f"{src}: {loc}: {msg}")
+        problem = not_an_object(rec)
+        if problem:
+            problems.append(f"{src}: {loc}: {problem}")
             continue
         missing = [k for k in required if not isinstance(rec.get(k), str)]
         if missing:

@@ -72,9 +72,9 @@ def check_chat_template(rows: list[PromptRow], tokenizer: Any, *, apply_chat_tem
         first = multi[0]
         roles = ", ".join(str(m.get("role")) for m in first.prompt)
         raise DataError(
-            f"{len(multi)} prompt(s) are multi-turn conversations (first: row {first.index}, roles {roles}) but the tokenizer of "
+            f"{len(multi)} prompt(s) are multi-turn conversations (first: {first.where}, roles {roles}) but the tokenizer of "
             f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, {how}; "
-            "or give single-turn prompts", [f"row {r.index}" for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
+            "or give single-turn prompts", [r.where for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
     if name not in _warned_no_template:
         _warned_no_template.add(name)
         log.warning(
@@ -125,7 +125,7 @@ def render_prompt(
     if isinstance(prompt, str):
         return prompt + instruction_suffix
     if not isinstance(prompt, list):
-        raise TypeError(f"row {row.index}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
+        raise TypeError(f"{row.where}: prompt must be a str or a list of messages, got {type(prompt).__name__}")
     msgs = _with_suffix(prompt, instruction_suffix)
     if apply_chat_template and tokenizer is not None and has_chat_template(tokenizer):
         out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -167,7 +167,7 @@ def check_prompt_lengths(
         tokenizer: the policy's tokenizer.
         max_prompt_length: the maximum prompt length in tokens (>= 1).
         apply_chat_template, instruction_suffix: as in :func:`render_prompt`.
-        drop: drop the long rows (with a ``UserWarning`` giving the count) instead of failing.
+        drop: drop the long rows (with a warning on the ``tether`` logger giving the count) instead of failing.
 
     Returns:
         The rows that fit (all of them, or a :class:`DataError` is raised, unless ``drop``).
@@ -177,7 +177,6 @@ def check_prompt_lengths(
             ``drop`` is False, or every prompt is too long.
         ValueError: ``max_prompt_length < 1``.
     """
-    import warnings
 
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
@@ -193,7 +192,7 @@ def check_prompt_lengths(
         if n > max_prompt_length:
             n_long += 1
             if len(long) < MAX_REPORTED_ERRORS:
-                long.append(f"row {r.index}: {n} tokens")
+                long.append(f"{r.where}: {n} tokens")
         else:
             keep.append(r)
     if n_long and (not drop or not keep):
@@ -201,6 +200,5 @@ def check_prompt_lengths(
             f"{n_long} prompt(s) of {len(rows)} longer than max_prompt_length={max_prompt_length} tokens: "
             + "; ".join(long) + (" ..." if n_long > len(long) else ""), long, n_long)
     if n_long:
-        warnings.warn(f"dropped {n_long} prompt(s) longer than {max_prompt_length} tokens: "
-                      + "; ".join(long[:3]), stacklevel=2)
+        log.warning("dropped %d prompt(s) longer than %d tokens: %s", n_long, max_prompt_length, "; ".join(long[:3]))
     return keep

@@ -35,9 +35,9 @@ empty dataset (no rows at all, or none left after skipping) is always an error.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +51,14 @@ __all__ = [
     "PromptRow",
     "load_rows",
     "load_rows_report",
+    "not_an_object",
     "read_records",
     "rows_from_records",
     "split_rows",
     "write_records",
 ]
+
+log = logging.getLogger("tether")
 
 #: Chat roles accepted in a prompt's messages.
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -92,6 +95,9 @@ class PromptRow:
             the source record).
         response: a fixed response (offline RLHF data), or None.
         score: the dataset's reward for ``response``, or None.
+        locator: where the record is in its file, as :func:`read_records` names it (``"line 9"``,
+            1-based physical jsonl line; ``"record 3"``, 1-based, for .json/.parquet/in-memory
+            records); ``""`` for rows built by hand. Not part of equality.
 
     Rows whose prompt is a list are not hashable (the dataclass is frozen but holds a list).
     """
@@ -103,6 +109,13 @@ class PromptRow:
     index: int
     response: str | None = None
     score: float | None = None
+    locator: str = field(default="", compare=False, repr=False)
+
+    @property
+    def where(self) -> str:
+        """The row's place for messages: :attr:`locator`, else ``"record N"`` (1-based from ``index``),
+        so every message about a file's rows counts them from 1 as its lines are."""
+        return self.locator or f"record {self.index + 1}"
 
 
 @dataclass
@@ -178,6 +191,20 @@ class _BadLine:
         self.message = message
 
 
+def not_an_object(rec: Any) -> str | None:
+    """Why a record from :func:`read_records` is not a JSON object, or None when it is one.
+
+    A jsonl line that is not valid JSON gives ``"invalid JSON (<reason> at column N)"``; any other
+    non-dict, ``"expected a JSON object, got <type>"``. Every reader of raw records uses this, so a
+    bad line is described alike by the training loader and the ``tether data`` converters.
+    """
+    if isinstance(rec, _BadLine):
+        return rec.message
+    if not isinstance(rec, dict):
+        return f"expected a JSON object, got {type(rec).__name__}"
+    return None
+
+
 def _read_jsonl(text: str, src: str) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     # split on "\n" only: str.splitlines() would also split inside JSON strings holding U+2028 etc.
@@ -234,12 +261,16 @@ def write_records(records: Sequence[dict], path: str | Path) -> int:
         The number of records written.
 
     Raises:
-        DataError: unsupported extension.
+        DataError: unsupported extension; a path that is a directory or lies under a file.
     """
+    from tether.outputs import output_problem
+
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in _SUFFIXES:
         raise DataError(f"{p}: unsupported extension {p.suffix!r}; expected one of {', '.join(_SUFFIXES)}")
+    if problem := output_problem(p, "file", "the output"):
+        raise DataError(problem)
     p.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".parquet":
         import pyarrow as pa
@@ -289,6 +320,7 @@ def _check_prompt(prompt: Any, key: str) -> str | None:
 def _row_from_record(
     rec: Any,
     index: int,
+    locator: str = "",
     *,
     default_data_source: str,
     prompt_key: str,
@@ -296,10 +328,9 @@ def _row_from_record(
     score_key: str | None,
 ) -> PromptRow | str:
     """Build a row, or return a problem message."""
-    if isinstance(rec, _BadLine):
-        return rec.message
-    if not isinstance(rec, dict):
-        return f"expected a JSON object, got {type(rec).__name__}"
+    problem = not_an_object(rec)
+    if problem:
+        return problem
     if prompt_key not in rec:
         hint = ""
         if "question" in rec and "answer" in rec:
@@ -358,7 +389,7 @@ def _row_from_record(
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
     return PromptRow(prompt=prompt, data_source=ds, ground_truth=gt, extra_info=extra, index=index,
-                     response=response, score=score)
+                     response=response, score=score, locator=locator)
 
 
 def _build(
@@ -375,7 +406,7 @@ def _build(
     problems: list[str] = []
     n_bad = 0
     for index, (loc, rec) in enumerate(located):
-        r = _row_from_record(rec, index, default_data_source=default_data_source, prompt_key=prompt_key,
+        r = _row_from_record(rec, index, loc, default_data_source=default_data_source, prompt_key=prompt_key,
                              response_key=response_key, score_key=score_key)
         if isinstance(r, str):
             n_bad += 1
@@ -449,7 +480,7 @@ def load_rows_report(
 def _warn_skipped(rep: LoadReport) -> None:
     if rep.n_skipped:
         first = "; ".join(rep.problems[:3])
-        warnings.warn(f"{rep.source}: skipped {rep.n_skipped} malformed row(s); first: {first}", stacklevel=3)
+        log.warning("%s: skipped %d malformed row(s); first: %s", rep.source, rep.n_skipped, first)
 
 
 def load_rows(
@@ -469,7 +500,7 @@ def load_rows(
         prompt_key: the column holding the prompt (verl: ``prompt``).
         response_key: for offline data, the column holding a fixed response (required per row).
         score_key: for offline data, the column holding the response's reward (number or null).
-        skip_invalid: drop malformed rows instead of failing; a ``UserWarning`` gives the count
+        skip_invalid: drop malformed rows instead of failing; a warning on the ``tether`` logger gives the count
             and the first problems (use :func:`load_rows_report` to get them as data).
 
     Returns:

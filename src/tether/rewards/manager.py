@@ -219,22 +219,22 @@ class RewardManager:
         """
         if self.user_fn is not None or self.scorer is not None:
             return
-        bad: dict[str, list[int]] = {}
+        bad: dict[str, list[str]] = {}
         problems: dict[str, str] = {}
         for r in rows:
             if getattr(r, "score", None) is not None and getattr(r, "response", None) is not None:
                 continue
             ds = r.data_source
             if ds in problems or ds in bad:
-                bad.setdefault(ds, []).append(r.index)
+                bad.setdefault(ds, []).append(r.where)
                 continue
             try:
                 get_reward_function(ds)
             except ValueError as e:
                 problems[ds] = str(e)
-                bad.setdefault(ds, []).append(r.index)
+                bad.setdefault(ds, []).append(r.where)
         if bad:
-            parts = [f"{ds!r} ({len(ix)} row(s), first row {ix[0]})" for ds, ix in bad.items()]
+            parts = [f"{ds!r} ({len(ix)} row(s), first {ix[0]})" for ds, ix in bad.items()]
             raise ValueError("cannot score rows with data_source " + ", ".join(parts) + ": "
                              + next(iter(problems.values())))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "BatchRewardFn",
     "SampleRewardFn",
     "batched",
+    "check_batch_signature",
     "extract_answer",
     "get_answer_extractor",
     "get_reward_function",
@@ -179,7 +181,9 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> Batc
     if not target or not name:
         raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     if not (target.endswith(".py") or "/" in target or "\\" in target):
-        return resolve_import_path(f"{target}:{name}")
+        fn = resolve_import_path(f"{target}:{name}")
+        check_batch_signature(fn, spec)
+        return fn
 
     path = Path(target).expanduser()
     if not path.is_absolute() and base_dir is not None:
@@ -206,7 +210,42 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> Batc
         raise ValueError(f"reward function file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}")
     if not callable(fn):
         raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
+    check_batch_signature(fn, spec)
     return fn
+
+
+#: verl's per-sample parameter names (``compute_score(data_source, solution_str, ground_truth, extra_info)``).
+_PER_SAMPLE_NAMES = ("data_source", "solution_str")
+_BATCH_SIGNATURE = "(data_sources, solution_strs, ground_truths, extra_infos) -> list of scores"
+
+
+def check_batch_signature(fn: Callable, spec: str) -> None:
+    """Fail at load time when ``fn`` cannot be called the way tether calls a user function:
+    ``fn(data_sources, solution_strs, ground_truths, extra_infos)``, four lists, positionally.
+
+    A function whose first parameters are verl's per-sample ``data_source, solution_str`` is taken
+    for an undecorated per-sample function (it would receive lists and score every batch as one
+    sample). Functions whose signature cannot be read (some builtins) pass.
+
+    Raises:
+        ValueError: naming ``spec``, the function's signature and the one expected (and pointing at
+            :func:`batched` for a per-sample function).
+    """
+    try:
+        sig = inspect.signature(fn, follow_wrapped=False)  # @batched's own (plural) signature, not the wrapped one
+    except (TypeError, ValueError):
+        return
+    where = f"reward function {spec!r} has signature {getattr(fn, '__name__', 'fn')}{sig}"
+    try:
+        sig.bind(*([None] * 4))
+    except TypeError as e:
+        raise ValueError(f"{where}, which cannot take the four lists tether passes ({e}); expected a batch "
+                         f"function {_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched") from None
+    names = tuple(list(sig.parameters)[:2])
+    if names == _PER_SAMPLE_NAMES:
+        raise ValueError(f"{where}: verl's per-sample names, but tether calls user functions once per batch "
+                         f"{_BATCH_SIGNATURE}. Decorate it with @tether.rewards.batched (from tether.rewards "
+                         "import batched), or name the parameters in the plural if it already takes lists")
 
 
 def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:

@@ -552,6 +552,26 @@ def evaluate_prompt(
     return out
 
 
+def exact_space_problem(model, prompts: Sequence, max_new_tokens: int | None = None, max_responses: int = MAX_RESPONSES) -> str | None:
+    """Why :func:`evaluate_policy` cannot enumerate ``model`` on ``prompts``, or None when it can.
+
+    The response space is (V−1)^T-sized (:func:`response_space_size`), V the model's vocabulary
+    (``config.vocab_size``) and T the prompts' longest response limit, so only a model with the
+    embedded task's own tiny tokenizer is enumerable; callers skip ``exact/*`` with this note
+    instead of failing mid-run.
+    """
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 2:
+        return None  # unknown: enumerate_policy checks it on the logits
+    T = max(_prompt_spec(item, max_new_tokens, digitsum.compute_score)[3] for item in prompts)
+    n = response_space_size(vocab, T)
+    if n <= max_responses:
+        return None
+    return (f"exact/* metrics skipped: the model's vocabulary of {vocab} tokens gives {n} responses of up to "
+            f"{T} tokens, more than max_responses={max_responses}; exact enumeration needs the embedded task's "
+            "own tokenizer (its reference, src/tether/tasks/assets/digitsum_ref); set data.train_files to train on other data")
+
+
 def _prompt_spec(item, max_new_tokens, reward_fn):
     """(prompt text, ground truth, extra_info, T) of a dataset row or a digit-sum prompt string."""
     if isinstance(item, str):

@@ -74,7 +74,7 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
         log.warning("data.filter: dropped %d of %d offline rows: %s", counts.dropped, counts.total, counts.describe((f.score_min, f.score_max)))
     long = overlong_responses(kept, tokenizer, max_new_tokens)
     if long:
-        shown = ", ".join(f"row {kept[i].index} ({n} tokens)" for i, n in long[:5])
+        shown = ", ".join(f"{kept[i].where} ({n} tokens)" for i, n in long[:5])
         msg = f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} with their EOS: {shown}"
         mode = cfg.overlong_responses
         if mode == "error":
@@ -108,15 +108,15 @@ def prepare_prompts(rows: list[PromptRow], tokenizer, cfg: DataConfig, what: str
             templated = isinstance(row.prompt, list) and cfg.apply_chat_template and has_chat_template(tokenizer)
             tok = tokenizer(text, add_special_tokens=not templated)["input_ids"]
         except Exception as e:  # noqa: BLE001 - tokenizers raise plain Exceptions (e.g. a character with no token)
-            raise ConfigError(f"{what}: row {row.index} ({str(row.prompt)[:60]!r}) cannot be tokenized by the model's tokenizer: {e}") from None
+            raise ConfigError(f"{what}: {row.where} ({str(row.prompt)[:60]!r}) cannot be tokenized by the model's tokenizer: {e}") from None
         if len(tok) > cfg.max_prompt_length:
-            overlong.append((row.index, len(tok)))
+            overlong.append((row.where, len(tok)))
             continue
         texts.append(text)
         ids.append(tok)
         kept.append(row)
     if overlong:
-        shown = ", ".join(f"row {i} ({n} tokens)" for i, n in overlong[:5])
+        shown = ", ".join(f"{where} ({n} tokens)" for where, n in overlong[:5])
         msg = f"{what}: {len(overlong)} prompt(s) longer than data.max_prompt_length={cfg.max_prompt_length}: {shown}"
         if cfg.overlong_prompts == "error":
             raise ConfigError(msg + " (raise data.max_prompt_length or set data.overlong_prompts=drop)")

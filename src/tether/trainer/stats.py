@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tether.algos import kl_penalty, masked_mean, zero_variance_groups
@@ -342,16 +344,22 @@ def exact_evaluation_applies(cfg) -> bool:
 def exact_metrics(trainer) -> dict[str, float]:
     """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on the distinct val
     prompts, by enumerating every response (see tether.tasks.exact). β is the current β."""
-    from tether.tasks.exact import evaluate_policy
+    from tether.tasks.exact import evaluate_policy, exact_space_problem
 
+    prompts = list(dict.fromkeys(r.prompt for r in trainer.val_set.rows))
+    actor = trainer.roles.actor.model
     if not hasattr(trainer, "_exact_ref_cache"):
         trainer._exact_ref_cache = {}
-    actor = trainer.roles.actor.model
+        trainer._exact_skipped = exact_space_problem(actor, prompts)
+        if trainer._exact_skipped:
+            logging.getLogger("tether").warning("%s", trainer._exact_skipped)
+    if trainer._exact_skipped:
+        return {}
     was_training = actor.training
     actor.eval()
     with trainer.roles.ref._context():
         out = evaluate_policy(
-            actor, trainer.roles.ref.module, trainer.tok, list(dict.fromkeys(r.prompt for r in trainer.val_set.rows)), max(trainer.beta, 1e-6),
+            actor, trainer.roles.ref.module, trainer.tok, prompts, max(trainer.beta, 1e-6),
             temperature=trainer.cfg.rollout.temperature, n_samples=trainer.cfg.rollout.n, ref_cache=trainer._exact_ref_cache,
         )  # fmt: skip
     actor.train(was_training)

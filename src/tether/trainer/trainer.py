@@ -54,16 +54,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+#: Files that may be in a run directory before the run starts: ``tether sweep`` writes the run's log there.
+_NOT_USER_FILES = frozenset({"train.log"})
+
+
+def is_run_dir(path: Path) -> bool:
+    """A tether run directory: it holds the ``config.yaml`` or the ``checkpoints/`` a run writes."""
+    return (path / "config.yaml").is_file() or (path / "checkpoints").is_dir()
+
+
 def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
     """The run directory and whether this call created it.
 
     ``{time}`` in ``output_dir`` becomes a timestamp, made unique by a suffix when another run
     claimed the same second (the directory is created atomically, so two runs never share one).
     A fixed ``output_dir`` is used as given (created if needed), so re-running the same command
-    resumes from its checkpoints.
+    resumes from its checkpoints. An existing directory that holds files but is not a run
+    (:func:`is_run_dir`; dotfiles and the sweep's ``train.log`` aside) is refused, so a run never
+    overwrites someone's ``metrics.jsonl``.
 
     Raises:
-        ConfigError: the path exists and is not a directory, or cannot be created.
+        ConfigError: the path exists and is not a directory, is a non-empty directory that is not a
+            run (naming its files), or cannot be created.
     """
     from tether.config import ConfigError
 
@@ -82,6 +94,12 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"trainer.output_dir={str(path)!r} exists and is not a directory")
     existed = path.exists()
+    if existed and not is_run_dir(path):
+        others = sorted(p.name for p in path.iterdir() if p.name not in _NOT_USER_FILES and not p.name.startswith("."))
+        if others:
+            raise ConfigError(f"trainer.output_dir={str(path)!r} holds files but is not a tether run (no config.yaml or "
+                              f"checkpoints/): {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. A run would "
+                              "overwrite them (metrics.jsonl, summary.md, ...): choose an empty or new directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -156,6 +174,9 @@ class Trainer:
             with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
                 if self.step == 0 and self.cfg.trainer.val_freq:
                     self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                if self.step >= self.cfg.trainer.total_steps:
+                    log.warning("nothing to train: the run is already at step %d >= trainer.total_steps=%d "
+                                "(raise trainer.total_steps to continue it)", self.step, self.cfg.trainer.total_steps)
                 while self.step < self.cfg.trainer.total_steps:
                     metrics = self.train_step()
                     history.append(metrics)
