@@ -78,7 +78,7 @@ def test_parallel_dims_checked_in_one_place():
     from tether.distributed import ParallelDims
 
     ParallelDims(dp_shard=2, world_size=2)
-    with pytest.raises(ValueError, match="dp_shard=2 must multiply to the world size 4"):
+    with pytest.raises(ValueError, match="dp_shard=2 x tp=1 must multiply to the world size 4"):
         ParallelDims(dp_shard=2, world_size=4)
 
 

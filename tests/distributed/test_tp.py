@@ -22,7 +22,6 @@ from tether.config import ConfigError, load_config
 from tether.distributed import ParallelDims
 
 
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
