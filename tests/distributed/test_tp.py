@@ -64,7 +64,14 @@ def test_tp_size_config_errors(overrides, message):
         load_config(None, overrides)
 
 
-def test_tp_size_config_accepts_a_dividing_degree():
+def test_tp_size_over_1_is_refused_until_tp_training_is_verified(monkeypatch):
+    monkeypatch.delenv("TETHER_EXPERIMENTAL_TP", raising=False)
+    with pytest.raises(ConfigError, match=r"actor.tp_size=2: tensor-parallel training is not verified yet.*TETHER_EXPERIMENTAL_TP=1"):
+        load_config(None, ["actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=4"])
+
+
+def test_tp_size_config_accepts_a_dividing_degree(monkeypatch):
+    monkeypatch.setenv("TETHER_EXPERIMENTAL_TP", "1")
     cfg = load_config(None, ["actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=4"])
     assert cfg.actor.tp_size == 2
 
