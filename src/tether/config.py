@@ -83,6 +83,12 @@ class ActorConfig(_Section):
         "detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update (kl.placement loss/none, "
         "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
     )
+    old_logprobs_source: Literal["recompute", "rollout"] = Field(
+        "recompute", description="Where old_logprobs (π_old in the PPO ratio and the KL to the reference) come from: recompute = the "
+        "actor's own forward (a no-grad pass, or the update's with actor.reuse_update_logprobs); rollout = the rollout engine's "
+        "log-probs of the sampled tokens (vLLM's processed_logprobs, HF generate's own passes), no actor pass, so the ratio also "
+        "corrects the engine-trainer mismatch (rollout/logprob_diff_*, docs/performance.md); policy/entropy is then not measured (NaN)."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
@@ -387,6 +393,9 @@ class TetherConfig(_Section):
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
+        if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full"):
+            why = "rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
+            raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

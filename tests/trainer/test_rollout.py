@@ -49,3 +49,76 @@ def test_full_kl_takes_ref_logprobs_from_the_same_reference_pass(tmp_path):
         lr = response_logprobs(t.roles.ref.model, ids, mask, T, return_logits=True)[2]
     assert torch.allclose(batch.extra["kl_full"][m], kl_full(la, lr)[m], atol=1e-6)
     assert float(batch.extra["kl_full"][m].abs().max()) < 1e-6  # the actor starts as the reference: KL 0
+
+
+def _digitsum_prompts(tok, n: int):
+    prompt = tok(["3,13=", "2,7=", "1,2=", "3,20="] * (n // 4), return_tensors="pt", padding=True)
+    return prompt["input_ids"], prompt["attention_mask"]
+
+
+def test_hf_sampled_logprobs_equal_the_trainers_forward():
+    """rollout logprobs (actor.old_logprobs_source=rollout) from generate's own KV-cache passes equal
+    log_softmax(logits / T) of a full forward over prompt + response, at T = 0.7, within 1e-5 nats;
+    and asking for them leaves the sampled tokens unchanged."""
+    from tether.models import response_logprobs
+
+    model, tok = load_reference()
+    engine = HFRolloutEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, returns_logprobs=True)
+    p_ids, p_mask = _digitsum_prompts(tok, 64)
+    torch.manual_seed(0)
+    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True)
+    torch.manual_seed(0)
+    assert torch.equal(engine.generate(p_ids, p_mask), ids)  # the recorder does not touch sampling
+    mask = response_mask_from_ids(ids, tok.eos_token_id)
+    full = torch.cat([p_mask, mask], 1)
+    with torch.no_grad():
+        want, _, _ = response_logprobs(model, torch.cat([p_ids, ids], 1), full, ids.shape[1], temperature=0.7)
+    m = mask.bool()
+    assert lp.shape == ids.shape and lp.dtype == torch.float32
+    assert float((lp - want)[m].abs().max()) < 1e-5
+    assert float(lp[m].min()) < -0.5  # sampled tokens of real uncertainty: the comparison means something
+
+
+def test_hf_sampled_logprobs_of_a_greedy_or_suppressed_step():
+    """Greedy decoding reports log_softmax at temperature 1; a token suppressed by a processor
+    before the recorder (suppress_tokens) is never sampled, and the others' log-probs renormalise."""
+    model, tok = load_reference()
+    engine = HFRolloutEngine(model, tok, temperature=0.5, top_p=1.0, top_k=0, max_new_tokens=3, do_sample=False)
+    p_ids, p_mask = _digitsum_prompts(tok, 4)
+    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True)
+    with torch.no_grad():
+        logits = model(input_ids=p_ids, attention_mask=p_mask).logits[:, -1].float()  # (B, V) the first step
+    first = torch.log_softmax(logits, -1).gather(-1, ids[:, :1]).squeeze(-1)
+    assert torch.allclose(lp[:, 0], first, atol=1e-5)
+    assert torch.equal(ids[:, 0], logits.argmax(-1))
+    eos = tok.eos_token_id
+    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True, suppress_tokens=[eos])
+    assert (ids != eos).all() and ids.shape[1] == 3
+    assert (lp <= 0).all() and torch.isfinite(lp).all()
+
+
+def test_hf_generate_runs_in_inference_mode_but_returns_a_normal_tensor():
+    """generate runs under torch.inference_mode; its output is cloned out of it, so the trainer's
+    update can embed it in an autograd graph (an inference tensor would raise there)."""
+    from tether.models import response_logprobs
+
+    model, tok = load_reference()
+    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    p_ids, p_mask = _digitsum_prompts(tok, 8)
+    ids = engine.generate(p_ids, p_mask)
+    assert not ids.is_inference()
+    lp, _, _ = response_logprobs(model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, torch.ones_like(ids)], 1), ids.shape[1])
+    lp.sum().backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_inference_mode_and_no_grad_sample_the_same_tokens():
+    model, tok = load_reference()
+    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    p_ids, p_mask = _digitsum_prompts(tok, 64)
+    torch.manual_seed(3)
+    a = engine.generate(p_ids, p_mask)
+    engine.grad_mode = "no_grad"
+    torch.manual_seed(3)
+    assert torch.equal(engine.generate(p_ids, p_mask), a)

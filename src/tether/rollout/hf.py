@@ -17,21 +17,61 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | list[
     return (~after_eos).long()
 
 
+class SampledLogprobs:
+    """A ``generate`` logits processor that records each sampled token's log-prob, nats:
+    log softmax(scores_t / temperature)[a_t], from the scores ``generate`` passes it (the model's
+    logits after the processors before it, e.g. ``suppress_tokens``; before top-k/top-p, which
+    ``generate`` applies after every user processor). It returns the scores unchanged, so sampling
+    is not affected.
+
+    The token sampled from step t's scores is only known at step t + 1 (the last column of
+    ``input_ids``), so one (B, V) log-softmax is held pending; :meth:`logprobs` resolves the last one.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (B, V) the last step's log-softmax
+        self.done: list[torch.Tensor] = []  # one (B,) per resolved step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.done.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def logprobs(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) float32 log-probs of ``response_ids`` (B, T), the tokens ``generate`` returned."""
+        T = response_ids.shape[1]
+        if len(self.done) < T and self.pending is not None:  # the last token's distribution is still pending
+            self.done.append(self.pending.gather(-1, response_ids[:, len(self.done) : len(self.done) + 1]).squeeze(-1))
+        self.pending = None
+        return torch.stack(self.done[:T], dim=1) if T else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+
+
 class HFRolloutEngine:
     """Samples responses with ``model.generate`` from left-padded prompts.
 
     Sampling uses softmax(logits / temperature), nucleus ``top_p`` and optional ``top_k``; the
     trainer recomputes log-probs with the same temperature, so the ratio π_θ/π_old is exact when
     top_p = 1 and top_k = 0.
+
+    ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
+    return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
+    from ``generate``'s own forward passes (KV cache, last position; :class:`SampledLogprobs`).
     """
+
+    #: "inference" runs generate under ``torch.inference_mode`` (no version counters or autograd
+    #: bookkeeping on the KV cache), "no_grad" under ``torch.no_grad``; sampled tokens are the same.
+    grad_mode = "inference"
 
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
-        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32",
+        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False,
     ):  # fmt: skip
         self.model = model
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
+        self.returns_logprobs = returns_logprobs
         # generation stops at any of these (the tokenizer's EOS and the model's generation_config EOS ids)
         self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.kwargs = dict(
@@ -42,20 +82,39 @@ class HFRolloutEngine:
             max_new_tokens=max_new_tokens,
         )
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, **overrides) -> torch.Tensor:
-        """Sample one response per row. prompt_ids, prompt_mask: (B, P). Returns response_ids (B, T), T ≤ max_new_tokens,
-        padded with the pad token after EOS."""
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
+        """Sample one response per row.
+
+        Args:
+            prompt_ids, prompt_mask: (B, P), left-padded.
+            return_logprobs: also return the sampled tokens' log-probs (:class:`SampledLogprobs`).
+            overrides: ``generate`` keyword arguments (``do_sample``, ``temperature``, ``max_new_tokens``, ...).
+        Returns:
+            response_ids (B, T), T ≤ max_new_tokens, padded with the pad token after EOS (an ordinary
+            tensor, usable in a later autograd pass); with ``return_logprobs``: ``(response_ids,
+            logprobs)``, logprobs (B, T) float32, nats, log π(a_t | s_t) at the sampling temperature
+            (1 when greedy), meaningless after a row's EOS.
+        """
         was_training = self.model.training
         self.model.eval()
         kwargs = {**self.kwargs, **overrides}
+        recorder = None
+        if return_logprobs:
+            from transformers import LogitsProcessorList
+
+            recorder = SampledLogprobs(float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0)
+            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
         from tether.models import autocast
 
-        with autocast(prompt_ids.device, self.compute_dtype):
+        mode = torch.inference_mode() if self.grad_mode == "inference" else torch.no_grad()
+        with mode, autocast(prompt_ids.device, self.compute_dtype):
             out = self._generate(prompt_ids, prompt_mask, kwargs)
+            response_ids = out[:, prompt_ids.shape[1] :]
+            logprobs = recorder.logprobs(response_ids) if recorder is not None else None
         if was_training:
             self.model.train()
-        return out[:, prompt_ids.shape[1] :]
+        response_ids = response_ids.clone()  # cloned outside inference mode: a normal tensor
+        return response_ids if recorder is None else (response_ids, logprobs.clone())
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return self.model.generate(

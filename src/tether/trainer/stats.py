@@ -48,7 +48,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         "kl/ref_seq_mean": _mean(kl_seq),
         "kl/ref_mean_unclamped": _mean(per_tok(k1)),
         "kl/k3_mean": _mean(per_tok(k3)),
-        "policy/entropy": _mean(per_tok(batch.entropy)),
+        "policy/entropy": _mean(per_tok(batch.entropy)) if batch.entropy is not None else float("nan"),  # None: old_logprobs_source=rollout
         "response/length_mean": _mean(lengths[valid]),
         "response/length_max": float(lengths.max()) if lengths.numel() else 0.0,
         "response/truncated_frac": _mean(truncated[valid].float()),
@@ -65,6 +65,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         m |= logprob_diff_metrics(batch.rollout_logprobs, batch.old_logprobs, mask)
     m |= batch.extra.get("reward_metrics", {})
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
+    m |= batch.extra.get("old_logprobs_metrics", {})  # actor.old_logprobs_source=rollout
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = trainer.tok.pad_token_id

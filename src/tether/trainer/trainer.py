@@ -284,11 +284,25 @@ class Trainer:
         """
         c = self.cfg
         return (
-            c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
+            c.actor.reuse_update_logprobs and c.actor.old_logprobs_source == "recompute" and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
             and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
             and c.trainer.backend == "local"  # the Ray backend's sharded update does not return them yet
         )  # fmt: skip
+
+    def rollout_old_logprobs(self, batch: RolloutBatch) -> bool:
+        """actor.old_logprobs_source=rollout: old_logprobs := the engine's sampled-token log-probs (0 on
+        padding), entropy not measured. A batch with a counted token whose log-prob the engine did not
+        return (NaN, e.g. an EOS an old vLLM dropped) is recomputed instead; ``rollout/old_logprobs_from_rollout``
+        says which (1 or 0)."""
+        if self.cfg.actor.old_logprobs_source != "rollout":
+            return False
+        lp, mask = batch.rollout_logprobs, batch.response_mask.bool()
+        ok = lp is not None and bool(torch.isfinite(lp[mask]).all())
+        batch.extra["old_logprobs_metrics"] = {"rollout/old_logprobs_from_rollout": float(ok)}
+        if ok:
+            batch.old_logprobs, batch.entropy = torch.where(mask, lp.float(), 0.0), None
+        return ok
 
     @functools.cached_property
     def _actor_has_dropout(self) -> bool:
@@ -300,7 +314,11 @@ class Trainer:
 
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
-        actor's pass is left to the update when :meth:`reuse_update_logprobs`."""
+        actor's pass is left to the update when :meth:`reuse_update_logprobs`, and skipped when
+        old_logprobs are the rollout engine's (:meth:`rollout_old_logprobs`)."""
+        if self.rollout_old_logprobs(batch):
+            batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
+            return
         if self.reuse_update_logprobs(batch):
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
             return
