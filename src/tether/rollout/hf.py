@@ -55,6 +55,10 @@ class HFRolloutEngine:
     trainer recomputes log-probs with the same temperature, so the ratio π_θ/π_old is exact when
     top_p = 1 and top_k = 0.
 
+    ``share_prefill`` (``rollout.share_prefill``): each distinct prompt of a run of identical
+    consecutive rows (a GRPO group's G samples) is prefilled once, its KV cache copied to the run's
+    rows (:meth:`_shared_prefill`), and ``generate`` starts at the last prompt token.
+
     ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
     return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
     from ``generate``'s own forward passes (KV cache, last position; :class:`SampledLogprobs`).
@@ -67,9 +71,10 @@ class HFRolloutEngine:
 
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
-        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False,
+        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
     ):  # fmt: skip
         self.model = model
+        self.share_prefill = share_prefill
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
         if returns_logprobs:
@@ -119,6 +124,10 @@ class HFRolloutEngine:
         return response_ids if recorder is None else (response_ids, logprobs.clone())
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        if self.share_prefill and not {"cache", "past_key_values"} & set(kwargs):
+            shared = self._shared_prefill(prompt_ids, prompt_mask)
+            if shared is not None:
+                kwargs = {**kwargs, shared[0]: shared[1]}
         return self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -127,6 +136,26 @@ class HFRolloutEngine:
             use_cache=True,
             **kwargs,
         )
+
+    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """``(generate's cache keyword, cache)``: a KV cache (B rows) of the first P - 1 prompt positions,
+        computed once per run of identical consecutive rows; None when no two consecutive rows are
+        equal (or P < 2). The keyword is ``cache`` (transformers 5) or ``past_key_values``."""
+        B, P = prompt_ids.shape
+        if P < 2 or B < 2:
+            return None
+        same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)  # (B-1,)
+        if not bool(same.any()):
+            return None
+        first = torch.cat([same.new_ones(1), ~same])  # (B,) the first row of each run
+        group = first.long().cumsum(0) - 1  # (B,) each row's run
+        ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]  # (U, P-1)
+        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate computes them
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        name = "cache" if "cache" in out else "past_key_values"
+        cache = out[name]
+        cache.batch_select_indices(group)  # (U, ...) -> (B, ...): each row gets its run's entries
+        return name, cache
 
     def sync_weights(self, model) -> None:
         """The HF engine shares the actor's module: nothing to push."""
