@@ -34,9 +34,14 @@ ones; the table gives medians over all timed batches of all rounds: wall and pro
 by ``response_mask``), and tokens per wall second. The vLLM engine's start-up (model load, KV cache,
 warm-up) is printed apart: it is paid once per run, not per step.
 
-``--hf-variants`` compares ways of running HF ``generate`` (item 2 of the task) in the same rotation:
-``base`` (the engine as shipped), ``nograd`` (``torch.no_grad`` instead of ``torch.inference_mode``),
-``static`` (``cache_implementation="static"``).
+``--hf-variants`` compares ways of running HF ``generate`` in the same rotation: ``base`` (the
+engine as shipped: ``torch.inference_mode``, one prefill per distinct prompt, ``rollout.share_prefill``),
+``plain`` (the engine before issue 13: ``torch.no_grad``, one prefill per row), ``noshare`` (one
+prefill per row), ``nograd`` (``torch.no_grad``), ``static`` (``cache_implementation="static"``).
+
+Models per workload: ``--models`` for ``peer``; ``--gsm8k-models`` (default ``small``) for
+``gsm8k``, whose EOS boost is tuned for the small model (on the tiny ones it ends every response
+within a few tokens).
 """
 
 from __future__ import annotations
@@ -108,9 +113,11 @@ def worker(args) -> dict:
         engine = HFRolloutEngine(model, tok, **sampling)
         if not eos_allowed:
             overrides["suppress_tokens"] = [tok.eos_token_id]
-        if args.variant == "nograd":
+        if args.variant in ("nograd", "plain"):
             engine.grad_mode = "no_grad"
-        elif args.variant == "static":
+        if args.variant in ("noshare", "plain"):
+            engine.share_prefill = False
+        if args.variant == "static":
             overrides["cache_implementation"] = "static"
     startup = time.perf_counter() - t0
     torch.manual_seed(0)
@@ -158,8 +165,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=3, help="timed rollout batches per process (after one warm-up batch)")
     ap.add_argument("--models", default="tiny,tiny-hd32,small")
     ap.add_argument("--workloads", default="peer,gsm8k")
+    ap.add_argument("--gsm8k-models", default="small")
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--hf-variants", default="base", help="comma-separated: base, nograd, static")
+    ap.add_argument("--hf-variants", default="base,plain", help="comma-separated: base, plain, noshare, nograd, static")
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_generate"))
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--worker", choices=["hf", "vllm"])
@@ -183,7 +191,7 @@ def main() -> None:
     for wl in args.workloads.split(","):
         lengths, _, _, boost = WORKLOADS[wl]
         prompts = build_prompts(work / f"prompts-{wl}.jsonl", N_PROMPTS, lengths)
-        for name in args.models.split(","):
+        for name in (args.gsm8k_models if wl == "gsm8k" else args.models).split(","):
             model = build_model(work / f"qwen2-{name}{'-eos' if boost else ''}", name, eos_logit_boost=boost)
             runs: dict[str, list[dict]] = {f"{e}:{v}": [] for e, v in kinds}
             for _ in range(args.rounds):

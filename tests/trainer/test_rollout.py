@@ -75,7 +75,9 @@ def test_hf_sampled_logprobs_equal_the_trainers_forward():
         want, _, _ = response_logprobs(model, torch.cat([p_ids, ids], 1), full, ids.shape[1], temperature=0.7)
     m = mask.bool()
     assert lp.shape == ids.shape and lp.dtype == torch.float32
-    assert float((lp - want)[m].abs().max()) < 1e-5
+    diff = (lp - want)[m].abs()
+    print(f"HF generate vs the trainer's forward, sampled-token log-probs (T=0.7, fp32): mean {diff.mean():.1e}, max {diff.max():.1e} nats")
+    assert float(diff.max()) < 5e-5  # measured 9.5e-6: incremental KV-cache passes against one full forward
     assert float(lp[m].min()) < -0.5  # sampled tokens of real uncertainty: the comparison means something
 
 

@@ -26,7 +26,7 @@ def test_rollout_logprobs_replace_the_actors_pass(small_cfg, tmp_path):
     assert batch.entropy is None and batch.extra["old_logprobs_metrics"] == {"rollout/old_logprobs_from_rollout": 1.0}
     recomputed, _, _, _ = orig(batch, with_entropy=False)
     diff = (recomputed - batch.old_logprobs)[m].abs()
-    assert float(diff.max()) < 1e-5  # HF generate's KV-cache passes against the full forward, float32
+    assert float(diff.max()) < 5e-5  # HF generate's KV-cache passes against the full forward, float32
     assert float(batch.old_logprobs[m].min()) < -0.5  # sampled at temperature 0.8: real uncertainty
 
 
@@ -46,9 +46,13 @@ def test_training_with_rollout_logprobs_logs_the_mismatch(small_cfg, tmp_path):
     hist = t.fit()
     for h in hist:
         assert h["rollout/old_logprobs_from_rollout"] == 1.0
-        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < 1e-5
+        assert not any(k.startswith("rollout/logprob_diff") for k in h)  # old_logprobs are the engine's: no independent measurement
         assert math.isnan(h["policy/entropy"]) and math.isfinite(h["policy/loss"]) and math.isfinite(h["kl/ref_mean"])
-    assert abs(hist[0]["policy/approx_kl"]) < 1e-6  # the first update's old policy is the rollout policy, up to rounding
+    # the first update's π_old is the rollout policy as generate computed it: the ratio is 1 up to the
+    # engine-trainer mismatch, which approx_kl (mean log π_old − log π_θ) and clipfrac now measure
+    print("HF engine, old_logprobs_source=rollout: step-1 policy/approx_kl", hist[0]["policy/approx_kl"])
+    assert abs(hist[0]["policy/approx_kl"]) < 1e-6 and hist[0]["policy/clipfrac"] == 0.0
+    assert abs(hist[1]["policy/approx_kl"]) < 1e-6 and hist[1]["kl/ref_mean"] > 0  # step 2: the moved policy, sampled and scored alike
 
 
 @pytest.mark.parametrize(

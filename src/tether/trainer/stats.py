@@ -61,7 +61,8 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
-    if batch.rollout_logprobs is not None:
+    from_rollout = batch.extra.get("old_logprobs_metrics", {}).get("rollout/old_logprobs_from_rollout") == 1.0
+    if batch.rollout_logprobs is not None and not from_rollout:  # old_logprobs := rollout_logprobs would read 0: nothing measured
         m |= logprob_diff_metrics(batch.rollout_logprobs, batch.old_logprobs, mask)
     m |= batch.extra.get("reward_metrics", {})
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
