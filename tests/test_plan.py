@@ -271,3 +271,10 @@ def test_actor_compute_dtype_plans_autocast_copies_and_float32_logits(capsys):
     row = next(line for line in out.splitlines() if "autocast bfloat16 copies of the layers' weights" in line)
     assert f"{casts / GIB:.2f}" in row
     assert "compute copy" not in out  # no FSDP2 units on one device
+
+
+def test_auto_engine_is_planned_as_vllm_on_an_accelerator_and_hf_on_a_cpu():
+    from tether.plan import _planned_engine
+
+    assert _planned_engine("auto", True) == "vllm" and _planned_engine("auto", False) == "hf"
+    assert _planned_engine("hf", True) == "hf" and _planned_engine("vllm", False) == "vllm"

@@ -366,7 +366,7 @@ class PlanSettings:
             prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens, rollout_batch=rollout_batch,
             lora_rank=cfg.actor.lora.rank, lora_targets=cfg.actor.lora.target_modules,
             separate_ref=cfg.actor.lora.rank == 0, critic=cfg.algo.adv_estimator == "gae", reward_model=cfg.reward.model is not None,
-            autocast=autocast, engine=cfg.rollout.engine, rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
+            autocast=autocast, engine=_planned_engine(cfg.rollout.engine, accelerator), rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
             accelerator=accelerator,
         )  # fmt: skip
 
@@ -723,3 +723,11 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
         return 2
     print(format_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _planned_engine(engine: str, accelerator: bool) -> str:
+    """``rollout.engine=auto`` on the planned machine: vLLM on an accelerator (a GPU install,
+    ``GPU=1``, includes the vllm extra), HF otherwise."""
+    if engine != "auto":
+        return engine
+    return "vllm" if accelerator else "hf"
