@@ -14,7 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_real_vllm import DEVICE, KV_CACHE_GIB, LOGPROB_TOL, MAX_NEW, _hf_greedy, _load, _rows, models, prompts, tok  # noqa: F401
+from test_real_vllm import (  # noqa: F401 - module fixtures, shared
+    DEVICE,
+    KV_CACHE_GIB,
+    LOGPROB_TOL,
+    MAX_NEW,
+    _hf_greedy,
+    _load,
+    _rows,
+    models,
+    prompts,
+    tok,
+)
 
 from tether.config import load_config
 from tether.rollout import response_mask_from_ids
@@ -50,7 +61,7 @@ def _cfg(actor_model, *extra):
     ])  # fmt: skip
 
 
-def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, models, tok, prompts):
+def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, models, tok, prompts):  # noqa: F811
     """Two replicas start from model m0; the actor group (2 FSDP2 ranks) holds m1. Greedy decoding
     of the replicas equals HF's with m0, then, after one push in buckets of 64 KiB, HF's with m1, in
     the prompts' order; vLLM's sampled-token log-probs then match the HF forward of m1."""
