@@ -109,3 +109,82 @@ def test_vllm_replica_keys_in_help_and_validated():
     with pytest.raises(ConfigError, match="rollout.vllm.sync_bucket_mib"):
         load_config(None, [*ray, "rollout.vllm.sync_bucket_mib=0"])
     assert load_config(None, [*ray, "rollout.vllm.replicas=4"]).rollout.vllm.replicas == 4  # on CPUs replicas may outnumber workers
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import os
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True], ids=["lora"])  # the plain model's path: tests/vllm/test_ray_vllm.py, with a real vLLM
+def test_stream_weights_from_two_fsdp2_ranks(cluster, lora):
+    """Two FSDP2 ranks (gloo, Ray actors) stream the embedded model with LoRA adapters (nonzero B)
+    to two stand-in replicas in buckets of 16 KiB: each receives the merged HF-named weights of the
+    driver's unsharded peft model, in order, to float32 rounding, each block whole in one bucket."""
+    from tether.distributed.ray_backend import WorkerGroup
+    from tether.rollout.vllm import iter_hf_named_weights
+
+    ray = cluster
+
+    class _Receiver:
+        """Stands in for a VLLMReplica (no vLLM here): keeps every bucket it is sent (defined here so
+        Ray pickles it by value: the test module is not importable in Ray's workers)."""
+
+        def __init__(self):
+            self.buckets, self.syncs = [], 0
+
+        def begin_sync(self):
+            self.buckets = []
+
+        def push(self, bucket):
+            self.buckets.append(bucket)
+            return len(bucket)
+
+        def end_sync(self):
+            self.syncs += 1
+            return "stand-in"
+
+        def received(self):
+            return self.buckets
+
+    extra = ["actor.lora.rank=4"] if lora else []
+    cfg = load_config(None, ["trainer.backend=ray", "trainer.n_workers=2", "trainer.threads=1", *extra])
+    model, lora_state = _tiny_lm(), None
+    if lora:
+        from peft import get_peft_model_state_dict
+
+        from tether.models import apply_lora
+
+        model = apply_lora(model, cfg.actor.lora)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        lora_state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    want = list(iter_hf_named_weights(model))
+    group = WorkerGroup("actor+ref", cfg, 2, ("actor",), lora_state)
+    receivers = [ray.remote(_Receiver).remote() for _ in range(2)]
+    try:
+        stats = group.call("push_weights", receivers, 16 * 2**10)
+        for r in receivers:
+            buckets = ray.get(r.received.remote())
+            got = [pair for b in buckets for pair in b]
+            assert [n for n, _ in got] == [n for n, _ in want]
+            for (name, a), (_, b) in zip(got, want, strict=True):
+                assert torch.allclose(a, b, atol=1e-6 if lora else 0, rtol=0), name
+            blocks = [{int(n.split(".layers.")[1].split(".")[0]) for n, _ in b if ".layers." in n} for b in buckets]
+            for i in {i for s in blocks for i in s}:
+                assert sum(i in s for s in blocks) == 1, f"block {i} split across buckets"
+        assert stats["path"] == "stand-in" and stats["tensors"] == len(want) and stats["buckets"] == len(buckets) > 2
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for _, t in want)
+    finally:
+        group.kill()
