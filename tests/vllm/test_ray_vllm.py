@@ -64,8 +64,9 @@ def _cfg(actor_model, *extra):
 def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, models, tok, prompts):  # noqa: F811
     """Two replicas start from model m0; the actor group (2 FSDP2 ranks) holds m1. Greedy decoding
     of the replicas equals HF's with m0, then, after one push in buckets of 64 KiB, HF's with m1, in
-    the prompts' order; vLLM's sampled-token log-probs then match the HF forward of m1."""
-    from tether.distributed.ray_backend import WorkerGroup
+    the prompts' order; vLLM's sampled-token log-probs then match the HF forward of m1. A killed
+    replica gives an error naming it."""
+    from tether.distributed.ray_backend import WorkerDiedError, WorkerGroup
     from tether.distributed.rollout_workers import VLLMReplicaGroup
 
     cfg = _cfg(models[1], "rollout.vllm.replicas=2", "rollout.vllm.sync_bucket_mib=0.0625")
@@ -97,6 +98,10 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         diff = (hf - lp)[mask].abs()
         print(f"replicas vs HF sampled-token log-probs after the push: max |diff| {diff.max():.2e} nats over {int(mask.sum())} tokens")
         assert float(diff.max()) < LOGPROB_TOL and float(lp[mask].min()) < -0.5
+
+        ray.kill(engine.replicas[1])  # a replica that dies stops the run with its name
+        with pytest.raises(WorkerDiedError, match=r"rollout \(vLLM\) replica 1 died during generate"):
+            engine.generate(*prompts, do_sample=False)
     finally:
         if engine is not None:
             engine.close()
