@@ -163,7 +163,8 @@ def stream_weights(model: torch.nn.Module, rank: int, replicas: list, bucket_byt
     "send_s": seconds waiting for the replicas, "path": the replicas' loading way}``.
 
     Raises:
-        RuntimeError: a replica failed to load a bucket (its error chained).
+        ray.exceptions.RayTaskError: a replica failed to load a bucket (wrapping its RuntimeError,
+            which chains vLLM's error); the driver's WorkerGroup reports it naming the rank.
     """
     import ray
 
@@ -207,8 +208,8 @@ def stream_weights(model: torch.nn.Module, rank: int, replicas: list, bucket_byt
 
 # ---------------------------------------------------------------------------- the replica (a Ray actor)
 class VLLMReplica:
-    """One vLLM engine in its own Ray actor (run with ``max_concurrency=2``: a weight push's queue
-    is fed by one call while another loads from it).
+    """One vLLM engine in its own Ray actor. A weight push runs ``load_weights`` in a thread of the
+    actor, reading the buckets that :meth:`push` calls put in a queue of one.
 
     Args:
         cfg: the run's config (``rollout.*``, ``actor.dtype``, ``trainer.seed``).
@@ -364,7 +365,7 @@ class VLLMReplicaGroup:
         env = {k: val for k, val in os.environ.items() if _FORWARDED_ENV.match(k)}
         cls = ray.remote(VLLMReplica)
         self.replicas = [
-            cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), max_concurrency=2, **res).remote(
+            cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **res).remote(
                 cfg, i, str(model_path), list(eos_token_ids), env
             )
             for i, b in enumerate(bundles)
