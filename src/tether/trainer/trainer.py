@@ -287,7 +287,6 @@ class Trainer:
             c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
             and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
-            and c.trainer.backend == "local"  # the Ray backend's sharded update does not return them yet
         )  # fmt: skip
 
     @functools.cached_property
