@@ -114,17 +114,24 @@ def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path):
 
 
 def test_killed_worker_names_the_role(cluster, tmp_path):
+    """A worker killed mid-run: the next call fails naming the group and the rank; the step-1
+    checkpoint loads on fresh workers (the very weights of step 1) and training goes on from it."""
     from tether.distributed.ray_backend import WorkerDiedError
 
     cfg = _cfg(tmp_path / "run", "trainer.backend=ray", "trainer.n_workers=2", "trainer.save_freq=1")
     trainer = Trainer(cfg)
     trainer.train_step()  # checkpoint step 1
+    at_1 = _weights(trainer.roles.actor.model)
     ray.kill(trainer.roles.backend.actor_group.workers[1])
     with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs"):
         trainer.train_step()
     trainer.roles.close()
     again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
     assert again.step == 1
+    assert _max_diff(at_1, _weights(again.roles.actor.model)) == 0.0
+    pulled = again.roles.backend.actor_group.call("full_state", "actor", True)
+    assert _max_diff({k: at_1[k] for k in pulled}, pulled) == 0.0  # the workers hold them too
+    assert again.train_step()["policy/updates"] > 0
     again.roles.close()
 
 
