@@ -11,8 +11,8 @@ one AdamW step (grad clip 1.0, lr 3e-4) is applied to each, and the updated weig
               every backward: (r0_1 + r1_1) + (r0_2 + r1_2) + ...)
   local-f64   local's per-micro-batch gradients, accumulated in float64 (then rounded to float32)
   ws2-f64     ws2's per-micro-batch gradients (both ranks), accumulated in float64
-  ws2-order   ws2's per-micro-batch gradients accumulated in local's order of rows where it can be
-              (all of rank 0's, then all of rank 1's)
+  ws2-order   ws2's per-micro-batch gradients accumulated rank by rank in float32 (all of rank 0's,
+              then all of rank 1's, as one process would)
   float64     the whole step in float64 (model, loss, AdamW): the exact step, to float32 rounding
 
     PYTHONPATH=src python scripts/ws_rounding.py      # about 20 s on one core
