@@ -185,6 +185,8 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         from tether.rollout.vllm import resolve_engine
 
         engine = resolve_engine("auto", actor_path, backend=cfg.trainer.backend)[0]
+    if engine == "vllm" and cfg.trainer.backend == "ray":
+        return None  # vLLM replicas as Ray actors, set by tether.distributed.ray_backend.build_ray_roles
     if engine == "vllm":
         from tether.rollout.vllm import VLLMRolloutEngine
 
