@@ -106,7 +106,7 @@ class AsyncRollout:
         self.runner.tok = copy.deepcopy(runner.tok)  # the job decodes while the main thread may use the tokenizer
         self.prompts, self.sampler, self.n = prompts, sampler, n
         self.micro_batch_size, self.temperature, self.compute_dtype = micro_batch_size, temperature, compute_dtype
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tether-async-rollout")
+        self._pool: ThreadPoolExecutor | None = None  # started by the first job, ended by close()
         self._job: Future | None = None
         self._job_indices: list[int] | None = None
         self._pending: RolloutBatch | None = None  # joined, not yet trained on
@@ -147,14 +147,18 @@ class AsyncRollout:
             self._pending = self._produce(self._pending_indices)
 
     def close(self) -> None:
-        if self._job is not None:
-            self._job.cancel()
-        self._pool.shutdown(wait=True)
+        """End the background thread (after the running job, whose batch is kept); a later step starts a new one."""
+        self.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _launch(self) -> None:
         indices = self.sampler.next_batch()
         self._copy_weights()  # on the main thread, before the update can move the weights
         self._job_indices = indices
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tether-async-rollout")
         self._job = self._pool.submit(self._produce, indices)
 
     def _copy_weights(self) -> None:
