@@ -125,7 +125,7 @@ class RolloutConfig(_Section):
         0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
         "background thread; under trainer.backend=ray on the driver while the workers train) during this step's update, so each batch "
         "is one update stale and its old_logprobs are the generating policy's (the PPO ratio corrects the staleness). 0 = generate, "
-        "then train (docs/performance.md#one-step-off-policy-overlap)."
+        "then train (docs/training.md, docs/performance.md)."
     )
 
 
@@ -373,7 +373,7 @@ def _check_async(cfg) -> None:
     }
     bad = [k for k, v in clash.items() if v]
     if bad:
-        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/performance.md#one-step-off-policy-overlap); "
+        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/training.md, docs/performance.md); "
                          "set rollout.async_steps=0")
 
 
