@@ -224,19 +224,18 @@ class AsyncRollout:
         self._pending, self._pending_indices = batch, indices
 
 
-def build_async_rollout(trainer) -> AsyncRollout | None:
-    """The trainer's AsyncRollout under ``rollout.async_steps=1`` (None at 0).
+def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
+    """The AsyncRollout of ``rollout.async_steps=1`` (None at 0) over a run's roles, training
+    prompts and PromptSampler.
 
     Raises:
         ConfigError: a local actor or critic with dropout (:func:`check_no_dropout`).
     """
-    cfg = trainer.cfg
     if not cfg.rollout.async_steps:
         return None
-    roles = trainer.roles
     if roles.backend is None:
         check_no_dropout({"actor.model": roles.actor.model, "critic.model": getattr(roles.critic, "model", None)})
     return AsyncRollout(
-        roles.engine, roles.actor.model, trainer.train_set, trainer.sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,
+        roles.engine, roles.actor.model, train_set, sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,
         temperature=cfg.rollout.temperature, compute_dtype=cfg.actor.compute_dtype,
     )  # fmt: skip
