@@ -141,6 +141,12 @@ class RolloutConfig(_Section):
         "smaller batch, so its last bits may differ (<= 4e-6 nats in the sampled log-probs measured)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
+    async_steps: int = Field(
+        0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
+        "background thread; under trainer.backend=ray on the driver while the workers train) during this step's update, so each batch "
+        "is one update stale and its old_logprobs are the generating policy's (the PPO ratio corrects the staleness). 0 = generate, "
+        "then train (docs/training.md, docs/performance.md)."
+    )
 
 
 class RewardConfig(_Section):
@@ -382,6 +388,20 @@ def _check_distributed(cfg) -> None:
             raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
 
 
+def _check_async(cfg) -> None:
+    """rollout.async_steps=1 needs something to generate, with the HF engine, one draw per step and per-token log-probs."""
+    clash = {
+        "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",  # the engine holds its own weights: a snapshot is not wired
+        "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
+        "kl.estimator=full": cfg.kl.estimator == "full" or cfg.kl.loss_estimator == "full",  # needs the behaviour policy's logits beside the reference's
+    }
+    bad = [k for k, v in clash.items() if v]
+    if bad:
+        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/training.md, docs/performance.md); "
+                         "set rollout.async_steps=0")
+
+
 class TetherConfig(_Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
@@ -414,11 +434,14 @@ class TetherConfig(_Section):
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")
+        if self.rollout.async_steps:
+            _check_async(self)
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
-        if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full"):
-            why = "rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
+        if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full" or self.rollout.async_steps):
+            why = ("rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
+                   if self.kl.estimator == "full" else "rollout.async_steps=1 computes the behaviour policy's log-probs itself")
             raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed

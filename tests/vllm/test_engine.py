@@ -422,6 +422,7 @@ def test_auto_engine_picks_vllm_only_where_it_runs_the_model(tiny, monkeypatch):
     assert resolve_engine("auto", tiny) == ("vllm", "vLLM (cpu build) is installed and supports the model")
     engine, why = resolve_engine("auto", default_reference_path())
     assert engine == "hf" and "attention head size 16" in why
+    assert resolve_engine("auto", tiny, async_steps=1)[0] == "hf"  # async generates on an HF policy snapshot
     assert resolve_engine("auto", tiny, backend="ray")[0] == "hf"  # vLLM replicas as Ray actors only when asked for (rollout.engine=vllm)
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

