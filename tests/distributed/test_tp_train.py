@@ -32,6 +32,8 @@ SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.threads=1",
 MESHES = {"tp2": (2, 2), "dp2": (2, 1), "dp2xtp2": (4, 2)}
 #: resumes: name -> (checkpoint written by, world size, tp of the group loading it)
 RESUMES = {"dp2->tp2": ("dp2", 2, 2), "tp2->dp2xtp2": ("tp2", 4, 2), "tp2->ws1": ("tp2", 1, 1)}
+#: a rank still running after this many seconds prints its stack and exits (each spawn takes ~1 min)
+HANG_S = 420
 
 
 def _free_port() -> int:
@@ -91,10 +93,13 @@ def _full_state(w) -> dict | None:
 
 def _rank_main(rank: int, world: int, port: int, rec: dict, root: str, jobs: list) -> None:
     """Run ``jobs`` in order on this rank: ("replay", name, tp) or ("resume", name, tp, checkpoint)."""
+    import faulthandler
+
     import torch.distributed as dist
 
     from tether.distributed import gather_rows, split_batch
 
+    faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang (ranks in different collectives) fails, with every stack
     torch.set_num_threads(1)
     results = {}
     for job in jobs:
@@ -122,6 +127,7 @@ def _rank_main(rank: int, world: int, port: int, rec: dict, root: str, jobs: lis
         torch.save(results, f"{root}/results_ws{world}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")
