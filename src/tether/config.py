@@ -124,6 +124,12 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, ge=1, description="Maximum response length, tokens.")
     do_sample: bool = Field(True, description="Sample (true) or decode greedily (false).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
+    async_steps: int = Field(
+        0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
+        "background thread; under trainer.backend=ray on the driver while the workers train) during this step's update, so each batch "
+        "is one update stale and its old_logprobs are the generating policy's (the PPO ratio corrects the staleness). 0 = generate, "
+        "then train (docs/training.md, docs/performance.md)."
+    )
 
 
 class RewardConfig(_Section):
@@ -359,6 +365,20 @@ def _check_distributed(cfg) -> None:
             raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
 
 
+def _check_async(cfg) -> None:
+    """rollout.async_steps=1 needs something to generate, with the HF engine, one draw per step and per-token log-probs."""
+    clash = {
+        "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",  # the engine holds its own weights: a snapshot is not wired
+        "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
+        "kl.estimator=full": cfg.kl.estimator == "full" or cfg.kl.loss_estimator == "full",  # needs the behaviour policy's logits beside the reference's
+    }
+    bad = [k for k, v in clash.items() if v]
+    if bad:
+        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/training.md, docs/performance.md); "
+                         "set rollout.async_steps=0")
+
+
 class TetherConfig(_Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
@@ -391,6 +411,8 @@ class TetherConfig(_Section):
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")
+        if self.rollout.async_steps:
+            _check_async(self)
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")

@@ -65,6 +65,8 @@ EQUAL_CASES = {
     "gae-split-ref-reset": ["algo.adv_estimator=gae", "trainer.placement=split", "ref.reset_every=2", "trainer.val_freq=0"],
     "lora": ["actor.lora.rank=4"],
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
+    # the driver generates the next batch (and its behaviour log-probs) while the workers train
+    "async": ["rollout.async_steps=1"],
 }
 
 
