@@ -84,6 +84,12 @@ class ActorConfig(_Section):
         "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
+    share_prompt_prefix: bool = Field(
+        True, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
+        "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob passes and the "
+        "update (gradients sum over the group: exact up to float round-off). Falls back to the ordinary pass where no prompt repeats, "
+        "under actor.gradient_checkpointing (update only), with sliding-window models and actor.tp_size > 1 (docs/performance.md)."
+    )
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
         "group's ranks form a (dp = ranks / tp_size) x tp_size mesh; attention/MLP projections split column/row-wise, embedding and "
