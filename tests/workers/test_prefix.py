@@ -236,3 +236,42 @@ def test_config_key():
     assert TetherConfig().actor.share_prompt_prefix is True
     assert TetherConfig.model_validate({"actor": {"share_prompt_prefix": False}}).actor.share_prompt_prefix is False
     assert "expanded KV cache" in type(TetherConfig().actor).model_fields["share_prompt_prefix"].description
+
+
+def _critic(share: bool):
+    from transformers import AutoModel
+
+    from tether.models import ValueModel
+    from tether.workers import CriticWorker
+
+    backbone = AutoModel.from_config(_model().config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        backbone.load_state_dict(_model().model.state_dict())
+        vm = ValueModel(backbone, 32)
+        torch.nn.init.normal_(vm.value_head.weight)  # the head starts at 0: give the backbone a gradient
+    critic = CriticWorker(vm, lr=1.0, grad_clip=1e9, micro_batch_size=4, value_clip=0.2, norm_constant=6.0, share_prompt_prefix=share)
+    critic.optimizer = torch.optim.SGD(vm.parameters(), lr=1.0)  # the parameter change is the gradient
+    return critic
+
+
+def test_critic_values_and_update_equal_the_ordinary_path(monkeypatch):
+    calls = []
+    real = prefix.shared_prefix_values
+    monkeypatch.setattr(prefix, "shared_prefix_values", lambda *a: calls.append(torch.is_grad_enabled()) or real(*a))
+    out = []
+    for share in (False, True):
+        critic = _critic(share)
+        b = _batch()
+        b.values = critic.compute_values(b)
+        b.returns = b.values + torch.randn(b.values.shape, generator=torch.Generator().manual_seed(4))
+        before = [p.detach().clone() for p in critic.model.parameters()]
+        metrics = critic.update(b, ppo_epochs=1, mini_batch_size=10, agg_mode="token-mean", seed=0, step=1)
+        out.append((b.values, metrics, [p0 - p.detach() for p0, p in zip(before, critic.model.parameters(), strict=True)]))
+    (v0, m0, g0), (v1, m1, g1) = out
+    assert False in calls and True in calls  # the shared path ran in the no-grad pass and in the update
+    torch.testing.assert_close(v1, v0, rtol=0, atol=1e-5)
+    assert float(v0.abs().max()) > 0.1
+    assert m1 == pytest.approx(m0, abs=1e-5) and m0["value/grad_norm"] > 1e-2
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)

@@ -194,6 +194,7 @@ class RankWorker:
         self.critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
             value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+            share_prompt_prefix=cfg.actor.share_prompt_prefix and cfg.actor.tp_size == 1,
         )  # fmt: skip
         self.critic.dp = self.dp
 

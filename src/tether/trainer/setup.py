@@ -145,7 +145,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
             vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
             critic = CriticWorker(
                 vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
-                value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+                value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens), share_prompt_prefix=spp,
             )  # fmt: skip
     engine = _build_engine(cfg, model, tok, actor_path)
     runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=generation_eos_ids(model))

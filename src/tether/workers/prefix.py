@@ -91,6 +91,43 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in _forward_params(model) else "past_key_values"
 
 
+def shared_prefix_outputs(
+    forward, prompt_ids, prompt_mask, response_ids, response_mask, groups: tuple[torch.Tensor, torch.Tensor], compute_dtype: str = "float32"
+) -> torch.Tensor:
+    """The per-position outputs (logits or hidden states) that score the T response tokens, with each
+    distinct prompt run once.
+
+    Args:
+        forward: ``forward(input_ids, attention_mask, position_ids, cache, last_only) -> (b, l, X)``, one
+            call of the model with ``use_cache`` on ``cache`` (a ``DynamicCache``), returning only the last
+            position when ``last_only``.
+        prompt_ids, prompt_mask (B, P), response_ids, response_mask (B, T), groups, compute_dtype: as
+            :func:`shared_prefix_logprobs`.
+    Returns:
+        (B, T, X): row b's outputs at positions P-1 .. P+T-2 of ``cat([prompt, response])`` (position
+        P-1+t predicts response token t), as one ordinary forward would give them.
+    """
+    from transformers import DynamicCache
+
+    first, inverse = groups
+    t = response_ids.shape[1]
+    keep_cols = prompt_mask.any(0)  # columns that are padding in every row carry nothing
+    lead = int(keep_cols.long().argmax()) if bool(keep_cols.any()) else 0
+    p_ids, p_mask = prompt_ids[first, lead:], prompt_mask[first, lead:]
+    cache = DynamicCache()
+    with autocast(prompt_ids.device, compute_dtype):
+        out = forward(p_ids, p_mask, position_ids_from_mask(p_mask), cache, True)
+    out = out.index_select(0, inverse)  # (B, 1, X): the last prompt position scores response token 0
+    if t == 1:
+        return out
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...) per layer; an index select, so autograd sums the group's gradients
+    mask = torch.cat([prompt_mask[:, lead:], response_mask[:, : t - 1]], dim=1)
+    pos = position_ids_from_mask(mask)[:, -(t - 1) :]  # as the ordinary pass numbers them
+    with autocast(prompt_ids.device, compute_dtype):
+        rest = forward(response_ids[:, : t - 1], mask, pos, cache, False)  # the last response token is only scored, never an input
+    return torch.cat([out, rest.to(out.dtype)], dim=1)
+
+
 def shared_prefix_logprobs(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -116,28 +153,46 @@ def shared_prefix_logprobs(
         (logprobs (B, T) nats, entropy (B, T) nats or None, logits (B, T, V) or None); equal to it up
         to float round-off (≤ 1e-5 in fp32, tested), gradients included.
     """
-    from transformers import DynamicCache
-
-    first, inverse = groups
-    t = response_ids.shape[1]
-    keep_cols = prompt_mask.any(0)  # columns that are padding in every row carry nothing
-    lead = int(keep_cols.long().argmax()) if bool(keep_cols.any()) else 0
-    p_ids, p_mask = prompt_ids[first, lead:], prompt_mask[first, lead:]
-    cache = DynamicCache()
     name = _cache_kwarg(model)
-    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(model) else {}
-    with autocast(prompt_ids.device, compute_dtype):
-        out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask), use_cache=True, **{name: cache}, **kwargs)
-    logits = out.logits[:, -1:, :].index_select(0, inverse)  # (B, 1, V): scores response token 0
-    if t > 1:
-        cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...) per layer; an index select, so autograd sums the group's gradients
-        mask = torch.cat([prompt_mask[:, lead:], response_mask[:, : t - 1]], dim=1)
-        pos = position_ids_from_mask(mask)[:, -(t - 1) :]
-        with autocast(prompt_ids.device, compute_dtype):
-            rest = model(input_ids=response_ids[:, : t - 1], attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).logits
-        logits = torch.cat([logits, rest.to(logits.dtype)], dim=1)  # (B, T, V)
+    keep_last = "logits_to_keep" in _forward_params(model)
+
+    def forward(ids, mask, pos, cache, last_only):
+        kwargs = {"logits_to_keep": 1} if last_only and keep_last else {}
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}, **kwargs).logits
+        return logits[:, -1:, :] if last_only else logits
+
+    logits = shared_prefix_outputs(forward, prompt_ids, prompt_mask, response_ids, response_mask, groups, compute_dtype)  # (B, T, V)
     logprobs, entropy = logprobs_and_entropy_from_logits(logits, response_ids, temperature, with_entropy=with_entropy)
     return logprobs, entropy, (logits if return_logits else None)
+
+
+def shared_prefix_values(backbone: nn.Module, value_head: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, groups) -> torch.Tensor:
+    """The critic's V(s_t) (B, T) with each distinct prompt run once (:meth:`tether.models.ValueModel.forward`
+    with ``shared``); arguments as :func:`shared_prefix_logprobs`, ``backbone`` an ``AutoModel``."""
+    name = _cache_kwarg(backbone)
+
+    def forward(ids, mask, pos, cache, last_only):
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).last_hidden_state
+        return hidden[:, -1:, :] if last_only else hidden
+
+    hidden = shared_prefix_outputs(forward, prompt_ids, prompt_mask, response_ids, response_mask, groups)  # (B, T, H)
+    return value_head(hidden).squeeze(-1).float()
+
+
+def micro_batch_values(value_model: nn.Module, mb, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, *, share_prefix: bool):
+    """One micro-batch's V(s_t) (B, T): :func:`shared_prefix_values` where ``share_prefix`` is set and it
+    applies (as :func:`micro_batch_logprobs` decides), else ``value_model(input_ids, attention_mask, T)``."""
+    if share_prefix and _can_share(value_model.backbone):
+        groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
+        if groups is not None:
+            t = response_len  # through the module's own call (FSDP2's hooks on the root)
+            return value_model(input_ids, attention_mask, t, shared=(mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups))
+    return value_model(input_ids, attention_mask, response_len)
+
+
+def _can_share(model: nn.Module) -> bool:
+    checkpointed = model.training and torch.is_grad_enabled() and _checkpointing(model)  # HF's checkpointed layers drop the cache
+    return supports_prefix_sharing(model) and not checkpointed
 
 
 def micro_batch_logprobs(
@@ -163,9 +218,8 @@ def micro_batch_logprobs(
         (logprobs (B, T), entropy (B, T) or None, logits (B, T, V) or None), T = ``response_len``.
     """
     kw = dict(temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype)
-    if share_prefix and supports_prefix_sharing(model):
-        checkpointed = model.training and torch.is_grad_enabled() and _checkpointing(model)
-        groups = None if checkpointed else prompt_groups(mb.prompt_ids, mb.prompt_mask)
+    if share_prefix and _can_share(model):
+        groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
         if groups is not None:
             t = response_len
             return shared_prefix_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups, **kw)
