@@ -88,7 +88,8 @@ class ActorConfig(_Section):
         True, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
         "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob passes and the "
         "update (gradients sum over the group: exact up to float round-off). Falls back to the ordinary pass where no prompt repeats, "
-        "under actor.gradient_checkpointing (update only), with sliding-window models and actor.tp_size > 1 (docs/performance.md)."
+        "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than one rank (FSDP2 "
+        "needs the same forward calls on every rank) (docs/training.md)."
     )
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
