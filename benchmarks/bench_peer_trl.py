@@ -25,7 +25,7 @@ reward and KL of each step. The first step of a run (lazy initialisation) is lef
 medians. ``--extra`` adds tether-alone rows: the embedded default task (``tether train``'s
 config) and a GSM8K-shaped workload on the small model (prompts of 120-180 tokens, EOS allowed
 and made likely enough that responses end anywhere up to 256 tokens), so padding and prompt costs
-show.
+show; each ``--variant`` runs these rows too, alternating, ``--extra-rounds`` times.
 
 Phases: generate (sampling, decoding included), reward, no-grad log-prob passes (tether: the
 actor's old log-probs and the reference; TRL: the reference), update forward, backward, optimizer
