@@ -185,6 +185,9 @@ class RemoteActor:
 
     def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
         metrics = self.group.call("update_actor", batch, spec, step)
+        for k in ("_old_logprobs", "_entropy"):  # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
+            if k in metrics:
+                metrics[k] = metrics[k].to(batch.response_mask.device)
         self.pull_weights()
         return metrics
 

@@ -159,9 +159,14 @@ class Trainer:
         self.step = 0
         self.last_val: dict[str, float] = {}
         from tether.trainer.state import CheckpointManager
+        from tether.trainer.stats import ExactCache
 
-        self.ckpt = CheckpointManager(self)
-        self.ckpt.maybe_resume()
+        self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
+        self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
+                                      exact_cache=self.exact_cache)  # fmt: skip
+        resumed = self.ckpt.maybe_resume()
+        if resumed is not None:
+            self.step, self.last_val = resumed
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -185,7 +190,7 @@ class Trainer:
                         raise TrainingInterrupted(self._signals.signum, self.step)
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
-            self.ckpt.save(final=True)
+            self.ckpt.save(self.step, self.last_val, final=True, diagnostics=self.diagnostics, logger=self.logger)
             raise
         finally:
             progress.close()
@@ -229,7 +234,8 @@ class Trainer:
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
-            self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
+            # the step's line is kept in the checkpoint
+            self.ckpt.maybe_save(self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics)
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
         self.logger.log(self.step, metrics)
@@ -254,7 +260,8 @@ class Trainer:
         if self.cfg.algo.filter_groups:
             from tether.trainer.sampling import dynamic_sample
 
-            return dynamic_sample(self, timer)
+            return dynamic_sample(self.rollout, self.score, timer, batch_size=self.cfg.data.batch_size,
+                                  max_draws=self.cfg.algo.filter_groups_max_draws, pad_id=self.tok.pad_token_id, step=self.step)  # fmt: skip
         with timer("rollout"):
             batch = self.rollout()
         with timer("reward"):
@@ -287,7 +294,6 @@ class Trainer:
             c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
             and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
-            and c.trainer.backend == "local"  # the Ray backend's sharded update does not return them yet
         )  # fmt: skip
 
     @functools.cached_property
@@ -370,7 +376,7 @@ class Trainer:
         self.roles.engine.sync_weights(self.roles.actor.model)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
             self.roles.ref.reset_to(self.roles.actor.model)
-            self.__dict__.pop("_exact_ref_cache", None)  # exact/* metrics must see the new reference
+            self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
     @staticmethod
@@ -422,9 +428,10 @@ class Trainer:
         return out
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        from tether.trainer.stats import rollout_metrics
+        from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
 
-        return rollout_metrics(self, batch)
+        grouped = self.cfg.algo.adv_estimator in GROUP_ESTIMATORS
+        return rollout_metrics(batch, beta=self.beta, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, grouped=grouped)
 
     def maybe_validate(self, force: bool = False) -> dict[str, float]:
         freq = self.cfg.trainer.val_freq
@@ -433,8 +440,8 @@ class Trainer:
             return {}
         from tether.trainer.stats import validate
 
-        self.last_val = validate(self)
-        self.guard.after_validation(self)
+        self.last_val = validate(self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache)
+        self.guard.after_validation(self.step, self.last_val, self.ckpt, self.roles, self.controller.value)
         return self.last_val
 
 
