@@ -116,6 +116,10 @@ class VLLMConfig(_Section):
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="rollout.engine=vllm on a GPU: fraction of GPU memory vLLM takes for its weights and KV cache.")
     kv_cache_gib: float | None = Field(None, gt=0, description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 GiB of host RAM.")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum.")
+    replicas: int = Field(1, ge=1, description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across them in order.")
+    tensor_parallel_size: int = Field(1, ge=1, description="trainer.backend=ray: vLLM's tensor-parallel degree per replica (devices per replica; needs trainer.placement=split on GPUs).")
+    sync_bucket_mib: float = Field(64.0, gt=0, description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of at most this many MiB (a transformer block is never split).")
+    sleep: bool = Field(True, description="trainer.backend=ray, trainer.placement=colocate on GPUs: put the replicas to sleep (vLLM sleep mode level 1) between rollouts, freeing their KV cache for the update.")
 
 
 class RolloutConfig(_Section):
@@ -299,7 +303,7 @@ class TrainerConfig(_Section):
     ray_address: str | None = Field(None, description="trainer.backend=ray: cluster to attach to ('auto', 'ray://host:10001', host:port); null starts a local Ray that tether shuts down at the end.")
     nnodes: int = Field(1, ge=1, description="trainer.backend=ray: nodes the worker groups span.")
     n_gpus_per_node: int = Field(0, ge=0, description="trainer.backend=ray: GPUs per node for the workers; 0 = CPU workers (gloo).")
-    placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference and critic share each worker's device; split = the critic gets its own worker group and devices.")
+    placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference, critic and vLLM replicas share each worker's device; split = the critic gets its own worker group and devices, and vLLM replicas their own bundles.")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 sharding of the Ray backend's workers.")
 
 
@@ -360,8 +364,13 @@ def _check_distributed(cfg) -> None:
             "are; a PPO update and a resume across meshes are not, docs/distributed.md#tensor-parallelism); use actor.tp_size=1, or set "
             "TETHER_EXPERIMENTAL_TP=1 to try it"
         )
-    if cfg.rollout.engine == "vllm":
-        raise ValueError("trainer.backend=ray runs rollouts with rollout.engine=hf for now (vLLM replicas as Ray actors are not wired yet)")
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine == "vllm" and t.placement == "colocate" and t.n_gpus_per_node:
+        if v.tensor_parallel_size > 1:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} with trainer.placement=colocate on GPUs: a colocated "
+                             "replica shares one worker's GPU; use trainer.placement=split (replicas on their own GPUs) or tensor_parallel_size=1")
+        if v.replicas > n:
+            raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
 
 
 class TetherConfig(_Section):
@@ -388,6 +397,11 @@ class TetherConfig(_Section):
             _check_distributed(self)
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
+        else:
+            for key in ("replicas", "tensor_parallel_size"):
+                if getattr(self.rollout.vllm, key) > 1:
+                    raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} needs trainer.backend=ray (the local backend runs one "
+                                     "vLLM engine in its own process)")
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")

@@ -125,5 +125,4 @@ def test_ray_keys_in_help_and_validated():
     assert load_config(None, ["trainer.backend=ray", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.n_workers=16"]).trainer.n_workers == 16
     with pytest.raises(ConfigError, match="trainer.placement"):
         load_config(None, ["trainer.placement=spread"])
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"])
+    assert load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"]).rollout.vllm.replicas == 1  # vLLM replicas as Ray actors

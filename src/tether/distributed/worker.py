@@ -280,6 +280,14 @@ class RankWorker:
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         return {k: v for k, v in state.items() if k in trainable}
 
+    @register(ALL)
+    def push_weights(self, replicas: list, bucket_bytes: int) -> dict:
+        """Stream the actor's full weights to the vLLM replicas, one gathered tensor at a time
+        (:func:`tether.distributed.rollout_workers.stream_weights`; a collective, rank 0 sends)."""
+        from tether.distributed.rollout_workers import stream_weights
+
+        return stream_weights(self._role("actor").model, self.rank, replicas, bucket_bytes)
+
     # ------------------------------------------------------------------ sharded checkpoints (DCP)
     def _dcp_state(self, with_ref: bool) -> dict:
         """{role: {"model": sharded state dict, "optim": sharded optimizer state dict}} of the hosted roles."""
