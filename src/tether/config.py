@@ -85,9 +85,10 @@ class ActorConfig(_Section):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     share_prompt_prefix: bool = Field(
-        True, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
+        False, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
         "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob passes and the "
-        "update (gradients sum over the group: exact up to float round-off). Falls back to the ordinary pass where no prompt repeats, "
+        "update (gradients sum over the group: exact up to float round-off, not bitwise; off by default because GRPO's std normalisation "
+        "amplifies that round-off in groups of equal scores, docs/training.md). Falls back to the ordinary pass where no prompt repeats, "
         "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than one rank (FSDP2 "
         "needs the same forward calls on every rank) (docs/training.md)."
     )

@@ -32,7 +32,7 @@ def test_shared_prompt_run_equals_the_ordinary_run(small_cfg, tmp_path, monkeypa
     calls = []
     real = prefix.shared_prefix_outputs
     monkeypatch.setattr(prefix, "shared_prefix_outputs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    shared, h_shared = _run(small_cfg, tmp_path, "shared", *overrides)
+    shared, h_shared = _run(small_cfg, tmp_path, "shared", *overrides, "actor.share_prompt_prefix=true")
     assert calls  # the shared path ran
     n = len(calls)
     plain, h_plain = _run(small_cfg, tmp_path, "plain", *overrides, "actor.share_prompt_prefix=false")

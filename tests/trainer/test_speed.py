@@ -10,11 +10,9 @@ from tether.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-# one epoch, one mini-batch of all 16 responses, KL in the loss: the old policy is the current one. The ordinary
-# pass (no actor.share_prompt_prefix): these tests assert bitwise equalities (ratio 1, KL 0 at step 1) between
-# passes whose micro-batches hold other rows, which the shared-prompt pass keeps only to round-off (test_prefix_run.py)
+# one epoch, one mini-batch of all 16 responses, KL in the loss: the old policy is the current one
 ONE_MINI = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05", "trainer.val_freq=0", "trainer.save_freq=0",
-            "trainer.report=false", "actor.micro_batch_size=8", "actor.share_prompt_prefix=false"]  # fmt: skip
+            "trainer.report=false", "actor.micro_batch_size=8"]  # fmt: skip
 SAME = ("reward/score_mean", "kl/ref_mean", "kl/k3_mean", "kl/ref_mean_unclamped", "policy/entropy", "policy/loss", "policy/pg_loss",
         "actor/kl_loss", "policy/approx_kl", "policy/clipfrac", "policy/grad_norm", "ref/logprob_mean")  # fmt: skip
 

@@ -233,8 +233,8 @@ def test_sliding_window_model_takes_the_ordinary_pass():
 
 
 def test_config_key():
-    assert TetherConfig().actor.share_prompt_prefix is True
-    assert TetherConfig.model_validate({"actor": {"share_prompt_prefix": False}}).actor.share_prompt_prefix is False
+    assert TetherConfig().actor.share_prompt_prefix is False  # opt-in (docs/training.md: not bitwise)
+    assert TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}}).actor.share_prompt_prefix is True
     assert "expanded KV cache" in type(TetherConfig().actor).model_fields["share_prompt_prefix"].description
 
 
