@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,6 +132,12 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, ge=1, description="Maximum response length, tokens.")
     do_sample: bool = Field(True, description="Sample (true) or decode greedily (false).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
+    async_steps: int = Field(
+        0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
+        "background thread; under trainer.backend=ray on the driver while the workers train) during this step's update, so each batch "
+        "is one update stale and its old_logprobs are the generating policy's (the PPO ratio corrects the staleness). 0 = generate, "
+        "then train (docs/training.md, docs/performance.md)."
+    )
 
 
 class RewardConfig(_Section):
@@ -359,12 +364,6 @@ def _check_distributed(cfg) -> None:
         raise ValueError(f"actor.tp_size={cfg.actor.tp_size} must divide the worker group's {n} ranks (trainer.n_workers, or nnodes * n_gpus_per_node)")
     if cfg.actor.tp_size > 1 and cfg.actor.lora.rank > 0:
         raise ValueError("actor.tp_size > 1 with LoRA (actor.lora.rank > 0) is not supported: peft's adapter layers are not split by tensor parallelism")
-    if cfg.actor.tp_size > 1 and os.environ.get("TETHER_EXPERIMENTAL_TP") != "1":
-        raise ValueError(
-            f"actor.tp_size={cfg.actor.tp_size}: tensor-parallel training is not verified yet (its forward pass, log-probs and exact KL "
-            "are; a PPO update and a resume across meshes are not, docs/distributed.md#tensor-parallelism); use actor.tp_size=1, or set "
-            "TETHER_EXPERIMENTAL_TP=1 to try it"
-        )
     v = cfg.rollout.vllm
     if cfg.rollout.engine == "vllm" and t.placement == "colocate" and t.n_gpus_per_node:
         if v.tensor_parallel_size > 1:
@@ -372,6 +371,20 @@ def _check_distributed(cfg) -> None:
                              "replica shares one worker's GPU; use trainer.placement=split (replicas on their own GPUs) or tensor_parallel_size=1")
         if v.replicas > n:
             raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
+
+
+def _check_async(cfg) -> None:
+    """rollout.async_steps=1 needs something to generate, with the HF engine, one draw per step and per-token log-probs."""
+    clash = {
+        "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",  # the engine holds its own weights: a snapshot is not wired
+        "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
+        "kl.estimator=full": cfg.kl.estimator == "full" or cfg.kl.loss_estimator == "full",  # needs the behaviour policy's logits beside the reference's
+    }
+    bad = [k for k, v in clash.items() if v]
+    if bad:
+        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/training.md, docs/performance.md); "
+                         "set rollout.async_steps=0")
 
 
 class TetherConfig(_Section):
@@ -406,6 +419,8 @@ class TetherConfig(_Section):
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")
+        if self.rollout.async_steps:
+            _check_async(self)
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")

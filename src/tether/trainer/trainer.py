@@ -158,12 +158,16 @@ class Trainer:
         self.guard = GuardMonitor(cfg.guard)
         self.step = 0
         self.last_val: dict[str, float] = {}
+        from tether.trainer.async_rollout import build_async_rollout
+
+        # rollout.async_steps=1: the next batch is generated during the update
+        self.async_rollout = build_async_rollout(cfg, self.roles, self.train_set, self.sampler)
         from tether.trainer.state import CheckpointManager
         from tether.trainer.stats import ExactCache
 
         self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
         self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
-                                      exact_cache=self.exact_cache)  # fmt: skip
+                                      exact_cache=self.exact_cache, async_rollout=self.async_rollout)  # fmt: skip
         resumed = self.ckpt.maybe_resume()
         if resumed is not None:
             self.step, self.last_val = resumed
@@ -195,6 +199,8 @@ class Trainer:
         finally:
             progress.close()
             self.logger.close()
+            if self.async_rollout is not None:
+                self.async_rollout.close()
             self.roles.close()
         if self.cfg.trainer.report:
             from tether.report import write_report
@@ -223,6 +229,9 @@ class Trainer:
                 update_metrics |= self.update_critic(batch)
             with timer("update_actor"):
                 update_metrics |= self.update_actor(batch)
+        if self.async_rollout is not None:
+            with timer("rollout_join"):  # the next batch, before anything else draws from the RNG (validation)
+                self.async_rollout.join()
         if batch.kl is None:  # the update gave the old log-probs (actor.reuse_update_logprobs)
             with timer("kl"):
                 self.finish_kl(batch)
@@ -269,7 +278,11 @@ class Trainer:
         return batch
 
     def rollout(self) -> RolloutBatch:
-        """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts."""
+        """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts; under
+        ``rollout.async_steps=1`` the batch generated during the last update, with its behaviour
+        policy's old_logprobs (``tether.trainer.async_rollout``), and the next one is started."""
+        if self.async_rollout is not None:
+            return self.async_rollout.next_batch(launch=self.step < self.cfg.trainer.total_steps)
         return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
 
     def score(self, batch: RolloutBatch) -> None:
@@ -294,6 +307,7 @@ class Trainer:
             c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
             and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
+            and not c.rollout.async_steps  # the old policy is the one that generated the batch, a step behind
         )  # fmt: skip
 
     @functools.cached_property
@@ -306,8 +320,9 @@ class Trainer:
 
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
-        actor's pass is left to the update when :meth:`reuse_update_logprobs`."""
-        if self.reuse_update_logprobs(batch):
+        actor's pass is left to the update when :meth:`reuse_update_logprobs`, and not made when the batch
+        carries its behaviour policy's (``rollout.async_steps=1``)."""
+        if batch.old_logprobs is not None or self.reuse_update_logprobs(batch):
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
             return
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
@@ -407,11 +422,13 @@ class Trainer:
 
         tokens = float(batch.response_mask.sum())
         train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
-        gen_s = times.get("timing/rollout_s", 0.0)
-        out = {
+        wait_s = times.get("timing/rollout_s", 0.0) + times.get("timing/rollout_join_s", 0.0)  # the main thread's
+        async_times = batch.extra.get("async_times", {})  # rollout.async_steps=1: the job's own, off the main thread
+        gen_s = async_times.get("timing/async_generate_s", wait_s)
+        out = async_times | {
             "perf/tokens_per_s": tokens / max(train_s, 1e-9),
             "perf/generate_tokens_per_s": tokens / max(gen_s, 1e-9),
-            "perf/train_tokens_per_s": tokens / max(train_s - gen_s - times.get("timing/reward_s", 0.0), 1e-9),
+            "perf/train_tokens_per_s": tokens / max(train_s - wait_s - times.get("timing/reward_s", 0.0), 1e-9),
         }
         update_s = times.get("timing/update_actor_s", 0.0)
         if update_s > 0 and hasattr(self.roles.actor.model, "get_input_embeddings"):
