@@ -25,7 +25,7 @@ reward and KL of each step. The first step of a run (lazy initialisation) is lef
 medians. ``--extra`` adds tether-alone rows: the embedded default task (``tether train``'s
 config) and a GSM8K-shaped workload on the small model (prompts of 120-180 tokens, EOS allowed
 and made likely enough that responses end anywhere up to 256 tokens), so padding and prompt costs
-show.
+show; each ``--variant`` runs these rows too, alternating, ``--extra-rounds`` times.
 
 Phases: generate (sampling, decoding included), reward, no-grad log-prob passes (tether: the
 actor's old log-probs and the reference; TRL: the reference), update forward, backward, optimizer
@@ -423,6 +423,7 @@ def main() -> None:
                     help="another tether variant in the rotation: a source tree (empty: this one) and overrides, "
                          "e.g. 'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'")
     ap.add_argument("--extra", action="store_true", help="add tether-alone rows: embedded default, GSM8K-shaped")
+    ap.add_argument("--extra-rounds", type=int, default=1, help="--extra: alternating rounds of the tether variants")
     ap.add_argument("--json", default=None, help="write all runs here")
     # worker mode (internal)
     ap.add_argument("--worker", choices=["tether", "trl"])
@@ -468,14 +469,21 @@ def main() -> None:
         gsm_prompts = build_prompts(work / "prompts-gsm.jsonl", N_PROMPTS, (120, 180))
         rows = [("embedded default (16 prompts × 8, 4 tokens)", None, None, "embedded", max(args.steps, 10)),
                 ("GSM8K-shaped, small model (8 × 8, prompts 120-180, responses ≤ 256)", gsm_model, gsm_prompts, "gsm8k", args.steps)]  # fmt: skip
-        out_lines += ["### tether alone", "", "| workload | median s/step (wall) | median CPU s/step | response tokens/step | tokens/s (wall) | phases (wall s) |",
-                      "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        out_lines += ["### tether alone", "", "| workload | variant | median s/step (wall) | median CPU s/step | response tokens/step | tokens/s (wall) | phases (wall s) |",
+                      "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        tether_variants = [v for v in variants if v[0] != "trl"]  # each --variant too, alternating, --extra-rounds rounds
         for label, m, p, wl, n in rows:
-            r = run_worker("tether", m or Path("embedded"), p or Path("-"), n, work, f"tether-{wl}", args.tether_args, workload=wl)
-            everything[wl] = {"tether": [r]}
-            s, tok = median_step(r), tokens_per_step(r)
-            out_lines.append(f"| {label} | {s:.3f} | {median_step(r, 'cpu_s'):.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(r))} |")
-            print(f"  tether {wl} median {s:.3f} s/step", flush=True)
+            everything[wl] = {lab: [] for lab, _, _ in tether_variants}
+            for _ in range(args.extra_rounds):
+                for lab, src, extra in tether_variants:
+                    r = run_worker("tether", m or Path("embedded"), p or Path("-"), n, work, f"{lab}-{wl}", extra, workload=wl, src=src)
+                    everything[wl][lab].append(r)
+                    print(f"  {lab} {wl} median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f}", flush=True)
+            for lab, runs in everything[wl].items():
+                s = statistics.median(median_step(r) for r in runs)
+                cpu = statistics.median(median_step(r, "cpu_s") for r in runs)
+                tok = tokens_per_step(runs[0])
+                out_lines.append(f"| {label} | {lab} | {s:.3f} | {cpu:.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(runs[0]))} |")
         out_lines.append("")
     print("\n" + "\n".join(out_lines))
     if args.json:

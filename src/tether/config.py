@@ -89,6 +89,14 @@ class ActorConfig(_Section):
         "corrects the engine-trainer mismatch (rollout/logprob_diff_*, docs/performance.md); policy/entropy is then not measured (NaN)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
+    share_prompt_prefix: bool = Field(
+        False, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
+        "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob passes and the "
+        "update (gradients sum over the group: exact up to float round-off, not bitwise; off by default because GRPO's std normalisation "
+        "amplifies that round-off in groups of equal scores, docs/training.md). Falls back to the ordinary pass where no prompt repeats, "
+        "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than one rank (FSDP2 "
+        "needs the same forward calls on every rank) (docs/training.md)."
+    )
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
         "group's ranks form a (dp = ranks / tp_size) x tp_size mesh; attention/MLP projections split column/row-wise, embedding and "

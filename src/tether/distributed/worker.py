@@ -156,6 +156,9 @@ class RankWorker:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
         cdt = cfg.actor.compute_dtype
+        # one rank: as the local backend. Several: the ordinary pass, since FSDP2 needs the same forward calls (and so
+        # collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a mismatch aborts gloo)
+        spp = cfg.actor.share_prompt_prefix and self.world_size == 1
         if cdt != "float32":  # as the local backend: the LM heads stay fp32 under autocast
             from tether.models import fp32_lm_head
 
@@ -164,13 +167,13 @@ class RankWorker:
                 fp32_lm_head(ref_model)
         model = self._parallelize(model)
         if ref_model is None:
-            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
+            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
         else:
             ref_model.requires_grad_(False)
-            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
+            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
         self.actor = ActorWorker(
             model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt,
+            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp,
         )  # fmt: skip
         self.actor.dp = self.dp
 
@@ -196,6 +199,7 @@ class RankWorker:
         self.critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
             value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+            share_prompt_prefix=cfg.actor.share_prompt_prefix and self.world_size == 1,  # as the actor's (_build_actor)
         )  # fmt: skip
         self.critic.dp = self.dp
 

@@ -218,7 +218,11 @@ class ValueModel(nn.Module):
             raise ConfigError(f"cannot load the critic backbone from {path}: {type(e).__name__}: {first}") from None
         return cls(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, shared=None) -> torch.Tensor:
+        if shared is not None:  # actor.share_prompt_prefix: (prompt_ids, prompt_mask, response_ids, response_mask, groups)
+            from tether.workers.prefix import shared_prefix_values
+
+            return shared_prefix_values(self.backbone, self.value_head, *shared)
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
         )

@@ -25,6 +25,7 @@ from tether.workers.common import (
     pad_to,
     trim,
 )
+from tether.workers.prefix import micro_batch_logprobs
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class ActorUpdateSpec:
 
 
 def _forward_logprobs(
-    model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32"
+    model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32",
+    share_prefix: bool = False,
 ):
     """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch.
 
@@ -61,7 +63,7 @@ def _forward_logprobs(
     and the reference's log-probs, from one reference forward per micro-batch, so that only one
     micro-batch of (b, t, V) logits of each model is alive.
     Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None, ref_logprobs (B, T) or
-    None), nats.
+    None), nats. ``share_prefix``: each distinct prompt of a micro-batch runs once (:mod:`tether.workers.prefix`).
     """
     T = batch.response_ids.shape[1]
     lps, ents, kls, ref_lps = [], [], [], []
@@ -69,14 +71,15 @@ def _forward_logprobs(
         for mb in micro_batches(batch, micro_batch_size):
             ids, mask, t = trim(mb)
             keep = full_kl_ref is not None
-            lp, ent, lg = response_logprobs(
-                model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=keep, compute_dtype=compute_dtype
-            )
+            lp, ent, lg = micro_batch_logprobs(
+                model, mb, ids, mask, t, share_prefix=share_prefix, temperature=temperature, with_entropy=with_entropy, return_logits=keep,
+                compute_dtype=compute_dtype,
+            )  # fmt: skip
             lps.append(pad_to(lp.float(), T))
             if with_entropy:
                 ents.append(pad_to(ent.float(), T))
             if keep:
-                ref_lg = full_kl_ref.logits_for(ids, mask, t).float()
+                ref_lg = full_kl_ref.logits_for(ids, mask, t, mb).float()
                 kls.append(pad_to(kl_full(lg.float(), ref_lg, temperature=temperature), T))
                 ref_lps.append(pad_to(logprobs_from_logits(ref_lg, ids[:, -t:], temperature), T))
     return (
@@ -90,9 +93,13 @@ def _forward_logprobs(
 class ReferenceWorker:
     """The frozen reference π_ref: a separate copy, or the actor's own model with its LoRA adapters disabled."""
 
-    def __init__(self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0, compute_dtype: str = "float32"):
+    def __init__(
+        self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0, compute_dtype: str = "float32",
+        share_prompt_prefix: bool = False,
+    ):  # fmt: skip
         if (model is None) == (adapter_host is None):
             raise ValueError("ReferenceWorker needs exactly one of model or adapter_host")
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix
         self.compute_dtype = compute_dtype
         self.model = model
         self.adapter_host = adapter_host
@@ -114,11 +121,17 @@ class ReferenceWorker:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (B, T), nats."""
         with self._context():
-            return _forward_logprobs(self.module, batch, self.micro_batch_size, self.temperature, False, compute_dtype=self.compute_dtype)[0]
+            return _forward_logprobs(
+                self.module, batch, self.micro_batch_size, self.temperature, False, compute_dtype=self.compute_dtype, share_prefix=self.share_prompt_prefix
+            )[0]  # fmt: skip
 
-    def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
+    def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int, mb: RolloutBatch | None = None) -> torch.Tensor:
+        """The reference's logits (B, t, V) for ``trim(mb)``'s ids and mask (``mb`` for the shared-prompt pass)."""
+        kw = dict(temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)
         with torch.no_grad(), self._context():
-            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
+            if mb is None:
+                return response_logprobs(self.module, ids, mask, t, **kw)[2]
+            return micro_batch_logprobs(self.module, mb, ids, mask, t, share_prefix=self.share_prompt_prefix, **kw)[2]
 
     def reset_to(self, actor_model) -> None:
         """Copy the actor's weights into the reference (ref.reset_every)."""
@@ -132,9 +145,10 @@ class ActorWorker:
 
     def __init__(
         self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float,
-        compute_dtype: str = "float32",
+        compute_dtype: str = "float32", share_prompt_prefix: bool = False,
     ):  # fmt: skip
         self.model = model
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
         self.compute_dtype = compute_dtype
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
@@ -148,7 +162,9 @@ class ActorWorker:
         """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
         ref_logprobs (B, T) from the same reference pass; nats."""
         self.model.eval()
-        return _forward_logprobs(self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref, self.compute_dtype)
+        return _forward_logprobs(
+            self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, self.share_prompt_prefix
+        )
 
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
@@ -232,9 +248,9 @@ class ActorWorker:
         start = 0
         for mb in micro_batches(mini, self.micro_batch_size):
             ids, mask, t = trim(mb)
-            lp, ent, logits = response_logprobs(
-                self.model, ids, mask, t, temperature=self.temperature, with_entropy=with_entropy, return_logits=need_logits,
-                compute_dtype=self.compute_dtype,
+            lp, ent, logits = micro_batch_logprobs(
+                self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix, temperature=self.temperature, with_entropy=with_entropy,
+                return_logits=need_logits, compute_dtype=self.compute_dtype,
             )  # fmt: skip
             rmask = mb.response_mask[:, :t]
             if out is not None:
@@ -255,7 +271,7 @@ class ActorWorker:
             loss = pg_loss
             if spec.kl_loss_coef > 0:
                 if need_logits:
-                    kl = kl_full(logits, ref.logits_for(ids, mask, t), temperature=self.temperature)
+                    kl = kl_full(logits, ref.logits_for(ids, mask, t, mb), temperature=self.temperature)
                 else:
                     kl = kl_penalty(lp, mb.ref_logprobs[:, :t], spec.kl_loss_estimator, log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp)
                 kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)

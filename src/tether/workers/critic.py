@@ -18,13 +18,18 @@ from tether.workers.common import (
     pad_to,
     trim,
 )
+from tether.workers.prefix import micro_batch_values
 
 
 class CriticWorker:
     """Owns the value model and its optimizer."""
 
-    def __init__(self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float, norm_constant: float):
+    def __init__(
+        self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float, norm_constant: float,
+        share_prompt_prefix: bool = False,
+    ):  # fmt: skip
         self.model = model
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
         self.norm_constant = norm_constant  # seq-mean-token-sum-norm divisor (the maximum response length)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
@@ -41,7 +46,7 @@ class CriticWorker:
         with torch.no_grad():
             for mb in micro_batches(batch, self.micro_batch_size):
                 ids, mask, t = trim(mb)
-                out.append(pad_to(self.model(ids, mask, t), T))
+                out.append(pad_to(micro_batch_values(self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix), T))
         return torch.cat(out) * batch.response_mask
 
     def scale_lr(self, factor: float) -> None:
@@ -62,7 +67,7 @@ class CriticWorker:
                 finite = True
                 for mb in micro_batches(mini, self.micro_batch_size):
                     ids, mask, t = trim(mb)
-                    v = self.model(ids, mask, t)
+                    v = micro_batch_values(self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix)
                     rmask = mb.response_mask[:, :t]
                     loss, m = ppo_value_loss(
                         v, mb.values[:, :t], mb.returns[:, :t], rmask, clip_range=self.value_clip, agg_mode=agg_mode,
