@@ -328,3 +328,39 @@ def test_export_a_run_directory_and_a_checkpoint_with_a_damaged_optimizer(traine
     assert "file optim.pt has 16 bytes" in caplog.text and "the actor's files verify" in caplog.text
     assert main(["export", str(run / "config.yaml"), str(tmp_path / "x")]) == 2
     assert "is not a tether checkpoint" in capsys.readouterr().err
+
+
+def test_prune_does_not_count_a_corrupt_checkpoint_and_sets_it_aside(tmp_path, caplog):
+    # the trial's case: step 20 corrupt (sha256), keep_last=1: step 15 must stay, step 20 be moved aside, not deleted
+    for step in (10, 15, 20):
+        write_checkpoint(tmp_path, step, _writers())
+    (tmp_path / "step_000020" / "actor" / "model.safetensors").write_bytes(b"y" * 1000)
+    (tmp_path / "step_000025").mkdir()  # incomplete: no manifest
+    with caplog.at_level("WARNING", logger="tether"):
+        moved = prune_checkpoints(tmp_path, keep_last=1, protect=set())
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [15]
+    assert sorted(p.name for p in moved) == ["corrupt-step_000020", "corrupt-step_000025"]
+    assert (tmp_path / "corrupt-step_000020" / "actor" / "model.safetensors").read_bytes() == b"y" * 1000
+    assert "step_000020: file actor/model.safetensors fails its sha256 check" in caplog.text
+    assert latest_valid_checkpoint(tmp_path) == tmp_path / "step_000015"
+    write_checkpoint(tmp_path, 20, _writers())
+    (tmp_path / "step_000020" / "optim.pt").write_bytes(b"z")
+    assert [p.name for p in prune_checkpoints(tmp_path, keep_last=1, protect=set())] == ["corrupt-step_000020-1"]
+
+
+def test_prune_cache_hashes_a_checkpoint_once_and_sees_a_rewrite(tmp_path, monkeypatch):
+    import tether.trainer.checkpoint as ck
+
+    verified: dict = {}
+    for step in (1, 2):
+        write_checkpoint(tmp_path, step, _writers(), verified)
+    calls = []
+    real = ck.verify_checkpoint
+    monkeypatch.setattr(ck, "verify_checkpoint", lambda p, **kw: calls.append(p.name) or real(p, **kw))
+    assert prune_checkpoints(tmp_path, keep_last=2, protect=set(), verified=verified) == []
+    assert calls == []  # both entered by write_checkpoint: not hashed again
+    p = tmp_path / "step_000002" / "optim.pt"
+    p.write_bytes(b"q" * p.stat().st_size)  # same size, new mtime
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
+    assert [m.name for m in prune_checkpoints(tmp_path, keep_last=2, protect=set(), verified=verified)] == ["corrupt-step_000002"]
+    assert calls == ["step_000002"]

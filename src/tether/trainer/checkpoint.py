@@ -116,12 +116,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def write_checkpoint(ckpt_root: Path, step: int, writers: dict) -> Path:
+def write_checkpoint(ckpt_root: Path, step: int, writers: dict, verified: dict | None = None) -> Path:
     """Write a checkpoint atomically.
 
     Args:
         ckpt_root: ``<output_dir>/checkpoints``.
         writers: name -> callable(tmp_dir) that writes that part into the temporary directory.
+        verified: :func:`prune_checkpoints`' cache; the new checkpoint is entered in it (its files
+            were just hashed for the manifest).
     Returns:
         The final directory. Any earlier checkpoint of the same step is replaced.
     """
@@ -155,6 +157,8 @@ def write_checkpoint(ckpt_root: Path, step: int, writers: dict) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
+    if verified is not None:
+        verified[str(final)] = _file_stats(final)
     return final
 
 
@@ -229,14 +233,68 @@ def latest_valid_checkpoint(ckpt_root: Path, errors: list[str] | None = None, on
     return None
 
 
-def prune_checkpoints(ckpt_root: Path, keep_last: int, protect: set[int]) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints and the protected steps (best, stable)."""
-    ckpts = list_checkpoints(ckpt_root)
-    for i, (step, p) in enumerate(ckpts):
-        if i >= keep_last and step not in protect:
+def prune_checkpoints(ckpt_root: Path, keep_last: int, protect: set[int], verified: dict | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints and the protected steps (best, stable).
+
+    Only checkpoints that verify (:func:`verify_checkpoint`) count toward ``keep_last``, so a corrupt
+    or incomplete newer one never pushes a valid one out. Such a checkpoint is not deleted either: it
+    is renamed ``corrupt-step_N`` (out of resume's and pruning's way, kept for inspection) with a
+    warning naming the damaged file. Leftover ``.tmp-`` directories are deleted.
+
+    Args:
+        verified: a cache, kept by the caller across saves, of the checkpoints that verified
+            (path -> the sizes and mtimes of their files then), so each one is hashed once rather
+            than at every save; None verifies every checkpoint each time.
+
+    Returns:
+        The paths the corrupt or incomplete checkpoints were moved to.
+    """
+    moved, kept = [], 0
+    for step, p in list_checkpoints(ckpt_root):
+        if not _verifies(p, verified):
+            moved.append(_set_aside(p))
+            continue
+        if kept >= keep_last and step not in protect:
             shutil.rmtree(p, ignore_errors=True)
+            if verified is not None:
+                verified.pop(str(p), None)
+            continue
+        kept += 1
     for p in ckpt_root.glob(".tmp-step_*"):
         shutil.rmtree(p, ignore_errors=True)
+    return moved
+
+
+def _file_stats(path: Path) -> tuple:
+    return tuple(sorted((q.relative_to(path).as_posix(), q.stat().st_size, q.stat().st_mtime_ns) for q in path.rglob("*") if q.is_file()))
+
+
+def _verifies(path: Path, verified: dict | None) -> bool:
+    """Whether ``path`` verifies; a checkpoint whose files are as they were when it last verified is
+    not hashed again (``verified``: see :func:`prune_checkpoints`)."""
+    if verified is not None and verified.get(str(path)) == _file_stats(path):
+        return True
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as e:
+        log.warning("checkpoint pruning: %s", e)
+        return False
+    if verified is not None:
+        verified[str(path)] = _file_stats(path)
+    return True
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a checkpoint that fails verification to ``corrupt-step_N`` (``-1``, ``-2``, ... if taken)."""
+    target = path.with_name(f"corrupt-{path.name}")
+    i = 0
+    while target.exists():
+        i += 1
+        target = path.with_name(f"corrupt-{path.name}-{i}")
+    os.replace(path, target)
+    log.warning("checkpoint pruning: %s fails verification; moved it to %s (not counted toward trainer.keep_last, "
+                "never resumed from; delete it once inspected)", path, target.name)
+    return target
 
 
 def save_torch(obj, path: Path) -> None:

@@ -69,6 +69,7 @@ class CheckpointManager:
         self._diagnostics_state: dict | None = None
         self._step_record: dict | None = None
         self.last_saved_step: int | None = None
+        self._verified: dict = {}  # checkpoints that verified, for pruning (prune_checkpoints)
 
     # -------------------------------------------------------------- saving
     def maybe_save(self, step: int, last_val: dict, metrics: dict | None = None, *, force: bool = False, diagnostics=None) -> Path | None:
@@ -146,9 +147,9 @@ class CheckpointManager:
         writers = {"weights": weights, "optim": optim, "state": trainer_state}
         if self.async_rollout is not None:  # rollout.async_steps=1: the batch generated for the next step
             writers["pending"] = self.async_rollout.save
-        path = write_checkpoint(self.root, step, writers)
+        path = write_checkpoint(self.root, step, writers, self._verified)
         self.step = self.last_saved_step = step
-        prune_checkpoints(self.root, self.cfg.trainer.keep_last, self.protected())
+        prune_checkpoints(self.root, self.cfg.trainer.keep_last, self.protected(), self._verified)
         return path
 
     def protected(self) -> set[int]:
