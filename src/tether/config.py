@@ -306,7 +306,7 @@ class TrainerConfig(_Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept besides the best by validation score.")
     output_dir: str = Field("runs/{time}", description="Run directory; '{time}' is replaced by a timestamp.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
-    resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off, or a checkpoint path.")
+    resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off (a fresh start; refused on an output_dir that holds an earlier run), or a checkpoint path.")
     val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
     val_n: int = Field(4, ge=1, description="Samples per validation prompt: mean@n, pass@k and maj@k for k = 1, 2, 4, ... <= n.")
     val_max_prompts: int | None = Field(

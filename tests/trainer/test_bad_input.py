@@ -216,3 +216,37 @@ def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(small_cfg, tmp_path)
                  + json.dumps({"prompt": "3,1x=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,1"}}) + "\n")
     with pytest.raises(ConfigError, match=r"data.train_files: line 2 \('3,1x='\) cannot be tokenized"):
         Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))
+
+
+def test_resume_off_on_an_earlier_run_is_refused_before_anything_changes(small_cfg, tmp_path, monkeypatch):
+    # the trial: resume=off rewrote metrics.jsonl but left step_000020, which a later auto resume picked
+    import tether.trainer.trainer as trainer_module
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000020").mkdir(parents=True)
+    (run / "config.yaml").write_text("kl:\n  coef: 0.05\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    monkeypatch.setattr(trainer_module, "build_roles", lambda cfg: pytest.fail("models loaded before the refusal"))
+    with pytest.raises(ConfigError, match=r"^trainer.resume=off: trainer.output_dir='.*run' holds an earlier run \(1 checkpoint\(s\) "
+                       r"\(step_000020\) and metrics.jsonl with 2 line\(s\)\); a fresh start would mix with it\. Choose a new "
+                       r"trainer.output_dir, delete '.*run' to start over there, or continue it with trainer.resume=auto$"):
+        Trainer(small_cfg("trainer.resume=off", out=run))
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (run / "config.yaml").read_text() == "kl:\n  coef: 0.05\n"
+    (run / "checkpoints" / "step_000020").rmdir()
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(metrics.jsonl with 2 line\(s\)\)"):
+        Trainer(small_cfg("trainer.resume=off", out=run))
+
+
+def test_resume_off_on_a_run_dir_without_checkpoints_or_metrics_starts(tmp_path):
+    from tether.trainer.state import check_fresh_start
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp-step_000002").mkdir(parents=True)  # an interrupted first write only
+    (run / "config.yaml").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("\n")
+    check_fresh_start(run, "off")
+    (run / "checkpoints" / "step_000002").mkdir()
+    check_fresh_start(run, "auto")  # auto resumes it: nothing to refuse
+    with pytest.raises(ConfigError, match=r"1 checkpoint\(s\) \(step_000002\)"):
+        check_fresh_start(run, "off")

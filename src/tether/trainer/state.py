@@ -35,6 +35,36 @@ RESUME_FREE_KEYS = {
 }  # fmt: skip
 
 
+def check_fresh_start(run_dir: Path, resume: str) -> None:
+    """``trainer.resume=off`` on a run directory that holds an earlier run is refused, before any
+    model loads: a fresh start there would rewrite its metrics.jsonl yet leave its checkpoints, which
+    a later ``auto`` resume would pick (steps 0, 1, then 20, 21, ... in one metrics.jsonl). As the
+    Hugging Face Trainer (and so TRL) refused a non-empty output_dir without ``--overwrite_output_dir``,
+    nothing is deleted or moved: the user chooses.
+
+    Raises:
+        ConfigError: one line naming the directory, what it holds, and the ways out.
+    """
+    from tether.config import ConfigError
+
+    if resume != "off":
+        return
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    ckpts = sorted(p.name for p in root.iterdir() if p.is_dir() and "step_" in p.name and not p.name.startswith(".")) if root.is_dir() else []
+    metrics = run_dir / "metrics.jsonl"
+    lines = sum(1 for x in metrics.read_text(errors="replace").splitlines() if x.strip()) if metrics.is_file() else 0
+    if not ckpts and not lines:
+        return
+    held = [f"{len(ckpts)} checkpoint(s) ({', '.join(ckpts[-3:])})"] if ckpts else []
+    held += [f"metrics.jsonl with {lines} line(s)"] if lines else []
+    raise ConfigError(
+        f"trainer.resume=off: trainer.output_dir={str(run_dir)!r} holds an earlier run ({' and '.join(held)}); a fresh start "
+        f"would mix with it. Choose a new trainer.output_dir, delete {str(run_dir)!r} to start over there, or continue it "
+        "with trainer.resume=auto"
+    )
+
+
 class CheckpointManager:
     """Saves and restores every bit of a trainer's state.
 
@@ -181,7 +211,7 @@ class CheckpointManager:
                 if errors:
                     raise CheckpointError(
                         f"trainer.resume=auto: no complete checkpoint in {self.root}: " + "; ".join(errors)
-                        + " (set trainer.resume=off to start over, or a path to resume from)"
+                        + " (choose a new trainer.output_dir, or delete this one, to start over; or set trainer.resume to a checkpoint path)"
                     )
                 self._clear_metrics()
                 return None

@@ -122,6 +122,9 @@ class Trainer:
             torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         self.run_dir, claimed = claim_run_dir(run_dir, cfg.trainer.output_dir)
+        from tether.trainer.state import check_fresh_start
+
+        check_fresh_start(self.run_dir, cfg.trainer.resume)  # resume=off on an earlier run: refused before models load
         try:
             self._setup(cfg)
         except BaseException:
