@@ -188,3 +188,32 @@ def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path
     assert cfg.reward.function == "cfgdir/rw.py:f" and cfg.data.train_files == "cfgdir/t.jsonl"
     # the same value as an override is taken from the current directory without a check (it is the command line)
     assert load_config("cfgdir/e.yaml", ["data.train_files=missing.jsonl"]).data.train_files == "missing.jsonl"
+
+
+def test_saved_config_holds_absolute_local_paths(tmp_path, monkeypatch):
+    # the trial: config.yaml kept actor.model: T/qwen, so `tether eval RUN` from another directory failed
+    import yaml
+
+    from tether.config import config_to_yaml
+
+    work = tmp_path / "work"
+    (work / "T" / "qwen").mkdir(parents=True)
+    (work / "T" / "d.jsonl").write_text("")
+    (work / "r.py").write_text("")
+    monkeypatch.chdir(work)
+    cfg = load_config(None, ["actor.model=T/qwen", "ref.model=T/qwen", "data.train_files=T/d.jsonl", "data.val_files=./T/missing.jsonl",
+                             "reward.function=r.py:score", "critic.model=T/../T/qwen"])
+    saved = yaml.safe_load(config_to_yaml(cfg))
+    q = str(work / "T" / "qwen")
+    assert (saved["actor"]["model"], saved["ref"]["model"], saved["critic"]["model"]) == (q, q, q)
+    assert saved["data"]["train_files"] == str(work / "T" / "d.jsonl")
+    assert saved["reward"]["function"] == f"{work / 'r.py'}:score"
+    assert saved["data"]["val_files"] == "./T/missing.jsonl"  # names nothing here: kept as written
+    assert cfg.actor.model == "T/qwen"  # the config itself is unchanged
+    module = yaml.safe_load(config_to_yaml(load_config(None, ["reward.function=tether.tasks.digitsum:compute_score"])))
+    assert module["reward"]["function"] == "tether.tasks.digitsum:compute_score" and module["actor"]["model"] == "embedded"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(config_to_yaml(cfg))
+    monkeypatch.chdir(tmp_path)  # another directory: the saved config still names the same files
+    again = load_config(tmp_path / "run" / "config.yaml")
+    assert (again.actor.model, again.data.train_files) == (q, str(work / "T" / "d.jsonl"))

@@ -11,8 +11,10 @@ The right-hand side is parsed as YAML, so numbers, booleans, lists and ``null`` 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -605,8 +607,27 @@ def _check_file_relative_paths(tree: dict, config_path: Path) -> None:
                               f"on the command line: write {fixed!r} or an absolute path")
 
 
+def resolve_local_paths(tree: dict) -> dict:
+    """A copy of a config mapping whose relative local paths (:data:`PATH_KEYS`: model directories,
+    data files, the file of ``reward.function``) are absolute, taken from the current directory as
+    when the run loaded them. Values that name nothing here (``embedded``, a ``module:name``
+    reward, a path that does not exist) are kept as written."""
+    out = copy.deepcopy(tree)
+    for key in PATH_KEYS:
+        section, _, name = key.partition(".")
+        value = out.get(section, {}).get(name) if isinstance(out.get(section), dict) else None
+        part = _path_part(key, value) if isinstance(value, str) else None
+        if not part or not Path(part).expanduser().exists():
+            continue
+        full = os.path.abspath(Path(part).expanduser())
+        out[section][name] = full + value[len(part):] if value.startswith(part) else full
+    return out
+
+
 def config_to_yaml(cfg: TetherConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    """The run's ``config.yaml``: every key, local paths made absolute (:func:`resolve_local_paths`),
+    so ``tether eval RUN`` or a resume works from any directory."""
+    return yaml.safe_dump(resolve_local_paths(cfg.to_dict()), sort_keys=False)
 
 
 def _choices(annotation) -> list:
