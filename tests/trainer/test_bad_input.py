@@ -250,3 +250,36 @@ def test_resume_off_on_a_run_dir_without_checkpoints_or_metrics_starts(tmp_path)
     check_fresh_start(run, "auto")  # auto resumes it: nothing to refuse
     with pytest.raises(ConfigError, match=r"1 checkpoint\(s\) \(step_000002\)"):
         check_fresh_start(run, "off")
+
+
+def test_resuming_a_run_of_another_model_is_one_line(small_cfg, tmp_path):
+    # the trial: a size-mismatch dump of the state_dict; the config diff names the cause
+    from tether.tasks.sft import build_reference
+    from tether.trainer.checkpoint import CheckpointError
+
+    narrow = build_reference(tmp_path / "narrow", steps=1, batch_size=4, model_config={"hidden_size": 32, "intermediate_size": 64})
+    run = tmp_path / "run"
+    Trainer(small_cfg(out=run)).ckpt.save(1, {})
+    with pytest.raises(CheckpointError) as e:
+        Trainer(small_cfg(f"actor.model={narrow}", out=run))
+    assert str(e.value) == (f"trainer.output_dir={str(run)!r} holds a run of actor.model='embedded' (step_000001), not "
+                            f"actor.model={str(narrow)!r}: its weights do not fit this model; choose a new trainer.output_dir")
+    with pytest.raises(CheckpointError, match=r"^trainer.resume='.*step_000001' is a checkpoint of a run of actor.model='embedded', not "
+                       r"actor.model='.*narrow': its weights do not fit this model; choose a new trainer.output_dir or a checkpoint of this model$"):
+        Trainer(small_cfg(f"actor.model={narrow}", f"trainer.resume={run / 'checkpoints' / 'step_000001'}", out=tmp_path / "other"))
+
+
+def test_config_diff_on_resume_compares_local_paths_absolute(tmp_path, monkeypatch, caplog):
+    from tether.config import load_config
+    from tether.trainer.state import CheckpointManager
+
+    (tmp_path / "T" / "qwen").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    m = CheckpointManager.__new__(CheckpointManager)
+    m.cfg = load_config(None, [f"actor.model={tmp_path / 'T' / 'qwen'}"])  # e.g. resumed with the run's config.yaml
+    saved = load_config(None, ["actor.model=T/qwen"]).to_dict()  # a checkpoint of a start with the relative path
+    with caplog.at_level("WARNING", logger="tether"):
+        assert m._warn_config_changes(saved, tmp_path / "step_000001") == {}
+        assert m._warn_config_changes(load_config(None, ["kl.coef=0.2"]).to_dict(), tmp_path / "step_000001") == {
+            "actor.model": ("embedded", str(tmp_path / "T" / "qwen")), "kl.coef": (0.2, 0.05)}
+    assert caplog.text.count("resume: the config differs") == 1

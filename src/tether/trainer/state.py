@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from tether.config import resolve_local_paths
 from tether.trainer.checkpoint import (
     CheckpointError,
     latest_valid_checkpoint,
@@ -33,6 +34,9 @@ RESUME_FREE_KEYS = {
     "trainer.total_steps", "trainer.resume", "trainer.output_dir", "trainer.progress", "trainer.report", "trainer.loggers",
     "trainer.threads", "trainer.device", "trainer.project", "reward.timeout_s",
 }  # fmt: skip
+
+#: Config keys naming a model whose weights a checkpoint holds: a change there explains weights that do not fit.
+MODEL_KEYS = ("actor.model", "critic.model", "ref.model")
 
 
 def check_fresh_start(run_dir: Path, resume: str) -> None:
@@ -169,7 +173,7 @@ class CheckpointManager:
                     "stopped": final,
                     "diagnostics": None if diag is None else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
                     "metrics": None if metrics is None else _clean(metrics),
-                    "config": self.cfg.to_dict(),
+                    "config": resolve_local_paths(self.cfg.to_dict()),
                 },
                 d / "trainer_state.json",
             )
@@ -311,8 +315,18 @@ class CheckpointManager:
         """
         path = Path(path)
         state = read_json(path / "trainer_state.json")
-        self._warn_config_changes(state.get("config"), path)
-        self._load_weights(path)
+        changed = self._warn_config_changes(state.get("config"), path)
+        try:
+            self._load_weights(path)
+        except CheckpointError as e:
+            model = next((k for k in MODEL_KEYS if k in changed), None)
+            if model is None:
+                raise
+            old, new = changed[model]
+            where = (f"trainer.output_dir={str(self.run_dir)!r} holds a run of {model}={old!r} ({path.name})" if path.parent == self.root
+                     else f"trainer.resume={str(path)!r} is a checkpoint of a run of {model}={old!r}")
+            raise CheckpointError(f"{where}, not {model}={new!r}: its weights do not fit this model; choose a new trainer.output_dir"
+                                  + ("" if path.parent == self.root else " or a checkpoint of this model")) from e
         self.step = int(state["step"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["data"])
@@ -375,14 +389,17 @@ class CheckpointManager:
             log.info("starting from step 0: clearing the %d bytes of %s left by an earlier start", path.stat().st_size, path)
             path.write_text("")
 
-    def _warn_config_changes(self, saved: dict | None, path: Path) -> None:
+    def _warn_config_changes(self, saved: dict | None, path: Path) -> dict:
+        """Warn about the keys (outside :data:`RESUME_FREE_KEYS`) whose value differs from the
+        checkpoint's config, local paths compared absolute; returns them, key -> (old, new)."""
         if not saved:
-            return
-        old, new = _flatten(saved), _flatten(self.cfg.to_dict())
-        changed = [k for k in sorted(set(old) | set(new)) if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)]
+            return {}
+        old, new = _flatten(resolve_local_paths(saved)), _flatten(resolve_local_paths(self.cfg.to_dict()))
+        changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)}
         if changed:
-            shown = ", ".join(f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in changed[:8])
+            shown = ", ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in list(changed.items())[:8])
             log.warning("resume: the config differs from checkpoint %s's (%s); the run will not match an uninterrupted one", path.name, shown)
+        return changed
 
     def restore_weights(self, step: int) -> None:
         """Rollback: weights and optimizer moments of checkpoint ``step``; the data position, RNG,
