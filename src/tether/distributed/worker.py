@@ -139,6 +139,7 @@ class RankWorker:
 
         cfg = self.cfg
         temp, mbs = cfg.rollout.temperature, cfg.actor.micro_batch_size
+        packing = {"max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free}
         actor_path = resolve_model_path(cfg.actor.model, "actor.model")
         model = self._load_lm(actor_path)
         if cfg.actor.lora.rank > 0:
@@ -161,15 +162,15 @@ class RankWorker:
                 fp32_lm_head(ref_model)
         model = self._parallelize(model)
         if ref_model is None:
-            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
+            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
         else:
             ref_model.requires_grad_(False)
-            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt)
+            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
         self.actor = ActorWorker(
             model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt,
+            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing,
         )  # fmt: skip
-        self.actor.dp = self.dp
+        self.actor.dp = self.ref.dp = self.dp  # equal micro-batch counts on every rank (token budgets)
 
     def _build_critic(self) -> None:
         from tether.models import ValueModel, resolve_model_path
@@ -193,6 +194,7 @@ class RankWorker:
         self.critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
             value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+            max_tokens_per_micro_batch=cfg.critic.max_tokens_per_micro_batch, padding_free=cfg.critic.padding_free,
         )  # fmt: skip
         self.critic.dp = self.dp
 
