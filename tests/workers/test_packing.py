@@ -67,8 +67,15 @@ def _actor(model, micro: MicroBatching) -> ActorWorker:
 # ----------------------------------------------------------------------------------------- planning
 def test_token_budget_groups_by_hand():
     b = _batch()  # valid tokens per row: 9, 9, 2, 4, 4, 9 -> sorted: rows 0, 1, 5 (9), 3, 4 (4), 2 (2)
-    # padding-free, budget 18: {0, 1} (18), {5, 3, 4} (17; + row 2 would be 19), {2}
-    assert token_budget_groups(b, 18, padding_free=True) == [[0, 1], [5, 3, 4], [2]]
+    # padding-free, budget 18: 37 tokens -> k = 3 micro-batches, each row to the least-loaded: 0, 1, 5 open them (9 each),
+    # 3 -> the first (13), 4 -> the second (13), 2 -> the third (11)
+    assert token_budget_groups(b, 18, padding_free=True) == [[0, 3], [1, 4], [5, 2]]
+    # budget 12: k = 4: 0, 1, 5, 3 (9, 9, 9, 4); 4 -> the fourth (8); 2 -> the fourth (10)
+    assert token_budget_groups(b, 12, padding_free=True) == [[0], [1], [5], [3, 4, 2]]
+    # budget 10: the same (the fourth: 4 + 4 + 2 = 10 fits exactly)
+    assert token_budget_groups(b, 10, padding_free=True) == [[0], [1], [5], [3, 4, 2]]
+    # budget 9: k = 5: 0, 1, 5, 3, 4 open them, row 2 -> the fourth (4 + 2 = 6)
+    assert token_budget_groups(b, 9, padding_free=True) == [[0], [1], [5], [3, 2], [4]]
     # padded, budget 30: rows x (longest prompt + longest response): [0, 1] 2*(7+6) = 26, [0, 1, 5] 3*13 = 39 > 30;
     # [5, 3, 4] 3*(4+5) = 27, [5, 3, 4, 2] 4*9 = 36 > 30; [2]
     assert token_budget_groups(b, 30, padding_free=False) == [[0, 1], [5, 3, 4], [2]]

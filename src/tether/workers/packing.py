@@ -7,7 +7,8 @@ Two independent choices (``actor.*`` / ``critic.*`` keys of the same names):
   micro-batches whose cost stays within the budget; the row count ``micro_batch_size`` is then not
   used. The cost of a micro-batch is what its forward processes: rows × (longest prompt + longest
   response) in the padded layout (leading all-padding prompt columns are trimmed too), the sum of
-  valid tokens in the padding-free one. A row longer than the budget runs alone. Results are
+  valid tokens in the padding-free one (see :func:`token_budget_groups` for the grouping). A row
+  longer than the budget runs alone. Results are
   scattered back to the rows' original order. The loss is unchanged by any split, because
   ``agg_loss`` divides by the whole mini-batch's token and sequence counts.
 * ``padding_free`` (verl's ``use_remove_padding``): the valid tokens of the micro-batch's
@@ -82,33 +83,54 @@ class MicroBatching:
 def token_budget_groups(batch: RolloutBatch, max_tokens: int, *, padding_free: bool) -> list[list[int]]:
     """Row indices of micro-batches within ``max_tokens`` each (verl's dynamic batch size).
 
-    Rows in decreasing order of valid tokens (ties: lower index first) are added to the current
-    micro-batch while its cost stays within the budget: the sum of valid tokens (padding-free) or
-    rows × (longest prompt + longest response) (padded). A row over the budget on its own runs alone.
-    Deterministic; indices within a micro-batch are in that sorted order.
+    Padded layout: rows in decreasing order of valid tokens (prompt + response; ties: lower index
+    first) join the current micro-batch while rows × (longest prompt + longest response) stays
+    within the budget, so rows of similar length share a micro-batch and little is padding.
+    Padding-free: the fewest k >= ceil(valid tokens / budget) micro-batches that the rows, in that
+    order, each put into the least-loaded one (Graham's LPT; ties: the lower one), fit within the
+    budget; each micro-batch gets long and short rows alike, which pack densely into rows.
+    A row over the budget on its own runs alone. Deterministic; indices within a micro-batch are
+    in the sorted order.
+
+    Raises:
+        ValueError: ``max_tokens`` < 1.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens_per_micro_batch must be >= 1 token, got {max_tokens}")
     plen = batch.prompt_mask.sum(-1).tolist()
     rlen = batch.response_mask.sum(-1).tolist()
-    order = sorted(range(len(batch)), key=lambda i: (-(plen[i] + rlen[i]), i))
+    tokens = [p + r for p, r in zip(plen, rlen, strict=True)]
+    order = sorted(range(len(batch)), key=lambda i: (-tokens[i], i))
+    if padding_free:
+        return _balanced_groups(order, tokens, max_tokens)
     groups: list[list[int]] = []
     cur: list[int] = []
-    used = max_p = max_r = 0
+    max_p = max_r = 0
     for i in order:
-        if padding_free:
-            cost = used + plen[i] + rlen[i]
-        else:
-            cost = (len(cur) + 1) * (max(max_p, plen[i]) + max(max_r, rlen[i]))
+        cost = (len(cur) + 1) * (max(max_p, plen[i]) + max(max_r, rlen[i]))
         if cur and cost > max_tokens:
             groups.append(cur)
-            cur, used, max_p, max_r = [], 0, 0, 0
+            cur, max_p, max_r = [], 0, 0
         cur.append(i)
-        used += plen[i] + rlen[i]
         max_p, max_r = max(max_p, plen[i]), max(max_r, rlen[i])
     if cur:
         groups.append(cur)
     return groups
+
+
+def _balanced_groups(order: list[int], tokens: list[int], max_tokens: int) -> list[list[int]]:
+    k = max(1, -(-sum(tokens) // max_tokens))
+    while True:
+        loads, groups = [0] * k, [[] for _ in range(k)]
+        for i in order:
+            g = min(range(k), key=lambda g: (loads[g], g))
+            if loads[g] and loads[g] + tokens[i] > max_tokens:
+                break
+            groups[g].append(i)
+            loads[g] += tokens[i]
+        else:
+            return [g for g in groups if g]
+        k += 1
 
 
 def empty_micro_batch(batch: RolloutBatch) -> RolloutBatch:
