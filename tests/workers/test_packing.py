@@ -292,3 +292,17 @@ def test_critic_values_and_update_equal_padded(micro):
         assert out[1][k] == pytest.approx(out[0][k], abs=1e-5), k
     for (n, _), g0, g1 in zip(base.model.named_parameters(), *grads, strict=True):
         assert float((g0 - g1).abs().max()) <= 1e-5, n
+
+
+def test_padding_free_refuses_custom_model_code():
+    class Custom(torch.nn.Module):  # defined here, not in transformers.models: its masks are unknown
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, **kw):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match=r"actor.padding_free=true supports Hugging Face's own model classes only \(.*Custom"):
+        _actor(Custom(), MicroBatching(4, padding_free=True))
+    _actor(Custom(), MicroBatching(4))  # the padded path takes any model

@@ -21,7 +21,7 @@ from tether.workers.common import (
     mini_batches,
     optimizer_step,
 )
-from tether.workers.packing import MicroBatching
+from tether.workers.packing import MicroBatching, check_padding_free
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,8 @@ class ActorWorker:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free)  # actor.max_tokens_per_micro_batch, actor.padding_free
+        if padding_free:
+            check_padding_free(model, "actor.padding_free")
         self.temperature = temperature
         self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel
         params = [p for p in model.parameters() if p.requires_grad]

@@ -15,7 +15,7 @@ from tether.workers.common import (
     mini_batches,
     optimizer_step,
 )
-from tether.workers.packing import MicroBatching
+from tether.workers.packing import MicroBatching, check_padding_free
 
 
 class CriticWorker:
@@ -30,6 +30,8 @@ class CriticWorker:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free)  # critic.max_tokens_per_micro_batch, critic.padding_free
+        if padding_free:
+            check_padding_free(model, "critic.padding_free")
         self.value_clip = value_clip
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         self.scheduler = None

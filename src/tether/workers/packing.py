@@ -80,6 +80,30 @@ class MicroBatching:
         return PaddedLayout.of(mb)
 
 
+def check_padding_free(model, key: str = "actor.padding_free") -> None:
+    """Refuse a model whose forward would let packed sequences attend to each other.
+
+    Packing relies on Hugging Face's own model code building the mask from restarting position ids
+    (``transformers.masking_utils.find_packed_sequence_indices``, transformers >= 4.56); custom
+    (remote) model code or an older transformers gives no such guarantee.
+
+    Raises:
+        ValueError: names ``key``, the model class and what is missing.
+    """
+    import transformers.masking_utils as masking_utils
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(base, "backbone", base)  # the critic's ValueModel
+    cls = type(base)
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        raise ValueError(f"{key}=true needs transformers >= 4.56 (packed-sequence masks); this one has none; set {key}=false")
+    if not cls.__module__.startswith("transformers.models."):
+        raise ValueError(
+            f"{key}=true supports Hugging Face's own model classes only ({cls.__module__}.{cls.__name__} is custom code, which may let "
+            f"packed sequences attend to each other); set {key}=false"
+        )
+
+
 def token_budget_groups(batch: RolloutBatch, max_tokens: int, *, padding_free: bool) -> list[list[int]]:
     """Row indices of micro-batches within ``max_tokens`` each (verl's dynamic batch size).
 
