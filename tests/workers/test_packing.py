@@ -306,3 +306,23 @@ def test_padding_free_refuses_custom_model_code():
     with pytest.raises(ValueError, match=r"actor.padding_free=true supports Hugging Face's own model classes only \(.*Custom"):
         _actor(Custom(), MicroBatching(4, padding_free=True))
     _actor(Custom(), MicroBatching(4))  # the padded path takes any model
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_sequences_do_not_attend_to_each_other(attn):
+    model, b = _lm(attn=attn), _batch()
+    lay = PackedLayout.of(b)
+    row_of = {}  # which packed row holds each batch row: from the kept positions' targets
+    for r in range(lay.input_ids.shape[0]):
+        for flat in lay.targets[lay.keep[: r + 1].sum() - lay.keep[r].sum() : lay.keep[: r + 1].sum()].tolist():
+            row_of[flat // lay.t] = r
+    shared = [i for i in row_of if sum(row_of[j] == row_of[i] for j in row_of) > 1]
+    assert len(shared) >= 2  # rows 3 and 4 share a packed row
+    victim, other = shared[0], next(j for j in shared[1:] if row_of[j] == row_of[shared[0]])
+    changed = _batch()
+    changed.prompt_ids[victim] = (changed.prompt_ids[victim] * 7 + 3) % V * changed.prompt_mask[victim]
+    changed.response_ids[victim] = (changed.response_ids[victim] * 5 + 1) % V * changed.response_mask[victim]
+    actor = _actor(model, MicroBatching(64, padding_free=True))
+    before, after = actor.compute_logprobs(b)[0], actor.compute_logprobs(changed)[0]
+    assert torch.equal(before[other], after[other])  # bit-identical: nothing of the victim reaches it
+    assert not torch.equal(before[victim], after[victim])
