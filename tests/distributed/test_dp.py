@@ -51,6 +51,24 @@ def _batch(mask):
     )  # fmt: skip
 
 
+def test_shard_rows_name_each_ranks_real_rows_in_shard_order():
+    """DataParallel.shard_rows: where the update's own log-probs of a shard's rows go back in the
+    mini-batch (actor.reuse_update_logprobs); the partition of the 5 rows above, padding excluded."""
+    from tether.distributed import DataParallel
+    from tether.workers.common import LocalDataParallel
+
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
+    batch = _batch(mask)
+    batch.response_ids = torch.arange(15).view(5, 3)
+    # tokens 5, 3, 3, 3, 4 (2 prompt + response), LPT: 0 -> r0, 4 -> r1, 1 -> r1 (4 < 5), 2 -> r0 (5 < 7), 3 -> r1 (7 < 8)
+    assert [DataParallel(r, 2).shard_rows(batch) for r in (0, 1)] == [[0, 2], [1, 3, 4]]
+    for r in (0, 1):
+        dp = DataParallel(r, 2)
+        shard, rows = dp.shard(batch), dp.shard_rows(batch)
+        assert torch.equal(shard.response_ids[: len(rows)], batch.response_ids[rows]) and real_rows(shard) == len(rows)
+    assert LocalDataParallel().shard_rows(batch) == [0, 1, 2, 3, 4]
+
+
 def test_loss_counts_skip_padding_and_reduce_sums(tmp_path):
     """World size 1 (gloo, in this process): padding rows add neither tokens nor sequences; metrics
     are summed over ranks (each rank's value is its share of the global one)."""
@@ -68,6 +86,8 @@ def test_loss_counts_skip_padding_and_reduce_sums(tmp_path):
         assert dp.loss_counts(shard) == (3.0, 2.0)  # padding adds nothing
         assert dp.reduce({"a": 1.5}, False) == ({"a": 1.5}, False)
         assert len(dp.shard(_batch(mask))) == 3
+        x = torch.tensor([[0.0, -1.5], [-0.25, 0.0]])
+        assert torch.equal(dp.merge_rows(x), x) and dp.merge_rows(x) is not x
     finally:
         dist.destroy_process_group()
 
@@ -105,5 +125,4 @@ def test_ray_keys_in_help_and_validated():
     assert load_config(None, ["trainer.backend=ray", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.n_workers=16"]).trainer.n_workers == 16
     with pytest.raises(ConfigError, match="trainer.placement"):
         load_config(None, ["trainer.placement=spread"])
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"])
+    assert load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"]).rollout.vllm.replicas == 1  # vLLM replicas as Ray actors

@@ -65,6 +65,8 @@ EQUAL_CASES = {
     "gae-split-ref-reset": ["algo.adv_estimator=gae", "trainer.placement=split", "ref.reset_every=2", "trainer.val_freq=0"],
     "lora": ["actor.lora.rank=4"],
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
+    # the driver generates the next batch (and its behaviour log-probs) while the workers train
+    "async": ["rollout.async_steps=1"],
 }
 
 
@@ -85,18 +87,53 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
         assert remote.roles.ref.local is None and not hasattr(remote.roles.critic, "model")
 
 
+#: one epoch, one mini-batch of all 16 responses, KL in the loss: the update's own forward gives old_logprobs
+REUSE = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05"]
+
+
+def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path):
+    """actor.reuse_update_logprobs under trainer.backend=ray: each rank's update measures the old
+    log-probs and entropy of its own rows (micro-batches of 3, so the shards are padded), the driver
+    gets them back in the batch's order, and every non-timing metric (kl/*, policy/entropy,
+    exact/*) is within 1e-5 of the local run, which reuses them too; neither runs the actor's no-grad pass."""
+    runs = {}
+    for name, extra in {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}.items():
+        t = Trainer(_cfg(tmp_path / name, *REUSE, *extra))
+        calls = []
+        orig = t.roles.actor.compute_logprobs
+        t.roles.actor.compute_logprobs = lambda *a, _orig=orig, _calls=calls, **k: _calls.append(1) or _orig(*a, **k)
+        t.fit()
+        runs[name] = (t, calls)
+    assert runs["local"][1] == [] and runs["ray"][1] == []  # the old log-probs came from the update on both
+    local, ray_run = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
+    _compare(local, ray_run)
+    steps = [r for r in ray_run if r["step"] > 0]
+    assert all(r["policy/approx_kl"] == 0.0 and r["policy/entropy"] > 1.0 for r in steps)  # ratio exactly 1
+    # step 1's policy is the reference: a row's log-probs put back at another row's place would show a KL
+    assert steps[0]["kl/ref_mean"] < 1e-7 and all(r["kl/ref_mean"] > 1e-3 for r in steps[1:])
+    wl, wr = (dict(runs[n][0].roles.actor.model.named_parameters()) for n in ("local", "ray"))
+    assert max(float((wl[k] - wr[k]).abs().max()) for k in wl) < 1e-5
+
+
 def test_killed_worker_names_the_role(cluster, tmp_path):
+    """A worker killed mid-run: the next call fails naming the group and the rank; the step-1
+    checkpoint loads on fresh workers (the very weights of step 1) and training goes on from it."""
     from tether.distributed.ray_backend import WorkerDiedError
 
     cfg = _cfg(tmp_path / "run", "trainer.backend=ray", "trainer.n_workers=2", "trainer.save_freq=1")
     trainer = Trainer(cfg)
     trainer.train_step()  # checkpoint step 1
+    at_1 = _weights(trainer.roles.actor.model)
     ray.kill(trainer.roles.backend.actor_group.workers[1])
     with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs"):
         trainer.train_step()
     trainer.roles.close()
     again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
     assert again.step == 1
+    assert _max_diff(at_1, _weights(again.roles.actor.model)) == 0.0
+    pulled = again.roles.backend.actor_group.call("full_state", "actor", True)
+    assert _max_diff({k: at_1[k] for k in pulled}, pulled) == 0.0  # the workers hold them too
+    assert again.train_step()["policy/updates"] > 0
     again.roles.close()
 
 

@@ -253,11 +253,12 @@ def test_exact_metrics_are_skipped_with_one_warning_for_a_big_vocabulary(caplog)
     from types import SimpleNamespace
 
     from tether.data import PromptRow
-    from tether.trainer.stats import exact_metrics
+    from tether.trainer.stats import ExactCache, exact_metrics
 
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=512))
-    trainer = SimpleNamespace(val_set=SimpleNamespace(rows=[PromptRow("3,13=", "tether/digitsum", "3,13", {}, 0)]),
-                              roles=SimpleNamespace(actor=SimpleNamespace(model=model)))
+    prompts = [PromptRow("3,13=", "tether/digitsum", "3,13", {}, 0).prompt]
+    cache = ExactCache()
+    args = dict(beta=0.05, temperature=1.0, n_samples=4, cache=cache)
     with caplog.at_level("WARNING", logger="tether"):
-        assert exact_metrics(trainer) == {} and exact_metrics(trainer) == {}
+        assert exact_metrics(model, None, None, prompts, **args) == {} and exact_metrics(model, None, None, prompts, **args) == {}
     assert caplog.text.count("exact/* metrics skipped") == 1

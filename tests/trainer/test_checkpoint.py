@@ -241,16 +241,16 @@ def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path
     from tether.config import load_config
     from tether.trainer import Trainer, stats
 
-    scores = {0: 0.5, 2: 0.9, 4: 0.88, 5: 0.87}  # validation every 2 steps and at the end
-    monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": scores[trainer.step]})
+    scores = iter([0.5, 0.9, 0.88, 0.87])  # steps 0, 2, 4, 5: validation every 2 steps and at the end
+    monkeypatch.setattr(stats, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
     overrides = ["trainer.total_steps=5", "trainer.save_freq=1", "trainer.val_freq=2", "trainer.keep_last=1", "guard.rollback_drop=0.05"]
     t = Trainer(load_config(None, [*TINY, f"trainer.output_dir={run}", *overrides]))
     kept = []
     save = t.ckpt.save
 
-    def spy(**kw):
-        path = save(**kw)
+    def spy(*a, **kw):
+        path = save(*a, **kw)
         kept.append(sorted(p.name for p in (run / "checkpoints").iterdir()))
         return path
 

@@ -82,7 +82,7 @@ def test_after_step_reports_the_updates_own_events(caplog):
 
 
 class _FakeTrainer:
-    """Just what GuardMonitor.after_validation touches."""
+    """Holds what GuardMonitor.after_validation is given (step, validation metrics, ckpt, roles, β)."""
 
     def __init__(self, guard, fail=False):
         self.guard, self.step, self.last_val, self.restored, self.fail = guard, 0, {}, [], fail
@@ -102,7 +102,7 @@ class _FakeTrainer:
 
     def validate(self, step, score):
         self.step, self.last_val = step, {"val/score_mean": score}
-        self.guard.after_validation(self)
+        self.guard.after_validation(self.step, self.last_val, self.ckpt, self.roles, self.beta)
 
 
 def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
@@ -377,8 +377,8 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     from tether.cli import main
     from tether.trainer import stats
 
-    scores = {0: 0.5, 2: 0.6, 4: 0.3, 6: 0.2}
-    monkeypatch.setattr(stats, "validate", lambda trainer: {"val/score_mean": scores[trainer.step]})
+    scores = iter([0.5, 0.6, 0.3, 0.2])  # steps 0, 2, 4, 6
+    monkeypatch.setattr(stats, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
     args = [*BASE, f"trainer.output_dir={run}", "trainer.total_steps=8", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.keep_last=2", "actor.lr=1e-3"]
     args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05", "guard.target_kl=null"]

@@ -33,6 +33,13 @@ def _trainer(draws, batch_size=2, cap=10):
     return SimpleNamespace(cfg=cfg, rollout=lambda: next(it), score=score, tok=SimpleNamespace(pad_token_id=0), step=3)
 
 
+def _sample(t, timer) -> RolloutBatch:
+    """dynamic_sample as Trainer.sample calls it."""
+    c = t.cfg
+    return dynamic_sample(t.rollout, t.score, timer, batch_size=c.data.batch_size, max_draws=c.algo.filter_groups_max_draws,
+                          pad_id=t.tok.pad_token_id, step=t.step)  # fmt: skip
+
+
 class Timer:
     def __init__(self):
         self.calls = []
@@ -46,7 +53,7 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ_until_the_batch_is_f
     # draw 1: prompt a0 all 1 (dropped), a1 differs; draw 2: b0 differs, b1 all 0 (dropped)
     t = _trainer([_draw([1, 1, 0, 1], 3, 2, "a"), _draw([0, 1, 0, 0], 5, 4, "b")])
     timer = Timer()
-    out = dynamic_sample(t, timer)
+    out = _sample(t, timer)
     assert timer.calls == ["rollout", "reward", "rollout", "reward"]
     assert out.prompts == ["a1", "a1", "b0", "b0"] and out.scores.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert out.group_ids.tolist() == [0, 0, 1, 1]  # renumbered: the two draws' groups never merge
@@ -61,14 +68,14 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ_until_the_batch_is_f
 
 def test_surplus_informative_groups_are_cut_to_the_batch_size():
     t = _trainer([_draw([0, 1, 1, 0], 3, 2, "a")], batch_size=1)
-    out = dynamic_sample(t, Timer())
+    out = _sample(t, Timer())
     assert out.prompts == ["a0", "a0"] and out.extra["sampling_metrics"]["rollout/filtered_groups"] == 0.0
 
 
 def test_the_draw_cap_ends_the_search_and_says_so(caplog):
     t = _trainer([_draw([1, 1, 0, 0], 2, 2, "a"), _draw([0, 0, 0, 0], 2, 2, "b"), _draw([1, 1, 1, 1], 2, 2, "c")], cap=3)
     with caplog.at_level(logging.WARNING, logger="tether"):
-        out = dynamic_sample(t, Timer())
+        out = _sample(t, Timer())
     assert out.prompts == ["c0", "c0", "c1", "c1"]  # nothing informative: the last draw, rewards flat
     assert out.extra["sampling_metrics"] == {
         "rollout/draws": 3.0, "rollout/prompts_drawn": 6.0, "rollout/filtered_groups": 6.0, "rollout/filter_exhausted": 1.0,

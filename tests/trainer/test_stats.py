@@ -1,6 +1,5 @@
 """tether.trainer.stats.rollout_metrics: the logged β is the step's, not the next step's."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,16 +23,14 @@ def _batch() -> RolloutBatch:
     return b
 
 
-TOK = SimpleNamespace(eos_token_id=2, pad_token_id=0)
-GRPO = SimpleNamespace(algo=SimpleNamespace(adv_estimator="grpo"))
+ARGS = dict(eos_id=2, pad_id=0, grouped=True)  # grpo: the baseline is the prompt's group
 
 
 def test_kl_coef_and_rlhf_mean_use_the_beta_that_shaped_the_step():
     # a guard step: the rewards were shaped with beta 0.05, then the guard doubled it to 0.1
-    trainer = SimpleNamespace(beta=0.1, tok=TOK, cfg=GRPO)
     b = _batch()
     b.extra["kl_coef"] = 0.05
-    m = rollout_metrics(trainer, b)
+    m = rollout_metrics(b, beta=0.1, **ARGS)
     assert m["kl/coef"] == 0.05
     # mean(1 - 0.05 * 0.4, 0 - 0.05 * 0.2) = mean(0.98, -0.01); with the next step's 0.1 it would be 0.47
     assert m["reward/rlhf_mean"] == pytest.approx(0.485, abs=1e-7)
@@ -42,10 +39,9 @@ def test_kl_coef_and_rlhf_mean_use_the_beta_that_shaped_the_step():
 def test_learning_signal_metrics():
     b = _batch()  # one prompt, scores [1, 0]: it differs
     b.advantages = torch.tensor([[0.5, 0.5], [-0.5, 7.0]])  # |A| over the 3 counted tokens: 0.5
-    m = rollout_metrics(SimpleNamespace(beta=0.05, tok=TOK, cfg=GRPO), b)
+    m = rollout_metrics(b, beta=0.05, **ARGS)
     assert m["rollout/zero_var_group_frac"] == 0.0 and m["advantages/abs_mean"] == 0.5
     b.scores = torch.tensor([1.0, 1.0])  # both right: nothing to compare
-    assert rollout_metrics(SimpleNamespace(beta=0.05, tok=TOK, cfg=GRPO), b)["rollout/zero_var_group_frac"] == 1.0
+    assert rollout_metrics(b, beta=0.05, **ARGS)["rollout/zero_var_group_frac"] == 1.0
     # a critic's baseline is not the group: PPO with one sample per prompt is not "flat"
-    gae = SimpleNamespace(algo=SimpleNamespace(adv_estimator="gae"))
-    assert "rollout/zero_var_group_frac" not in rollout_metrics(SimpleNamespace(beta=0.05, tok=TOK, cfg=gae), b)
+    assert "rollout/zero_var_group_frac" not in rollout_metrics(b, beta=0.05, eos_id=2, pad_id=0, grouped=False)

@@ -95,6 +95,22 @@ class DataParallel:
         shards, _ = split_batch(mini, self.world_size)
         return shards[self.rank]
 
+    def shard_rows(self, mini: RolloutBatch) -> list[int]:
+        """Positions in ``mini`` of :meth:`shard`'s real rows, in the shard's order (its padding rows follow them)."""
+        return balanced_partition(row_tokens(mini).tolist(), self.world_size)[self.rank]
+
+    def merge_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, ...) filled by each rank at its own rows (zeros elsewhere): the whole tensor, on every rank.
+
+        An all-reduce sum over the data-parallel group, exact because every row is non-zero on one
+        rank only (the rows are partitioned; tp ranks of one dp rank hold the same rows and are not
+        summed). ``x`` must be on a device the group's backend reduces (CPU for gloo)."""
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
     def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
         import torch.distributed as dist
 

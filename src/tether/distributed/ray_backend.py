@@ -8,8 +8,9 @@ placement group each, owning one ``torch.distributed`` process group (gloo on CP
 How a call is split across the ranks is declared beside the worker method (``@register``).
 
 The driver also keeps one full copy of the actor (``roles.actor.model``) for HF rollouts and
-validation; after every update it takes the updated trainable weights from the actor group. vLLM
-replicas as Ray actors (weights pushed shard by shard) are not wired yet.
+validation; after every update it takes the updated trainable weights from the actor group. With
+``rollout.engine=vllm`` the rollouts run on vLLM replicas as Ray actors instead
+(:mod:`tether.distributed.rollout_workers`), their weights streamed from the actor group's shards.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def world_size(cfg) -> int:
     if t.n_gpus_per_node and t.n_workers == 1:
         return t.nnodes * t.n_gpus_per_node
     return t.n_workers
+
+
+def colocated_vllm(cfg) -> bool:
+    """vLLM replicas share the actor group's bundles (``rollout.engine=vllm``, ``trainer.placement=colocate``)."""
+    return cfg.rollout.engine == "vllm" and cfg.trainer.placement == "colocate"
 
 
 class RayCluster:
@@ -93,6 +99,8 @@ class WorkerGroup:
 
         self.name, self.n, self.tp = name, n, cfg.actor.tp_size  # n = dp × tp ranks
         gpus = 1 if cfg.trainer.n_gpus_per_node else 0
+        if gpus and colocated_vllm(cfg) and "actor" in roles:
+            gpus = 0.5  # the other half of the bundle's GPU is the colocated vLLM replica's (rollout_workers)
         bundle = {"CPU": 1} | ({"GPU": 1} if gpus else {})
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
@@ -185,6 +193,9 @@ class RemoteActor:
 
     def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
         metrics = self.group.call("update_actor", batch, spec, step)
+        for k in ("_old_logprobs", "_entropy"):  # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
+            if k in metrics:
+                metrics[k] = metrics[k].to(batch.response_mask.device)
         self.pull_weights()
         return metrics
 
@@ -265,7 +276,9 @@ class RayBackend:
         n = world_size(cfg)
         has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
-        self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1))
+        vllm_bundles = cfg.rollout.vllm.replicas if cfg.rollout.engine == "vllm" and not colocated_vllm(cfg) else 0
+        self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + vllm_bundles)
+        self.rollout = None
         lora_state = None
         if cfg.actor.lora.rank > 0:
             from peft import get_peft_model_state_dict
@@ -278,6 +291,12 @@ class RayBackend:
             self.critic_group = None
             if has_critic:
                 self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
+            if cfg.rollout.engine == "vllm":
+                from tether.distributed.rollout_workers import VLLMReplicaGroup
+                from tether.trainer.setup import generation_eos_ids
+
+                eos = generation_eos_ids(local_roles.actor.model)
+                self.rollout = VLLMReplicaGroup(cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group)
         except BaseException:
             self.close()
             raise
@@ -315,6 +334,9 @@ class RayBackend:
             self.critic_group.call("load_checkpoint", str(path / "dcp_critic"), False, schedule)
 
     def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
         for g in self.groups:
             g.kill()
         self.groups = []
@@ -333,4 +355,6 @@ def build_ray_roles(cfg, roles):
     roles.actor = RemoteActor(backend.actor_group, roles.actor.model)
     if backend.critic_group is not None:
         roles.critic = RemoteCritic(backend.critic_group)
+    if backend.rollout is not None:  # rollout.engine=vllm: the runner samples on the replicas
+        roles.engine.engine = backend.rollout
     return roles

@@ -226,10 +226,11 @@ class RankWorker:
     # ------------------------------------------------------------------ updates (the whole batch on every rank)
     @register(ALL)
     def update_actor(self, batch: RolloutBatch, spec, step: int) -> dict[str, float]:
-        """``ActorWorker.update``: every rank draws the same mini-batches and trains on its share of each."""
-        if spec.reuse_logprobs:
-            raise ValueError("actor.reuse_update_logprobs is not supported by trainer.backend=ray yet (the trainer never asks for it there)")
-        return self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref)
+        """``ActorWorker.update``: every rank draws the same mini-batches and trains on its share of each.
+        With ``spec.reuse_logprobs`` its ``_old_logprobs`` / ``_entropy`` (B, T) hold every rank's rows
+        in the batch's order (``DataParallel.merge_rows``), on the CPU."""
+        out = self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref)
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
     @register(ALL)
     def update_critic(self, batch: RolloutBatch, kwargs: dict) -> dict[str, float]:
@@ -276,6 +277,14 @@ class RankWorker:
             return state
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         return {k: v for k, v in state.items() if k in trainable}
+
+    @register(ALL)
+    def push_weights(self, replicas: list, bucket_bytes: int) -> dict:
+        """Stream the actor's full weights to the vLLM replicas, one gathered tensor at a time
+        (:func:`tether.distributed.rollout_workers.stream_weights`; a collective, rank 0 sends)."""
+        from tether.distributed.rollout_workers import stream_weights
+
+        return stream_weights(self._role("actor").model, self.rank, replicas, bucket_bytes)
 
     # ------------------------------------------------------------------ sharded checkpoints (DCP)
     def _dcp_state(self, with_ref: bool) -> dict:

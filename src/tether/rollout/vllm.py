@@ -274,6 +274,9 @@ class VLLMRolloutEngine:
         max_model_len: longest prompt + response vLLM plans for, tokens (default: the model's).
         enforce_eager: skip CUDA graph capture (faster start, weights can change freely).
         eos_token_ids: more ids that end a response (the model's ``generation_config`` EOS ids).
+        tensor_parallel_size: vLLM's tensor-parallel degree (``rollout.vllm.tensor_parallel_size``;
+            > 1 runs vLLM's workers in their own processes).
+        enable_sleep_mode: allow ``llm.sleep()`` / ``wake_up()`` (GPU; the Ray backend's colocated replicas).
 
     Raises:
         ConfigError: as :func:`check_vllm_engine`.
@@ -284,7 +287,7 @@ class VLLMRolloutEngine:
     def __init__(self, model_path, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
                  dtype: str = "bfloat16", seed: int = 0, trust_remote_code: bool = False, gpu_memory_utilization: float = 0.35,
                  kv_cache_gib: float | None = None, max_model_len: int | None = None, enforce_eager: bool = True,
-                 eos_token_ids: list[int] | None = None):  # fmt: skip
+                 eos_token_ids: list[int] | None = None, tensor_parallel_size: int = 1, enable_sleep_mode: bool = False):  # fmt: skip
         backend = check_vllm_engine(model_path)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process: weights can be pushed
         from vllm import LLM, SamplingParams
@@ -297,12 +300,17 @@ class VLLMRolloutEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if tensor_parallel_size > 1:  # its workers are other processes: pushed weights are pickled to them (lists, not generators)
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        if enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         try:  # log-probs after temperature/top-k/top-p, the distribution the trainer's old_logprobs describe
             llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
         except TypeError:  # vLLM without logprobs_mode: its log-probs ignore the temperature, so none are returned
             llm = LLM(**kwargs)
             self.returns_logprobs = False
         self.backend = backend
+        self.tensor_parallel_size = tensor_parallel_size
         self._setup(llm, SamplingParams, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                     do_sample=do_sample, eos_token_ids=eos_token_ids)  # fmt: skip
 
@@ -312,6 +320,7 @@ class VLLMRolloutEngine:
         self = cls.__new__(cls)
         self.returns_logprobs = returns_logprobs
         self.backend = None
+        self.tensor_parallel_size = 1
         self._setup(llm, sampling_params_cls, tokenizer, **sampling)
         return self
 
@@ -409,7 +418,7 @@ class VLLMRolloutEngine:
         Raises:
             RuntimeError: this vLLM version offers none of the known ways to load weights.
         """
-        if self.last_sync is None or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        if self.last_sync is None or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" or self.tensor_parallel_size > 1:
             weights = list(weights)  # tried more than once, or pickled to vLLM's engine process: no generator
         if self.last_sync is None:
             self.last_sync = _load_into_vllm(self.llm, weights)

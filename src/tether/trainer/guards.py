@@ -159,45 +159,51 @@ class GuardMonitor:
         return self.pop_metrics()
 
     # ------------------------------------------------------------------ validation and rollback
-    def after_validation(self, trainer) -> None:
+    def after_validation(self, step: int, val_metrics: dict, ckpt, roles, controller_beta: float) -> None:
         """Roll back when the validation score fell more than ``rollback_drop`` below the last stable checkpoint's.
 
         A rollback restores the stable checkpoint's weights and optimizer moments (the data position,
         RNG and LR schedule go on), multiplies β by ``coef_factor`` and the learning rates by
         ``rollback_lr_factor``. After ``max_rollbacks`` rollbacks the next drop stops the run.
+
+        Args:
+            step: the step validated; val_metrics: its ``val/*`` / ``exact/*`` metrics.
+            ckpt: the run's CheckpointManager (``root``, ``restore_weights``).
+            roles: the run's roles (``actor`` and ``critic``: ``scale_lr``; the actor's ``optimizer``).
+            controller_beta: the KL controller's β (the run's β is it times ``coef_scale``).
         """
-        score, sem = self.validation_score(trainer.last_val)
-        self.val_step, self.val_score, self.val_sem = trainer.step, score, sem
+        score, sem = self.validation_score(val_metrics)
+        self.val_step, self.val_score, self.val_sem = step, score, sem
         if score is None or not self.cfg.rollback_drop or self.stable_score is None or self.stable_step is None:
             return
         floor = self.floor(sem)
         if score >= floor:
             return
         drop = (
-            f"validation score {score:.4f} at step {trainer.step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
+            f"validation score {score:.4f} at step {step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
             f"below the stable checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
         )
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise self._stop(
                 "rollback_limit",
                 f"{drop}, and the run has already rolled back {self.rollbacks} time(s) (guard.max_rollbacks={self.cfg.max_rollbacks}). "
-                f"The last stable checkpoint is {trainer.ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower "
+                f"The last stable checkpoint is {ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower "
                 f"actor.lr or a higher kl.coef (trainer.resume=<that path>).",
             )
         try:
-            trainer.ckpt.restore_weights(self.stable_step)
+            ckpt.restore_weights(self.stable_step)
         except (OSError, ValueError) as e:  # CheckpointError is a ValueError
             raise self._stop("rollback_failed", f"{drop}; cannot roll back: {e}") from None
         self.rollbacks += 1
         self.coef_scale *= self.cfg.coef_factor
-        trainer.roles.actor.scale_lr(self.cfg.rollback_lr_factor)
-        if trainer.roles.critic is not None:
-            trainer.roles.critic.scale_lr(self.cfg.rollback_lr_factor)
+        roles.actor.scale_lr(self.cfg.rollback_lr_factor)
+        if roles.critic is not None:
+            roles.critic.scale_lr(self.cfg.rollback_lr_factor)
         self.val_score = None  # the weights are no longer the ones that scored it
         self._event(
             "rollback",
             f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β ×{self.cfg.coef_factor:g} "
-            f"→ {trainer.beta:.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {trainer.roles.actor.optimizer.param_groups[0]['lr']:.3g}",
+            f"→ {controller_beta * self.coef_scale:.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
     def validation_score(self, last_val: dict) -> tuple[float | None, float]:

@@ -41,25 +41,29 @@ def _merge_reward_metrics(parts: list[dict]) -> dict[str, float]:
     return out
 
 
-def dynamic_sample(trainer, timer) -> RolloutBatch:
-    """Rollout + reward rounds until ``data.batch_size`` prompts have rewards that differ.
+def dynamic_sample(rollout, score, timer, *, batch_size: int, max_draws: int, pad_id: int, step: int) -> RolloutBatch:
+    """Rollout + reward rounds until ``batch_size`` (``data.batch_size``) prompts have rewards that differ.
 
-    Returns the batch of the first ``data.batch_size`` informative groups in draw order, with
+    Args:
+        rollout: draws a batch (``Trainer.rollout``); score: sets its scores, dropping bad samples
+            (``Trainer.score``); timer: the step's PhaseTimer (``rollout`` and ``reward`` phases).
+        max_draws: ``algo.filter_groups_max_draws``; pad_id: the tokenizer's; step: for the warning.
+
+    Returns the batch of the first ``batch_size`` informative groups in draw order, with
     ``extra["sampling_metrics"]``: ``rollout/draws`` (rounds), ``rollout/prompts_drawn`` (prompts
     sampled over all rounds), ``rollout/filtered_groups`` (groups dropped for zero reward
     variance), ``rollout/filter_exhausted`` (1 when the cap ended the search short of a full batch).
     """
-    cfg = trainer.cfg
-    want, cap = cfg.data.batch_size, cfg.algo.filter_groups_max_draws
+    want, cap = batch_size, max_draws
     kept: list[RolloutBatch] = []
     rewards: list[dict] = []
     n_kept = drawn = filtered = draws = 0
     last = None
     while n_kept < want and draws < cap:
         with timer("rollout"):
-            batch = trainer.rollout()
+            batch = rollout()
         with timer("reward"):
-            trainer.score(batch)
+            score(batch)
         draws += 1
         rewards.append(batch.extra.get("reward_metrics", {}))
         flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)  # (B,)
@@ -73,7 +77,7 @@ def dynamic_sample(trainer, timer) -> RolloutBatch:
             n_kept += good.numel()
         last = batch
     exhausted = n_kept < want
-    out = RolloutBatch.concat(kept, pad_id=trainer.tok.pad_token_id) if kept else last
+    out = RolloutBatch.concat(kept, pad_id=pad_id) if kept else last
     out.extra["reward_metrics"] = _merge_reward_metrics(rewards)
     out.extra["sampling_metrics"] = {
         "rollout/draws": float(draws), "rollout/prompts_drawn": float(drawn),
@@ -84,7 +88,7 @@ def dynamic_sample(trainer, timer) -> RolloutBatch:
             "step %d: algo.filter_groups: after %d draws (algo.filter_groups_max_draws=%d) only %d of data.batch_size=%d prompts "
             "had rewards that differ; training on %s. If this persists, the task is too hard or too easy for the policy "
             "(check reward/score_mean), or raise rollout.n / rollout.temperature",
-            trainer.step, draws, cap, n_kept, want, f"those {n_kept}" if kept else "the last draw (its rewards carry no comparison)",
+            step, draws, cap, n_kept, want, f"those {n_kept}" if kept else "the last draw (its rewards carry no comparison)",
         )
     return out
 

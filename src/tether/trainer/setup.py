@@ -178,6 +178,8 @@ def driver_holds_ref(cfg: TetherConfig) -> bool:
 
 def _build_engine(cfg: TetherConfig, model, tok, actor_path):
     r = cfg.rollout
+    if r.engine == "vllm" and cfg.trainer.backend == "ray":
+        return None  # vLLM replicas as Ray actors, set by tether.distributed.ray_backend.build_ray_roles
     if r.engine == "vllm":
         from tether.rollout.vllm import VLLMRolloutEngine
 

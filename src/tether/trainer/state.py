@@ -41,12 +41,28 @@ class CheckpointManager:
     Saved: actor (and critic) weights, the reference's weights when ``ref.reset_every`` moves it,
     optimizer and LR-scheduler states, KL controller, RNG states, data position, guard state, reward
     normaliser, best validation score, last validation metrics, the live diagnostics' state, the
-    step's metrics line and the config. Resuming from it continues exactly as the run would have.
+    step's metrics line, the batch pre-generated for the next step (``rollout.async_steps=1``) and the
+    config. Resuming from it continues exactly as the run would have.
+
+    Args:
+        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``, metrics.jsonl is there).
+        cfg: the run's config; roles: its ``Roles`` (models, optimizers, tokenizer, reward, engine).
+        controller, sampler, guard: the KL controller, PromptSampler and GuardMonitor, saved and
+            loaded in place.
+        exact_cache: the exact/* metrics' ``ExactCache``, emptied when a checkpoint loads the reference.
+        async_rollout: the ``AsyncRollout`` of ``rollout.async_steps=1`` (its pending batch is saved, loaded, and
+            regenerated after a rollback), or None.
+
+    The loop's step and last validation metrics are passed to :meth:`save`; :meth:`maybe_resume`
+    returns those it loaded.
     """
 
-    def __init__(self, trainer):
-        self.t = trainer
-        self.root = Path(trainer.run_dir) / "checkpoints"
+    def __init__(self, run_dir, cfg, roles, *, controller, sampler, guard, exact_cache=None, async_rollout=None):
+        self.run_dir, self.cfg, self.roles = Path(run_dir), cfg, roles
+        self.controller, self.sampler, self.guard, self.exact_cache = controller, sampler, guard, exact_cache
+        self.async_rollout = async_rollout
+        self.root = self.run_dir / "checkpoints"
+        self.step = 0  # the step of the checkpoint last saved or loaded
         self.best_step: int | None = None
         self.best_score: float | None = None
         self.resumed_from: Path | None = None
@@ -55,45 +71,44 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
 
     # -------------------------------------------------------------- saving
-    def maybe_save(self, metrics: dict | None = None, *, force: bool = False) -> Path | None:
+    def maybe_save(self, step: int, last_val: dict, metrics: dict | None = None, *, force: bool = False, diagnostics=None) -> Path | None:
         """Save every ``trainer.save_freq`` steps, at ``trainer.total_steps``, and when ``force``d
-        (a stop signal: ``tether.trainer.signals``).
-
-        Args:
-            metrics: the step's metrics so far; stored so that a crash between the checkpoint and the
-                step's line in metrics.jsonl does not lose that line on resume.
+        (a stop signal: ``tether.trainer.signals``); arguments as :meth:`save`'s.
         """
-        freq = self.t.cfg.trainer.save_freq
-        if force or self.t.step == self.t.cfg.trainer.total_steps or (freq and self.t.step % freq == 0):
-            return self.save(metrics=metrics)
+        freq = self.cfg.trainer.save_freq
+        if force or step == self.cfg.trainer.total_steps or (freq and step % freq == 0):
+            return self.save(step, last_val, metrics=metrics, diagnostics=diagnostics)
         return None
 
-    def save(self, final: bool = False, metrics: dict | None = None) -> Path:
-        """Write a checkpoint of the current step (atomically) and prune old ones.
+    def save(self, step: int, last_val: dict, *, final: bool = False, metrics: dict | None = None, diagnostics=None, logger=None) -> Path:
+        """Write a checkpoint of ``step`` (atomically) and prune old ones.
 
         Args:
+            step: the step just trained; last_val: the last validation's metrics.
             final: the run was stopped by a guard (``fit`` saves then): the step's metrics line, with
-                ``guard/stop`` and the guard's events, is written to metrics.jsonl here.
-            metrics: the step's metrics line (see :meth:`maybe_save`).
+                ``guard/stop`` and the guard's events, is written to metrics.jsonl here (by ``logger``).
+            metrics: the step's metrics so far; stored so that a crash between the checkpoint and the
+                step's line in metrics.jsonl does not lose that line on resume.
+            diagnostics: the run's LiveDiagnostics (its counters are saved), or None.
+            logger: the run's MetricsLogger (``final`` only), or None.
         """
-        t = self.t
         if final:
-            metrics = t.guard.stop_record()
-            if getattr(t, "logger", None) is not None:
-                t.logger.log(t.step, metrics)
-        score = t.guard.score_at(t.step)  # only a validation of these very weights labels the checkpoint
+            metrics = self.guard.stop_record()
+            if logger is not None:
+                logger.log(step, metrics)
+        score = self.guard.score_at(step)  # only a validation of these very weights labels the checkpoint
         if score is not None and (self.best_score is None or score > self.best_score):
-            self.best_step, self.best_score = t.step, score
-        t.guard.mark_stable(t.step, score)
-        roles = t.roles
+            self.best_step, self.best_score = step, score
+        self.guard.mark_stable(step, score)
+        roles, tok = self.roles, self.roles.tokenizer
 
         def weights(d: Path) -> None:
             if roles.backend is not None:  # trainer.backend=ray: sharded (DCP) weights and optimizer states
                 roles.backend.save(d, self._saves_ref())
-                save_sharded_actor_meta(roles.actor.model, t.tok, d / "actor")
+                save_sharded_actor_meta(roles.actor.model, tok, d / "actor")
                 return
             roles.actor.model.save_pretrained(d / "actor", safe_serialization=True)
-            t.tok.save_pretrained(d / "actor")
+            tok.save_pretrained(d / "actor")
             if roles.critic is not None:
                 save_file({k: v.contiguous() for k, v in roles.critic.model.state_dict().items()}, str(d / "critic.safetensors"))
             if self._saves_ref():
@@ -109,49 +124,55 @@ class CheckpointManager:
 
         def trainer_state(d: Path) -> None:
             write_json(rng_state(), d / "rng.json")
-            diag = getattr(t, "diagnostics", None)
+            diag = diagnostics
             write_json(
                 {
-                    "step": t.step,
-                    "controller": t.controller.state_dict(),
-                    "data": t.sampler.state_dict(),
-                    "guard": t.guard.state_dict(),
+                    "step": step,
+                    "controller": self.controller.state_dict(),
+                    "data": self.sampler.state_dict(),
+                    "guard": self.guard.state_dict(),
                     "reward": roles.reward.state_dict(),
                     "best": {"step": self.best_step, "score": self.best_score},
-                    "last_val": _clean(t.last_val),
+                    "last_val": _clean(last_val),
                     "val_score": score,
                     "stopped": final,
                     "diagnostics": None if diag is None else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
                     "metrics": None if metrics is None else _clean(metrics),
-                    "config": t.cfg.to_dict(),
+                    "config": self.cfg.to_dict(),
                 },
                 d / "trainer_state.json",
             )
 
-        path = write_checkpoint(self.root, t.step, {"weights": weights, "optim": optim, "state": trainer_state})
-        self.last_saved_step = t.step
-        prune_checkpoints(self.root, t.cfg.trainer.keep_last, self.protected())
+        writers = {"weights": weights, "optim": optim, "state": trainer_state}
+        if self.async_rollout is not None:  # rollout.async_steps=1: the batch generated for the next step
+            writers["pending"] = self.async_rollout.save
+        path = write_checkpoint(self.root, step, writers)
+        self.step = self.last_saved_step = step
+        prune_checkpoints(self.root, self.cfg.trainer.keep_last, self.protected())
         return path
 
     def protected(self) -> set[int]:
         """Steps that pruning keeps besides the newest ``keep_last``: the best and the stable checkpoint."""
-        return {s for s in (self.best_step, self.t.guard.stable_step) if s is not None}
+        return {s for s in (self.best_step, self.guard.stable_step) if s is not None}
 
     def _saves_ref(self) -> bool:
-        return bool(self.t.cfg.ref.reset_every) and self.t.cfg.actor.lora.rank == 0  # a LoRA reference has no weights of its own
+        return bool(self.cfg.ref.reset_every) and self.cfg.actor.lora.rank == 0  # a LoRA reference has no weights of its own
 
     # -------------------------------------------------------------- loading
-    def maybe_resume(self) -> None:
+    def maybe_resume(self) -> tuple[int, dict] | None:
         """Apply ``trainer.resume``: auto (latest complete checkpoint here, if any), off, or a path.
+
+        Returns:
+            (step, last validation metrics) of the checkpoint loaded, or None when the run starts at step 0.
 
         Raises:
             CheckpointError: an explicit path that is incomplete or corrupt (naming the file), or
                 ``auto`` with checkpoints of which none is complete (naming each problem).
         """
-        mode = self.t.cfg.trainer.resume
+        mode = self.cfg.trainer.resume
         if mode == "off":
             self._clear_metrics()
-            return
+            return None
         if mode == "auto":
             errors: list[str] = []
             path = latest_valid_checkpoint(self.root, errors)
@@ -162,14 +183,15 @@ class CheckpointManager:
                         + " (set trainer.resume=off to start over, or a path to resume from)"
                     )
                 self._clear_metrics()
-                return
+                return None
             if errors:
                 log.warning("resume: %d newer checkpoint(s) failed verification; falling back to %s", len(errors), path.name)
         else:
             path = Path(mode)
             verify_checkpoint(path)
-        self.load(path)
-        log.info("resumed from %s (step %d)", path, self.t.step)
+        resumed = self.load(path)
+        log.info("resumed from %s (step %d)", path, self.step)
+        return resumed
 
     def _load_weights(self, path: Path, *, schedule: bool = True) -> None:
         """Actor (critic, reference) weights and optimizer states; with ``schedule=False`` the current
@@ -189,14 +211,14 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not fit the configured models: {type(e).__name__}: {shown}") from None
 
     def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
-        roles = self.t.roles
+        roles = self.roles
         actor = roles.actor.model
         if roles.backend is not None:
             roles.backend.load(path, self._saves_ref(), schedule)  # resharded to this run's world size
             roles.actor.pull_weights()
             if self._saves_ref():
                 roles.ref.pull_weights()
-                self.t.__dict__.pop("_exact_ref_cache", None)
+                self._reference_changed()
             roles.engine.sync_weights(actor)
             return
         if (path / "dcp").is_dir():
@@ -227,7 +249,7 @@ class CheckpointManager:
             if not (path / "ref.safetensors").is_file():
                 raise CheckpointError(f"checkpoint {path}: ref.safetensors is missing (needed with ref.reset_every > 0)")
             load_model(roles.ref.model, str(path / "ref.safetensors"))
-            self.t.__dict__.pop("_exact_ref_cache", None)  # cached reference quantities of exact/* metrics
+            self._reference_changed()
         optim = load_torch(path / "optim.pt")
         lrs = [g["lr"] for g in roles.actor.optimizer.param_groups]
         critic_lrs = [g["lr"] for g in roles.critic.optimizer.param_groups] if roles.critic is not None else []
@@ -246,27 +268,37 @@ class CheckpointManager:
                     g["lr"] = lr
         roles.engine.sync_weights(actor)
 
-    def load(self, path: Path) -> None:
-        """Restore everything from a verified checkpoint: the run continues exactly where it stopped."""
+    def _reference_changed(self) -> None:
+        if self.exact_cache is not None:
+            self.exact_cache.reset_ref()  # cached reference quantities of exact/* metrics
+
+    def load(self, path: Path) -> tuple[int, dict]:
+        """Restore everything from a verified checkpoint: the run continues exactly where it stopped.
+
+        Returns:
+            (step, last validation metrics) of the checkpoint, for the loop to continue from.
+        """
         path = Path(path)
         state = read_json(path / "trainer_state.json")
         self._warn_config_changes(state.get("config"), path)
         self._load_weights(path)
-        t = self.t
-        t.step = int(state["step"])
-        t.controller.load_state_dict(state["controller"])
-        t.sampler.load_state_dict(state["data"])
-        t.guard.load_state_dict(state["guard"])
-        t.roles.reward.load_state_dict(state["reward"])
-        t.last_val = state.get("last_val") or {}
+        self.step = int(state["step"])
+        self.controller.load_state_dict(state["controller"])
+        self.sampler.load_state_dict(state["data"])
+        self.guard.load_state_dict(state["guard"])
+        self.roles.reward.load_state_dict(state["reward"])
+        last_val = state.get("last_val") or {}
         self.best_step, self.best_score = state["best"]["step"], state["best"]["score"]
         self._diagnostics_state = state.get("diagnostics")
         self._step_record = state.get("metrics")
         set_rng_state(read_json(path / "rng.json"))
+        if self.async_rollout is not None:
+            self.async_rollout.load(path)
         self.resumed_from = path.parent
         self._restore_metrics_line(state.get("metrics"))
         if state.get("stopped"):
             log.warning("resume: checkpoint %s was saved when a guard stopped the run (see metrics.jsonl, guard/stop)", path.name)
+        return self.step, last_val
 
     def restore_diagnostics(self, diagnostics) -> None:
         """Give a resumed run's LiveDiagnostics its evaluation counter and reported findings back
@@ -277,7 +309,7 @@ class CheckpointManager:
             diagnostics._calls = int(s["calls"])
             diagnostics._active = {tuple(a) for a in s["active"]}
             if self._step_record is not None:
-                diagnostics.update(self.t.step, self._step_record)
+                diagnostics.update(self.step, self._step_record)
 
     def _restore_metrics_line(self, record: dict | None) -> None:
         """Make metrics.jsonl hold the checkpoint's step exactly once: a crash after the checkpoint but
@@ -285,7 +317,7 @@ class CheckpointManager:
         the MetricsLogger). Unreadable lines (an interrupted write) are dropped."""
         if record is None:
             return
-        path = Path(self.t.run_dir) / "metrics.jsonl"
+        path = self.run_dir / "metrics.jsonl"
         kept, seen = [], set()
         if path.exists():
             for line in path.read_text().splitlines():
@@ -293,13 +325,13 @@ class CheckpointManager:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= self.t.step:
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= self.step:
                     kept.append(line)
                     seen.add(rec["step"])
-        if self.t.step in seen:
+        if self.step in seen:
             return
-        log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.t.step)
-        kept.append(json.dumps({"step": self.t.step, **{k: v for k, v in sorted(record.items()) if k != "step"}}))
+        log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.step)
+        kept.append(json.dumps({"step": self.step, **{k: v for k, v in sorted(record.items()) if k != "step"}}))
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
         os.replace(tmp, path)
@@ -307,7 +339,7 @@ class CheckpointManager:
     def _clear_metrics(self) -> None:
         """A run starting from step 0 logs every step anew: drop the lines of an earlier start (e.g. one
         that crashed before its first checkpoint), so that no step appears twice."""
-        path = Path(self.t.run_dir) / "metrics.jsonl"
+        path = self.run_dir / "metrics.jsonl"
         if path.exists() and path.stat().st_size:
             log.info("starting from step 0: clearing the %d bytes of %s left by an earlier start", path.stat().st_size, path)
             path.write_text("")
@@ -315,7 +347,7 @@ class CheckpointManager:
     def _warn_config_changes(self, saved: dict | None, path: Path) -> None:
         if not saved:
             return
-        old, new = _flatten(saved), _flatten(self.t.cfg.to_dict())
+        old, new = _flatten(saved), _flatten(self.cfg.to_dict())
         changed = [k for k in sorted(set(old) | set(new)) if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)]
         if changed:
             shown = ", ".join(f"{k}: {old.get(k)!r} → {new.get(k)!r}" for k in changed[:8])
@@ -329,6 +361,8 @@ class CheckpointManager:
             path = self.resumed_from / step_dir_name(step)
         verify_checkpoint(path)
         self._load_weights(path, schedule=False)
+        if self.async_rollout is not None:
+            self.async_rollout.discard()  # generated by the weights rolled back from: regenerated from the restored ones
 
     def checkpoints(self) -> list[int]:
         """Steps of the checkpoint directories present, oldest first."""

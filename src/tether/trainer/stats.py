@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,18 +27,26 @@ def _mean(x: torch.Tensor) -> float:
     return float(x.float().mean()) if x.numel() else float("nan")
 
 
-def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
-    """reward/*, kl/*, policy/entropy, response/*, rollout/*, diversity/* for one step's batch."""
+def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: int, grouped: bool) -> dict[str, float]:
+    """reward/*, kl/*, policy/entropy, response/*, rollout/*, diversity/* for one step's batch.
+
+    Args:
+        batch: the step's batch (scores, kl, old_logprobs, ref_logprobs, entropy set).
+        beta: the current β, used only when ``batch.extra["kl_coef"]`` (the β that shaped this step's
+            rewards / loss) is absent.
+        eos_id, pad_id: the tokenizer's EOS and padding ids (truncation, diversity).
+        grouped: the advantage estimator's baseline is the prompt's group (:data:`GROUP_ESTIMATORS`).
+    """
     mask = batch.response_mask
     valid = mask.sum(-1) > 0
     lengths = mask.sum(-1).float()
     per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
-    beta = batch.extra.get("kl_coef", trainer.beta)  # the β that shaped this step's rewards / loss
+    beta = batch.extra.get("kl_coef", beta)  # the β that shaped this step's rewards / loss
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
-    eos = trainer.tok.eos_token_id
+    eos = eos_id
     truncated = (batch.response_ids == eos).sum(-1) == 0
     m = {
         "reward/score_mean": _mean(scores),
@@ -57,7 +66,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
-    m |= learning_signal_metrics(batch, grouped=trainer.cfg.algo.adv_estimator in GROUP_ESTIMATORS)
+    m |= learning_signal_metrics(batch, grouped=grouped)
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
@@ -67,7 +76,7 @@ def rollout_metrics(trainer, batch: RolloutBatch) -> dict[str, float]:
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
-        pad = trainer.tok.pad_token_id
+        pad = pad_id
         tokens = [t for t, k in zip(_response_tokens(batch, eos), keep, strict=True) if k]
         groups = [g for g, k in zip(batch.group_ids.tolist(), keep, strict=True) if k]
         prompts = [[t for t in p if t != pad] for p, k in zip(batch.prompt_ids.tolist(), keep, strict=True) if k]
@@ -314,25 +323,33 @@ def score_sem(S: torch.Tensor) -> float:
     return float(S.double().var(dim=1, unbiased=True).sum().sqrt() / (P * k**0.5))
 
 
-def validate(trainer) -> dict[str, float]:
+def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None = None) -> dict[str, float]:
     """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
     with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
     fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
     ``exact/*`` on the embedded task. In an offline run the policy generates (each distinct prompt
     once) and generated responses are scored by the reward function (``roles.val_reward``), not by
-    the dataset's score column."""
-    cfg = trainer.cfg
-    reward = getattr(trainer.roles, "val_reward", None) or trainer.roles.reward
-    indices = distinct_prompt_indices(trainer.val_set) if cfg.rollout.mode == "offline" else list(range(len(trainer.val_set)))
+    the dataset's score column.
+
+    Args:
+        cfg: the run's config; roles: its ``Roles`` (engine, reward, val_reward; for exact/* the
+            actor's model, the reference and the tokenizer); val_set: the prepared held-out prompts.
+        beta: the current β (exact/*'s optimum π* ∝ π_ref·exp(r/β)).
+        exact_cache: what exact/* keeps between validations (a fresh one when None).
+    """
+    reward = getattr(roles, "val_reward", None) or roles.reward
+    indices = distinct_prompt_indices(val_set) if cfg.rollout.mode == "offline" else list(range(len(val_set)))
     indices = capped_indices(indices, cfg.trainer.val_max_prompts, cfg.trainer.seed)
     per_source: dict[str, dict] = {}
-    m = evaluate_prompts(trainer.roles.engine, reward, trainer.val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size,
+    m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size,
                          indices=indices, by_source=per_source, progress=cfg.trainer.progress, desc="validation")  # fmt: skip
     out = {f"val/{key}": v for key, v in m.items()}
     if len(per_source) > 1:
         out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
     if exact_evaluation_applies(cfg):
-        out |= exact_metrics(trainer)
+        prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
+        out |= exact_metrics(roles.actor.model, roles.ref, roles.tokenizer, prompts, beta=beta, temperature=cfg.rollout.temperature,
+                             n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache())  # fmt: skip
     return out
 
 
@@ -341,26 +358,45 @@ def exact_evaluation_applies(cfg) -> bool:
     return cfg.data.train_files == "embedded" and cfg.rollout.top_p == 1.0 and cfg.rollout.top_k == 0 and cfg.rollout.do_sample
 
 
-def exact_metrics(trainer) -> dict[str, float]:
-    """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on the distinct val
-    prompts, by enumerating every response (see tether.tasks.exact). β is the current β."""
+@dataclass
+class ExactCache:
+    """What exact/* keeps between validations: the reference's enumerated responses (``ref``, emptied by
+    :meth:`reset_ref` when the reference's weights change: ``ref.reset_every``, a checkpoint that loads
+    them) and whether the response space is too large to enumerate (``skipped``, decided and warned
+    about once; ``checked`` once decided)."""
+
+    ref: dict = field(default_factory=dict)
+    skipped: str | None = None
+    checked: bool = False
+
+    def reset_ref(self) -> None:
+        self.ref.clear()
+
+
+def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperature: float, n_samples: int, cache: ExactCache) -> dict[str, float]:
+    """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on ``prompts`` (the
+    distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
+
+    Args:
+        policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``_context()``: a LoRA
+            reference is the policy with its adapters disabled); tok: the tokenizer.
+        n_samples: rollout.n (pass@k and the like); cache: see :class:`ExactCache`.
+    Returns:
+        {} when the response space is too large (one warning, the first time).
+    """
     from tether.tasks.exact import evaluate_policy, exact_space_problem
 
-    prompts = list(dict.fromkeys(r.prompt for r in trainer.val_set.rows))
-    actor = trainer.roles.actor.model
-    if not hasattr(trainer, "_exact_ref_cache"):
-        trainer._exact_ref_cache = {}
-        trainer._exact_skipped = exact_space_problem(actor, prompts)
-        if trainer._exact_skipped:
-            logging.getLogger("tether").warning("%s", trainer._exact_skipped)
-    if trainer._exact_skipped:
+    if not cache.checked:
+        cache.checked, cache.skipped = True, exact_space_problem(policy, prompts)
+        if cache.skipped:
+            logging.getLogger("tether").warning("%s", cache.skipped)
+    if cache.skipped:
         return {}
-    was_training = actor.training
-    actor.eval()
-    with trainer.roles.ref._context():
+    was_training = policy.training
+    policy.eval()
+    with ref._context():
         out = evaluate_policy(
-            actor, trainer.roles.ref.module, trainer.tok, prompts, max(trainer.beta, 1e-6),
-            temperature=trainer.cfg.rollout.temperature, n_samples=trainer.cfg.rollout.n, ref_cache=trainer._exact_ref_cache,
+            policy, ref.module, tok, prompts, max(beta, 1e-6), temperature=temperature, n_samples=n_samples, ref_cache=cache.ref,
         )  # fmt: skip
-    actor.train(was_training)
+    policy.train(was_training)
     return out

@@ -158,10 +158,19 @@ class Trainer:
         self.guard = GuardMonitor(cfg.guard)
         self.step = 0
         self.last_val: dict[str, float] = {}
-        from tether.trainer.state import CheckpointManager
+        from tether.trainer.async_rollout import build_async_rollout
 
-        self.ckpt = CheckpointManager(self)
-        self.ckpt.maybe_resume()
+        # rollout.async_steps=1: the next batch is generated during the update
+        self.async_rollout = build_async_rollout(cfg, self.roles, self.train_set, self.sampler)
+        from tether.trainer.state import CheckpointManager
+        from tether.trainer.stats import ExactCache
+
+        self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
+        self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
+                                      exact_cache=self.exact_cache, async_rollout=self.async_rollout)  # fmt: skip
+        resumed = self.ckpt.maybe_resume()
+        if resumed is not None:
+            self.step, self.last_val = resumed
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -185,11 +194,13 @@ class Trainer:
                         raise TrainingInterrupted(self._signals.signum, self.step)
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
-            self.ckpt.save(final=True)
+            self.ckpt.save(self.step, self.last_val, final=True, diagnostics=self.diagnostics, logger=self.logger)
             raise
         finally:
             progress.close()
             self.logger.close()
+            if self.async_rollout is not None:
+                self.async_rollout.close()
             self.roles.close()
         if self.cfg.trainer.report:
             from tether.report import write_report
@@ -218,6 +229,9 @@ class Trainer:
                 update_metrics |= self.update_critic(batch)
             with timer("update_actor"):
                 update_metrics |= self.update_actor(batch)
+        if self.async_rollout is not None:
+            with timer("rollout_join"):  # the next batch, before anything else draws from the RNG (validation)
+                self.async_rollout.join()
         if batch.kl is None:  # the update gave the old log-probs (actor.reuse_update_logprobs)
             with timer("kl"):
                 self.finish_kl(batch)
@@ -229,7 +243,8 @@ class Trainer:
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
-            self.ckpt.maybe_save(metrics, force=self.stop_requested)  # the step's line is kept in the checkpoint
+            # the step's line is kept in the checkpoint
+            self.ckpt.maybe_save(self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics)
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
         self.logger.log(self.step, metrics)
@@ -254,7 +269,8 @@ class Trainer:
         if self.cfg.algo.filter_groups:
             from tether.trainer.sampling import dynamic_sample
 
-            return dynamic_sample(self, timer)
+            return dynamic_sample(self.rollout, self.score, timer, batch_size=self.cfg.data.batch_size,
+                                  max_draws=self.cfg.algo.filter_groups_max_draws, pad_id=self.tok.pad_token_id, step=self.step)  # fmt: skip
         with timer("rollout"):
             batch = self.rollout()
         with timer("reward"):
@@ -262,7 +278,11 @@ class Trainer:
         return batch
 
     def rollout(self) -> RolloutBatch:
-        """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts."""
+        """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts; under
+        ``rollout.async_steps=1`` the batch generated during the last update, with its behaviour
+        policy's old_logprobs (``tether.trainer.async_rollout``), and the next one is started."""
+        if self.async_rollout is not None:
+            return self.async_rollout.next_batch(launch=self.step < self.cfg.trainer.total_steps)
         return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
 
     def score(self, batch: RolloutBatch) -> None:
@@ -287,7 +307,7 @@ class Trainer:
             c.actor.reuse_update_logprobs and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
             and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
             and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
-            and c.trainer.backend == "local"  # the Ray backend's sharded update does not return them yet
+            and not c.rollout.async_steps  # the old policy is the one that generated the batch, a step behind
         )  # fmt: skip
 
     @functools.cached_property
@@ -300,8 +320,9 @@ class Trainer:
 
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
-        actor's pass is left to the update when :meth:`reuse_update_logprobs`."""
-        if self.reuse_update_logprobs(batch):
+        actor's pass is left to the update when :meth:`reuse_update_logprobs`, and not made when the batch
+        carries its behaviour policy's (``rollout.async_steps=1``)."""
+        if batch.old_logprobs is not None or self.reuse_update_logprobs(batch):
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
             return
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
@@ -370,7 +391,7 @@ class Trainer:
         self.roles.engine.sync_weights(self.roles.actor.model)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
             self.roles.ref.reset_to(self.roles.actor.model)
-            self.__dict__.pop("_exact_ref_cache", None)  # exact/* metrics must see the new reference
+            self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
     @staticmethod
@@ -401,11 +422,13 @@ class Trainer:
 
         tokens = float(batch.response_mask.sum())
         train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
-        gen_s = times.get("timing/rollout_s", 0.0)
-        out = {
+        wait_s = times.get("timing/rollout_s", 0.0) + times.get("timing/rollout_join_s", 0.0)  # the main thread's
+        async_times = batch.extra.get("async_times", {})  # rollout.async_steps=1: the job's own, off the main thread
+        gen_s = async_times.get("timing/async_generate_s", wait_s)
+        out = async_times | {
             "perf/tokens_per_s": tokens / max(train_s, 1e-9),
             "perf/generate_tokens_per_s": tokens / max(gen_s, 1e-9),
-            "perf/train_tokens_per_s": tokens / max(train_s - gen_s - times.get("timing/reward_s", 0.0), 1e-9),
+            "perf/train_tokens_per_s": tokens / max(train_s - wait_s - times.get("timing/reward_s", 0.0), 1e-9),
         }
         update_s = times.get("timing/update_actor_s", 0.0)
         if update_s > 0 and hasattr(self.roles.actor.model, "get_input_embeddings"):
@@ -422,9 +445,10 @@ class Trainer:
         return out
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        from tether.trainer.stats import rollout_metrics
+        from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
 
-        return rollout_metrics(self, batch)
+        grouped = self.cfg.algo.adv_estimator in GROUP_ESTIMATORS
+        return rollout_metrics(batch, beta=self.beta, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, grouped=grouped)
 
     def maybe_validate(self, force: bool = False) -> dict[str, float]:
         freq = self.cfg.trainer.val_freq
@@ -433,8 +457,8 @@ class Trainer:
             return {}
         from tether.trainer.stats import validate
 
-        self.last_val = validate(self)
-        self.guard.after_validation(self)
+        self.last_val = validate(self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache)
+        self.guard.after_validation(self.step, self.last_val, self.ckpt, self.roles, self.controller.value)
         return self.last_val
 
 

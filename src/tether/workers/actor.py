@@ -187,7 +187,8 @@ class ActorWorker:
             measured["entropy"] = torch.zeros_like(measured["old_logprobs"])
         for _ in range(spec.ppo_epochs):
             for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
-                out = (measured, rows) if spec.reuse_logprobs else None  # (local backend only: see RankWorker.update_actor)
+                # the batch rows of this rank's shard, in its order (the shard's padding rows have none)
+                out = (measured, rows[self.dp.shard_rows(mini)]) if spec.reuse_logprobs else None
                 metrics, loss_finite = self._mini_batch_step(self.dp.shard(mini), spec, ref, out=out)
                 metrics, loss_finite = self.dp.reduce(metrics, loss_finite)  # the same decision on every rank
                 if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
@@ -213,8 +214,8 @@ class ActorWorker:
         out["guard/nonfinite_skip"] = float(skipped)
         out["guard/early_stop"] = float(early_stop)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        if spec.reuse_logprobs:
-            out["_old_logprobs"], out["_entropy"] = measured["old_logprobs"], measured["entropy"]
+        if spec.reuse_logprobs:  # each rank measured its own rows: every rank's, in the batch's order
+            out["_old_logprobs"], out["_entropy"] = self.dp.merge_rows(measured["old_logprobs"]), self.dp.merge_rows(measured["entropy"])
         return out
 
     def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None):
@@ -222,7 +223,8 @@ class ActorWorker:
 
         With ``out = (measured, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
         are its old log-probs, and they and the entropy are written to ``measured["old_logprobs"]`` and
-        ``measured["entropy"]`` (B, T) at ``rows``.
+        ``measured["entropy"]`` (B, T) at ``rows``, the batch rows of ``mini``'s real rows (its trailing
+        data-parallel padding rows are not written).
         """
         total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
         sums: dict[str, float] = {}
@@ -242,10 +244,11 @@ class ActorWorker:
             if out is not None:
                 old = lp.detach()
                 measured, rows = out
-                if len(idx):
-                    at = rows[idx].to(old.device)
-                    measured["old_logprobs"][at, :t] = old.float()
-                    measured["entropy"][at, :t] = ent.detach().float()
+                keep = idx < len(rows)  # the shard's trailing data-parallel padding rows have no batch row
+                if bool(keep.any()):
+                    at = rows[idx[keep]].to(old.device)
+                    measured["old_logprobs"][at, :t] = old[keep.to(old.device)].float()
+                    measured["entropy"][at, :t] = ent.detach()[keep.to(old.device)].float()
             else:
                 old = mb.old_logprobs[:, :t]
             pg_loss, pg_metrics = ppo_policy_loss(

@@ -76,6 +76,15 @@ class LocalDataParallel:
         """This rank's rows of a mini-batch (all of them)."""
         return mini
 
+    def shard_rows(self, mini: RolloutBatch) -> list[int]:
+        """Positions in ``mini`` of the real rows of :meth:`shard`'s result, in the shard's order (all of them)."""
+        return list(range(len(mini)))
+
+    def merge_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor (B, ...) this rank filled at its own rows, zeros elsewhere, completed with
+        every rank's rows (unchanged here: this rank has them all)."""
+        return x
+
     def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
         """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses."""
         from tether.algos import loss_normalizers  # S counts only the rows with a valid token
