@@ -97,7 +97,7 @@ def check_padding_free(model, key: str = "actor.padding_free") -> None:
     cls = type(base)
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
         raise ValueError(f"{key}=true needs transformers >= 4.56 (packed-sequence masks); this one has none; set {key}=false")
-    if not cls.__module__.startswith("transformers.models."):
+    if not any(c.__module__.startswith("transformers.models.") for c in cls.__mro__):  # FSDP2 subclasses the model's class
         raise ValueError(
             f"{key}=true supports Hugging Face's own model classes only ({cls.__module__}.{cls.__name__} is custom code, which may let "
             f"packed sequences attend to each other); set {key}=false"
