@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -371,12 +370,6 @@ def _check_distributed(cfg) -> None:
         raise ValueError(f"actor.tp_size={cfg.actor.tp_size} must divide the worker group's {n} ranks (trainer.n_workers, or nnodes * n_gpus_per_node)")
     if cfg.actor.tp_size > 1 and cfg.actor.lora.rank > 0:
         raise ValueError("actor.tp_size > 1 with LoRA (actor.lora.rank > 0) is not supported: peft's adapter layers are not split by tensor parallelism")
-    if cfg.actor.tp_size > 1 and os.environ.get("TETHER_EXPERIMENTAL_TP") != "1":
-        raise ValueError(
-            f"actor.tp_size={cfg.actor.tp_size}: tensor-parallel training is not verified yet (its forward pass, log-probs and exact KL "
-            "are; a PPO update and a resume across meshes are not, docs/distributed.md#tensor-parallelism); use actor.tp_size=1, or set "
-            "TETHER_EXPERIMENTAL_TP=1 to try it"
-        )
     v = cfg.rollout.vllm
     if cfg.rollout.engine == "vllm" and t.placement == "colocate" and t.n_gpus_per_node:
         if v.tensor_parallel_size > 1:

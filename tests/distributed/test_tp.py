@@ -5,9 +5,8 @@
 * A tiny Qwen2 (4 query heads, 2 KV heads, tied embeddings) under tp = 2: logits, log-probs, entropy
   and exact KL equal the unsplit model's.
 
-Not here yet: a PPO update replayed by RankWorkers at tp = 2 and dp = 2 × tp = 2, and a DCP resume
-across a mesh change (a first version of that test hung at world size 4 on this machine; see
-docs/distributed.md#tensor-parallelism).
+Training under tp > 1 (PPO updates, DCP resume across meshes) is in test_tp_train.py, through Ray
+in test_ray.py.
 """
 
 from __future__ import annotations
@@ -64,14 +63,7 @@ def test_tp_size_config_errors(overrides, message):
         load_config(None, overrides)
 
 
-def test_tp_size_over_1_is_refused_until_tp_training_is_verified(monkeypatch):
-    monkeypatch.delenv("TETHER_EXPERIMENTAL_TP", raising=False)
-    with pytest.raises(ConfigError, match=r"actor.tp_size=2: tensor-parallel training is not verified yet.*TETHER_EXPERIMENTAL_TP=1"):
-        load_config(None, ["actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=4"])
-
-
-def test_tp_size_config_accepts_a_dividing_degree(monkeypatch):
-    monkeypatch.setenv("TETHER_EXPERIMENTAL_TP", "1")
+def test_tp_size_config_accepts_a_dividing_degree():
     cfg = load_config(None, ["actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=4"])
     assert cfg.actor.tp_size == 2
 

@@ -114,7 +114,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(cluster, tmp_path):
+@pytest.mark.parametrize("mesh", [[], ["actor.tp_size=2"]], ids=["fsdp2", "tp2"])  # tp2: the 2 workers are one tp group (2 heads)
+def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(cluster, tmp_path, mesh):
     """3 GRPO steps of the embedded task (a head-size-32 digit-sum policy), local backend vs 2 FSDP2
     workers and a vLLM replica on its own bundle (trainer.placement=split): the replica samples with
     the local engine's seed, so the runs see the same responses and every non-timing metric agrees
@@ -132,7 +133,7 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
               "data.embedded_train_size=16", "trainer.loggers=[jsonl]"]  # fmt: skip
     local = _cfg(model, *common, "trainer.backend=local", "trainer.n_workers=1", f"trainer.output_dir={tmp_path / 'local'}")
     Trainer(local).fit()
-    trainer = Trainer(_cfg(model, *common, "trainer.placement=split", f"trainer.output_dir={tmp_path / 'ray'}"))
+    trainer = Trainer(_cfg(model, *common, "trainer.placement=split", f"trainer.output_dir={tmp_path / 'ray'}", *mesh))
     engine = trainer.roles.engine.engine
     history = trainer.fit()
     assert len(history) == 3 and engine.last_sync == "reload_weights"

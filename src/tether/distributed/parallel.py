@@ -181,7 +181,7 @@ def _tp_plan(model: nn.Module) -> tuple[nn.Module, dict]:
     return decoder, {"plan": plan, "layer": layer}
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, src_data_rank: int | None = 0) -> nn.Module:
     """Megatron-style tensor parallelism with PyTorch's ``parallelize_module`` over a Qwen2/Llama model:
     attention q/k/v and MLP gate/up split column-wise (by output features: whole heads per rank),
     o and down row-wise (their outputs all-reduced), the token embedding vocabulary-parallel
@@ -190,6 +190,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     vocabulary-parallel log-softmax (:mod:`tether.distributed.vocab_parallel`) consumes without
     gathering. Norms stay replicated. Tied embeddings stay tied (both are sharded on the vocabulary).
     A value-head model (the critic) is split the same way, its value head replicated.
+
+    ``src_data_rank`` is ``parallelize_module``'s: 0 (default) scatters tp rank 0's weights to the
+    group, a collective that a rank holding a meta-device model skips (so ranks that differ in
+    that must all pass None); None keeps each rank's own slice, with no communication (for
+    weights loaded afterwards, as ``RankWorker`` does with ``broadcast_from_rank0``).
     """
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -197,22 +202,24 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     decoder, plans = _tp_plan(model)
     owner = next((m for m in model.modules() if isinstance(getattr(m, "lm_head", None), nn.Linear)), None)
     tied = owner is not None and owner.lm_head.weight is decoder.embed_tokens.weight
-    parallelize_module(decoder, tp_mesh, plans["plan"])
+    parallelize_module(decoder, tp_mesh, plans["plan"], src_data_rank=src_data_rank)
     for block in decoder.layers:
-        parallelize_module(block, tp_mesh, plans["layer"])
+        parallelize_module(block, tp_mesh, plans["layer"], src_data_rank=src_data_rank)
     if owner is not None:  # a causal LM (the critic's ValueModel has none)
-        parallelize_module(owner, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        lm_head = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        parallelize_module(owner, tp_mesh, lm_head, src_data_rank=src_data_rank)
         if tied:
             owner.lm_head.weight = decoder.embed_tokens.weight  # the same (vocab, hidden) Shard(0) layout
     return model
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, settings: FSDPSettings, device_type: str = "cpu", mesh=None) -> nn.Module:
-    """Tensor parallelism (tp > 1), activation checkpointing (optional), then FSDP2 on the dp
-    sub-mesh, over ``model`` in place; returns it."""
+def parallelize(model: nn.Module, dims: ParallelDims, settings: FSDPSettings, device_type: str = "cpu", mesh=None,
+                src_data_rank: int | None = 0) -> nn.Module:  # fmt: skip
+    """Tensor parallelism (tp > 1; ``src_data_rank`` as :func:`apply_tp`'s), activation
+    checkpointing (optional), then FSDP2 on the dp sub-mesh, over ``model`` in place; returns it."""
     mesh = mesh if mesh is not None else dims.build_mesh(device_type)
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], src_data_rank=src_data_rank)
         mesh = mesh["dp_shard"]
     if settings.activation_checkpointing:
         apply_ac(model)

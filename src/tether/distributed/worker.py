@@ -124,7 +124,10 @@ class RankWorker:
         self.dims.check_model(config, "actor")
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
-        model = parallelize(model if meta else model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh)
+        # rank 0 holds real weights, the others meta tensors: tensor parallelism must not scatter rank 0's
+        # (a collective the meta ranks skip, so they hung in the broadcast below); the broadcast sets them all
+        src = None if self.world_size > 1 else 0
+        model = parallelize(model if meta else model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh, src_data_rank=src)
         if self.world_size > 1:
             if meta:
                 model.to_empty(device=self.device)

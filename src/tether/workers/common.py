@@ -43,6 +43,38 @@ def pad_to(x: torch.Tensor, t: int, value: float = 0.0) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, t - x.shape[1]), value=value)
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` (L2) that also takes DTensor gradients on different device
+    meshes, as tensor parallelism + FSDP2 leave them: the split projections on the 2-D (dp_shard, tp)
+    mesh, the replicated norms on the 1-D dp_shard mesh. The norm is computed per mesh (each reduced
+    over its own mesh: every element counted once), then combined, ‖g‖ = √(Σ_mesh ‖g_mesh‖²); every
+    rank enters the same reductions in the same (parameter) order. Returns the norm before clipping
+    (a float, the same on every rank); gradients are scaled in place by min(1, max_norm / (‖g‖ + 1e-6)).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: list[tuple[object, list[torch.Tensor]]] = []  # (device mesh or None, its gradients), first-seen order
+    for g in grads:
+        mesh = getattr(g, "device_mesh", None)
+        for m, gs in groups:
+            if m == mesh:
+                gs.append(g)
+                break
+        else:
+            groups.append((mesh, [g]))
+    if len(groups) <= 1:  # one mesh (FSDP2 only) or plain tensors: torch's own
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norms = []
+    for _, gs in groups:
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)  # reduced over that mesh
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_
+    for g in grads:  # on the local shards: a plain-tensor factor times a DTensor is not scaled reliably
+        (g.to_local() if hasattr(g, "to_local") else g).mul_(coef.to(g.device))
+    return float(total)
+
+
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float) -> tuple[float, bool]:
     """Clip gradients and step, unless the gradient norm is non-finite (then the update is dropped).
 
@@ -50,8 +82,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
         (grad_norm before clipping, whether the step was applied).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+    grad_norm = clip_grad_norm(params, max_norm)
     applied = math.isfinite(grad_norm)
     if applied:
         optimizer.step()
