@@ -217,3 +217,16 @@ def test_saved_config_holds_absolute_local_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # another directory: the saved config still names the same files
     again = load_config(tmp_path / "run" / "config.yaml")
     assert (again.actor.model, again.data.train_files) == (q, str(work / "T" / "d.jsonl"))
+
+
+def test_micro_batching_keys_default_off_and_validate(monkeypatch):
+    monkeypatch.setenv("TETHER_EXPERIMENTAL_TP", "1")  # reach the padding_free check
+    cfg = TetherConfig()
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free) == (None, False)
+    assert (cfg.critic.max_tokens_per_micro_batch, cfg.critic.padding_free) == (None, False)
+    cfg = load_config(None, ["actor.max_tokens_per_micro_batch=4096", "actor.padding_free=true", "critic.padding_free=true"])
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free, cfg.critic.padding_free) == (4096, True, True)
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=0"])
+    with pytest.raises(ConfigError, match="padding_free do not support actor.tp_size=2"):
+        load_config(None, ["actor.padding_free=true", "actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=2"])
