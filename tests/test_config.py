@@ -188,3 +188,16 @@ def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path
     assert cfg.reward.function == "cfgdir/rw.py:f" and cfg.data.train_files == "cfgdir/t.jsonl"
     # the same value as an override is taken from the current directory without a check (it is the command line)
     assert load_config("cfgdir/e.yaml", ["data.train_files=missing.jsonl"]).data.train_files == "missing.jsonl"
+
+
+def test_micro_batching_keys_default_off_and_validate(monkeypatch):
+    monkeypatch.setenv("TETHER_EXPERIMENTAL_TP", "1")  # reach the padding_free check
+    cfg = TetherConfig()
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free) == (None, False)
+    assert (cfg.critic.max_tokens_per_micro_batch, cfg.critic.padding_free) == (None, False)
+    cfg = load_config(None, ["actor.max_tokens_per_micro_batch=4096", "actor.padding_free=true", "critic.padding_free=true"])
+    assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free, cfg.critic.padding_free) == (4096, True, True)
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=0"])
+    with pytest.raises(ConfigError, match="padding_free do not support actor.tp_size=2"):
+        load_config(None, ["actor.padding_free=true", "actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=2"])

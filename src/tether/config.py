@@ -70,6 +70,16 @@ class ActorConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up, in training steps.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm of the actor (clip_grad_norm_).")
     micro_batch_size: int = Field(64, ge=1, description="Responses per forward/backward; gradient accumulation over a mini-batch.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Size the actor's and reference's micro-batches by tokens instead of micro_batch_size (verl's dynamic "
+        "batch size): rows sorted by length, grouped while rows x (longest prompt + longest response) (or, with padding_free, the "
+        "valid tokens) stay within this budget; a longer row runs alone. null = micro_batch_size rows. The loss is the same."
+    )
+    padding_free: bool = Field(
+        False, description="Pack the valid tokens of several sequences into each row of the actor's and reference's forwards "
+        "(position ids restart per sequence, attention stays within it; verl's use_remove_padding): no compute on padding. "
+        "Needs transformers >= 4.56; not with actor.tp_size > 1."
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor, reference and critic.")
     trust_remote_code: bool = Field(False, description="Allow custom model code from the model directory (off unless you trust it).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the actor's backward pass.")
@@ -95,7 +105,8 @@ class ActorConfig(_Section):
         "update (gradients sum over the group: exact up to float round-off, not bitwise; off by default because GRPO's std normalisation "
         "amplifies that round-off in groups of equal scores, docs/training.md). Falls back to the ordinary pass where no prompt repeats, "
         "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than one rank (FSDP2 "
-        "needs the same forward calls on every rank) (docs/training.md)."
+        "needs the same forward calls on every rank) (docs/training.md). Composes with max_tokens_per_micro_batch (prompts are shared "
+        "within each token-budget micro-batch); refused with actor.padding_free or, with a critic, critic.padding_free."
     )
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
@@ -114,6 +125,10 @@ class CriticConfig(_Section):
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the critic.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm of the critic.")
     micro_batch_size: int = Field(64, ge=1, description="Responses per critic forward/backward.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Size the critic's micro-batches by tokens instead of micro_batch_size (as actor.max_tokens_per_micro_batch)."
+    )
+    padding_free: bool = Field(False, description="Pack the critic's sequences into rows without padding (as actor.padding_free).")
     value_clip: float = Field(0.5, gt=0, description="Clip range of the clipped value loss (PPO2 style).")
     warmup_steps: int = Field(0, ge=0, description="Steps during which only the critic is trained.")
 
@@ -433,6 +448,15 @@ class TetherConfig(_Section):
                 if getattr(self.rollout.vllm, key) > 1:
                     raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} needs trainer.backend=ray (the local backend runs one "
                                      "vLLM engine in its own process)")
+        if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
+            raise ValueError(f"actor.padding_free / critic.padding_free do not support actor.tp_size={self.actor.tp_size} (vocabulary-parallel "
+                             "logits are not gathered per packed position); use actor.tp_size=1 or padding_free=false")
+        if self.actor.share_prompt_prefix:
+            packed = [k for k, on in (("actor.padding_free", self.actor.padding_free),
+                                      ("critic.padding_free", self.critic.padding_free and self.algo.adv_estimator == "gae")) if on]  # fmt: skip
+            if packed:
+                raise ValueError(f"actor.share_prompt_prefix=true cannot be combined with {packed[0]}=true (packed rows hold whole sequences, "
+                                 f"with no prompt KV cache to share); set one of them to false")
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")

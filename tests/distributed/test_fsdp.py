@@ -32,6 +32,10 @@ VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-b
     "bf16": ["trainer.fsdp.param_dtype=bfloat16"],  # compute in bf16, fp32 master weights and AdamW moments
     "autocast": ["actor.compute_dtype=bfloat16"],  # torch.autocast to bf16 on both sides, fp32 LM heads
     "full-kl": ["kl.estimator=full"],
+    # padding-free forwards and token-budget micro-batches for actor, reference and critic; every rank also runs
+    # one extra empty micro-batch per pass (see _rank_main), which must change nothing
+    "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
+               "critic.max_tokens_per_micro_batch=20", "kl.placement=both", "kl.loss_estimator=k3", "algo.entropy_coef=0.01"],
 }
 #: Final weights: all but a few elements agree to 1e-6. The exceptions are elements whose gradient
 #: nearly cancels (|g| ~ AdamW's eps = 1e-8): there the two layouts' rounding of g (different
@@ -92,6 +96,8 @@ def _rank_main(rank: int, world: int, port: int, recs: dict, out_path: str) -> N
         cfg = rec["cfg"]
         roles = ("actor", "critic") if cfg.algo.adv_estimator == "gae" else ("actor",)
         w = RankWorker(cfg, rank, world, "127.0.0.1", port, roles=roles, lora_state=rec["lora"])
+        if name == "packed":  # the same extra count on every rank: empty micro-batches under FSDP2
+            w.dp.micro_batch_count = lambda n, count=w.dp.micro_batch_count: count(n) + 1
         res = {"steps": []}
         for s in rec["steps"]:
             batch = s["batch"]

@@ -67,6 +67,9 @@ EQUAL_CASES = {
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
     # the driver generates the next batch (and its behaviour log-probs) while the workers train
     "async": ["rollout.async_steps=1"],
+    # padding-free forwards and token-budget micro-batches (ranks pad to equal micro-batch counts)
+    "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
+               "critic.max_tokens_per_micro_batch=20"],
 }
 
 
@@ -91,14 +94,15 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
 REUSE = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05"]
 
 
-def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path):
+@pytest.mark.parametrize("packing", [[], ["actor.padding_free=true", "actor.max_tokens_per_micro_batch=20"]], ids=["padded", "packed"])
+def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path, packing):
     """actor.reuse_update_logprobs under trainer.backend=ray: each rank's update measures the old
     log-probs and entropy of its own rows (micro-batches of 3, so the shards are padded), the driver
     gets them back in the batch's order, and every non-timing metric (kl/*, policy/entropy,
     exact/*) is within 1e-5 of the local run, which reuses them too; neither runs the actor's no-grad pass."""
     runs = {}
     for name, extra in {"local": [], "ray": ["trainer.backend=ray", "trainer.n_workers=2"]}.items():
-        t = Trainer(_cfg(tmp_path / name, *REUSE, *extra))
+        t = Trainer(_cfg(tmp_path / name, *REUSE, *packing, *extra))
         calls = []
         orig = t.roles.actor.compute_logprobs
         t.roles.actor.compute_logprobs = lambda *a, _orig=orig, _calls=calls, **k: _calls.append(1) or _orig(*a, **k)

@@ -142,8 +142,9 @@ def _spec(**kw) -> ActorUpdateSpec:
     return ActorUpdateSpec(**base)
 
 
-def _update(share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: bool = False):
-    """One update of a fresh actor (and its reference) on ``_batch()``: (metrics, gradients, ref_logprobs)."""
+def _update(share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: bool = False, max_tokens: int | None = None):
+    """One update of a fresh actor (and its reference) on ``_batch()``: (metrics, gradients, ref_logprobs);
+    ``max_tokens``: micro-batches by that token budget (``actor.max_tokens_per_micro_batch``)."""
     model = _model()
     if lora:
         from tether.config import LoraConfig
@@ -155,12 +156,12 @@ def _update(share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: boo
         for n, p in model.named_parameters():  # LoRA's B starts at 0: move it so the adapters change the logits
             if "lora_B" in n:
                 p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
-        ref = ReferenceWorker(adapter_host=model, micro_batch_size=micro_batch_size, share_prompt_prefix=share)
+        ref = ReferenceWorker(adapter_host=model, micro_batch_size=micro_batch_size, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens)
     else:
-        ref = ReferenceWorker(_model(seed=1), micro_batch_size=micro_batch_size, share_prompt_prefix=share)
+        ref = ReferenceWorker(_model(seed=1), micro_batch_size=micro_batch_size, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens)
     actor = ActorWorker(
         model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1e9, micro_batch_size=micro_batch_size,
-        temperature=1.0, share_prompt_prefix=share,
+        temperature=1.0, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens,
     )  # fmt: skip
     # plain SGD at lr 1: each parameter moves by exactly its gradient (AdamW would turn a gradient that is 0 in
     # exact arithmetic, such as the key biases', into ±lr of round-off noise)
@@ -198,6 +199,38 @@ def test_update_equals_the_ordinary_path(micro_batch_size, kw):
     a, b = _update(False, spec, micro_batch_size), _update(True, spec, micro_batch_size)
     assert a[0]["policy/grad_norm"] > 1e-3 and a[0]["actor/kl_loss"] > 1e-3
     _assert_same_update(a, b)
+
+
+@pytest.mark.parametrize("kw", [{}, {"kl_loss_estimator": "full"}], ids=["k3", "full-kl"])
+def test_share_prefix_with_token_budget_equals_plain(monkeypatch, kw):
+    """actor.share_prompt_prefix inside actor.max_tokens_per_micro_batch micro-batches (the padded layout's
+    forward): the same update as the plain path (10 rows, no sharing, no budget) within 1e-5."""
+    from tether.workers.packing import token_budget_groups
+
+    # rows by tokens (prompt + response) 12, 11, 10, 9, 9, ...: a budget of 40 padded tokens gives the
+    # micro-batches [6, 3, 0] (prompts 0, 0, 1), [1, 9, 5] (0, 1, 1) and [8, 2, 4, 7]: each repeats a prompt
+    assert token_budget_groups(_batch(), 40, padding_free=False) == [[6, 3, 0], [1, 9, 5], [8, 2, 4, 7]]
+    shared = []
+    real = prefix.shared_prefix_logprobs
+    monkeypatch.setattr(prefix, "shared_prefix_logprobs", lambda m, pi, *a, **k: shared.append(pi.shape[0]) or real(m, pi, *a, **k))
+    spec = _spec(**kw)
+    plain, budget = _update(False, spec, 10), _update(True, spec, 10, max_tokens=40)
+    assert shared and max(shared) == 4  # the shared pass ran, on budget micro-batches (the plain one's would be 10 rows)
+    assert plain[0]["policy/grad_norm"] > 1e-3
+    _assert_same_update(plain, budget)
+
+
+def test_share_prefix_with_padding_free_is_refused():
+    from tether.workers.packing import MicroBatching
+
+    with pytest.raises(ValueError, match=r"actor\.share_prompt_prefix=true cannot be combined with actor\.padding_free=true"):
+        TetherConfig.model_validate({"actor": {"share_prompt_prefix": True, "padding_free": True}})
+    with pytest.raises(ValueError, match=r"critic\.padding_free=true"):
+        TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "gae"}})
+    # without a critic, critic.padding_free is unused: accepted
+    TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "grpo"}})
+    with pytest.raises(ValueError, match="share_prompt_prefix cannot be combined with padding_free"):
+        MicroBatching(4, padding_free=True, share_prefix=True)
 
 
 def test_update_with_lora_and_the_adapter_disabled_reference():

@@ -127,6 +127,14 @@ class DataParallel:
         reduce-scatters."""
         (loss * 0.0).backward()
 
+    def micro_batch_count(self, n: int) -> int:
+        """The largest micro-batch count over the ranks (a rank with fewer runs empty micro-batches)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
     def reduce(self, metrics: dict[str, float], finite: bool) -> tuple[dict[str, float], bool]:
         import torch.distributed as dist
 

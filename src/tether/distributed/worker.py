@@ -142,6 +142,12 @@ class RankWorker:
 
         cfg = self.cfg
         temp, mbs = cfg.rollout.temperature, cfg.actor.micro_batch_size
+        # share_prompt_prefix: one rank as the local backend. Several: the ordinary pass, since FSDP2 needs the same forward calls
+        # (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a mismatch aborts gloo)
+        packing = {
+            "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free,
+            "share_prompt_prefix": cfg.actor.share_prompt_prefix and self.world_size == 1,
+        }  # fmt: skip
         actor_path = resolve_model_path(cfg.actor.model, "actor.model")
         model = self._load_lm(actor_path)
         if cfg.actor.lora.rank > 0:
@@ -156,9 +162,6 @@ class RankWorker:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
         cdt = cfg.actor.compute_dtype
-        # one rank: as the local backend. Several: the ordinary pass, since FSDP2 needs the same forward calls (and so
-        # collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a mismatch aborts gloo)
-        spp = cfg.actor.share_prompt_prefix and self.world_size == 1
         if cdt != "float32":  # as the local backend: the LM heads stay fp32 under autocast
             from tether.models import fp32_lm_head
 
@@ -167,15 +170,15 @@ class RankWorker:
                 fp32_lm_head(ref_model)
         model = self._parallelize(model)
         if ref_model is None:
-            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
+            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
         else:
             ref_model.requires_grad_(False)
-            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
+            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
         self.actor = ActorWorker(
             model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp,
+            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing,
         )  # fmt: skip
-        self.actor.dp = self.dp
+        self.actor.dp = self.ref.dp = self.dp  # equal micro-batch counts on every rank (token budgets)
 
     def _build_critic(self) -> None:
         from tether.models import ValueModel, resolve_model_path
@@ -199,6 +202,7 @@ class RankWorker:
         self.critic = CriticWorker(
             vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
             value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+            max_tokens_per_micro_batch=cfg.critic.max_tokens_per_micro_batch, padding_free=cfg.critic.padding_free,
             share_prompt_prefix=cfg.actor.share_prompt_prefix and self.world_size == 1,  # as the actor's (_build_actor)
         )  # fmt: skip
         self.critic.dp = self.dp

@@ -221,11 +221,21 @@ class ValueModel(nn.Module):
             raise ConfigError(f"cannot load the critic backbone from {path}: {type(e).__name__}: {first}") from None
         return cls(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, shared=None) -> torch.Tensor:
-        if shared is not None:  # actor.share_prompt_prefix: (prompt_ids, prompt_mask, response_ids, response_mask, groups)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, response_len: int, *,
+        position_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None, shared=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """(B, T) V(s_t); or, with ``keep`` (packed (R, L) rows of ``tether.workers.packing.PackedLayout``:
+        no attention mask, ``position_ids`` restarting per sequence), (N,) V at the N ``keep`` positions; or, with
+        ``shared`` (actor.share_prompt_prefix: (prompt_ids, prompt_mask, response_ids, response_mask, groups)), (B, T)
+        V(s_t) with each distinct prompt run once (``tether.workers.prefix.shared_prefix_values``)."""
+        if shared is not None:
             from tether.workers.prefix import shared_prefix_values
 
             return shared_prefix_values(self.backbone, self.value_head, *shared)
+        if keep is not None:
+            out = self.backbone(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
+            return self.value_head(out.last_hidden_state[keep]).squeeze(-1).float()  # (N,)
         out = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
         )

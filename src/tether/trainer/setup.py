@@ -114,7 +114,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
         model.gradient_checkpointing_enable()
     cdt = cfg.actor.compute_dtype
     temp = cfg.rollout.temperature
-    spp = cfg.actor.share_prompt_prefix
+    packing = {
+        "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free,
+        "share_prompt_prefix": cfg.actor.share_prompt_prefix,
+    }  # fmt: skip
     if cfg.actor.lora.rank > 0:
         if cfg.ref.model is not None:
             raise ConfigError("actor.lora.rank > 0 uses the adapter-disabled actor as the reference; leave ref.model null")
@@ -122,7 +125,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
             raise ConfigError("ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 "
                               "(the reference is the base model with the adapters disabled)")
         model = apply_lora(model, cfg.actor.lora)
-        ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
+        ref = ReferenceWorker(adapter_host=model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing)
     else:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
         if ref_path != actor_path:
@@ -132,13 +135,12 @@ def build_roles(cfg: TetherConfig) -> Roles:
             ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
             if cdt != "float32":
                 fp32_lm_head(ref_model)  # patched after the deepcopy: each head keeps its own forward
-            ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, share_prompt_prefix=spp)
+            ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing)
     if cdt != "float32":
         fp32_lm_head(model)
     actor = ActorWorker(
         model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-        grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt,
-        share_prompt_prefix=spp,
+        grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing,
     )  # fmt: skip
     critic = None
     if cfg.algo.adv_estimator == "gae":
@@ -153,7 +155,9 @@ def build_roles(cfg: TetherConfig) -> Roles:
             vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
             critic = CriticWorker(
                 vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
-                value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens), share_prompt_prefix=spp,
+                value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
+                max_tokens_per_micro_batch=cfg.critic.max_tokens_per_micro_batch, padding_free=cfg.critic.padding_free,
+                share_prompt_prefix=cfg.actor.share_prompt_prefix,
             )  # fmt: skip
     engine = _build_engine(cfg, model, tok, actor_path)
     runner = RolloutRunner(engine, tok, device, mode=cfg.rollout.mode, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=generation_eos_ids(model))

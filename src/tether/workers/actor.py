@@ -14,18 +14,14 @@ from tether.algos import (
     ppo_policy_loss,
 )
 from tether.batch import RolloutBatch
-from tether.distributed.vocab_parallel import kl_full, logprobs_from_logits
 from tether.models import response_logprobs
 from tether.workers.common import (
     LocalDataParallel,
     MetricAccumulator,
-    micro_batches,
     mini_batches,
     optimizer_step,
-    pad_to,
-    trim,
 )
-from tether.workers.prefix import micro_batch_logprobs
+from tether.workers.packing import MicroBatching, check_padding_free
 
 
 @dataclass(frozen=True)
@@ -54,40 +50,34 @@ class ActorUpdateSpec:
 
 
 def _forward_logprobs(
-    model, batch: RolloutBatch, micro_batch_size: int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32",
-    share_prefix: bool = False,
-):
-    """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch.
+    model, batch: RolloutBatch, micro: MicroBatching | int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32",
+    dp=None,
+):  # fmt: skip
+    """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch (``micro``: a
+    :class:`~tether.workers.packing.MicroBatching`, or a row count).
 
     With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary
     and the reference's log-probs, from one reference forward per micro-batch, so that only one
     micro-batch of (b, t, V) logits of each model is alive.
     Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None, ref_logprobs (B, T) or
-    None), nats. ``share_prefix``: each distinct prompt of a micro-batch runs once (:mod:`tether.workers.prefix`).
+    None), nats, in the batch's row order.
     """
-    T = batch.response_ids.shape[1]
-    lps, ents, kls, ref_lps = [], [], [], []
+    micro = micro if isinstance(micro, MicroBatching) else MicroBatching(micro)
+    B, T = batch.response_ids.shape
+    keep = full_kl_ref is not None
+    dev = batch.response_ids.device
+    outs = {k: torch.zeros(B, T, device=dev) for k in ("lp", "ent", "kl", "ref")}
     with torch.no_grad():
-        for mb in micro_batches(batch, micro_batch_size):
-            ids, mask, t = trim(mb)
-            keep = full_kl_ref is not None
-            lp, ent, lg = micro_batch_logprobs(
-                model, mb, ids, mask, t, share_prefix=share_prefix, temperature=temperature, with_entropy=with_entropy, return_logits=keep,
-                compute_dtype=compute_dtype,
-            )  # fmt: skip
-            lps.append(pad_to(lp.float(), T))
-            if with_entropy:
-                ents.append(pad_to(ent.float(), T))
+        for idx, _, lay in micro.split(batch, dp):
+            lp, ent, lg = lay.logprobs(model, temperature=temperature, with_entropy=with_entropy, return_logits=keep, compute_dtype=compute_dtype)
+            got = {"lp": lp, "ent": ent}
             if keep:
-                ref_lg = full_kl_ref.logits_for(ids, mask, t, mb).float()
-                kls.append(pad_to(kl_full(lg.float(), ref_lg, temperature=temperature), T))
-                ref_lps.append(pad_to(logprobs_from_logits(ref_lg, ids[:, -t:], temperature), T))
-    return (
-        torch.cat(lps),
-        torch.cat(ents) if with_entropy else None,
-        torch.cat(kls) if kls else None,
-        torch.cat(ref_lps) if ref_lps else None,
-    )
+                ref_lg = full_kl_ref.layout_logits(lay).float()
+                got["kl"], got["ref"] = lay.kl_full(lg.float(), ref_lg, temperature), lay.token_logprobs(ref_lg, temperature)
+            for k, v in got.items():
+                if v is not None and len(idx):
+                    outs[k][idx.to(dev), : lay.t] = v.float()
+    return outs["lp"], outs["ent"] if with_entropy else None, outs["kl"] if keep else None, outs["ref"] if keep else None
 
 
 class ReferenceWorker:
@@ -95,15 +85,17 @@ class ReferenceWorker:
 
     def __init__(
         self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0, compute_dtype: str = "float32",
-        share_prompt_prefix: bool = False,
+        max_tokens_per_micro_batch: int | None = None, padding_free: bool = False, share_prompt_prefix: bool = False,
     ):  # fmt: skip
         if (model is None) == (adapter_host is None):
             raise ValueError("ReferenceWorker needs exactly one of model or adapter_host")
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix
         self.compute_dtype = compute_dtype
         self.model = model
         self.adapter_host = adapter_host
         self.micro_batch_size = micro_batch_size
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
+        self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel (equal micro-batch counts)
         self.temperature = temperature
         if model is not None:
             model.eval()
@@ -121,17 +113,16 @@ class ReferenceWorker:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (B, T), nats."""
         with self._context():
-            return _forward_logprobs(
-                self.module, batch, self.micro_batch_size, self.temperature, False, compute_dtype=self.compute_dtype, share_prefix=self.share_prompt_prefix
-            )[0]  # fmt: skip
+            return _forward_logprobs(self.module, batch, self.micro, self.temperature, False, compute_dtype=self.compute_dtype, dp=self.dp)[0]
 
-    def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int, mb: RolloutBatch | None = None) -> torch.Tensor:
-        """The reference's logits (B, t, V) for ``trim(mb)``'s ids and mask (``mb`` for the shared-prompt pass)."""
-        kw = dict(temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)
+    def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
         with torch.no_grad(), self._context():
-            if mb is None:
-                return response_logprobs(self.module, ids, mask, t, **kw)[2]
-            return micro_batch_logprobs(self.module, mb, ids, mask, t, share_prefix=self.share_prompt_prefix, **kw)[2]
+            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
+
+    def layout_logits(self, lay) -> torch.Tensor:
+        """The reference's logits for a micro-batch layout (``tether.workers.packing``): (b, t, V) padded, (N, V) packed."""
+        with torch.no_grad(), self._context():
+            return lay.logprobs(self.module, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
 
     def reset_to(self, actor_model) -> None:
         """Copy the actor's weights into the reference (ref.reset_every)."""
@@ -145,13 +136,18 @@ class ActorWorker:
 
     def __init__(
         self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float,
-        compute_dtype: str = "float32", share_prompt_prefix: bool = False,
+        compute_dtype: str = "float32", max_tokens_per_micro_batch: int | None = None, padding_free: bool = False,
+        share_prompt_prefix: bool = False,
     ):  # fmt: skip
         self.model = model
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
         self.compute_dtype = compute_dtype
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        # actor.max_tokens_per_micro_batch, actor.padding_free, actor.share_prompt_prefix (the padded layout's forward)
+        self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
+        if padding_free:
+            check_padding_free(model, "actor.padding_free")
         self.temperature = temperature
         self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel
         params = [p for p in model.parameters() if p.requires_grad]
@@ -162,9 +158,7 @@ class ActorWorker:
         """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
         ref_logprobs (B, T) from the same reference pass; nats."""
         self.model.eval()
-        return _forward_logprobs(
-            self.model, batch, self.micro_batch_size, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, self.share_prompt_prefix
-        )
+        return _forward_logprobs(self.model, batch, self.micro, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, dp=self.dp)
 
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
@@ -245,23 +239,22 @@ class ActorWorker:
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + value
 
-        start = 0
-        for mb in micro_batches(mini, self.micro_batch_size):
-            ids, mask, t = trim(mb)
-            lp, ent, logits = micro_batch_logprobs(
-                self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix, temperature=self.temperature, with_entropy=with_entropy,
-                return_logits=need_logits, compute_dtype=self.compute_dtype,
-            )  # fmt: skip
+        for idx, mb, lay in self.micro.split(mini, self.dp):  # tether.workers.packing: row-count or token-budget, padded or packed
+            t = lay.t
+            lp, ent, logits = lay.logprobs(
+                self.model, temperature=self.temperature, with_entropy=with_entropy, return_logits=need_logits, compute_dtype=self.compute_dtype
+            )
             rmask = mb.response_mask[:, :t]
             if out is not None:
                 old = lp.detach()
                 measured, rows = out
-                idx = rows[start : start + len(mb)].to(old.device)  # shorter than mb where padding rows start
-                measured["old_logprobs"][idx, :t] = old[: len(idx)].float()
-                measured["entropy"][idx, :t] = ent.detach()[: len(idx)].float()
+                keep = idx < len(rows)  # the shard's trailing data-parallel padding rows have no batch row
+                if bool(keep.any()):
+                    at = rows[idx[keep]].to(old.device)
+                    measured["old_logprobs"][at, :t] = old[keep.to(old.device)].float()
+                    measured["entropy"][at, :t] = ent.detach()[keep.to(old.device)].float()
             else:
                 old = mb.old_logprobs[:, :t]
-            start += len(mb)
             pg_loss, pg_metrics = ppo_policy_loss(
                 lp, old, mb.advantages[:, :t], rmask,
                 clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
@@ -271,7 +264,7 @@ class ActorWorker:
             loss = pg_loss
             if spec.kl_loss_coef > 0:
                 if need_logits:
-                    kl = kl_full(logits, ref.logits_for(ids, mask, t, mb), temperature=self.temperature)
+                    kl = lay.kl_full(logits, ref.layout_logits(lay), temperature=self.temperature)
                 else:
                     kl = kl_penalty(lp, mb.ref_logprobs[:, :t], spec.kl_loss_estimator, log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp)
                 kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)

@@ -130,6 +130,11 @@ class LocalDataParallel:
     def skip_backward(self, loss: torch.Tensor) -> None:
         """A micro-batch's loss is not finite and its backward is skipped (the mini-batch is dropped)."""
 
+    def micro_batch_count(self, n: int) -> int:
+        """The number of micro-batches every rank runs, given this rank's ``n`` (token-budget
+        micro-batches differ in count by rank; FSDP2 needs the same on all): ``n`` here."""
+        return n
+
 
 class MetricAccumulator:
     """Averages metric dicts over mini-batches."""

@@ -12,13 +12,10 @@ from tether.models import ValueModel
 from tether.workers.common import (
     LocalDataParallel,
     MetricAccumulator,
-    micro_batches,
     mini_batches,
     optimizer_step,
-    pad_to,
-    trim,
 )
-from tether.workers.prefix import micro_batch_values
+from tether.workers.packing import MicroBatching, check_padding_free
 
 
 class CriticWorker:
@@ -26,13 +23,17 @@ class CriticWorker:
 
     def __init__(
         self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float, norm_constant: float,
-        share_prompt_prefix: bool = False,
+        max_tokens_per_micro_batch: int | None = None, padding_free: bool = False, share_prompt_prefix: bool = False,
     ):  # fmt: skip
         self.model = model
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
         self.norm_constant = norm_constant  # seq-mean-token-sum-norm divisor (the maximum response length)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        # critic.max_tokens_per_micro_batch, critic.padding_free, actor.share_prompt_prefix (the padded layout's forward)
+        self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
+        if padding_free:
+            check_padding_free(model, "critic.padding_free")
         self.value_clip = value_clip
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         self.scheduler = None
@@ -41,13 +42,12 @@ class CriticWorker:
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """(B, T) V(s_t) under the current critic, 0 on masked positions."""
         self.model.eval()
-        T = batch.response_ids.shape[1]
-        out = []
+        out = torch.zeros(batch.response_ids.shape, device=batch.response_ids.device)
         with torch.no_grad():
-            for mb in micro_batches(batch, self.micro_batch_size):
-                ids, mask, t = trim(mb)
-                out.append(pad_to(micro_batch_values(self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix), T))
-        return torch.cat(out) * batch.response_mask
+            for idx, _, lay in self.micro.split(batch, self.dp):
+                if len(idx):
+                    out[idx.to(out.device), : lay.t] = lay.values(self.model)
+        return out * batch.response_mask
 
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
@@ -65,9 +65,9 @@ class CriticWorker:
                 total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
                 sums = {"value/loss": 0.0, "value/clipfrac": 0.0}
                 finite = True
-                for mb in micro_batches(mini, self.micro_batch_size):
-                    ids, mask, t = trim(mb)
-                    v = micro_batch_values(self.model, mb, ids, mask, t, share_prefix=self.share_prompt_prefix)
+                for _, mb, lay in self.micro.split(mini, self.dp):  # tether.workers.packing
+                    t = lay.t
+                    v = lay.values(self.model)
                     rmask = mb.response_mask[:, :t]
                     loss, m = ppo_value_loss(
                         v, mb.values[:, :t], mb.returns[:, :t], rmask, clip_range=self.value_clip, agg_mode=agg_mode,
