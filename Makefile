@@ -32,7 +32,7 @@ VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf RAY_AUTH_MODE=disabled
 
-.PHONY: install demo test test-fast bench bench-peer lint clean install-vllm test-vllm
+.PHONY: install install-ray demo test test-fast bench bench-peer lint clean install-vllm test-vllm
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,9 @@ demo: install
 $(VENV)/.installed-ray: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),ray]"
 	touch $@
+
+# trainer.backend=ray (the error for a missing ray names this target)
+install-ray: $(VENV)/.installed-ray
 
 # Ray 2.60 writes an auth token under $$HOME unless RAY_AUTH_MODE=disabled; its session files go to TMPDIR
 RAY_TEST_ENV := RAY_AUTH_MODE=disabled TMPDIR=$(TEST_TMP)

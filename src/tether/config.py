@@ -180,6 +180,7 @@ class RewardConfig(_Section):
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
     timeout_s: float | None = Field(None, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors (null = wait forever). See docs/rewards.md.")
+    max_failed_steps: int = Field(3, ge=1, description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps whose every sample was dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them); a run that ends with every one of its steps so failed also stops with that error. See docs/rewards.md.")
 
     @field_validator("clip")
     @classmethod

@@ -322,7 +322,7 @@ def test_a_hung_reward_function_is_abandoned_and_the_run_stops_after_the_empty_b
     assert "did not return within reward.timeout_s=1 s: 16 of 16 sample(s) count as errors" in caplog.text
     t.train_step()
     with pytest.raises(TrainingStopped, match="every sample was dropped .*reward/error_count=16.* for 3 steps in a row"):
-        t.train_step()  # the existing consecutive-failure rule (guards.EMPTY_STREAK_STOP = 3)
+        t.train_step()  # the consecutive-failure rule (reward.max_failed_steps, default 3)
     assert t.step == 4 and same(before, params(t))
 
 

@@ -137,6 +137,8 @@ def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
         problem, answer = _text(_field(rec, "problem", "question")), _field(rec, "answer")
         if problem is None:
             return "no 'problem' (or 'question') text"
+        if answer is None:
+            return "no 'answer' column (an AIME file needs 'problem' and 'answer')"
         try:
             gt = parse_aime_ground_truth(answer.strip() if isinstance(answer, str) else answer)
         except ValueError as e:

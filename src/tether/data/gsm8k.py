@@ -76,7 +76,10 @@ def _load_src(src: Path, required: tuple[str, ...]) -> list[tuple[str, dict]]:
             continue
         out.append((loc, rec))
     if problems:
-        raise DataError(f"{src}: {len(problems)} malformed row(s):\n  " + "\n  ".join(problems[:20]),
+        converted = any(isinstance(rec, dict) and "prompt" in rec and "reward_model" in rec for _, rec in located)
+        hint = (f"\n{src} looks already converted to verl's schema (it has 'prompt' and 'reward_model'): train on it "
+                f"directly with data.train_files={src}") if converted else ""
+        raise DataError(f"{src}: {len(problems)} malformed row(s):\n  " + "\n  ".join(problems[:20]) + hint,
                         problems[:20], len(problems))
     if not out:
         raise DataError(f"{src}: empty dataset (no rows)")

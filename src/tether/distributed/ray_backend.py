@@ -23,6 +23,7 @@ from contextlib import suppress
 import torch
 
 from tether.batch import RolloutBatch
+from tether.config import ConfigError
 from tether.distributed.dp import gather_rows, split_batch
 from tether.distributed.worker import ALL, DP_SPLIT, RankWorker
 
@@ -46,6 +47,21 @@ def colocated_vllm(cfg) -> bool:
     return cfg.rollout.engine == "vllm" and cfg.trainer.placement == "colocate"
 
 
+RAY_INSTALL_HINT = "pip install -e '.[ray]' (or `make install-ray`)"
+
+
+def check_ray_installed() -> None:
+    """trainer.backend=ray needs the ``ray`` extra; checked before any model loads.
+
+    Raises:
+        ConfigError: ray is not importable, naming the extra to install.
+    """
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"trainer.backend=ray needs Ray, which is not installed: {RAY_INSTALL_HINT}") from None
+
+
 class RayCluster:
     """Attach to a running Ray (``trainer.ray_address``, or one this process already joined) or start a
     local one; :meth:`close` shuts down only a Ray that this object started."""
@@ -57,7 +73,11 @@ class RayCluster:
         if ray.is_initialized():
             return
         if address:
-            ray.init(address=address, log_to_driver=False)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except (ConnectionError, TimeoutError) as e:  # Ray raises ConnectionError after its own retries
+                raise ConfigError(f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({e}); "
+                                  "start one with `ray start --head` or leave trainer.ray_address null for a local Ray") from None
             return
         ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False, log_to_driver=False)
         self.started = True

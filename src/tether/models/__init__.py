@@ -35,6 +35,9 @@ def resolve_model_path(name: str, key: str = "actor.model") -> Path:
 
         return Path(ensure_reference())
     p = Path(name).expanduser()
+    if p.is_file():
+        raise ConfigError(f"{key}={name!r} is a file, not a model directory: give the Hugging Face model directory "
+                          "(the one holding config.json and the weights)")
     if not p.is_dir():
         raise ConfigError(f"{key}={name!r}: no such local model directory (tether never downloads models)")
     if not (p / "config.json").is_file():

@@ -177,7 +177,7 @@ def verify_checkpoint(path: Path, only: str | None = None) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist")
     mpath = path / MANIFEST
     if not mpath.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the write did not finish)")
+        raise CheckpointError(f"checkpoint {path}: incomplete (no {MANIFEST}: the write did not finish)")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -18,9 +18,6 @@ from tether.config import GuardConfig
 log = logging.getLogger("tether")
 
 
-EMPTY_STREAK_STOP = 3  # this many steps in a row with no valid sample stop the run
-
-
 class TrainingStopped(RuntimeError):
     """A guard stopped the run; the message says which and why."""
 
@@ -33,8 +30,9 @@ class GuardMonitor:
     the last validation (a checkpoint is labelled with a score only when it was validated at its step).
     """
 
-    def __init__(self, cfg: GuardConfig):
+    def __init__(self, cfg: GuardConfig, *, max_failed_steps: int = 3):
         self.cfg = cfg
+        self.max_failed_steps = max_failed_steps  # reward.max_failed_steps: this many steps in a row with no valid sample stop the run
         self.coef_scale = 1.0
         self.rollbacks = 0
         self.stable_step: int | None = None
@@ -88,10 +86,11 @@ class GuardMonitor:
             msg = f"step {step}: every sample of the batch was dropped ({why or 'no valid response'}); the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
-            if self.empty_streak >= EMPTY_STREAK_STOP:
+            if self.empty_streak >= self.max_failed_steps:
                 raise self._stop(
                     "empty_batch", f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} steps in a "
-                    "row: the reward function or the data never give a valid sample (see the reward warnings above)",
+                    f"row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the data never give a valid sample "
+                    "(see the reward warnings above)",
                 )
             self._event("empty_batch", msg)
             return "skip"
@@ -109,6 +108,16 @@ class GuardMonitor:
             self._event("nonfinite", msg)
             return "skip"
         return self.check_kl(step, kl_mean, beta)
+
+    def all_steps_failed(self, steps_run: int) -> TrainingStopped | None:
+        """The error for a run that ended with every one of its ``steps_run`` steps empty (fewer than
+        reward.max_failed_steps, else :meth:`before_update` stopped it already); None otherwise."""
+        if steps_run <= 0 or self.empty_streak < steps_run:
+            return None
+        return self._stop(
+            "empty_batch", f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
+            "nothing was trained; the reward function or the data never give a valid sample",
+        )
 
     def check_kl(self, step: int, kl_mean: float, beta: float, *, after_update: bool = False) -> str:
         """guard.max_kl on ``kl/ref_mean``: 'update' or 'skip'; raises TrainingStopped when configured to stop.

@@ -91,6 +91,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
     from tether.rewards import RewardManager
     from tether.trainer.rollout import RolloutRunner
 
+    if cfg.trainer.backend == "ray":
+        from tether.distributed.ray_backend import check_ray_installed
+
+        check_ray_installed()  # a one-line error naming the extra, before any model loads
     device = pick_device(cfg.trainer.device)
     if device.type == "cpu" and cfg.actor.dtype == "float16":
         raise ConfigError("actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16")

@@ -27,6 +27,7 @@ from tether.algos import (
 )
 from tether.batch import RolloutBatch
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
+from tether.trainer import startup
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
 from tether.trainer.setup import build_roles
@@ -154,11 +155,14 @@ class Trainer:
             train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
+        startup.check_context_length(cfg, self.roles.actor_path, self.train_set, self.val_set)
+        startup.warn_batch_larger_than_data(cfg, len(self.train_set))
+        startup.log_reuse_logprobs(cfg, has_critic=self.roles.critic is not None, has_dropout=self._actor_has_dropout)
         if hasattr(self.roles.reward, "check_rows"):
             self.roles.reward.check_rows(train_rows + val_rows)  # an unknown data_source fails here, not mid-run
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, cfg.trainer.seed, cfg.data.shuffle)
         self.controller = make_kl_controller(cfg.kl.controller, **controller_kwargs(cfg))
-        self.guard = GuardMonitor(cfg.guard)
+        self.guard = GuardMonitor(cfg.guard, max_failed_steps=cfg.reward.max_failed_steps)
         self.step = 0
         self.last_val: dict[str, float] = {}
         from tether.trainer.async_rollout import build_async_rollout
@@ -182,6 +186,7 @@ class Trainer:
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
+        first_step = self.step
         try:
             with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
                 if self.step == 0 and self.cfg.trainer.val_freq:
@@ -205,6 +210,8 @@ class Trainer:
             if self.async_rollout is not None:
                 self.async_rollout.close()
             self.roles.close()
+        if (failed := self.guard.all_steps_failed(self.step - first_step)) is not None:
+            raise failed  # every step was empty: an error exit, its checkpoint (at total_steps) already written
         if self.cfg.trainer.report:
             from tether.report import write_report
 

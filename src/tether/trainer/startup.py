@@ -1,0 +1,99 @@
+"""Start-up checks that need the loaded tokenizer and prompt sets: run once by Trainer._setup, before step 1."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from tether.config import ConfigError, TetherConfig
+
+log = logging.getLogger("tether")
+
+
+def max_position_embeddings(model_path) -> int | None:
+    """``max_position_embeddings`` of a model directory's config.json (also under ``text_config``);
+    None where the file or the key is missing (then nothing is checked)."""
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for d in (data, data.get("text_config") or {}):
+        v = d.get("max_position_embeddings") if isinstance(d, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def check_context_length(cfg: TetherConfig, model_path, *prompt_sets) -> None:
+    """The longest prompt plus ``rollout.max_new_tokens`` must fit the actor's position embeddings.
+
+    A sequence past ``max_position_embeddings`` has no position for its later tokens: rotary models
+    generate garbage, learned-position models index out of range, and a long enough request just
+    runs for hours. Checked on the prompts actually kept (each at most ``data.max_prompt_length``).
+
+    Raises:
+        ConfigError: naming rollout.max_new_tokens, the longest prompt (tokens) and the model's
+            max_position_embeddings.
+    """
+    limit = max_position_embeddings(model_path)
+    longest = max((len(ids) for s in prompt_sets for ids in s.ids), default=0)
+    total = longest + cfg.rollout.max_new_tokens
+    if limit is not None and total > limit:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; data.max_prompt_length="
+            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond actor.model's max_position_embeddings={limit} "
+            f"(config.json): lower rollout.max_new_tokens to at most {max(limit - longest, 0)}"
+        )
+
+
+def warn_batch_larger_than_data(cfg: TetherConfig, n_prompts: int) -> bool:
+    """One warning when ``data.batch_size`` exceeds the training prompts: each step then repeats prompts.
+    Returns whether it warned."""
+    if cfg.data.batch_size <= n_prompts:
+        return False
+    log.warning(
+        "data.batch_size=%d is larger than the training set (%d prompts): every step repeats prompts within its batch; "
+        "lower data.batch_size or add data", cfg.data.batch_size, n_prompts,
+    )  # fmt: skip
+    return True
+
+
+def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool) -> list[str]:
+    """Why ``actor.reuse_update_logprobs`` cannot apply to this run ([] = it applies to every full batch);
+    the conditions of :meth:`tether.trainer.Trainer.reuse_update_logprobs`."""
+    c = cfg
+    responses = c.data.batch_size * c.rollout.n
+    why = []
+    if c.actor.old_logprobs_source != "recompute":
+        why.append(f"actor.old_logprobs_source={c.actor.old_logprobs_source}")
+    if c.algo.ppo_epochs != 1:
+        why.append(f"algo.ppo_epochs={c.algo.ppo_epochs} (more than one epoch)")
+    if responses > c.algo.mini_batch_size:
+        why.append(f"data.batch_size × rollout.n = {responses} responses > algo.mini_batch_size={c.algo.mini_batch_size} (more than one mini-batch)")
+    if c.kl.placement not in ("loss", "none"):
+        why.append(f"kl.placement={c.kl.placement}")
+    if c.kl.estimator == "full":
+        why.append("kl.estimator=full")
+    if has_critic:
+        why.append("a critic (algo.adv_estimator=gae)")
+    if c.guard.on_max_kl != "raise_coef":
+        why.append(f"guard.on_max_kl={c.guard.on_max_kl}")
+    if has_dropout:
+        why.append("dropout in the actor")
+    if c.rollout.async_steps:
+        why.append(f"rollout.async_steps={c.rollout.async_steps}")
+    return why
+
+
+def log_reuse_logprobs(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool) -> str | None:
+    """One info line at start saying whether actor.reuse_update_logprobs=true is in effect, and if not why; returns it."""
+    if not cfg.actor.reuse_update_logprobs:
+        return None
+    why = reuse_logprobs_blockers(cfg, has_critic=has_critic, has_dropout=has_dropout)
+    if why:
+        msg = "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): " + "; ".join(why)
+    else:
+        msg = "actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"
+    log.info("%s", msg)
+    return msg

@@ -1,0 +1,194 @@
+"""Start-up checks from a new-user trial: each bad setting gets one clear line before work starts."""
+
+import json
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tether.cli import main
+from tether.config import ConfigError, GuardConfig
+from tether.data import DataError
+from tether.trainer import Trainer, TrainingStopped
+from tether.trainer.guards import GuardMonitor
+from tether.trainer.prompts import PromptSet
+from tether.trainer.startup import check_context_length, max_position_embeddings
+
+
+# ---------------------------------------------------------------- 1, 2: trainer.backend=ray
+def test_backend_ray_without_ray_installed_names_the_extra(small_cfg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ModuleNotFoundError, as without the extra
+    with pytest.raises(ConfigError, match=r"trainer.backend=ray needs Ray, which is not installed: pip install -e '\.\[ray\]' \(or `make install-ray`\)"):
+        Trainer(small_cfg("trainer.backend=ray"))
+
+
+def test_backend_ray_without_ray_is_one_line_and_exit_2_from_the_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    rc = main(["train", "trainer.backend=ray", "trainer.progress=false", "data.embedded_train_size=8", f"trainer.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["tether train: trainer.backend=ray needs Ray, which is not installed: pip install -e '.[ray]' (or `make install-ray`)"]
+    assert not (tmp_path / "run").exists()  # a failed start leaves no run directory
+
+
+def test_unreachable_ray_address_names_the_key_and_the_address(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from tether.distributed.ray_backend import RayCluster
+
+    def refuse(*args, **kwargs):  # what ray.init raises after its retries (ray/_private/worker.py)
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ConfigError, match=r"^trainer.ray_address='10.255.255.1:1': cannot connect to a Ray cluster there \(Failed to connect to Ray cluster at 10.255.255.1:1\)"):
+        RayCluster("10.255.255.1:1", 1)
+
+
+# ---------------------------------------------------------------- 3: prompt + response beyond the model's positions
+def _model_dir(tmp_path, **config):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_max_position_embeddings_is_read_from_config_json(tmp_path):
+    assert max_position_embeddings(_model_dir(tmp_path, max_position_embeddings=2048)) == 2048
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    assert max_position_embeddings(tmp_path / "m") == 4096
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"n_positions": 1024}))
+    assert max_position_embeddings(tmp_path / "m") is None  # not checked
+
+
+def test_longest_prompt_plus_max_new_tokens_must_fit_the_positions(small_cfg, tmp_path):
+    d = _model_dir(tmp_path, max_position_embeddings=32)
+    prompts = PromptSet([None, None], ["a", "b"], [[1] * 5, [1] * 7])  # longest prompt: 7 tokens
+    check_context_length(small_cfg("rollout.max_new_tokens=25"), d, prompts)  # 7 + 25 = 32: fits
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=26 plus the longest prompt \(7 tokens; data.max_prompt_length=512\) is 33 "
+                       r"tokens, beyond actor.model's max_position_embeddings=32 \(config.json\): lower rollout.max_new_tokens to at most 25"):
+        check_context_length(small_cfg("rollout.max_new_tokens=26"), d, prompts)
+
+
+def test_a_huge_max_new_tokens_is_refused_at_start(small_cfg):
+    # the embedded reference has max_position_embeddings=32 (its config.json)
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=100000 plus the longest prompt .* beyond actor.model's max_position_embeddings=32"):
+        Trainer(small_cfg("rollout.max_new_tokens=100000"))
+
+
+# ---------------------------------------------------------------- 6: a reward that fails on every sample
+def test_the_failed_step_streak_is_reward_max_failed_steps():
+    g = GuardMonitor(GuardConfig(), max_failed_steps=2)
+    assert g.before_update(1, float("nan"), torch.zeros(4), 0.1, n_valid=0, why="reward/error_count=4") == "skip"
+    with pytest.raises(TrainingStopped, match=r"step 2: .* for 2 steps in a row \(reward.max_failed_steps=2\)"):
+        g.before_update(2, float("nan"), torch.zeros(4), 0.1, n_valid=0, why="reward/error_count=4")
+
+
+def test_a_run_that_ends_with_every_step_failed_is_an_error():
+    g = GuardMonitor(GuardConfig(), max_failed_steps=3)
+    g.before_update(1, float("nan"), torch.zeros(4), 0.1, n_valid=0)
+    g.before_update(2, float("nan"), torch.zeros(4), 0.1, n_valid=0)
+    stop = g.all_steps_failed(2)
+    assert isinstance(stop, TrainingStopped) and "every sample of all 2 step(s) of this run was dropped" in str(stop)
+    assert g.all_steps_failed(3) is None  # a step of the 3 had a valid sample
+    g.before_update(3, 0.01, torch.ones(4), 0.1, n_valid=4)
+    assert g.all_steps_failed(3) is None
+
+
+def test_max_failed_steps_is_a_config_value(small_cfg):
+    assert small_cfg().reward.max_failed_steps == 3
+    assert small_cfg("reward.max_failed_steps=5").reward.max_failed_steps == 5
+    with pytest.raises(ConfigError, match="reward.max_failed_steps"):
+        small_cfg("reward.max_failed_steps=0")
+
+
+RAISING_REWARD = '''
+def reward(data_sources, solution_strs, ground_truths, extra_infos):
+    raise RuntimeError("broken reward")
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_that_always_raises_stops_a_short_run_with_exit_3_and_a_checkpoint(tmp_path, capsys):
+    fn = tmp_path / "r_raise.py"
+    fn.write_text(textwrap.dedent(RAISING_REWARD))
+    run = tmp_path / "run"
+    rc = main(["train", f"reward.function={fn}:reward", "trainer.total_steps=2", "trainer.progress=false", "trainer.val_freq=0",
+               "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=2", "trainer.report=false",
+               f"trainer.output_dir={run}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "stopped by a guard: every sample of all 2 step(s) of this run was dropped" in err and "done:" not in err
+    assert (run / "checkpoints" / "step_000002" / "MANIFEST.json").is_file()
+
+
+# ---------------------------------------------------------------- 9, 10: silent settings
+def test_batch_larger_than_the_dataset_warns_once_naming_both(small_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        Trainer(small_cfg("data.batch_size=16", "data.embedded_train_size=8"))
+    hits = [r.getMessage() for r in caplog.records if "data.batch_size" in r.getMessage()]
+    assert hits == ["data.batch_size=16 is larger than the training set (8 prompts): every step repeats prompts within its batch; "
+                    "lower data.batch_size or add data"]
+
+
+def test_batch_within_the_dataset_does_not_warn(small_cfg, caplog):
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        Trainer(small_cfg("data.batch_size=8", "data.embedded_train_size=8"))
+    assert not any("data.batch_size" in r.getMessage() for r in caplog.records)
+
+
+def _reuse_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("actor.reuse_update_logprobs")]
+
+
+def test_reuse_update_logprobs_says_why_it_is_not_in_effect(small_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="tether"):
+        Trainer(small_cfg("kl.placement=loss", "algo.ppo_epochs=2"))  # 4 prompts × 4 samples = 16 > mini_batch_size=8
+    assert _reuse_lines(caplog) == [
+        "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): algo.ppo_epochs=2 (more than "
+        "one epoch); data.batch_size × rollout.n = 16 responses > algo.mini_batch_size=8 (more than one mini-batch)"
+    ]
+
+
+def test_reuse_update_logprobs_says_when_it_is_in_effect(small_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="tether"):
+        Trainer(small_cfg("kl.placement=loss", "algo.mini_batch_size=16"))
+    assert _reuse_lines(caplog) == ["actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"]
+
+
+def test_reuse_update_logprobs_off_logs_nothing(small_cfg, caplog):
+    with caplog.at_level(logging.INFO, logger="tether"):
+        Trainer(small_cfg("actor.reuse_update_logprobs=false"))
+    assert _reuse_lines(caplog) == []
+
+
+# ---------------------------------------------------------------- 13: small messages
+def test_a_plain_file_as_actor_model_says_it_is_a_file(small_cfg, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"actor.model='.*afile' is a file, not a model directory"):
+        Trainer(small_cfg(f"actor.model={f}"))
+
+
+def test_aime_without_an_answer_column_names_it(tmp_path):
+    from tether.data.benchmarks import convert_aime
+
+    src = tmp_path / "a.jsonl"
+    src.write_text(json.dumps({"problem": "What is 1+1?"}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: no 'answer' column \(an AIME file needs 'problem' and 'answer'\)"):
+        convert_aime(src, tmp_path / "out.jsonl")
+
+
+def test_gsm8k_on_an_already_converted_file_hints_so(tmp_path):
+    from tether.data import convert_gsm8k
+
+    src = tmp_path / "train.jsonl"
+    src.write_text(json.dumps({"question": "1+1?", "answer": "2\n#### 2"}) + "\n")
+    converted = tmp_path / "train_verl.jsonl"
+    assert convert_gsm8k(src, converted) == 1
+    with pytest.raises(DataError, match=r"looks already converted to verl's schema .*data.train_files=.*train_verl.jsonl"):
+        convert_gsm8k(converted, tmp_path / "again.jsonl")
+    with pytest.raises(DataError) as e:  # a plain malformed file gets no such hint
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "1+1?"}) + "\n")
+        convert_gsm8k(tmp_path / "bad.jsonl", tmp_path / "x.jsonl")
+    assert "converted" not in str(e.value)
