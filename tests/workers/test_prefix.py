@@ -4,6 +4,8 @@ Every test compares against the ordinary pass (the whole prompt + response per r
 inputs: log-probs, entropy, logits, the update's loss, metrics and gradients within 1e-5 in fp32.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -101,6 +103,36 @@ def test_shared_prefix_equals_the_ordinary_pass(rows):
     torch.testing.assert_close(lg2[m], lg[m], rtol=0, atol=1e-5)
     # the rows' own prompts were not mixed up: a model that sees another prompt gives other values
     assert float((lp[m] - lp[m].roll(1)).abs().max()) > 1e-2
+
+
+def _scaled_model():
+    """``_model()`` with its weights (not the norms') × 20, so logits are O(1) as a trained model's are
+    and the round-off of issue 13 shows (at the initial scale it mostly rounds away)."""
+    model = _model()
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "norm" not in name:
+                prm.mul_(20.0)
+    return model
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_actor_and_reference_passes_are_bitwise_equal_with_equal_weights(share):
+    # The actor's parameters require grad and the reference's do not. torch's matmul folds a (b, l, H)
+    # input into one (b·l, H) mm when the weight requires grad, else takes a bmm for a non-contiguous
+    # input; for l = 1 (the prompt pass's last position) bmm and mm round differently (issue 13).
+    # The two no-grad passes must agree exactly, so that KL = 0 at π = π_ref is exactly 0.
+    model = _scaled_model()
+    ref = ReferenceWorker(copy.deepcopy(model), micro_batch_size=4, share_prompt_prefix=share)
+    actor = ActorWorker(
+        model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=4, temperature=1.0,
+        share_prompt_prefix=share,
+    )  # fmt: skip
+    b = _batch()
+    old, _, _, _ = actor.compute_logprobs(b, with_entropy=True)
+    ref_lp = ref.compute_logprobs(b)
+    assert torch.equal(old, ref_lp)
+    assert float(old[b.response_mask.bool()].abs().min()) > 0  # real log-probs, not zeros
 
 
 def test_response_of_one_token_needs_no_response_pass():

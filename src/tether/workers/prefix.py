@@ -157,7 +157,12 @@ def shared_prefix_logprobs(
     keep_last = "logits_to_keep" in _forward_params(model)
 
     def forward(ids, mask, pos, cache, last_only):
-        kwargs = {"logits_to_keep": 1} if last_only and keep_last else {}
+        # the last position as an index tensor, not logits_to_keep=1: Hugging Face then gathers a contiguous
+        # (U, 1, H) copy for the head instead of a strided view, and torch's matmul takes one mm for it whether
+        # or not the head's weight requires grad (on a strided (U, 1, H) input it folds to mm only for a weight
+        # that requires grad, else runs a bmm, which rounds differently): the actor's and the reference's
+        # passes are then bitwise equal when their weights are (issue 13)
+        kwargs = {"logits_to_keep": torch.tensor([ids.shape[1] - 1], device=ids.device)} if last_only and keep_last else {}
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}, **kwargs).logits
         return logits[:, -1:, :] if last_only else logits
 
