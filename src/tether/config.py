@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 EMBEDDED = "embedded"
 
@@ -102,13 +102,14 @@ class ActorConfig(_Section):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     share_prompt_prefix: bool = Field(
-        False, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
+        True, description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and only the "
         "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob passes and the "
-        "update (gradients sum over the group: exact up to float round-off, not bitwise; off by default because GRPO's std normalisation "
-        "amplifies that round-off in groups of equal scores, docs/training.md). Falls back to the ordinary pass where no prompt repeats, "
-        "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than one rank (FSDP2 "
-        "needs the same forward calls on every rank) (docs/training.md). Composes with max_tokens_per_micro_batch (prompts are shared "
-        "within each token-budget micro-batch); refused with actor.padding_free or, with a critic, critic.padding_free."
+        "update (gradients sum over the group). Equal to the ordinary pass up to float round-off (1e-5 in fp32), and the actor's and "
+        "reference's passes are bitwise equal when their weights are, so the KL at π = π_ref is exactly 0 (docs/training.md). Falls back "
+        "to the ordinary pass where no prompt repeats, under gradient checkpointing (update only), with sliding-window models, and in Ray "
+        "worker groups of more than one rank (FSDP2 needs the same forward calls on every rank) (docs/training.md). Composes with "
+        "max_tokens_per_micro_batch (prompts are shared within each token-budget micro-batch). Left unset, it is off where "
+        "actor.padding_free or, with a critic, critic.padding_free is on (packed rows hold whole sequences); set true, that is refused."
     )
     tp_size: int = Field(
         1, ge=1, description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): each "
@@ -433,6 +434,31 @@ class TetherConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _share_prompt_prefix_gives_way(cls, data):
+        """actor.share_prompt_prefix, on by default, is off where it is left unset and a packed layout is asked
+        for (actor.padding_free, or critic.padding_free with a critic: packed rows hold whole sequences, with no
+        prompt cache to share); set true explicitly beside one, :meth:`_cross_checks` refuses the pair."""
+        actor = data.get("actor", {}) if isinstance(data, dict) else None
+        given = actor.model_fields_set if isinstance(actor, BaseModel) else actor
+        if given is None or not hasattr(given, "__contains__") or "share_prompt_prefix" in given:
+            return data
+
+        def on(section: str, key: str, default):
+            value = data.get(section, {})
+            value = value.get(key, default) if isinstance(value, dict) else getattr(value, key, default)
+            try:
+                return TypeAdapter(type(default)).validate_python(value)
+            except ValidationError:
+                return default  # a bad value: the field's own validation names it
+
+        gae = on("algo", "adv_estimator", AlgoConfig.model_fields["adv_estimator"].default) == "gae"
+        if on("actor", "padding_free", False) or (gae and on("critic", "padding_free", False)):
+            off = actor.model_copy(update={"share_prompt_prefix": False}) if isinstance(actor, BaseModel) else {**actor, "share_prompt_prefix": False}
+            data = {**data, "actor": off}
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self):
         if self.algo.adv_estimator in {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"} and self.rollout.n < 2:
@@ -458,7 +484,7 @@ class TetherConfig(_Section):
                                       ("critic.padding_free", self.critic.padding_free and self.algo.adv_estimator == "gae")) if on]  # fmt: skip
             if packed:
                 raise ValueError(f"actor.share_prompt_prefix=true cannot be combined with {packed[0]}=true (packed rows hold whole sequences, "
-                                 f"with no prompt KV cache to share); set one of them to false")
+                                 f"with no prompt KV cache to share); set one of them to false (left unset, share_prompt_prefix is off then)")
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} >= trainer.total_steps={self.trainer.total_steps}: "
                              "only the critic would be trained, never the actor (lower critic.warmup_steps)")

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tether.workers.prefix as prefix
 from tether.batch import RolloutBatch
-from tether.config import TetherConfig
+from tether.config import ConfigError, TetherConfig
 from tether.data import PromptRow
 from tether.models import response_logprobs
 from tether.workers import ActorWorker, ReferenceWorker
@@ -133,6 +133,32 @@ def test_actor_and_reference_passes_are_bitwise_equal_with_equal_weights(share):
     ref_lp = ref.compute_logprobs(b)
     assert torch.equal(old, ref_lp)
     assert float(old[b.response_mask.bool()].abs().min()) > 0  # real log-probs, not zeros
+
+
+@pytest.mark.parametrize("rows", [[1, 3, 6, 8], [0, 2, 5, 7, 9], [3, 1, 2, 0, 5, 4, 7, 6, 9, 8], [4, 1, 6]])
+def test_a_rows_shared_logprobs_do_not_depend_on_its_micro_batch(rows):
+    # one group alone (U = 1), another, the batch reordered, a singleton with two groups: each row's
+    # log-probs are bitwise those it gets in the whole batch (the update's shuffled micro-batches and the
+    # no-grad passes in rollout order then agree exactly, as the ordinary pass's do; issue 13)
+    model = _scaled_model().eval()
+    b = _batch()
+
+    def shared(mb):
+        ids, mask, t = trim(mb)
+        with torch.no_grad():
+            return micro_batch_logprobs(model, mb, ids, mask, t, share_prefix=True)[0]
+
+    whole, part = shared(b), shared(b.select(rows))
+    assert torch.equal(part, whole[rows, : part.shape[1]])
+
+
+def test_prompt_groups_none_when_the_prompt_pass_would_be_one_token():
+    # the prompt pass runs P - 1 columns for U prompts: under 2 tokens, nothing is shared
+    assert prompt_groups(torch.tensor([[5, 6], [5, 6]]), torch.ones(2, 2, dtype=torch.long)) is None  # U = 1, P - 1 = 1
+    assert prompt_groups(torch.tensor([[0, 6], [0, 6]]), torch.tensor([[0, 1], [0, 1]])) is None
+    assert prompt_groups(torch.tensor([[0, 5, 6]] * 2), torch.tensor([[0, 1, 1]] * 2)) is not None  # P - 1 = 2, padding included
+    two = prompt_groups(torch.tensor([[5, 6], [7, 6], [5, 6]]), torch.ones(3, 2, dtype=torch.long))  # U = 2, P - 1 = 1
+    assert two is not None and two[1].tolist() == [0, 1, 0]
 
 
 def test_response_of_one_token_needs_no_response_pass():
@@ -265,6 +291,24 @@ def test_share_prefix_with_padding_free_is_refused():
         MicroBatching(4, padding_free=True, share_prefix=True)
 
 
+def test_the_default_gives_way_to_padding_free():
+    from tether.config import ActorConfig, load_config
+
+    assert load_config(None, []).actor.share_prompt_prefix is True  # on by default (bitwise actor = reference: issue 13)
+    cfg = load_config(None, ["actor.padding_free=true"])  # left unset: off, as packed rows cannot share
+    assert (cfg.actor.padding_free, cfg.actor.share_prompt_prefix) == (True, False)
+    gae = load_config(None, ["critic.padding_free=true", "algo.adv_estimator=gae"])
+    assert gae.actor.share_prompt_prefix is False
+    grpo = load_config(None, ["critic.padding_free=true", "algo.adv_estimator=grpo"])  # no critic: critic.padding_free is unused
+    assert grpo.actor.share_prompt_prefix is True
+    # a section given as an object: its unset default gives way too, an explicit true is refused
+    assert TetherConfig(actor=ActorConfig(padding_free=True)).actor.share_prompt_prefix is False
+    with pytest.raises(ValueError, match=r"share_prompt_prefix=true cannot be combined with actor\.padding_free=true"):
+        TetherConfig(actor=ActorConfig(padding_free=True, share_prompt_prefix=True))
+    with pytest.raises(ConfigError, match="left unset, share_prompt_prefix is off then"):
+        load_config(None, ["actor.padding_free=true", "actor.share_prompt_prefix=true"])
+
+
 def test_update_with_lora_and_the_adapter_disabled_reference():
     spec = _spec()
     a, b = _update(False, spec, 10, lora=True), _update(True, spec, 10, lora=True)
@@ -298,8 +342,8 @@ def test_sliding_window_model_takes_the_ordinary_pass():
 
 
 def test_config_key():
-    assert TetherConfig().actor.share_prompt_prefix is False  # opt-in (docs/training.md: not bitwise)
-    assert TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}}).actor.share_prompt_prefix is True
+    assert TetherConfig().actor.share_prompt_prefix is True  # on by default (docs/training.md)
+    assert TetherConfig.model_validate({"actor": {"share_prompt_prefix": False}}).actor.share_prompt_prefix is False
     assert "expanded KV cache" in type(TetherConfig().actor).model_fields["share_prompt_prefix"].description
 
 

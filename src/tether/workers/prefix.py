@@ -8,9 +8,15 @@ A causal model's prompt states do not depend on the response, so the log-probs a
 ordinary pass up to float round-off; in the update's backward the expanded cache's index select sums
 each group's gradients into the one prompt forward (autograd), so the gradients are exact as well.
 
-The prompt pass also drops the prompt columns that are padding in every row of the micro-batch
-(positions skip left padding either way, so this changes nothing but the work). The last response
-token is never an input (it is only scored), so the response pass runs T - 1 positions.
+The prompt pass runs
+the prompts but their last token; the second pass runs each row's last prompt token and its first
+T - 1 response tokens (the last response token is only scored, never an input), so all T scoring
+positions come out of one (B, T) call. The actor's and the reference's passes are then bitwise equal
+when their weights are, and a row's log-probs do not depend on which prompts share its micro-batch
+(``tests/workers/test_prefix.py``; issue 13: a one-row matmul, as a (U = 1, 1, H) last-position head
+call was, takes a matrix-vector kernel that rounds differently from the many-row one, and so does torch's
+matmul on a strided (U, 1, H) input when the weight does not require grad; dropping the prompt columns
+that are padding in every row of a micro-batch changed the rounding too, so all P columns run).
 
 The same idea is "shared prefix" batching in RL trainers and inference engines (e.g. vLLM's prefix
 caching for generation); here it serves the no-grad log-prob passes and the update's forward and
@@ -41,7 +47,9 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     Returns:
         ``(first, inverse)``: ``first`` (U,) int64, the first row holding each distinct prompt;
         ``inverse`` (B,) int64, each row's index into ``first`` (row b's prompt is row
-        ``first[inverse[b]]``'s). ``None`` when every prompt is distinct (U == B: nothing to share).
+        ``first[inverse[b]]``'s). ``None`` when every prompt is distinct (U == B: nothing to share), or when
+        the shared prompt pass would hold fewer than 2 tokens (U·(P − 1) < 2: its matmuls would then take
+        a one-row kernel that rounds differently).
     """
     if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be the same (B, P)")
@@ -51,7 +59,7 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     key = prompt_ids.masked_fill(prompt_mask == 0, -1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     u = int(inverse.max()) + 1
-    if u == b:
+    if u == b or u * (prompt_ids.shape[1] - 1) < 2:
         return None
     rows = torch.arange(b, device=inverse.device)
     first = torch.full((u,), b, dtype=torch.long, device=inverse.device).scatter_reduce(0, inverse, rows, reduce="amin")
@@ -99,8 +107,8 @@ def shared_prefix_outputs(
 
     Args:
         forward: ``forward(input_ids, attention_mask, position_ids, cache, last_only) -> (b, l, X)``, one
-            call of the model with ``use_cache`` on ``cache`` (a ``DynamicCache``), returning only the last
-            position when ``last_only``.
+            call of the model with ``use_cache`` on ``cache`` (a ``DynamicCache``); ``last_only`` marks the
+            prompt pass, whose outputs are not used (only the cache it fills), so it may compute the least.
         prompt_ids, prompt_mask (B, P), response_ids, response_mask (B, T), groups, compute_dtype: as
             :func:`shared_prefix_logprobs`.
     Returns:
@@ -111,21 +119,21 @@ def shared_prefix_outputs(
 
     first, inverse = groups
     t = response_ids.shape[1]
-    keep_cols = prompt_mask.any(0)  # columns that are padding in every row carry nothing
-    lead = int(keep_cols.long().argmax()) if bool(keep_cols.any()) else 0
-    p_ids, p_mask = prompt_ids[first, lead:], prompt_mask[first, lead:]
+    # the prompts but their last token (only the cache is kept). All P columns, even those that are padding in every
+    # row: dropping them changes the rounding, so a row's log-probs would depend on its micro-batch's other prompts
+    p_ids, p_mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
     cache = DynamicCache()
     with autocast(prompt_ids.device, compute_dtype):
-        out = forward(p_ids, p_mask, position_ids_from_mask(p_mask), cache, True)
-    out = out.index_select(0, inverse)  # (B, 1, X): the last prompt position scores response token 0
-    if t == 1:
-        return out
+        forward(p_ids, p_mask, position_ids_from_mask(p_mask), cache, True)
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...) per layer; an index select, so autograd sums the group's gradients
-    mask = torch.cat([prompt_mask[:, lead:], response_mask[:, : t - 1]], dim=1)
-    pos = position_ids_from_mask(mask)[:, -(t - 1) :]  # as the ordinary pass numbers them
+    # the last prompt token runs with the response, so that every scoring position comes out of one (B, T) call:
+    # its matmuls then see B·T ≥ 2 rows whatever the micro-batch's grouping, and round as in any other micro-batch
+    # (one row, U = 1, would take a matrix-vector kernel that rounds differently: issue 13)
+    ids = torch.cat([prompt_ids[:, -1:], response_ids[:, : t - 1]], dim=1)  # the last response token is only scored, never an input
+    mask = torch.cat([prompt_mask, response_mask[:, : t - 1]], dim=1)
+    pos = position_ids_from_mask(mask)[:, -t:]  # as the ordinary pass numbers them
     with autocast(prompt_ids.device, compute_dtype):
-        rest = forward(response_ids[:, : t - 1], mask, pos, cache, False)  # the last response token is only scored, never an input
-    return torch.cat([out, rest.to(out.dtype)], dim=1)
+        return forward(ids, mask, pos, cache, False)
 
 
 def shared_prefix_logprobs(
@@ -157,12 +165,7 @@ def shared_prefix_logprobs(
     keep_last = "logits_to_keep" in _forward_params(model)
 
     def forward(ids, mask, pos, cache, last_only):
-        # the last position as an index tensor, not logits_to_keep=1: Hugging Face then gathers a contiguous
-        # (U, 1, H) copy for the head instead of a strided view, and torch's matmul takes one mm for it whether
-        # or not the head's weight requires grad (on a strided (U, 1, H) input it folds to mm only for a weight
-        # that requires grad, else runs a bmm, which rounds differently): the actor's and the reference's
-        # passes are then bitwise equal when their weights are (issue 13)
-        kwargs = {"logits_to_keep": torch.tensor([ids.shape[1] - 1], device=ids.device)} if last_only and keep_last else {}
+        kwargs = {"logits_to_keep": 1} if last_only and keep_last else {}  # the prompt pass: its logits are not used
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}, **kwargs).logits
         return logits[:, -1:, :] if last_only else logits
 
