@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EMBEDDED = "embedded"
 
@@ -444,6 +444,8 @@ class TetherConfig(_Section):
         given = actor.model_fields_set if isinstance(actor, BaseModel) else actor
         if given is None or not hasattr(given, "__contains__") or "share_prompt_prefix" in given:
             return data
+
+        from pydantic import TypeAdapter  # here, not in the module's import line that every branch edits
 
         def on(section: str, key: str, default):
             value = data.get(section, {})
