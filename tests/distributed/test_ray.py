@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.threads=1",
          "data.batch_size=4", "data.embedded_train_size=8", "data.embedded_val_size=4", "rollout.n=4", "trainer.val_n=2",
-         "algo.mini_batch_size=8", "actor.micro_batch_size=3", "trainer.report=false", "trainer.loggers=[jsonl]"]  # fmt: skip
+         "algo.mini_batch_size=8", "actor.micro_batch_size=3", "trainer.report=false", "trainer.loggers=[jsonl]",
+         # worker groups of 2 ranks run the ordinary pass (actor.share_prompt_prefix falls back there), so the local run it is
+         # compared with does too: the shared pass equals it only to round-off, which Adam's first steps amplify past 1e-5
+         "actor.share_prompt_prefix=false"]  # fmt: skip
 NOT_COMPARED = ("timing/", "perf/")
 
 

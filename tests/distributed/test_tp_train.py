@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8",
          "data.embedded_val_size=4", "rollout.n=4", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false",
          "trainer.loggers=[jsonl]", "actor.micro_batch_size=3", "guard.target_kl=null", "kl.placement=loss", "kl.loss_estimator=k3",
-         "kl.coef=0.05", "algo.loss_agg_mode=token-mean", "algo.adv_estimator=gae", "critic.micro_batch_size=3"]  # fmt: skip
+         "kl.coef=0.05", "algo.loss_agg_mode=token-mean", "algo.adv_estimator=gae", "critic.micro_batch_size=3",
+         "actor.share_prompt_prefix=false"]  # fmt: skip  # the meshes (world size > 1) run the ordinary pass: so does the local record
 #: replays: name -> (world size, tp); dp = world size / tp
 MESHES = {"tp2": (2, 2), "dp2": (2, 1), "dp2xtp2": (4, 2)}
 #: resumes: name -> (checkpoint written by, world size, tp of the group loading it)
