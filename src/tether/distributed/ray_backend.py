@@ -271,8 +271,8 @@ class RemoteReference:
     beside the actor there). ``local`` is the driver's own reference, kept only for the embedded
     task's exact/* metrics (``tether.trainer.setup.driver_holds_ref``), else None."""
 
-    def __init__(self, group: WorkerGroup, local):
-        self.group, self.local = group, local
+    def __init__(self, group: WorkerGroup, local, actor: RemoteActor | None = None):
+        self.group, self.local, self.actor = group, local, actor
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call("ref_logprobs", batch)
@@ -289,9 +289,11 @@ class RemoteReference:
         return self.local.model if self.local is not None else None
 
     def reset_to(self, actor_model) -> None:
+        """The group's reference takes its actor's weights; a driver reference takes the driver's
+        copy (``actor.model``: pulled first when lazy; ``actor_model`` may be that copy as it is)."""
         self.group.call("reset_ref")
         if self.local is not None:
-            self.local.reset_to(actor_model)
+            self.local.reset_to(self.actor.model if self.actor is not None else actor_model)
 
     def pull_weights(self) -> None:
         """The driver's reference (exact/* metrics) takes the group's reference weights (after a load)."""
@@ -402,9 +404,9 @@ def build_ray_roles(cfg, roles):
     """
     backend = RayBackend(cfg, roles)
     roles.backend = backend
-    roles.ref = RemoteReference(backend.actor_group, roles.ref)
     # with vLLM replicas nothing generates on the driver's copy: it is pulled only when read (RemoteActor)
     roles.actor = RemoteActor(backend.actor_group, roles.actor.model, lazy=backend.rollout is not None)
+    roles.ref = RemoteReference(backend.actor_group, roles.ref, roles.actor)
     if backend.critic_group is not None:
         roles.critic = RemoteCritic(backend.critic_group)
     if backend.rollout is not None:  # rollout.engine=vllm: the runner samples on the replicas

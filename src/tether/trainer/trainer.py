@@ -419,7 +419,7 @@ class Trainer:
             batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
         self.roles.engine.sync_weights(policy_as_is(self.roles.actor))  # vLLM replicas take the group's weights, not the driver's
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
-            self.roles.ref.reset_to(self.roles.actor.model)
+            self.roles.ref.reset_to(policy_as_is(self.roles.actor))  # a Ray reference pulls the driver's copy only if it needs it
             self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
