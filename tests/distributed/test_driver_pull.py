@@ -15,7 +15,7 @@ from tether.trainer.setup import policy_as_is
 
 
 class _Group:
-    """Records calls; ``full_state`` returns the workers' weights (the driver's + ``shift`` per update)."""
+    """Records calls; ``full_state`` returns the workers' trainable weights: every entry the number of updates so far."""
 
     def __init__(self, model):
         self.workers, self.calls, self.model = ["rank0"], [], model
@@ -27,7 +27,7 @@ class _Group:
             self.updates += 1
             return {"policy/loss": 0.5}
         assert method == "full_state" and args == ("actor", True)
-        return {k: torch.full_like(v, float(self.updates)) for k, v in self.model.named_parameters()}
+        return {k: torch.full_like(v, float(self.updates)) for k, v in self.model.named_parameters() if v.requires_grad}
 
 
 @pytest.fixture
@@ -74,3 +74,38 @@ def test_stale_copy_after_the_group_closed_names_the_checkpoint(model):
     with pytest.raises(RuntimeError, match=r"actor worker group is closed.*last checkpoint \(`tether export`\)"):
         actor.model  # noqa: B018
     assert policy_as_is(actor) is model
+
+
+class _Tok:
+    def save_pretrained(self, out):
+        (out / "tokenizer.json").write_text("{}")
+
+
+def _tiny_lm():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+
+
+def test_checkpoint_metadata_pulls_only_for_lora_adapters(tmp_path):
+    """A sharded checkpoint's actor/ holds the config (no pull) or, with LoRA, the adapters, which
+    must be the trained ones: the stale copy is pulled first."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from tether.trainer.state import save_sharded_actor_meta
+
+    full = _tiny_lm()
+    actor = RemoteActor(_Group(full), full, lazy=True)
+    _update(actor)
+    save_sharded_actor_meta(actor, _Tok(), tmp_path / "full")
+    assert actor.pulls == 0 and actor.stale and (tmp_path / "full" / "config.json").is_file()
+
+    lora = get_peft_model(_tiny_lm(), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    actor = RemoteActor(_Group(lora), lora, lazy=True)
+    _update(actor)
+    save_sharded_actor_meta(actor, _Tok(), tmp_path / "lora")
+    assert actor.pulls == 1 and not actor.stale
+    adapters = load_file(str(tmp_path / "lora" / "adapter_model.safetensors"))
+    assert len(adapters) == 2 and all(torch.equal(v, torch.ones_like(v)) for v in adapters.values())  # the 1st update's weights
