@@ -161,3 +161,26 @@ def test_adamw_gap_is_its_normalisation_of_near_zero_gradients(runs):
     # the gap is real (above the 1e-6 that SGD meets by 100x) and sits on a gradient of AdamW's eps scale
     assert worst[0] > 1e-6, worst
     assert worst[2] < 1e-7, worst
+
+
+if __name__ == "__main__":  # the table in docs/distributed.md: PYTHONPATH=src python tests/distributed/test_tp_qwen2_bias.py
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        torch.set_num_threads(1)
+        ref = {opt_name: _train(_build(), opt_name) for opt_name in LR}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.multiprocessing.spawn(_rank_main, args=(port, root), nprocs=2, join=True)
+        tp = torch.load(f"{root}/tp2.pt", weights_only=False)
+    print(f"{'optimizer':10s} {'max|Δgrad|':>11s} {'max|Δw| 3 steps':>16s} {'elements>1e-6':>14s}  largest |Δw| at (|g| one process, tp=2)")
+    for opt_name in LR:
+        gd = max(_max_diff(a["grads"], b["grads"]) for a, b in zip(ref[opt_name], tp[opt_name], strict=True))
+        a, b = ref[opt_name][-1]["w"], tp[opt_name][-1]["w"]
+        diffs = {n: (a[n] - b[n]).abs() for n in a}
+        n_big = sum(int((d > 1e-6).sum()) for d in diffs.values())
+        name = max(diffs, key=lambda n: float(diffs[n].max()))
+        i = int(diffs[name].flatten().argmax())
+        g0, g1 = (float(r[opt_name][0]["grads"][name].flatten()[i].abs()) for r in (ref, tp))
+        print(f"{opt_name:10s} {gd:11.2e} {float(diffs[name].max()):16.2e} {n_big:14d}  {name}[{i}] ({g0:.2e}, {g1:.2e})")
