@@ -15,7 +15,12 @@ and once at tp = 2 (``parallelize``: ``apply_tp`` then FSDP2 on the dp = 1 mesh,
   clipped gradient), so the test recomputes that update from each side's own gradient and checks
   the measured weight difference is the difference of those predicted updates: the whole gap is
   Adam dividing round-off-level gradients by numbers of their own size (a relative change in ĝ of
-  ε becomes lr · ε · eps / (|ĝ| + eps)² in the update, largest at |ĝ| ≈ eps).
+  ε becomes lr · ε · eps·|ĝ| / (|ĝ| + eps)² in the update, largest at |ĝ| ≈ eps).
+* The trainer-level replay of test_tp_train (the PPO actor and GAE critic updates of 3 local steps,
+  replayed by RankWorkers at tp = 2) on the embedded policy converted to a Qwen2 with biases
+  N(0, 0.05²), with every AdamW swapped for SGD: log-probs within 1e-5 (measured 1.7e-6) and final
+  weights within 1e-6 (measured 1.2e-7), where AdamW leaves 33 actor elements above 1e-6 (max
+  7.0e-5, in the embedding) and log-probs 1.5e-4 apart.
 """
 
 from __future__ import annotations
@@ -115,6 +120,80 @@ def runs(tmp_path_factory):
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(_rank_main, args=(port, str(root)), nprocs=2, join=True)
     return ref, torch.load(root / "tp2.pt", weights_only=False)
+
+
+class _SGDForAdamW(torch.optim.SGD):
+    """Stands in for torch.optim.AdamW in the workers (same call), as SGD at 30x the learning rate."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, betas=None, **kw):
+        super().__init__(params, lr=30 * lr)
+
+
+def _to_biased_qwen2(out) -> str:
+    """The embedded Llama's weights in a Qwen2ForCausalLM with q/k/v biases drawn N(0, 0.05²), with its tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from tether.models import resolve_model_path
+
+    src = resolve_model_path("embedded")
+    llama = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    c = llama.config
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "pad_token_id", "eos_token_id")  # fmt: skip
+    qwen = Qwen2ForCausalLM(Qwen2Config(**{k: getattr(c, k) for k in keys}, bos_token_id=None)).float()
+    missing, unexpected = qwen.load_state_dict(llama.state_dict(), strict=False)
+    assert sorted(missing) == sorted(f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(c.num_hidden_layers) for p in "qkv")
+    assert not unexpected
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for k in missing:
+            p = qwen.get_parameter(k)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    qwen.generation_config = llama.generation_config
+    qwen.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, out)
+    return str(out)
+
+
+def _sgd_rank_main(*args) -> None:
+    import test_tp_train
+
+    torch.optim.AdamW = _SGDForAdamW  # this spawned process only
+    test_tp_train._rank_main(*args)
+
+
+def test_trainer_replay_with_sgd_matches_one_process(tmp_path, monkeypatch):
+    import test_tp_train as T
+
+    from tether.config import load_config
+
+    model = _to_biased_qwen2(tmp_path / "qwen2b")
+    monkeypatch.setattr(torch.optim, "AdamW", _SGDForAdamW)
+    rec = T._record(load_config(None, [*T.SMALL, f"trainer.output_dir={tmp_path / 'local'}", f"actor.model={model}"]))
+    torch.multiprocessing.spawn(_sgd_rank_main, args=(2, T._free_port(), rec, str(tmp_path), [("replay", "tp2", 2)]), nprocs=2, join=True)
+    res = torch.load(tmp_path / "results_ws2.pt", weights_only=False)["tp2"]
+    assert len(res["steps"]) == 3
+    for s, (want, got) in enumerate(zip(rec["steps"], res["steps"], strict=True)):
+        mask = want["batch"].response_mask.bool()
+        assert float((got["old_logprobs"][mask] - want["batch"].old_logprobs[mask]).abs().max()) < 1e-5, s
+        assert float((got["values"][mask] - want["batch"].values[mask]).abs().max()) < 1e-5, s
+        for role in ("critic", "actor"):
+            assert set(got[role]) == set(want[role]), (s, role)
+            for k, v in want[role].items():
+                assert got[role][k] == pytest.approx(v, abs=1e-5, rel=1e-5), (s, role, k)
+    for role in ("actor", "critic"):
+        want, weights = rec[f"{role}_final"], res["state"][role][0]
+        assert _max_diff(want, weights) < 1e-6, role
+    from transformers import AutoModelForCausalLM
+
+    w0 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    # the updates moved the weights far beyond that tolerance (measured 1.6e-3), and the KL term is in the loss
+    assert max(float((rec["actor_final"][k] - w0[k]).abs().max()) for k in rec["actor_final"]) > 1e-4
+    assert rec["steps"][-1]["actor"]["actor/kl_loss"] > 1e-6
 
 
 def _max_diff(a: dict, b: dict) -> float:
