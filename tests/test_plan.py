@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tether.cli import main
+from tether.config import load_config
 from tether.plan import (
     GIB,
     ModelShape,
@@ -278,3 +279,19 @@ def test_auto_engine_is_planned_as_vllm_on_an_accelerator_and_hf_on_a_cpu():
 
     assert _planned_engine("auto", True) == "vllm" and _planned_engine("auto", False) == "hf"
     assert _planned_engine("hf", True) == "hf" and _planned_engine("vllm", False) == "vllm"
+
+
+def test_rollout_tp_comes_from_rollout_vllm_tensor_parallel_size_unless_the_flag_is_given():
+    """The config's vLLM tp per replica sizes the plan's vLLM weights and KV cache (tp 8: 1/8 of
+    the 72 B model's 135.4 GiB per device); --rollout-tp overrides it; unset, the training tp."""
+    base = ["trainer.backend=ray", "trainer.n_workers=8", "actor.tp_size=4", "trainer.placement=split", "rollout.engine=vllm"]
+    shape = ModelShape.from_config(FIXTURES / "qwen2.5-72b")
+    cfg = load_config(None, [*base, "rollout.vllm.tensor_parallel_size=8", "actor.dtype=bfloat16"])
+    s = PlanSettings.from_config(cfg, devices=8)
+    assert (s.tp, s.rollout_tp, s.engine_tp) == (4, 8, 8)
+    vllm = next(i for i in plan_memory(s, shape).items if i.role == "rollout (vLLM)")
+    seqs = (vllm.bytes - shape.causal_lm_params() * 2 // 8) // (shape.kv_bytes_per_token(2) * (s.prompt_len + s.response_len) // 8)
+    assert "weights (tp 8)" in vllm.what and f"holds {seqs} sequences" in vllm.note and seqs > 0
+    assert PlanSettings.from_config(cfg, devices=8, rollout_tp=2).engine_tp == 2
+    assert PlanSettings.from_config(load_config(None, base), devices=8).engine_tp == 4  # not set: the training tp
+    assert PlanSettings.from_config(load_config(None, [*base, "rollout.vllm.tensor_parallel_size=1"]), devices=8).engine_tp == 1  # set to 1

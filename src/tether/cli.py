@@ -234,7 +234,7 @@ def _add_plan_parser(sub) -> None:
     pl.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default trainer.fsdp.param_dtype, else actor.dtype)")
     pl.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                     help="checkpoint actor and critic activations (default actor.gradient_checkpointing for the actor, trainer.fsdp.activation_checkpointing for both)")
-    pl.add_argument("--rollout-tp", type=int, default=None, help="vLLM's tensor-parallel size (default --tp-size)")
+    pl.add_argument("--rollout-tp", type=int, default=None, help="vLLM's tensor-parallel size (default rollout.vllm.tensor_parallel_size when set, else --tp-size)")
     pl.add_argument("--gpus-per-node", type=int, default=None, help="devices per node, for offloaded host memory (default trainer.n_gpus_per_node, else 8)")
     pl.set_defaults(func=cmd_plan)
 

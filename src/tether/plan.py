@@ -319,7 +319,8 @@ class PlanSettings:
 
     @property
     def engine_tp(self) -> int:
-        """vLLM's tensor-parallel size (``--rollout-tp``; default the training tp)."""
+        """vLLM's tensor-parallel size (``--rollout-tp``, else ``rollout.vllm.tensor_parallel_size``
+        when the config sets it; default the training tp)."""
         return self.rollout_tp or self.tp
 
     @classmethod
@@ -332,7 +333,8 @@ class PlanSettings:
         ``actor.lora.*``, ``actor.tp_size`` (when the config has it), ``critic.micro_batch_size``,
         ``ref.model``, ``reward.model``, ``algo.adv_estimator``, ``algo.mini_batch_size``,
         ``data.batch_size``, ``data.max_prompt_length``, ``rollout.n``, ``rollout.max_new_tokens``,
-        ``rollout.engine``, ``rollout.vllm.*`` and, from the Ray backend, ``trainer.fsdp.param_dtype``,
+        ``rollout.engine``, ``rollout.vllm.*`` (``tensor_parallel_size``, when set, is the rollout's
+        tp unless ``rollout_tp`` is given) and, from the Ray backend, ``trainer.fsdp.param_dtype``,
         ``trainer.fsdp.cpu_offload``, ``trainer.fsdp.activation_checkpointing`` and
         ``trainer.n_gpus_per_node``.
 
@@ -355,6 +357,8 @@ class PlanSettings:
         mini = max(1, math.ceil(cfg.algo.mini_batch_size / dp))
         rollout_batch = cfg.data.batch_size * cfg.rollout.n
         vllm = getattr(cfg.rollout, "vllm", None)
+        if rollout_tp is None and vllm is not None and ("tensor_parallel_size" in vllm.model_fields_set or vllm.tensor_parallel_size > 1):
+            rollout_tp = vllm.tensor_parallel_size  # devices per vLLM replica (trainer.backend=ray)
         return cls(
             devices=devices, device_memory=device_memory, tp=tp, storage_dtype=storage, compute_dtype=compute,
             gpus_per_node=gpus_per_node or int(getattr(cfg.trainer, "n_gpus_per_node", 0) or 8),
@@ -548,7 +552,7 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
                           note=f"KV cache holds {seqs} sequences of {seq} tokens at once (max_num_seqs {VLLM_MAX_NUM_SEQS})"))
         problems = [] if seqs >= 1 else [f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
                                          f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
-                                         f"or --rollout-tp"]
+                                         f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"]
     else:
         per_dev = math.ceil(s.rollout_batch / s.dp)
         items.append(Item("rollout (HF generate)", f"KV cache ({per_dev} sequences × {seq} tokens)", per_dev * per_seq_kv, "rollout",

@@ -80,7 +80,9 @@ EQUAL_CASES = {
 def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     """Three steps of the embedded task: every non-timing metric (validation and exact/* included)
     of trainer.backend=ray with 2 FSDP2 workers within 1e-5 of the local backend's, and the driver's
-    copy of the final weights within 1e-5."""
+    copy of the final weights within 1e-5. HF rollouts generate on that copy, so it takes the
+    workers' weights after each of the 3 updates and after a guard rollback's load (RemoteActor
+    eager: 3 pulls + one per rollback; grpo rolls back at step 3)."""
     local = Trainer(_cfg(tmp_path / "local", *extra))
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
@@ -88,6 +90,7 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     _compare(_metrics(tmp_path / "local"), _metrics(tmp_path / "ray"))
     wl, wr = dict(local.roles.actor.model.named_parameters()), dict(remote.roles.actor.model.named_parameters())
     assert max(float((wl[k] - wr[k]).abs().max()) for k in wl) < 1e-5
+    assert not remote.roles.actor.lazy and remote.roles.actor.pulls == 3 + _metrics(tmp_path / "ray")[-1]["guard/rollbacks"]
     assert remote.roles.backend is None and ray.is_initialized()  # its groups are gone; the module's Ray is not
     if "trainer.val_freq=0" in extra:
         assert remote.roles.ref.local is None and not hasattr(remote.roles.critic, "model")

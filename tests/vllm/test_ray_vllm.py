@@ -122,13 +122,16 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
     to 1e-5 (measured: at most 7.6e-6, on a grad norm of 6.27; a second Ray run is bit-identical).
     vLLM's log-probs of the sampled tokens stay within LOGPROB_TOL of the trainer's after every
     push although the policy moves (a push that failed shows as a diff of order 0.01 nats;
-    measured: at most 1.9e-6, mean 2e-7)."""
+    measured: at most 1.9e-6, mean 2e-7). Validation every 2 steps (steps 0, 2, 3) agrees too, and
+    the driver's copy of the policy, which nothing generates on, is pulled from the workers only for
+    the exact/* of the validations after an update (2 pulls, not 3: perf/mfu, the replicas' pushes
+    and the end of the run read none)."""
     from safetensors.torch import load_file
 
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
-    common = ["rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.val_freq=0", "trainer.progress=false", "trainer.report=false",
+    common = ["rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.val_freq=2", "data.embedded_val_size=4", "trainer.val_n=2", "trainer.progress=false", "trainer.report=false",
               "trainer.save_freq=0", "data.batch_size=4", "rollout.n=4", "actor.lr=0.003", "algo.entropy_coef=0.01",
               "data.embedded_train_size=16", "trainer.loggers=[jsonl]",
               "actor.share_prompt_prefix=false"]  # fmt: skip  # the ray run's 2-rank groups run the ordinary pass: so does the local one
@@ -138,13 +141,15 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
     engine = trainer.roles.engine.engine
     history = trainer.fit()
     assert len(history) == 3 and engine.last_sync == "reload_weights"
+    assert trainer.roles.actor.lazy and trainer.roles.actor.pulls == 2 and not trainer.roles.actor.stale
+    assert all("exact/score_mean" in h for h in history[1:]) and all("perf/mfu" in h for h in history), sorted(history[1])
     for h in history:
         print({k: h.get(k) for k in ("reward/score_mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "timing/rollout_s", "timing/update_actor_s")})
         assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
         assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
     print(f"weight sync: {engine.last_sync_stats}")
     want, got = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
-    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]  # step 0: the reference's validation
     for a, b in zip(want, got, strict=True):
         keys = {k for k in a if not k.startswith(("timing/", "perf/"))}
         assert keys == {k for k in b if not k.startswith(("timing/", "perf/"))}

@@ -10,7 +10,8 @@ How a call is split across the ranks is declared beside the worker method (``@re
 The driver also keeps one full copy of the actor (``roles.actor.model``) for HF rollouts and
 validation; after every update it takes the updated trainable weights from the actor group. With
 ``rollout.engine=vllm`` the rollouts run on vLLM replicas as Ray actors instead
-(:mod:`tether.distributed.rollout_workers`), their weights streamed from the actor group's shards.
+(:mod:`tether.distributed.rollout_workers`), their weights streamed from the actor group's shards,
+and the driver's copy is pulled only when something on the driver reads it (:class:`RemoteActor`).
 """
 
 from __future__ import annotations
@@ -184,9 +185,10 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for w in self.workers:
+        for w in self.workers or []:
             with suppress(Exception):
                 ray.kill(w)
+        self.workers = None  # closed: calls are refused (RemoteActor.pull_weights names it)
         with suppress(Exception):
             remove_placement_group(self.pg)
 
@@ -201,12 +203,29 @@ class _LRView:
 class RemoteActor:
     """Stands where ``ActorWorker`` stands in ``Roles``: each call runs on the actor group.
 
-    ``model`` is the driver's full copy of the policy (rollouts, validation), brought up to date
-    after every update.
+    ``model`` is the driver's full copy of the policy. Eager (``lazy=False``: HF rollouts generate
+    on it) it takes the actor group's weights after every update. Lazy (``lazy=True``: vLLM
+    replicas generate, their weights streamed from the group's shards) an update only marks it
+    stale, and reading ``model`` pulls the weights first: validation's exact/*, a LoRA checkpoint's
+    adapters, a reference reset and the end of :meth:`Trainer.fit` read it, so a run pulls the full
+    model once per such read instead of once per step. ``model_as_is`` is the copy without a pull,
+    for what needs only its config and parameter shapes (perf/mfu, checkpoint metadata).
+    ``pulls`` counts the pulls (one all-gather of the trainable weights on the group each).
+
+    Raises:
+        RuntimeError: ``model`` read while stale after the worker group was closed (the weights
+            are in the run's last checkpoint; ``tether export`` writes them out).
     """
 
-    def __init__(self, group: WorkerGroup, model):
-        self.group, self.model = group, model
+    def __init__(self, group: WorkerGroup, model, *, lazy: bool = False):
+        self.group, self.model_as_is, self.lazy = group, model, lazy
+        self.stale, self.pulls = False, 0
+
+    @property
+    def model(self):
+        if self.stale:
+            self.pull_weights()
+        return self.model_as_is
 
     def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref=None):
         return self.group.call("compute_logprobs", batch, with_entropy=with_entropy, full_kl=full_kl_ref is not None)
@@ -216,16 +235,28 @@ class RemoteActor:
         for k in ("_old_logprobs", "_entropy"):  # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
             if k in metrics:
                 metrics[k] = metrics[k].to(batch.response_mask.device)
-        self.pull_weights()
+        self.weights_changed()
         return metrics
+
+    def weights_changed(self) -> None:
+        """The group's weights moved (an update, a checkpoint load): pull them now (eager) or mark the copy stale (lazy)."""
+        if self.lazy:
+            self.stale = True
+        else:
+            self.pull_weights()
 
     def pull_weights(self) -> None:
         """The driver's copy takes the actor group's trainable weights."""
+        if self.group.workers is None:
+            raise RuntimeError("the driver's copy of the policy is stale and the actor worker group is closed: "
+                               "read the trained weights from the run's last checkpoint (`tether export`)")
         state = self.group.call("full_state", "actor", True)
+        self.pulls += 1
         with torch.no_grad():
-            params = dict(self.model.named_parameters())
+            params = dict(self.model_as_is.named_parameters())
             for k, v in state.items():
                 params[k].copy_(v.to(params[k].device, params[k].dtype))
+        self.stale = False
 
     def scale_lr(self, factor: float) -> None:
         self.group.call("scale_lr", "actor", factor)
@@ -240,8 +271,8 @@ class RemoteReference:
     beside the actor there). ``local`` is the driver's own reference, kept only for the embedded
     task's exact/* metrics (``tether.trainer.setup.driver_holds_ref``), else None."""
 
-    def __init__(self, group: WorkerGroup, local):
-        self.group, self.local = group, local
+    def __init__(self, group: WorkerGroup, local, actor: RemoteActor | None = None):
+        self.group, self.local, self.actor = group, local, actor
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call("ref_logprobs", batch)
@@ -258,9 +289,11 @@ class RemoteReference:
         return self.local.model if self.local is not None else None
 
     def reset_to(self, actor_model) -> None:
+        """The group's reference takes its actor's weights; a driver reference takes the driver's
+        copy (``actor.model``: pulled first when lazy; ``actor_model`` may be that copy as it is)."""
         self.group.call("reset_ref")
         if self.local is not None:
-            self.local.reset_to(actor_model)
+            self.local.reset_to(self.actor.model if self.actor is not None else actor_model)
 
     def pull_weights(self) -> None:
         """The driver's reference (exact/* metrics) takes the group's reference weights (after a load)."""
@@ -371,8 +404,9 @@ def build_ray_roles(cfg, roles):
     """
     backend = RayBackend(cfg, roles)
     roles.backend = backend
-    roles.ref = RemoteReference(backend.actor_group, roles.ref)
-    roles.actor = RemoteActor(backend.actor_group, roles.actor.model)
+    # with vLLM replicas nothing generates on the driver's copy: it is pulled only when read (RemoteActor)
+    roles.actor = RemoteActor(backend.actor_group, roles.actor.model, lazy=backend.rollout is not None)
+    roles.ref = RemoteReference(backend.actor_group, roles.ref, roles.actor)
     if backend.critic_group is not None:
         roles.critic = RemoteCritic(backend.critic_group)
     if backend.rollout is not None:  # rollout.engine=vllm: the runner samples on the replicas

@@ -179,6 +179,13 @@ def build_roles(cfg: TetherConfig) -> Roles:
     return roles
 
 
+def policy_as_is(actor):
+    """The actor role's model for its config and parameter shapes only: under trainer.backend=ray
+    with vLLM replicas the driver's copy as it is, without pulling the updated weights
+    (``tether.distributed.ray_backend.RemoteActor``); else ``actor.model``."""
+    return actor.model_as_is if hasattr(actor, "model_as_is") else actor.model
+
+
 def driver_holds_ref(cfg: TetherConfig) -> bool:
     """Whether this process loads a separate reference model: always in the local backend; with
     trainer.backend=ray only for the embedded task's exact/* validation metrics (the workers hold

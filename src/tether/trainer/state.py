@@ -140,7 +140,7 @@ class CheckpointManager:
         def weights(d: Path) -> None:
             if roles.backend is not None:  # trainer.backend=ray: sharded (DCP) weights and optimizer states
                 roles.backend.save(d, self._saves_ref())
-                save_sharded_actor_meta(roles.actor.model, tok, d / "actor")
+                save_sharded_actor_meta(roles.actor, tok, d / "actor")
                 return
             roles.actor.model.save_pretrained(d / "actor", safe_serialization=True)
             tok.save_pretrained(d / "actor")
@@ -247,15 +247,17 @@ class CheckpointManager:
 
     def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
         roles = self.roles
-        actor = roles.actor.model
         if roles.backend is not None:
+            from tether.trainer.setup import policy_as_is
+
             roles.backend.load(path, self._saves_ref(), schedule)  # resharded to this run's world size
-            roles.actor.pull_weights()
+            roles.actor.weights_changed()  # pulled now, or when the driver next reads it (vLLM replicas)
             if self._saves_ref():
                 roles.ref.pull_weights()
                 self._reference_changed()
-            roles.engine.sync_weights(actor)
+            roles.engine.sync_weights(policy_as_is(roles.actor))
             return
+        actor = roles.actor.model
         if (path / "dcp").is_dir():
             raise CheckpointError(
                 f"checkpoint {path} holds sharded dcp/ weights written by trainer.backend=ray; resume it with "
@@ -417,12 +419,16 @@ class CheckpointManager:
         return sorted(s for s, _ in list_checkpoints(self.root))
 
 
-def save_sharded_actor_meta(model, tokenizer, out: Path) -> None:
-    """What a sharded (trainer.backend=ray) checkpoint keeps of the actor besides dcp/: the model's
-    config, generation config and tokenizer (``tether export`` rebuilds the model from them); with
-    LoRA the adapters themselves, which are small (the driver's copy is current after every update)."""
+def save_sharded_actor_meta(actor, tokenizer, out: Path) -> None:
+    """What a sharded (trainer.backend=ray) checkpoint keeps of the actor role besides dcp/: the
+    model's config, generation config and tokenizer (``tether export`` rebuilds the model from them);
+    with LoRA the adapters themselves, which are small (read from ``actor.model``: a lazy driver copy
+    is pulled first; the config alone needs no pull)."""
+    from tether.trainer.setup import policy_as_is
+
+    model = policy_as_is(actor)
     if hasattr(model, "peft_config"):
-        model.save_pretrained(out, safe_serialization=True)
+        actor.model.save_pretrained(out, safe_serialization=True)
     else:
         out.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(out)

@@ -30,7 +30,7 @@ from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer import startup
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
-from tether.trainer.setup import build_roles
+from tether.trainer.setup import build_roles, policy_as_is
 from tether.trainer.signals import StopSignals, TrainingInterrupted
 
 log = logging.getLogger("tether")
@@ -200,6 +200,7 @@ class Trainer:
                     progress.update(metrics)
                     if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
                         raise TrainingInterrupted(self._signals.signum, self.step)
+                self.roles.actor.model  # noqa: B018 - a lazy driver copy (Ray + vLLM) is pulled once: trained when fit returns
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
             self.ckpt.save(self.step, self.last_val, final=True, diagnostics=self.diagnostics, logger=self.logger)
@@ -416,9 +417,9 @@ class Trainer:
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
             batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
-        self.roles.engine.sync_weights(self.roles.actor.model)
+        self.roles.engine.sync_weights(policy_as_is(self.roles.actor))  # vLLM replicas take the group's weights, not the driver's
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
-            self.roles.ref.reset_to(self.roles.actor.model)
+            self.roles.ref.reset_to(policy_as_is(self.roles.actor))  # a Ray reference pulls the driver's copy only if it needs it
             self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
@@ -459,13 +460,13 @@ class Trainer:
             "perf/train_tokens_per_s": tokens / max(train_s - wait_s - times.get("timing/reward_s", 0.0), 1e-9),
         }
         update_s = times.get("timing/update_actor_s", 0.0)
-        if update_s > 0 and hasattr(self.roles.actor.model, "get_input_embeddings"):
+        if update_s > 0 and hasattr(policy_as_is(self.roles.actor), "get_input_embeddings"):  # shapes only: no weight pull
             if not hasattr(self, "_matmul_ceiling"):
                 from tether.models import DTYPES
 
                 dtype = DTYPES[self.cfg.actor.compute_dtype if self.cfg.actor.compute_dtype != "float32" else self.cfg.actor.dtype]
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
-                self._matmul_params = matmul_params(self.roles.actor.model)
+                self._matmul_params = matmul_params(policy_as_is(self.roles.actor))
                 log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
             context = float(batch.prompt_mask.sum()) + tokens
             flops = update_flops(*self._matmul_params, context, tokens) * self.cfg.algo.ppo_epochs
