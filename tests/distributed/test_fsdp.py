@@ -44,6 +44,9 @@ VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-b
 #: turns into up to ~1% of one lr step (measured: at most 1.1e-6 for the actor at lr 3e-4, on 30 of
 #: 4096 elements of one q_proj; 6e-6 for one critic embedding element at lr 1e-3).
 WEIGHT_ATOL, OUTLIER_FRAC, OUTLIER_ATOL = 1e-6, 2e-3, 1e-5
+#: Variants whose final weights must agree to WEIGHT_ATOL on every element (issue 9's criterion), no
+#: outliers: all but gae (one critic element 6.0e-6) and full-kl (actor 1.1e-6), measured.
+STRICT_WEIGHTS = set(VARIANTS) - {"gae", "full-kl"}
 
 
 def _free_port() -> int:
@@ -180,6 +183,8 @@ def test_world_size_2_equals_1(replay, name):
             diffs = torch.cat([(g[k].float() - w[k].float()).abs().flatten() for k in w])
             assert float((diffs > WEIGHT_ATOL).float().mean()) <= OUTLIER_FRAC, (name, role, int((diffs > WEIGHT_ATOL).sum()))
             assert float(diffs.max()) <= OUTLIER_ATOL, (name, role, float(diffs.max()))
+            if name in STRICT_WEIGHTS:  # every element to 1e-6
+                assert float(diffs.max()) <= WEIGHT_ATOL, (name, role, float(diffs.max()))
 
 
 def test_nonfinite_loss_on_one_rank_drops_the_mini_batch_everywhere(replay):
