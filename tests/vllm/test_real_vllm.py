@@ -256,3 +256,33 @@ def test_vllm_logprobs_as_old_logprobs(tmp_path):
         # up to the vLLM-trainer mismatch, which approx_kl (mean log π_vLLM − log π_θ) then measures
         assert abs(h["policy/approx_kl"]) < LOGPROB_TOL and h["policy/clipfrac"] == 0.0
     assert history[1]["kl/ref_mean"] > 0  # the policy moved, and vLLM sampled from the moved one
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_decodes_and_takes_pushed_weights(models, tok, prompts, monkeypatch):
+    """rollout.vllm.tensor_parallel_size=2: vLLM's own tensor parallelism (its tp ranks are other
+    processes). Pushed weights are full HF-named tensors that vLLM's loaders split over its ranks:
+    greedy decoding equals HF's with the old weights, then with the new ones. On the CPU backend
+    vLLM binds each tp rank to a NUMA node unless told which cores to use
+    (VLLM_CPU_OMP_THREADS_BIND, one core list per rank, '|'-separated): one machine with one NUMA
+    node needs it set."""
+    import os
+
+    from tether.rollout.vllm import VLLMRolloutEngine
+
+    if DEVICE == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
+        half = len(cores) // 2
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in (cores[:half], cores[half : 2 * half])))
+
+    eng = VLLMRolloutEngine(models[0], tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, dtype="float32", seed=0,
+                            gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB, tensor_parallel_size=2)  # fmt: skip
+    m0, m1 = _load(models[0]), _load(models[1])
+    before = _vllm_greedy(eng, prompts)
+    assert before == _hf_greedy(m0, tok, prompts)
+    eng.sync_weights(m1)
+    after = _vllm_greedy(eng, prompts)
+    assert after == _hf_greedy(m1, tok, prompts)  # every tp rank took its part of the new weights
+    assert sum(a != b for a, b in zip(after, before, strict=True)) >= N_PROMPTS - 1
