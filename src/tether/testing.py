@@ -53,6 +53,15 @@ QWEN2_CHAT_TEMPLATE = (
 _ENV_GSM8K = "TETHER_GSM8K_DIR"
 
 
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the rendezvous of a test's process group (gloo)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 def find_gsm8k_dir(start: str | Path | None = None) -> Path | None:
     """Locate the shared GSM8K data directory, or return None when it is not there.
 

@@ -9,12 +9,12 @@ weights must match the single process.
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 
 from tether.distributed import gather_rows, split_batch
+from tether.testing import free_port
 from tether.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,6 @@ WEIGHT_ATOL, OUTLIER_FRAC, OUTLIER_ATOL = 1e-6, 2e-3, 1e-5
 #: Variants whose final weights must agree to WEIGHT_ATOL on every element (issue 9's criterion), no
 #: outliers: all but gae (one critic element 6.0e-6) and full-kl (actor 1.1e-6), measured.
 STRICT_WEIGHTS = set(VARIANTS) - {"gae", "full-kl"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record(cfg) -> dict:
@@ -152,7 +146,7 @@ def replay(tmp_path_factory):
                                  f"trainer.output_dir={root / name}", *extra])  # fmt: skip
         recs[name] = _record(cfg)
     out = root / "ws2.pt"
-    torch.multiprocessing.spawn(_rank_main, args=(2, _free_port(), recs, str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_rank_main, args=(2, free_port(), recs, str(out)), nprocs=2, join=True)
     return recs, torch.load(out, weights_only=False)
 
 

@@ -12,19 +12,13 @@ in test_ray.py.
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
 
 from tether.config import ConfigError, load_config
 from tether.distributed import ParallelDims
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tether.testing import free_port
 
 
 # ---------------------------------------------------------------------- degrees, checked in one place (no process group)
@@ -186,7 +180,7 @@ def _rank_main(rank: int, world: int, port: int, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp") / "tp2.pt"
-    torch.multiprocessing.spawn(_rank_main, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_rank_main, args=(2, free_port(), str(path)), nprocs=2, join=True)
     return None, {"tp2": torch.load(path, weights_only=False)}
 
 

@@ -26,10 +26,11 @@ and once at tp = 2 (``parallelize``: ``apply_tp`` then FSDP2 on the dp = 1 mesh,
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from tether.testing import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -115,9 +116,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_bias")
     torch.set_num_threads(1)
     ref = {opt_name: _train(_build(), opt_name) for opt_name in LR}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torch.multiprocessing.spawn(_rank_main, args=(port, str(root)), nprocs=2, join=True)
     return ref, torch.load(root / "tp2.pt", weights_only=False)
 
@@ -174,7 +173,7 @@ def test_trainer_replay_with_sgd_matches_one_process(tmp_path, monkeypatch):
     model = _to_biased_qwen2(tmp_path / "qwen2b")
     monkeypatch.setattr(torch.optim, "AdamW", _SGDForAdamW)
     rec = T._record(load_config(None, [*T.SMALL, f"trainer.output_dir={tmp_path / 'local'}", f"actor.model={model}"]))
-    torch.multiprocessing.spawn(_sgd_rank_main, args=(2, T._free_port(), rec, str(tmp_path), [("replay", "tp2", 2)]), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_sgd_rank_main, args=(2, free_port(), rec, str(tmp_path), [("replay", "tp2", 2)]), nprocs=2, join=True)
     res = torch.load(tmp_path / "results_ws2.pt", weights_only=False)["tp2"]
     assert len(res["steps"]) == 3
     for s, (want, got) in enumerate(zip(rec["steps"], res["steps"], strict=True)):
@@ -248,9 +247,7 @@ if __name__ == "__main__":  # the table in docs/distributed.md: PYTHONPATH=src p
     with tempfile.TemporaryDirectory() as root:
         torch.set_num_threads(1)
         ref = {opt_name: _train(_build(), opt_name) for opt_name in LR}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         torch.multiprocessing.spawn(_rank_main, args=(port, root), nprocs=2, join=True)
         tp = torch.load(f"{root}/tp2.pt", weights_only=False)
     print(f"{'optimizer':10s} {'max|Δgrad|':>11s} {'max|Δw| 3 steps':>16s} {'elements>1e-6':>14s}  largest |Δw| at (|g| one process, tp=2)")

@@ -17,10 +17,11 @@ collective the meta-device ranks skip, so they waited in the weight broadcast fo
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
+
+from tether.testing import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +36,6 @@ MESHES = {"tp2": (2, 2), "dp2": (2, 1), "dp2xtp2": (4, 2)}
 RESUMES = {"dp2->tp2": ("dp2", 2, 2), "tp2->dp2xtp2": ("tp2", 4, 2), "tp2->ws1": ("tp2", 1, 1)}
 #: a rank still running after this many seconds prints its stack and exits (each spawn takes ~1 min)
 HANG_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _record(cfg) -> dict:
@@ -144,7 +139,7 @@ def runs(tmp_path_factory):
         by_world.setdefault(world, []).append(("resume", name, tp, src))
     results = {}
     for world in (2, 4, 1):  # every checkpoint is written before it is read
-        torch.multiprocessing.spawn(_rank_main, args=(world, _free_port(), rec, str(root), by_world[world]), nprocs=world, join=True)
+        torch.multiprocessing.spawn(_rank_main, args=(world, free_port(), rec, str(root), by_world[world]), nprocs=world, join=True)
         results |= torch.load(root / f"results_ws{world}.pt", weights_only=False)
     return rec, results
 
