@@ -59,11 +59,12 @@ def warn_batch_larger_than_data(cfg: TetherConfig, n_prompts: int) -> bool:
     return True
 
 
-def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool) -> list[str]:
-    """Why ``actor.reuse_update_logprobs`` cannot apply to this run ([] = it applies to every full batch);
-    the conditions of :meth:`tether.trainer.Trainer.reuse_update_logprobs`."""
+def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool, responses: int | None = None) -> list[str]:
+    """Why ``actor.reuse_update_logprobs`` cannot apply to a batch of ``responses`` rows (default: a full
+    batch, data.batch_size × rollout.n); [] = it applies. The one statement of the conditions, which
+    :meth:`tether.trainer.Trainer.reuse_update_logprobs` checks every step."""
     c = cfg
-    responses = c.data.batch_size * c.rollout.n
+    responses = c.data.batch_size * c.rollout.n if responses is None else responses
     why = []
     if c.actor.old_logprobs_source != "recompute":
         why.append(f"actor.old_logprobs_source={c.actor.old_logprobs_source}")

@@ -313,13 +313,10 @@ class Trainer:
         where nothing needs π_old's log-probs before the update: no KL in the reward, no exact (full)
         KL, no critic, and guard.on_max_kl=raise_coef (the KL check then follows the update).
         """
-        c = self.cfg
-        return (
-            c.actor.reuse_update_logprobs and c.actor.old_logprobs_source == "recompute" and c.algo.ppo_epochs == 1 and len(batch) <= c.algo.mini_batch_size
-            and c.kl.placement in ("loss", "none") and c.kl.estimator != "full" and self.roles.critic is None
-            and c.guard.on_max_kl == "raise_coef" and not self._actor_has_dropout
-            and not c.rollout.async_steps  # the old policy is the one that generated the batch, a step behind
-        )  # fmt: skip
+        if not self.cfg.actor.reuse_update_logprobs:
+            return False
+        has_critic = self.roles.critic is not None
+        return not startup.reuse_logprobs_blockers(self.cfg, has_critic=has_critic, has_dropout=self._actor_has_dropout, responses=len(batch))
 
     def rollout_old_logprobs(self, batch: RolloutBatch) -> bool:
         """actor.old_logprobs_source=rollout: old_logprobs := the engine's sampled-token log-probs (0 on
