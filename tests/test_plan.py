@@ -88,7 +88,7 @@ def test_published_shapes_give_the_published_sizes():
 @pytest.mark.parametrize("name", ["qwen2-gqa-untied", "llama-biases"])
 def test_activation_formula_equals_the_bytes_autograd_saves(name):
     """Every floating tensor the forward saves for backward (unique storages, parameters excluded),
-    minus the (b, t+1, V) logits."""
+    minus the (b, t, V) logits."""
     from transformers import AutoModelForCausalLM
 
     from tether.models import response_logprobs
@@ -111,8 +111,8 @@ def test_activation_formula_equals_the_bytes_autograd_saves(name):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         response_logprobs(model, ids, mask, t)
     shape = ModelShape.from_hf(cfg)
-    s = p + t
-    logits, rope = b * (t + 1) * shape.vocab * 4, 2 * b * s * shape.head_dim * 4  # logits_to_keep = t + 1
+    s = p + t - 1  # the last response token is never fed
+    logits, rope = b * t * shape.vocab * 4, 2 * b * s * shape.head_dim * 4  # logits_to_keep = t
     measured = sum(saved.values()) - logits
     predicted = activation_bytes(shape, b, s, 4, checkpointing=False)
     # within one layer's (b, 1, s, s) mask and RoPE's (b, s, d) cos/sin: which layers keep their own mask copy varies
@@ -133,14 +133,17 @@ def test_hand_worked_plan_of_a_small_model():
     assert activation_bytes(shape, 2, 10, 4, checkpointing=False) == 2 * 93440 + 2 * 10 * (64 * 12 + 4) == 202320
     # with checkpointing: layer inputs 2*(2*10*64*4) + one layer + the final norm
     assert activation_bytes(shape, 2, 10, 4, checkpointing=True) == 10240 + 93440 + 15440
-    # logits of the T+1 kept positions (2*5*1000*4 = 40000) + their gradient:
-    # max(+ slice grad 2*4*1000*4 + 2 chunks of 8000 floats, + LM head grad 64*1000*4)
-    assert logits_bytes(shape, 2, 4, 4, accelerator=False) == max(40000 + 32000 + 64000, 40000 + 256000) == 296000
+    # logits of the T kept positions (2*4*1000*4 = 32000) + their gradient:
+    # max(+ grad 2*4*1000*4 + 2 chunks of 8000 floats, + LM head grad 64*1000*4)
+    assert logits_bytes(shape, 2, 4, 4, accelerator=False) == max(32000 + 32000 + 64000, 32000 + 256000) == 288000
+    # the forward feeds P+T-1 = 9 positions (the last response token is only scored): per layer norms 2*(2*9*64*12 + 2*9*4)
+    # + attention 2*9*4*64*4 + lse 2*4*9*4 + mask 2*9*9*4 + MLP 4*2*9*128*4, two layers, + the final norm 2*9*(64*12+4)
+    assert activation_bytes(shape, 2, 9, 4, checkpointing=False) == 2 * (27792 + 18432 + 288 + 648 + 36864) + 13896 == 181944
     s = PlanSettings(devices=1, actor_micro_batch=2, logprob_micro_batch=2, prompt_len=6, response_len=4, rollout_batch=2,
                      separate_ref=False, accelerator=False)  # fmt: skip
     plan = plan_memory(s, shape)
     kept = 202304 * 4 + 2 * 202304 * 4  # weights + AdamW's two moments
-    backward = 202320 + 296000
+    backward = 181944 + 288000
     step = 202304 * 4 + 2 * 64000 * 4  # gradients + two temporaries of the largest tensor (the CPU AdamW loop)
     assert plan.persistent == kept
     assert plan.phase_bytes()["actor backward"] == backward
@@ -256,7 +259,7 @@ def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
 def test_cli_overrides_may_follow_the_flags_and_a_misspelt_flag_is_an_error(capsys):
     m = FIXTURES / "qwen2.5-7b"
     rc = main(["plan", str(PRESET), "--devices", "8", *_preset_overrides(m), "actor.micro_batch_size=1"])
-    assert rc == 0 and "micro-batch 1 × 1536 tokens" in capsys.readouterr().out
+    assert rc == 0 and "micro-batch 1 × 1535 tokens" in capsys.readouterr().out  # 1024 + 512 - 1: the last token is never fed
     with pytest.raises(SystemExit) as e:
         main(["plan", str(PRESET), *_preset_overrides(m), "--devcies", "8"])
     assert e.value.code == 2 and "--devcies" in capsys.readouterr().err

@@ -256,14 +256,14 @@ def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing
 def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, accelerator: bool = True, train: bool = True) -> int:
     """Peak bytes of the LM head's output and the log-prob computation for one micro-batch.
 
-    The LM head runs on the last t + 1 positions only (``logits_to_keep``,
-    :func:`tether.models.response_logprobs`): (b, t+1, V) logits of e bytes each (4 with
+    The LM head runs on the t positions that score a response token only (``logits_to_keep``,
+    :func:`tether.models.response_logprobs`): (b, t, V) logits of e bytes each (4 with
     ``actor.compute_dtype=bfloat16``, whose LM head stays float32; else the compute dtype).
     :func:`tether.algos.logprobs_and_entropy_from_logits` reads the (b, t, V) slice in chunks of at
     most ``DEFAULT_CHUNK_ELEMENTS`` logits (2**24 on an accelerator, 2**22 on a CPU), in float32.
     Without grad: the logits and about three chunk temporaries. In training the backward first holds
     the logits, the (b, t, V) gradient it builds and two chunk temporaries (log p and p); then the
-    (b, t+1, V) gradient of the kept logits and the LM head's (V, h) weight gradient: the larger of
+    (b, t, V) gradient of the kept logits and the LM head's (V, h) weight gradient: the larger of
     the two. Vocabulary-parallel (tp) splits V. Measured on CPU against ``MemTracker``
     (``benchmarks/plan_vs_measured.py``).
     """
@@ -271,7 +271,7 @@ def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, acce
 
     v = math.ceil(shape.vocab / tp)
     chunk = min(DEFAULT_CHUNK_ELEMENTS["accelerator" if accelerator else "cpu"], b * t * v) * 4  # float32 bytes
-    logits = b * (t + 1) * v * e
+    logits = b * t * v * e
     if not train:
         return logits + 3 * chunk
     return max(logits + b * t * v * e + 2 * chunk, logits + shape.hidden * v * e)
@@ -477,7 +477,7 @@ def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: 
         items.append(Item(role, f"compute copy ({s.compute_dtype}, root + 2 blocks)", units * ec // s.tp, back,
                           note="FSDP2 all-gathered units, freed after each block (reshard_after_forward)"))
         items.append(Item(role, "unsharded grads of the gathered units", units * ec // s.tp, back, note="before the reduce-scatter"))
-    seq = s.prompt_len + s.response_len
+    seq = s.prompt_len + s.response_len - 1  # the last response token is only scored, never fed
     ea = ec if (amp or not s.autocast) else es  # an autocast run's critic computes in actor.dtype
     act_on = activation_bytes(shape, micro, seq, ea, checkpointing=True, tp=s.tp, autocast=amp)
     act_off = activation_bytes(shape, micro, seq, ea, checkpointing=False, tp=s.tp, autocast=amp)

@@ -45,7 +45,7 @@ def test_head_runs_on_response_positions_only_and_logprobs_unchanged(tiny_lm):
         lp, ent, logits = response_logprobs(tiny_lm, ids, mask, t, temperature=0.7, with_entropy=True, return_logits=True)
     finally:
         hook.remove()
-    assert seen == [(3, t + 1, 32)]  # (B, T+1, H): not the P+T positions
+    assert seen == [(3, t, 32)]  # (B, T, H): the positions that score a response token, not the P+T positions
     assert logits.shape == (3, t, tiny_lm.config.vocab_size)
     torch.testing.assert_close(lp.double(), _naive(tiny_lm, ids, mask, t, 0.7), atol=1e-5, rtol=0)
 
@@ -61,7 +61,7 @@ def test_peft_wrapped_model_also_keeps_only_response_logits(tiny_lm):
         lp = response_logprobs(model, ids, mask, t)[0]
     finally:
         hook.remove()
-    assert seen == [t + 1]
+    assert seen == [t]
     torch.testing.assert_close(lp.double(), _naive(model, ids, mask, t, 1.0), atol=1e-5, rtol=0)
 
 

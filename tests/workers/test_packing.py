@@ -86,16 +86,17 @@ def test_token_budget_groups_by_hand():
 
 
 def test_packed_layout_by_hand():
-    # rows: prompt 2 + response 3 (5 tokens), prompt 1 + response 1 (2), prompt 2 + response 0 (2)
+    # rows: prompt 2 + response 3, prompt 1 + response 1, prompt 2 + response 0; each sequence's last response
+    # token is only scored, never fed, so they feed 4, 1 and 2 tokens
     b = _batch(plen=[2, 1, 2], rlen=[3, 1, 0], P=2, T=3)
     lay = PackedLayout.of(b)
-    # cap = 5 tokens; first-fit decreasing: row 0 alone in row 0; rows 1 and 2 share row 1 (4 tokens + a 1-token tail)
-    assert lay.input_ids.shape == (2, 5) and (lay.b, lay.t) == (3, 3)
-    assert lay.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 0]]
-    assert lay.input_ids[0].tolist() == b.prompt_ids[0].tolist() + b.response_ids[0].tolist()
-    assert lay.input_ids[1, :2].tolist() == [b.prompt_ids[1, 1], b.response_ids[1, 0]]
+    # cap = 4 tokens; first-fit decreasing (4, 2, 1): row 0 alone in row 0; rows 2 then 1 share row 1 (3 tokens + a 1-token tail)
+    assert lay.input_ids.shape == (2, 4) and (lay.b, lay.t) == (3, 3)
+    assert lay.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
+    assert lay.input_ids[0].tolist() == b.prompt_ids[0].tolist() + b.response_ids[0, :2].tolist()
+    assert lay.input_ids[1, :3].tolist() == b.prompt_ids[2].tolist() + [b.prompt_ids[1, 1]]
     # the logits at the last prompt token and each response token but the last score the response
-    assert lay.keep.tolist() == [[False, True, True, True, False], [True, False, False, False, False]]
+    assert lay.keep.tolist() == [[False, True, True, True], [False, False, True, False]]
     assert lay.targets.tolist() == [0, 1, 2, 3]  # b·t + j: (0, 0), (0, 1), (0, 2), (1, 0)
     assert lay.token_ids.tolist() == b.response_ids[0].tolist() + [b.response_ids[1, 0]]
     assert lay.scatter(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]]

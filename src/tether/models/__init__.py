@@ -156,10 +156,12 @@ def response_logprobs(
 ):
     """Log-probs of the response tokens under ``model``.
 
-    The LM head runs only on the T + 1 last positions (``logits_to_keep``, where the model's forward
-    accepts it, as Hugging Face's Llama/Qwen2/Mistral/Gemma do; else on every position), so prompt
-    positions cost no (P, V) logits; the log-softmax and entropy stay chunked
-    (:func:`tether.algos.logprobs_and_entropy_from_logits`).
+    The last column is never fed: its logits would predict a token after the response, and causal
+    attention makes every other position's output independent of it, so the model runs on P+T-1
+    positions (issue 13). The LM head runs only on the T positions that score a response token
+    (``logits_to_keep``, where the model's forward accepts it, as Hugging Face's
+    Llama/Qwen2/Mistral/Gemma do; else on every position), so prompt positions cost no (P, V)
+    logits; the log-softmax and entropy stay chunked (:func:`tether.algos.logprobs_and_entropy_from_logits`).
 
     Args:
         input_ids, attention_mask: (B, P+T), prompt left-padded then response right-padded.
@@ -174,10 +176,11 @@ def response_logprobs(
     """
     kwargs = {}
     if "logits_to_keep" in _forward_params(model):
-        kwargs["logits_to_keep"] = response_len + 1
+        kwargs["logits_to_keep"] = response_len
+    ids_in, mask_in = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P+T-1): the last token is only scored
     with autocast(input_ids.device, compute_dtype):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False, **kwargs)
-    logits = out.logits[:, -response_len - 1 : -1, :]  # (B, T, V)
+        out = model(input_ids=ids_in, attention_mask=mask_in, position_ids=position_ids_from_mask(mask_in), use_cache=False, **kwargs)
+    logits = out.logits[:, -response_len:, :]  # (B, T, V): position P-1+t scores response token t
     ids = input_ids[:, -response_len:]
     if type(logits).__name__ == "DTensor":  # tensor parallelism: (B, T, V / tp) shards, never gathered
         from tether.distributed.vocab_parallel import logprobs_and_entropy
@@ -192,7 +195,8 @@ class ValueModel(nn.Module):
     """Critic: a causal-LM backbone (``AutoModel``) with a scalar value head.
 
     ``forward`` returns V(s_t) for the response: (B, T), the value of the state before each response
-    token (the hidden state at position P+t-1), in reward units.
+    token (the hidden state at position P+t-1), in reward units. The state after the last token is
+    terminal (GAE takes its value as 0), so the last token is never fed.
     """
 
     def __init__(self, backbone: nn.Module, hidden_size: int):
@@ -236,8 +240,7 @@ class ValueModel(nn.Module):
         if keep is not None:
             out = self.backbone(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
             return self.value_head(out.last_hidden_state[keep]).squeeze(-1).float()  # (N,)
-        out = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False
-        )
-        hidden = out.last_hidden_state[:, -response_len - 1 : -1, :]  # (B, T, H)
+        ids_in, mask_in = input_ids[:, :-1], attention_mask[:, :-1]  # (B, P+T-1): V after the last token is never used
+        out = self.backbone(input_ids=ids_in, attention_mask=mask_in, position_ids=position_ids_from_mask(mask_in), use_cache=False)
+        hidden = out.last_hidden_state[:, -response_len:, :]  # (B, T, H)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)

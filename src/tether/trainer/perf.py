@@ -47,6 +47,7 @@ def matmul_params(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def update_flops(body_params: int, head_params: int, context_tokens: float, response_tokens: float) -> float:
-    """FLOPs of one forward + backward: 6·N_body per token of context (prompt + response) and
-    6·N_head per response token (the LM head runs on response positions only)."""
+    """FLOPs of one forward + backward: 6·N_body per token of context (the tokens fed: prompt + response
+    but each response's last token, which is only scored) and 6·N_head per response token (the LM head
+    runs on the positions that score one only)."""
     return 6.0 * (body_params * context_tokens + head_params * response_tokens)

@@ -465,7 +465,7 @@ class Trainer:
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
                 self._matmul_params = matmul_params(policy_as_is(self.roles.actor))
                 log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
-            context = float(batch.prompt_mask.sum()) + tokens
+            context = float(batch.prompt_mask.sum()) + tokens - self.n_valid(batch)  # each response's last token is never fed
             flops = update_flops(*self._matmul_params, context, tokens) * self.cfg.algo.ppo_epochs
             out["perf/mfu"] = flops / update_s / self._matmul_ceiling
         return out

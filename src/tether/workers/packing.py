@@ -12,7 +12,7 @@ Two independent choices (``actor.*`` / ``critic.*`` keys of the same names):
   scattered back to the rows' original order. The loss is unchanged by any split, because
   ``agg_loss`` divides by the whole mini-batch's token and sequence counts.
 * ``padding_free`` (verl's ``use_remove_padding``): the valid tokens of the micro-batch's
-  sequences are packed into rows (first-fit decreasing, each row at most as long as the longest
+  sequences (all but each one's last response token, which is only scored, never an input) are packed into rows (first-fit decreasing, each row at most as long as the longest
   sequence, so attention costs O(row²) per row, never O(total²)), with position ids restarting at 0
   for each sequence and no attention mask. Hugging Face transformers (>= 4.56,
   ``masking_utils.find_packed_sequence_indices``) detects the restarts and builds a block-diagonal
@@ -241,7 +241,8 @@ class PaddedLayout:
 
 @dataclass
 class PackedLayout:
-    """A micro-batch's valid tokens packed into (R, L) rows, each holding whole sequences.
+    """A micro-batch's valid tokens packed into (R, L) rows, each holding whole sequences (without
+    their last response token: its logits would predict past the response, and nothing attends to it).
 
     Attributes:
         input_ids, position_ids: (R, L); positions restart at 0 per sequence (a row's unused tail
@@ -274,7 +275,8 @@ class PackedLayout:
         P, T = mb.prompt_ids.shape[1], mb.response_ids.shape[1]
         t = max(int(rlen.max()) if len(rlen) else 0, 1)
         _check_contiguous(mb, plen, rlen, P, T)
-        lengths = (plen + rlen).tolist()
+        # each sequence's last response token is only scored, never an input (its logits would predict past the response)
+        lengths = (plen + (rlen - 1).clamp(min=0)).tolist()
         cap = max(max(lengths), 1)
         rows: list[list[int]] = []
         fill: list[int] = []
@@ -296,12 +298,13 @@ class PackedLayout:
             off = 0
             for i in seqs:
                 p, n = int(plen[i]), int(rlen[i])
+                m = p + max(n - 1, 0)  # the tokens fed: the prompt and all but the last response token
                 input_ids[r, off : off + p] = mb.prompt_ids[i, P - p :]
-                input_ids[r, off + p : off + p + n] = mb.response_ids[i, :n]
-                position_ids[r, off : off + p + n] = torch.arange(p + n, device=dev)
+                input_ids[r, off + p : off + m] = mb.response_ids[i, : m - p]
+                position_ids[r, off : off + m] = torch.arange(m, device=dev)
                 keep[r, off + p - 1 : off + p - 1 + n] = True
                 target[r, off + p - 1 : off + p - 1 + n] = i * t + torch.arange(n, device=dev)
-                off += p + n
+                off += m
             position_ids[r, off:] = torch.arange(L - off, device=dev)
         targets = target[keep]
         token_ids = mb.response_ids[:, :t].reshape(-1)[targets]
