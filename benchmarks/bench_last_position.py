@@ -56,8 +56,8 @@ def main() -> None:
             ids = torch.randint(3, MODELS[name]["vocab_size"], (B, P + T))
             mask = torch.ones_like(ids)
             variants = {
-                "before": lambda ids=ids, mask=mask, T=T: full_input_logprobs(model, ids, mask, T),
-                "now": lambda ids=ids, mask=mask, T=T: response_logprobs(model, ids, mask, T)[0],
+                "before": lambda ids=ids, mask=mask, T=T, model=model: full_input_logprobs(model, ids, mask, T),
+                "now": lambda ids=ids, mask=mask, T=T, model=model: response_logprobs(model, ids, mask, T)[0],
             }
             for label in ("no-grad (reference)", "forward + backward (update)"):
                 grad = label.startswith("forward")

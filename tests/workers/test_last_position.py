@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from test_packing import V, _actor, _batch, _lm, _spec  # rootdir-relative, as tests/vllm do
 from transformers import Qwen2Config, Qwen2Model
 
 import tether.models
@@ -24,8 +25,6 @@ from tether.models import ValueModel, position_ids_from_mask, response_logprobs
 from tether.workers import CriticWorker, ReferenceWorker
 from tether.workers.common import trim
 from tether.workers.packing import MicroBatching, PackedLayout
-
-from test_packing import V, _actor, _batch, _lm, _spec  # rootdir-relative, as tests/vllm do
 
 TOL = 1e-6
 
