@@ -1,9 +1,10 @@
 """Shared-prompt forward (``actor.share_prompt_prefix``) against the ordinary pass, in one process.
 
-    python benchmarks/bench_prefix.py [--reps 5] [--shapes peer,gsm8k]
+    python benchmarks/bench_prefix.py [--reps 5] [--shapes peer,gsm8k] [--models small,tiny]
 
 For each shape, on bench_peer_trl.py's small Qwen2 (vocab 2000, hidden 256, 8 layers, 4 / 2 heads,
-MLP 512, random weights, fp32, one torch thread), B = prompts × G rows where every G rows share a
+MLP 512) and/or its tiny one (vocab 100, hidden 64, 2 layers, 4 / 2 heads, MLP 128), random weights,
+fp32, one torch thread, B = prompts × G rows where every G rows share a
 prompt (rows shuffled): times a no-grad log-prob pass (the reference's) and a forward + backward of
 sum(log-probs) (the update's), ordinary and shared alternately, ``--reps`` times each, and prints
 the median CPU time (``time.process_time``) and wall time of each, their ratio, and the largest
@@ -25,19 +26,21 @@ import torch
 from tether.models import response_logprobs
 from tether.workers.prefix import prompt_groups, shared_prefix_logprobs
 
+MODELS = {
+    "small": dict(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=8),
+    "tiny": dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2),
+}
 
-def build_model():
+
+def build_model(name: str = "small"):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(
-        vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=True, pad_token_id=0,
-    )  # fmt: skip
+    cfg = Qwen2Config(**MODELS[name], num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
-def build_batch(shape: str, g: torch.Generator):
+def build_batch(shape: str, g: torch.Generator, vocab: int = 2000):
     """(prompt_ids, prompt_mask, response_ids, response_mask), rows shuffled."""
     n, group = 8, 8
     if shape == "peer":
@@ -49,10 +52,10 @@ def build_batch(shape: str, g: torch.Generator):
         r_len[0] = 256
     P, T = int(p_len.max()), int(r_len.max())
     pmask = (torch.arange(P)[None] >= (P - p_len)[:, None]).long()
-    prompts = torch.randint(3, 2000, (n, P), generator=g).masked_fill(pmask == 0, 0)
+    prompts = torch.randint(3, vocab, (n, P), generator=g).masked_fill(pmask == 0, 0)
     which = torch.randperm(n * group, generator=g) % n
     rmask = (torch.arange(T)[None] < r_len[:, None]).long()
-    rids = torch.randint(3, 2000, (n * group, T), generator=g).masked_fill(rmask == 0, 0)
+    rids = torch.randint(3, vocab, (n * group, T), generator=g).masked_fill(rmask == 0, 0)
     return prompts[which], pmask[which], rids, rmask
 
 
@@ -76,13 +79,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--shapes", default="peer,gsm8k")
+    ap.add_argument("--models", default="small", help="comma-separated: small, tiny")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = build_model()
-    print("| shape | pass | ordinary CPU s | shared CPU s | ordinary / shared (CPU) | ordinary wall s | shared wall s | max abs Δ log-prob |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for shape in args.shapes.split(","):
-        batch = build_batch(shape, torch.Generator().manual_seed(0))
+    print("| model | shape | pass | ordinary CPU s | shared CPU s | ordinary / shared (CPU) | ordinary wall s | shared wall s | max abs Δ log-prob |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, shape in ((m, s) for m in args.models.split(",") for s in args.shapes.split(",")):
+        model = build_model(name)
+        batch = build_batch(shape, torch.Generator().manual_seed(0), MODELS[name]["vocab_size"])
         mask = batch[3].bool()
         for grad, label in ((False, "no-grad log-probs"), (True, "forward + backward")):
             times = {False: [], True: []}
@@ -97,7 +101,7 @@ def main() -> None:
                 diff = max(diff, float((out[True] - out[False])[mask].abs().max()))
             med = {s: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v)) for s, v in times.items()}
             print(
-                f"| {shape} | {label} | {med[False][0]:.3f} | {med[True][0]:.3f} | {med[False][0] / med[True][0]:.2f} | "
+                f"| {name} | {shape} | {label} | {med[False][0]:.3f} | {med[True][0]:.3f} | {med[False][0] / med[True][0]:.2f} | "
                 f"{med[False][1]:.3f} | {med[True][1]:.3f} | {diff:.1e} |",
                 flush=True,
             )

@@ -236,6 +236,31 @@ def _random_batch(rng: random.Random, n_groups: int, n: int, vocab: int, max_len
     return rs, gids
 
 
+def test_diversity_metrics_equals_each_metric_bit_for_bit():
+    """diversity_metrics validates the tokens and builds the groups once for all its metrics (per-step
+    overhead, issue 13): every value is exactly that of the metric's own public function."""
+    rng = random.Random(3)
+    for _ in range(30):
+        rs, gids = _random_batch(rng, rng.randint(1, 6), rng.randint(1, 8), rng.choice([3, 50]), 12)
+        prompts = [[rng.randrange(50) for _ in range(rng.randint(0, 6))] for _ in rs]
+        assert diversity_metrics(rs, gids, prompts=prompts) == {
+            "diversity/distinct_1": distinct_n(rs, 1),
+            "diversity/distinct_2": distinct_n(rs, 2),
+            "diversity/unique_frac": unique_frac(rs, gids),
+            "diversity/collapse_rate": collapse_rate(rs, gids),
+            "diversity/self_bleu": self_bleu(rs, gids, max_n=4),
+            "diversity/prompt_response_sim": prompt_response_similarity(prompts, rs),
+        }
+
+
+def test_ngrams_are_the_slices():
+    from tether.metrics.diversity import _ngrams
+
+    seq = (5, 1, 5, 1, 2, 9, 9)
+    for n in range(1, 9):
+        assert list(_ngrams(seq, n)) == [seq[i : i + n] for i in range(len(seq) - n + 1)]
+
+
 def test_invariant_to_response_order_and_group_labels():
     rng = random.Random(0)
     rs, gids = _random_batch(rng, n_groups=6, n=4, vocab=3, max_len=6)

@@ -94,7 +94,8 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _ngrams(seq: Tokens, n: int) -> Iterable[Tokens]:
-    return (seq[i : i + n] for i in range(len(seq) - n + 1))
+    """The n-grams of ``seq`` in order, as tuples (those of ``seq[i : i + n]``; zip builds them in C)."""
+    return zip(*(seq[i:] for i in range(n)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,9 +126,13 @@ def distinct_n(responses: Sequence[Sequence[int]], n: int) -> float:
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    return _distinct_n(_responses(responses), n)
+
+
+def _distinct_n(responses: list[Tokens], n: int) -> float:
     seen: set[Tokens] = set()
     total = 0
-    for r in _responses(responses):
+    for r in responses:
         if len(r) >= n:
             total += len(r) - n + 1
             seen.update(_ngrams(r, n))
@@ -149,7 +154,10 @@ def unique_frac(responses: Sequence[Sequence[int]], group_ids: Sequence[Hashable
     Raises:
         ValueError: ``len(responses) != len(group_ids)``.  TypeError: a non-integer token id.
     """
-    groups = _groups(_responses(responses), group_ids)
+    return _unique_frac(_groups(_responses(responses), group_ids))
+
+
+def _unique_frac(groups: list[list[Tokens]]) -> float:
     return _mean([len(set(g)) / len(g) for g in groups])
 
 
@@ -168,7 +176,11 @@ def collapse_rate(responses: Sequence[Sequence[int]], group_ids: Sequence[Hashab
     Raises:
         ValueError: ``len(responses) != len(group_ids)``.  TypeError: a non-integer token id.
     """
-    groups = [g for g in _groups(_responses(responses), group_ids) if len(g) >= 2]
+    return _collapse_rate(_groups(_responses(responses), group_ids))
+
+
+def _collapse_rate(groups: list[list[Tokens]]) -> float:
+    groups = [g for g in groups if len(g) >= 2]
     if not groups:
         return 0.0
     return sum(1 for g in groups if len(set(g)) == 1) / len(groups)
@@ -190,10 +202,11 @@ def _sentence_bleu_vs_rest(
     log_p = 0.0
     for k in range(1, order + 1):
         matched = 0
+        table = top2[k - 1]
         for g, cnt in counts[i][k - 1].items():
-            best, best_owner, second = top2[k - 1][g]
+            best, best_owner, second = table[g]
             ref_max = second if best_owner == i else best
-            matched += min(cnt, ref_max)
+            matched += cnt if cnt < ref_max else ref_max  # min(cnt, ref_max), without a call per n-gram
         total = c - k + 1
         if matched == 0:
             if k == 1:  # no token in common with any other sample
@@ -269,8 +282,11 @@ def self_bleu(responses: Sequence[Sequence[int]], group_ids: Sequence[Hashable],
     """
     if max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {max_n}")
-    groups = [g for g in _groups(_responses(responses), group_ids) if len(g) >= 2]
-    return _mean([_group_self_bleu(g, max_n) for g in groups])
+    return _self_bleu(_groups(_responses(responses), group_ids), max_n)
+
+
+def _self_bleu(groups: list[list[Tokens]], max_n: int) -> float:
+    return _mean([_group_self_bleu(g, max_n) for g in groups if len(g) >= 2])
 
 
 def prompt_response_similarity(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> float:
@@ -293,7 +309,10 @@ def prompt_response_similarity(prompts: Sequence[Sequence[int]], responses: Sequ
     Raises:
         ValueError: ``len(prompts) != len(responses)``.  TypeError: a non-integer token id.
     """
-    ps, rs = _responses(prompts), _responses(responses)
+    return _prompt_response_similarity(_responses(prompts), _responses(responses))
+
+
+def _prompt_response_similarity(ps: list[Tokens], rs: list[Tokens]) -> float:
     if len(ps) != len(rs):
         raise ValueError(f"got {len(ps)} prompts but {len(rs)} responses")
     scores = []
@@ -316,15 +335,15 @@ def diversity_metrics(
     and ``diversity/prompt_response_sim`` when ``prompts`` is given (one prompt per response).
     Raises as the individual functions do.
     """
-    rs = _responses(responses)
-    gids = _as_list(group_ids)
+    rs = _responses(responses)  # validated once; the metrics below share it and the groups
+    groups = _groups(rs, group_ids)
     out = {
-        "diversity/distinct_1": distinct_n(rs, 1),
-        "diversity/distinct_2": distinct_n(rs, 2),
-        "diversity/unique_frac": unique_frac(rs, gids),
-        "diversity/collapse_rate": collapse_rate(rs, gids),
-        "diversity/self_bleu": self_bleu(rs, gids),
+        "diversity/distinct_1": _distinct_n(rs, 1),
+        "diversity/distinct_2": _distinct_n(rs, 2),
+        "diversity/unique_frac": _unique_frac(groups),
+        "diversity/collapse_rate": _collapse_rate(groups),
+        "diversity/self_bleu": _self_bleu(groups, 4),
     }
     if prompts is not None:
-        out["diversity/prompt_response_sim"] = prompt_response_similarity(prompts, rs)
+        out["diversity/prompt_response_sim"] = _prompt_response_similarity(_responses(prompts), rs)
     return out
