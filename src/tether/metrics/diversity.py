@@ -95,7 +95,7 @@ def _mean(values: Sequence[float]) -> float:
 
 def _ngrams(seq: Tokens, n: int) -> Iterable[Tokens]:
     """The n-grams of ``seq`` in order, as tuples (those of ``seq[i : i + n]``; zip builds them in C)."""
-    return zip(*(seq[i:] for i in range(n)))
+    return zip(*(seq[i:] for i in range(n)), strict=False)  # the shifted copies differ in length: stop at the shortest
 
 
 # --------------------------------------------------------------------------------------------------
