@@ -45,3 +45,16 @@ def test_learning_signal_metrics():
     assert rollout_metrics(b, beta=0.05, **ARGS)["rollout/zero_var_group_frac"] == 1.0
     # a critic's baseline is not the group: PPO with one sample per prompt is not "flat"
     assert "rollout/zero_var_group_frac" not in rollout_metrics(b, beta=0.05, eos_id=2, pad_id=0, grouped=False)
+
+
+def test_response_and_prompt_tokens_by_hand():
+    from tether.trainer.stats import _response_tokens, _rows_where
+
+    b = _batch()  # responses [7, 2 (EOS)] and [8, pad]; prompts [5, 6] twice
+    assert _response_tokens(b, eos_id=2) == [[7], [8]]
+    assert _rows_where(b.prompt_ids, b.prompt_ids != 0) == [[5, 6], [5, 6]]
+    # holes, an EOS inside a response, a dropped row (mask 0), pad ids inside a prompt: as the per-token loop filters them
+    ids = torch.tensor([[3, 2, 4, 5], [2, 2, 2, 2], [9, 8, 7, 6], [1, 0, 1, 0]])
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    loop = [[t for t, k in zip(r, m, strict=True) if k and t != 2] for r, m in zip(ids.tolist(), mask.tolist(), strict=True)]
+    assert _rows_where(ids, mask.bool() & (ids != 2)) == loop == [[3, 5], [], [], [1, 0, 1, 0]]
