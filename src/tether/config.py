@@ -165,6 +165,16 @@ class RolloutConfig(_Section):
         "rollout.n samples of a prompt), instead of once per row. Same sampled tokens in the tests; the cache is computed in a "
         "smaller batch, so its last bits may differ (<= 4e-6 nats in the sampled log-probs measured)."
     )
+    hf_decode: Literal["tether", "generate"] = Field(
+        "tether", description="HF engine: tether = tether's own decode loop over a preallocated KV cache (the same tokens as "
+        "generate for a fixed seed, bit for bit, with less CPU time; calls it cannot serve exactly fall back to generate); "
+        "generate = Hugging Face model.generate with its DynamicCache. docs/performance.md#hf-decode-loop."
+    )
+    hf_drop_finished: bool = Field(
+        False, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
+        "so a ragged batch does not step finished rows to the longest one's end. Sampling still draws for every row; the same "
+        "tokens as without it in the tests (bitwise), but a BLAS may round a smaller batch differently on other hardware."
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
     async_steps: int = Field(
         0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "

@@ -63,6 +63,8 @@ class HFRolloutEngine:
     (tether's own loop over a preallocated KV cache; the same tokens as ``model.generate`` for a fixed
     seed, bit for bit, with less CPU time) wherever :func:`tether.rollout.hf_decode.plan` accepts the call,
     else ``model.generate``; ``"generate"`` always uses ``model.generate`` with its ``DynamicCache``.
+    ``drop_finished`` (``rollout.hf_drop_finished``, tether's loop only): rows that have ended stop being
+    run through the model (at least 8 are kept; :func:`tether.rollout.hf_decode._compact`).
 
     ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
     return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
@@ -77,12 +79,13 @@ class HFRolloutEngine:
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
         eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
-        hf_decode: str = "tether",
+        hf_decode: str = "tether", drop_finished: bool = False,
     ):  # fmt: skip
         if hf_decode not in ("tether", "generate"):
             raise ValueError(f"hf_decode must be 'tether' or 'generate', got {hf_decode!r}")
         self.model = model
         self.hf_decode = hf_decode
+        self.drop_finished = drop_finished
         self.share_prefill = share_prefill
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
@@ -143,7 +146,7 @@ class HFRolloutEngine:
                 share = self.share_prefill and not {"cache", "past_key_values"} & set(kwargs)
                 prefill = (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
                 return hf_decode.decode(self.model, prompt_ids, prompt_mask, config, logits_processor=kwargs.get("logits_processor"),
-                                        prefill=prefill)  # fmt: skip
+                                        prefill=prefill, drop_finished=self.drop_finished)  # fmt: skip
         if self.share_prefill and not {"cache", "past_key_values"} & set(kwargs):
             shared = self._shared_prefill(prompt_ids, prompt_mask)
             if shared is not None:
