@@ -38,7 +38,7 @@ warm-up) is printed apart: it is paid once per run, not per step.
 engine as shipped: ``rollout.hf_decode=tether``, ``torch.inference_mode``, one prefill per distinct
 prompt, ``rollout.share_prefill``), ``generate`` (the same with ``rollout.hf_decode=generate``: HF
 ``model.generate`` and its ``DynamicCache``), ``prealloc`` (HF ``model.generate`` given tether's
-``PreallocatedCache``, one prefill per row: the cache alone, without tether's loop), ``plain`` (the
+``PreallocatedCache`` filled by the shared prefill: the cache alone, without tether's loop), ``plain`` (the
 engine before issue 13: ``generate``, ``torch.no_grad``, one prefill per row), ``drop`` (tether's loop
 with ``rollout.hf_drop_finished``: rows that ended stop being stepped), ``noshare`` (one
 prefill per row), ``nograd`` (``torch.no_grad``), ``static`` (``generate`` with
@@ -128,12 +128,11 @@ def worker(args) -> dict:
             engine.share_prefill = False
         if args.variant == "static":
             overrides["cache_implementation"] = "static"
-        if args.variant == "prealloc":
+        if args.variant == "prealloc":  # generate, its shared prefill written into a fresh PreallocatedCache per batch
             from tether.rollout.hf_decode import preallocated_cache
 
-            P = prompt_ids.shape[1]
-            engine.share_prefill = False
-            new_cache = lambda: preallocated_cache(model, P + new_tokens)  # noqa: E731  one fresh cache per batch
+            P, shared = prompt_ids.shape[1], engine._shared_prefill
+            engine._shared_prefill = lambda ids, mask: shared(ids, mask, preallocated_cache(model, P + new_tokens))
     startup = time.perf_counter() - t0
     torch.manual_seed(0)
     batches = []
@@ -145,8 +144,7 @@ def worker(args) -> dict:
             sync_s = time.perf_counter() - w0
             ids, _ = engine.generate(prompt_ids, prompt_mask, return_logprobs=True)
         else:
-            extra = {"cache": new_cache()} if args.variant == "prealloc" else {}
-            ids = engine.generate(prompt_ids, prompt_mask, **overrides, **extra)
+            ids = engine.generate(prompt_ids, prompt_mask, **overrides)
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         ntok = int(response_mask_from_ids(ids, [tok.eos_token_id]).sum()) if eos_allowed else ids.numel()
         if b:  # the first batch warms up

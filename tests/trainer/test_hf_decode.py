@@ -211,3 +211,22 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
         load_config(None, ["rollout.hf_decode=fast"])
     with pytest.raises(ValueError, match="hf_decode must be 'tether' or 'generate', got 'fast'"):
         HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, hf_decode="fast")
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
+def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2, share, monkeypatch):
+    """GPT-2 (learned absolute positions, its own attention code), built here from a config (the testing
+    helpers build Qwen2 and Llama), left-padded prompts, T = 0.8, top_p = 0.9."""
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    _, tok, p_ids, p_mask = qwen2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+        model = GPT2LMHeadModel(config).eval()
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    kw = dict(share_prefill=share, return_logprobs=True, returns_logprobs=True, temperature=0.8, top_p=0.9, top_k=0)
+    a = _run(model, tok, p_ids, p_mask, "generate", **kw)
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
+    _assert_same(a, b, True)

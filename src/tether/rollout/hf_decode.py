@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer  # this module is imported lazily (tether.rollout.hf)
 
 #: ``generate`` keywords the loop handles (anything else: ``model.generate``).
 SUPPORTED_KEYS = frozenset(
@@ -39,13 +40,7 @@ SUPPORTED_KEYS = frozenset(
 )  # fmt: skip
 
 
-def _dynamic_layer_cls():
-    from transformers.cache_utils import DynamicLayer
-
-    return DynamicLayer
-
-
-class PreallocatedLayer(_dynamic_layer_cls()):
+class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values, (B, H_kv, capacity, D) each, filled from position 0 on.
 
     ``update`` writes the new (B, H_kv, n, D) states at ``[filled, filled + n)`` and returns the views
@@ -121,10 +116,17 @@ class PreallocatedLayer(_dynamic_layer_cls()):
         self.is_initialized = False
 
 
-def preallocated_cache(model, capacity: int):
-    """A ``Cache`` of one :class:`PreallocatedLayer` per decoder layer holding ``capacity`` positions, or
-    None when the model's default cache is not plain full-attention ``DynamicLayer`` layers."""
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+class PreallocatedCache(Cache):
+    """A ``Cache`` of ``num_layers`` :class:`PreallocatedLayer` layers of ``capacity`` positions each."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+
+
+def preallocated_cache(model, capacity: int) -> PreallocatedCache | None:
+    """A :class:`PreallocatedCache` for ``model`` holding ``capacity`` positions per layer, or None when
+    the model's default cache is not plain full-attention ``DynamicLayer`` layers."""
+    from transformers.cache_utils import DynamicCache
 
     config = model.config.get_text_config(decoder=True)
     try:
@@ -133,7 +135,7 @@ def preallocated_cache(model, capacity: int):
         return None
     if not default.layers or any(type(layer) is not DynamicLayer for layer in default.layers):
         return None
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in default.layers])
+    return PreallocatedCache(len(default.layers), capacity)
 
 
 def cache_keyword(model) -> str | None:
