@@ -40,7 +40,8 @@ prompt, ``rollout.share_prefill``), ``generate`` (the same with ``rollout.hf_dec
 ``model.generate`` and its ``DynamicCache``), ``prealloc`` (HF ``model.generate`` given tether's
 ``PreallocatedCache`` filled by the shared prefill: the cache alone, without tether's loop), ``plain`` (the
 engine before issue 13: ``generate``, ``torch.no_grad``, one prefill per row), ``drop`` (tether's loop
-with ``rollout.hf_drop_finished``: rows that ended stop being stepped), ``noshare`` (one
+with ``rollout.hf_drop_finished``: rows that ended stop being stepped), ``icdf`` (tether's loop with
+``rollout.hf_sampler=inverse_cdf``: other samples, so another token count on ragged workloads), ``noshare`` (one
 prefill per row), ``nograd`` (``torch.no_grad``), ``static`` (``generate`` with
 ``cache_implementation="static"``).
 
@@ -122,6 +123,8 @@ def worker(args) -> dict:
             engine.hf_decode = "generate"
         if args.variant == "drop":
             engine.drop_finished = True
+        if args.variant == "icdf":
+            engine.sampler = "inverse_cdf"
         if args.variant in ("nograd", "plain"):
             engine.grad_mode = "no_grad"
         if args.variant in ("noshare", "plain"):
@@ -181,7 +184,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="peer,gsm8k")
     ap.add_argument("--gsm8k-models", default="small")
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--hf-variants", default="base,generate", help="comma-separated: base, generate, prealloc, drop, plain, noshare, nograd, static")
+    ap.add_argument("--hf-variants", default="base,generate", help="comma-separated: base, generate, prealloc, drop, icdf, plain, noshare, nograd, static")
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_generate"))
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--worker", choices=["hf", "vllm"])

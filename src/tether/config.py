@@ -175,6 +175,11 @@ class RolloutConfig(_Section):
         "so a ragged batch does not step finished rows to the longest one's end. Sampling still draws for every row; the same "
         "tokens as without it in the tests (bitwise), but a BLAS may round a smaller batch differently on other hardware."
     )
+    hf_sampler: Literal["multinomial", "inverse_cdf"] = Field(
+        "multinomial", description="HF engine, hf_decode=tether: how a token is drawn from the processed distribution. "
+        "multinomial = torch.multinomial, as generate (V exponential draws per row and step); inverse_cdf = one uniform per row "
+        "and a search in the cumulative sum: the same distribution, a different random stream (other samples for a seed)."
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
     async_steps: int = Field(
         0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "

@@ -230,3 +230,45 @@ def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2, share, monkeypatch
     a = _run(model, tok, p_ids, p_mask, "generate", **kw)
     b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
     _assert_same(a, b, True)
+
+
+def test_inverse_cdf_sampler_draws_the_categorical_distribution():
+    """rollout.hf_sampler=inverse_cdf: 200,000 draws from p = (0.5, 0, 0.2, 0.3, 0) (unnormalised ×4,
+    so the total is not 1): frequencies within 5 standard errors (≤ 0.0056), zero-probability tokens
+    (one of them last) never drawn, also with u pushed to just below 1."""
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0]) * 4
+    torch.manual_seed(0)
+    draws = hf_decode.sample_inverse_cdf(p.expand(200_000, 5).contiguous())
+    freq = torch.bincount(draws, minlength=5).double() / draws.numel()
+    want = (p / p.sum()).double()
+    assert (freq - want).abs().max() < 5 * (want * (1 - want) / draws.numel()).sqrt().max()
+    assert freq[1] == 0 and freq[4] == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "rand_like", lambda t: torch.full_like(t, 1 - 2**-24))  # the largest u < 1
+        assert hf_decode.sample_inverse_cdf(p[None]).tolist() == [3]  # the last token of positive probability
+
+
+def test_inverse_cdf_sampler_in_the_engine(qwen2, monkeypatch):
+    """The engine's inverse-CDF path samples valid tokens, respects suppress_tokens and top_k, is
+    reproducible for a seed, and differs from generate's stream (another sampler)."""
+    model, tok, p_ids, p_mask = qwen2
+    kw = dict(temperature=1.0, top_p=1.0, top_k=3)
+    a = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]
+    ref = _run(model, tok, p_ids, p_mask, "generate", **kw)[0]
+    assert torch.equal(a, b) and not torch.equal(a, ref) and a.shape == ref.shape
+    with torch.no_grad():  # the first token is among the top 3 of the prompt's next-token logits
+        logits = model(input_ids=p_ids, attention_mask=p_mask).logits[:, -1]
+    assert (logits.topk(3, -1).indices == a[:, :1]).any(-1).all()
+    engine = HFRolloutEngine(model, tok, max_new_tokens=6, sampler="inverse_cdf", temperature=1.0, top_p=1.0, top_k=0)
+    common = tok(["3 + 4 ="] * 8, return_tensors="pt")["input_ids"][0, :1].item()
+    ids = engine.generate(p_ids, p_mask, suppress_tokens=[common])
+    assert (ids != common).all()
+    from tether.config import load_config
+    from tether.trainer import setup
+
+    assert load_config(None, []).rollout.hf_sampler == "multinomial"
+    cfg = load_config(None, ["rollout.hf_sampler=inverse_cdf"])
+    assert setup._build_engine(cfg, model, tok, None).sampler == "inverse_cdf"
+    with pytest.raises(ValueError, match="sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'"):
+        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, sampler="gumbel")

@@ -65,6 +65,9 @@ class HFRolloutEngine:
     else ``model.generate``; ``"generate"`` always uses ``model.generate`` with its ``DynamicCache``.
     ``drop_finished`` (``rollout.hf_drop_finished``, tether's loop only): rows that have ended stop being
     run through the model (at least 8 are kept; :func:`tether.rollout.hf_decode._compact`).
+    ``sampler`` (``rollout.hf_sampler``, tether's loop only): ``"multinomial"`` (``generate``'s) or
+    ``"inverse_cdf"`` (:func:`tether.rollout.hf_decode.sample_inverse_cdf`: the same distribution, one
+    uniform per row, other tokens for a given seed).
 
     ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
     return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
@@ -79,10 +82,13 @@ class HFRolloutEngine:
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
         eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
-        hf_decode: str = "tether", drop_finished: bool = False,
+        hf_decode: str = "tether", drop_finished: bool = False, sampler: str = "multinomial",
     ):  # fmt: skip
         if hf_decode not in ("tether", "generate"):
             raise ValueError(f"hf_decode must be 'tether' or 'generate', got {hf_decode!r}")
+        if sampler not in ("multinomial", "inverse_cdf"):
+            raise ValueError(f"sampler must be 'multinomial' or 'inverse_cdf', got {sampler!r}")
+        self.sampler = sampler
         self.model = model
         self.hf_decode = hf_decode
         self.drop_finished = drop_finished
@@ -146,7 +152,7 @@ class HFRolloutEngine:
                 share = self.share_prefill and not {"cache", "past_key_values"} & set(kwargs)
                 prefill = (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
                 return hf_decode.decode(self.model, prompt_ids, prompt_mask, config, logits_processor=kwargs.get("logits_processor"),
-                                        prefill=prefill, drop_finished=self.drop_finished)  # fmt: skip
+                                        prefill=prefill, drop_finished=self.drop_finished, sampler=self.sampler)  # fmt: skip
         if self.share_prefill and not {"cache", "past_key_values"} & set(kwargs):
             shared = self._shared_prefill(prompt_ids, prompt_mask)
             if shared is not None:
