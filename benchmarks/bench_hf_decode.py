@@ -99,7 +99,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     print(f"# HF decode: {args.rounds} rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
-    lines = [f"| model | workload | variant | median CPU s/batch | CPU / {variants[0]} (median of rounds) | tokens equal {variants[0]}'s | response tokens (first round) |",
+    lines = [f"| model | workload | variant | median CPU s/batch | CPU / {variants[0]} (median of rounds) | tokens equal {variants[0]}'s | response tokens ({variants[0]}, last round) |",
              "| --- | --- | --- | ---: | ---: | --- | ---: |"]  # fmt: skip
     for wl in args.workloads.split(","):
         for name in (args.gsm8k_models if wl == "gsm8k" else args.models).split(","):

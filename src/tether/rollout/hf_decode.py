@@ -145,8 +145,8 @@ def cache_keyword(model) -> str | None:
 
 
 def plan(model, kwargs: dict):
-    """``(generation_config, processors_fn)`` when :func:`decode` can serve this ``generate`` call exactly,
-    else None (the caller uses ``model.generate``). ``kwargs``: the engine's ``generate`` keywords."""
+    """The resolved ``GenerationConfig`` (a private copy) when :func:`decode` can serve this ``generate``
+    call exactly, else None (the caller uses ``model.generate``). ``kwargs``: the ``generate`` keywords."""
     if set(kwargs) - SUPPORTED_KEYS or getattr(model.config, "is_encoder_decoder", False) or not kwargs.get("use_cache", True):
         return None
     if not all(hasattr(model, f) for f in ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")):
@@ -186,7 +186,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
             :meth:`tether.rollout.hf.HFRolloutEngine._shared_prefill`), or leaves it empty and returns
             False; None or False: all P positions are prefilled here, as ``generate`` does.
         drop_finished: stop running the model on rows that have ended (EOS), keeping at least
-            ``min_rows`` (:func:`_compact`); their tokens are the pad token either way, and sampling still
+            ``min_rows`` (:func:`_compact`; ignored unless the model runs ``sdpa`` attention, transformers'
+            default); their tokens are the pad token either way, and sampling still
             draws for all B rows, so the other rows' tokens do not change. Their log-probs after EOS (the
             recorder's) are then computed from zero logits: meaningless, as after EOS anyway.
         sampler: ``"multinomial"`` (``generate``'s ``torch.multinomial``: one exponential draw per vocabulary
@@ -216,6 +217,9 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
     if cache is None:
         raise ValueError("decode: the model's cache is not plain full-attention DynamicLayer layers; use model.generate")
     cache_kw = cache_keyword(model)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}  # as generate
+    # the boolean 4-D mask of dropped-row batches is sdpa's mask type (eager attention adds float masks)
+    drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) == "sdpa"
     ids = prompt_ids.new_empty(B, P + max_new)  # (B, P + max_new) generate's input_ids, filled in place
     ids[:, :P] = prompt_ids
     full_mask = None
@@ -232,10 +236,11 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
     n = 0
     while n < max_new:
         length = seen + step_ids.shape[1]
-        kwargs = {cache_kw: cache, "position_ids": step_pos, "use_cache": True, "logits_to_keep": 1, "return_dict": True}
+        kwargs = {cache_kw: cache, "position_ids": step_pos, "use_cache": True, "return_dict": True, **keep}
         if full_mask is not None:
-            # generate's 2-D mask; once rows are dropped, the (A, 1, 1, L) boolean mask generate's would
-            # become (q_len = 1), so a row that dropped its padded neighbours keeps the masked kernel
+            # generate's 2-D mask; once rows are dropped, the (A, 1, 1, L) boolean mask transformers builds
+            # from it for one query position: an all-ones 2-D mask of the rows left would be skipped, and
+            # attention would take another kernel than in the full batch
             kwargs["attention_mask"] = full_mask[:, :length] if rows is None else full_mask[rows, None, None, :length].bool()
         out = model(input_ids=step_ids.clone(memory_format=torch.contiguous_format), **kwargs)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)  # (A, V)
