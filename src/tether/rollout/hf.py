@@ -145,9 +145,11 @@ class HFRolloutEngine:
         """(B, P + T) prompts and responses, from tether's decode loop or ``model.generate`` (``hf_decode``)."""
         common = dict(pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, use_cache=True)
         if self.hf_decode == "tether":
-            from tether.rollout import hf_decode
-
-            config = hf_decode.plan(self.model, {**kwargs, **common})
+            try:
+                from tether.rollout import hf_decode
+            except ImportError:  # a transformers without the cache classes it builds on: generate serves every call
+                hf_decode = None
+            config = hf_decode.plan(self.model, {**kwargs, **common}) if hf_decode is not None else None
             if config is not None:
                 share = self.share_prefill and not {"cache", "past_key_values"} & set(kwargs)
                 prefill = (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
