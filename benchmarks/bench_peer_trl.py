@@ -267,7 +267,7 @@ def worker_tether(args) -> dict:
         ph["other"] = wall - sum(ph.values())
         steps.append({
             "s": wall, "cpu_s": cpu, "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
-            "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"),
+            "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"), "clipfrac": m.get("policy/clipfrac"),
             "phases": ph, "mfu": m.get("perf/mfu"),
         })  # fmt: skip
     return {"lib": "tether", "steps": steps}
@@ -326,7 +326,8 @@ def worker_trl(args) -> dict:
         ph["other"] = wall - sum(ph.values())
         log = logs[i] if i < len(logs) else {}
         steps.append({"s": wall, "cpu_s": cpu_marks[i + 1] - cpu_marks[i], "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
-                      "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "phases": ph, "mfu": None})  # fmt: skip
+                      "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "clipfrac": log.get("clip_ratio/region_mean"),
+                      "phases": ph, "mfu": None})  # fmt: skip
     return {"lib": "trl", "steps": steps}
 
 
@@ -447,9 +448,13 @@ def curves_of(runs: list[dict], key: str) -> list[list[float]]:
     return [[s[key] or 0.0 for s in r["steps"]] for r in runs]
 
 
-def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str = "trl") -> list[str]:
+def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str = "trl", lags: dict[str, int] | None = None) -> list[str]:
     """Markdown: per step, mean ± std over seeds of reward and KL for each variant, and which steps of
-    each variant lie within noise of ``against``'s (and of ``tether``'s, for other tether variants)."""
+    each variant lie within noise of ``against``'s (and of ``tether``'s, for other tether variants).
+
+    ``lags``: label -> steps of staleness (``rollout.async_steps``): such a variant's step t + lag is
+    also compared with tether's step t, since its batch at step t + lag comes from the policy of
+    t − 1 updates, like sync tether's batch at step t."""
     labs = list(runs)
     n = len(runs[labs[0]][0]["steps"])
     stats = {lab: {key: curve_mean_std(curves_of(rs, key)) for key in ("reward", "kl")} for lab, rs in runs.items()}
@@ -464,14 +469,23 @@ def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str
     lines.append("")
     pairs = [(lab, against) for lab in labs if lab != against and against in runs]
     pairs += [(lab, "tether") for lab in labs if lab not in (against, "tether") and "tether" in runs]
-    for lab, ref in pairs:
+    pairs = [(lab, ref, 0) for lab, ref in pairs]
+    pairs += [(lab, "tether", lag) for lab, lag in (lags or {}).items() if lag and lab in runs and "tether" in runs]
+    for lab, ref, lag in pairs:
         parts = []
+        n = len(runs[lab][0]["steps"]) - lag
         for key in ("reward", "kl"):
-            w = within_noise(curves_of(runs[lab], key), curves_of(runs[ref], key), atol=KL_ATOL if key == "kl" else 0.0)
+            mine = [c[lag:] for c in curves_of(runs[lab], key)]
+            theirs = [c[: len(c) - lag] for c in curves_of(runs[ref], key)]
+            w = within_noise(mine, theirs, atol=KL_ATOL if key == "kl" else 0.0)
             bad = [i + 1 for i, (_, _, ok) in enumerate(w) if not ok]
             worst = max(range(n), key=lambda i: w[i][0] / w[i][1] if w[i][1] > 0 else (0.0 if w[i][0] == 0 else float("inf")))
             parts.append(f"{key} {n - len(bad)}/{n} steps (outside: {bad or 'none'}; largest |Δ|/bound {_ratio(w[worst])} at step {worst + 1})")
-        lines.append(f"* {lab} against {ref}, |Δ mean| within 2 × SE of the difference (KL: or {KL_ATOL:g}): " + "; ".join(parts))
+        what = f"{lab} against {ref}" if not lag else f"{lab} step t + {lag} against {ref} step t (its {lag} step(s) of staleness)"
+        lines.append(f"* {what}, |Δ mean| within 2 × SE of the difference (KL: or {KL_ATOL:g}): " + "; ".join(parts))
+    clip = {lab: [s["clipfrac"] for r in rs for s in r["steps"][1:] if s.get("clipfrac") is not None] for lab, rs in runs.items()}
+    if any(clip.values()):
+        lines.append("* policy/clipfrac, mean over steps 2.. and seeds: " + ", ".join(f"{lab} {statistics.fmean(c):.4f}" for lab, c in clip.items() if c))
     final = {lab: stats[lab]["reward"][-1] for lab in labs}
     first = ", ".join(f"{lab} {stats[lab]['reward'][0][0]:.3f}" for lab in labs)
     lines.append("* final-step reward: " + ", ".join(f"{lab} {m:.3f} ± {s:.3f}" for lab, (m, s) in final.items()) + f" (step 1: {first})")
@@ -622,7 +636,8 @@ def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) ->
                 print(f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL {r['steps'][-1]['kl'] or 0:.3g}, "
                       f"median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f} (process {r['process_s']:.0f} s)", flush=True)  # fmt: skip
         everything[name] = runs
-        out_lines += report_curve(name, runs, args.lr)
+        lags = {lab: 1 for lab, _, extra in variants if "rollout.async_steps=1" in extra}
+        out_lines += report_curve(name, runs, args.lr, lags=lags)
         png = Path(args.plot_dir or work) / f"curve-{name}-lr{args.lr:g}.png"
         if plot_curves(png, name, runs, args.lr):
             out_lines += [f"(plot: {png})", ""]
