@@ -378,11 +378,12 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
     lines = [f"### {name} ({params / 1e3:.0f}k parameters)", ""]
     med = {lib: statistics.median(median_step(r) for r in rs) for lib, rs in runs.items()}
     cpu = {lib: statistics.median(median_step(r, "cpu_s") for r in rs) for lib, rs in runs.items()}
-    lines.append("| library | median s/step (wall) | median CPU s/step | tokens/s (wall) | runs (wall s/step each) |")
-    lines.append("| --- | ---: | ---: | ---: | --- |")
+    lines.append("| library | median s/step (wall) | median CPU s/step | CPU / wall (> 1: threads in parallel) | tokens/s (wall) | runs (wall s/step each) |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | --- |")
     for lib, rs in runs.items():
         tps = statistics.median(tokens_per_step(r) / median_step(r) for r in rs)
-        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
+        par = statistics.median(median_step(r, "cpu_s") / median_step(r) for r in rs)
+        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {par:.2f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
     lines.append("")
 
     def ratio_line(num: str, den: str, bold: bool) -> str:
