@@ -14,7 +14,7 @@ from tether.data import DataError
 from tether.trainer import Trainer, TrainingStopped
 from tether.trainer.guards import GuardMonitor
 from tether.trainer.prompts import PromptSet
-from tether.trainer.startup import check_context_length, max_position_embeddings
+from tether.trainer.startup import check_context_length, position_limit
 
 
 # ---------------------------------------------------------------- 1, 2: trainer.backend=ray
@@ -53,12 +53,21 @@ def _model_dir(tmp_path, **config):
     return d
 
 
-def test_max_position_embeddings_is_read_from_config_json(tmp_path):
-    assert max_position_embeddings(_model_dir(tmp_path, max_position_embeddings=2048)) == 2048
+def test_the_position_limit_is_read_from_config_json(tmp_path):
+    assert position_limit(_model_dir(tmp_path, max_position_embeddings=2048)) == ("max_position_embeddings", 2048)
     (tmp_path / "m" / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
-    assert max_position_embeddings(tmp_path / "m") == 4096
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"n_positions": 1024}))
-    assert max_position_embeddings(tmp_path / "m") is None  # not checked
+    assert position_limit(tmp_path / "m") == ("max_position_embeddings", 4096)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"n_positions": 1024}))  # GPT-2 style
+    assert position_limit(tmp_path / "m") == ("n_positions", 1024)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"n_embd": 64}))
+    assert position_limit(tmp_path / "m") is None  # not checked
+
+
+def test_a_gpt2_style_limit_is_named_by_its_own_key(small_cfg, tmp_path):
+    d = _model_dir(tmp_path, n_positions=30)
+    prompts = PromptSet([None], ["a"], [[1] * 6])
+    with pytest.raises(ConfigError, match=r"is 31 tokens, beyond actor.model's n_positions=30 \(config.json\): lower rollout.max_new_tokens to at most 24"):
+        check_context_length(small_cfg("rollout.max_new_tokens=25"), d, prompts)
 
 
 def test_longest_prompt_plus_max_new_tokens_must_fit_the_positions(small_cfg, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -331,6 +332,28 @@ def test_engine_sizes_the_kv_cache_per_backend(tiny, fake_vllm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     _engine(tiny, gpu_memory_utilization=0.5)
     assert "kv_cache_memory_bytes" not in fake_vllm.made[-1] and fake_vllm.made[-1]["gpu_memory_utilization"] == 0.5
+
+
+def test_cpu_tensor_parallel_ranks_get_a_core_set_each_on_fewer_numa_nodes():
+    assert vllm_mod.cpu_threads_bind(1, cores=[0, 1], numa_nodes=1) is None  # one rank: vLLM's own binding
+    assert vllm_mod.cpu_threads_bind(2, cores=[0, 1], numa_nodes=2) is None  # a NUMA node per rank
+    assert vllm_mod.cpu_threads_bind(2, cores=[0, 1], numa_nodes=1) == "0|1"
+    assert vllm_mod.cpu_threads_bind(2, cores=[7, 2, 3, 4, 5], numa_nodes=1) == "2,3|4,5"  # sorted; the odd core is left out
+    assert vllm_mod.cpu_threads_bind(4, cores=list(range(8)), numa_nodes=2) == "0,1|2,3|4,5|6,7"
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size=2 on the CPU backend needs a core per tp rank; this process may use 1 core"):
+        vllm_mod.cpu_threads_bind(2, cores=[0], numa_nodes=1)
+
+
+def test_engine_sets_the_cpu_binding_for_tp_unless_the_user_did(tiny, fake_vllm, monkeypatch):
+    monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
+    monkeypatch.setattr(vllm_mod, "cpu_threads_bind", lambda tp: "0|1" if tp == 2 else None)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # recorded: what the engine sets is undone after the test
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    _engine(tiny, tensor_parallel_size=2)
+    assert fake_vllm.made[-1]["tensor_parallel_size"] == 2 and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "all")  # the user's choice stands
+    _engine(tiny, tensor_parallel_size=2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "all"
 
 
 def test_a_vllm_without_logprobs_mode_returns_no_logprobs(tiny, fake_vllm, monkeypatch):

