@@ -34,10 +34,16 @@ ones; the table gives medians over all timed batches of all rounds: wall and pro
 by ``response_mask``), and tokens per wall second. The vLLM engine's start-up (model load, KV cache,
 warm-up) is printed apart: it is paid once per run, not per step.
 
-``--hf-variants`` compares ways of running HF ``generate`` in the same rotation: ``base`` (the
-engine as shipped: ``torch.inference_mode``, one prefill per distinct prompt, ``rollout.share_prefill``),
-``plain`` (the engine before issue 13: ``torch.no_grad``, one prefill per row), ``noshare`` (one
-prefill per row), ``nograd`` (``torch.no_grad``), ``static`` (``cache_implementation="static"``).
+``--hf-variants`` compares ways of running the HF engine in the same rotation: ``base`` (the
+engine as shipped: ``rollout.hf_decode=tether``, ``torch.inference_mode``, one prefill per distinct
+prompt, ``rollout.share_prefill``), ``generate`` (the same with ``rollout.hf_decode=generate``: HF
+``model.generate`` and its ``DynamicCache``), ``prealloc`` (HF ``model.generate`` given tether's
+``PreallocatedCache`` filled by the shared prefill: the cache alone, without tether's loop), ``plain`` (the
+engine before issue 13: ``generate``, ``torch.no_grad``, one prefill per row), ``drop`` (tether's loop
+with ``rollout.hf_drop_finished``: rows that ended stop being stepped), ``icdf`` (tether's loop with
+``rollout.hf_sampler=inverse_cdf``: other samples, so another token count on ragged workloads), ``noshare`` (one
+prefill per row), ``nograd`` (``torch.no_grad``), ``static`` (``generate`` with
+``cache_implementation="static"``).
 
 Models per workload: ``--models`` for ``peer``; ``--gsm8k-models`` (default ``small``) for
 ``gsm8k``, whose EOS boost is tuned for the small model (on the tiny ones it ends every response
@@ -113,12 +119,23 @@ def worker(args) -> dict:
         engine = HFRolloutEngine(model, tok, **sampling)
         if not eos_allowed:
             overrides["suppress_tokens"] = [tok.eos_token_id]
+        if args.variant in ("generate", "plain", "static", "prealloc"):
+            engine.hf_decode = "generate"
+        if args.variant == "drop":
+            engine.drop_finished = True
+        if args.variant == "icdf":
+            engine.sampler = "inverse_cdf"
         if args.variant in ("nograd", "plain"):
             engine.grad_mode = "no_grad"
         if args.variant in ("noshare", "plain"):
             engine.share_prefill = False
         if args.variant == "static":
             overrides["cache_implementation"] = "static"
+        if args.variant == "prealloc":  # generate, its shared prefill written into a fresh PreallocatedCache per batch
+            from tether.rollout.hf_decode import preallocated_cache
+
+            P, shared = prompt_ids.shape[1], engine._shared_prefill
+            engine._shared_prefill = lambda ids, mask: shared(ids, mask, preallocated_cache(model, P + new_tokens))
     startup = time.perf_counter() - t0
     torch.manual_seed(0)
     batches = []
@@ -167,7 +184,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="peer,gsm8k")
     ap.add_argument("--gsm8k-models", default="small")
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--hf-variants", default="base,plain", help="comma-separated: base, plain, noshare, nograd, static")
+    ap.add_argument("--hf-variants", default="base,generate", help="comma-separated: base, generate, prealloc, drop, icdf, plain, noshare, nograd, static")
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_generate"))
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--worker", choices=["hf", "vllm"])

@@ -215,9 +215,9 @@ def timed(phases: Phases, fn, name):
 
 
 # ---------------------------------------------------------------- workers (one fresh process each)
-def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int, out: Path) -> list[str]:
+def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int, out: Path, *, lr: float = 1e-5, seed: int = 0) -> list[str]:
     return [
-        f"actor.model={model_dir}", "actor.lr=1e-5", "actor.micro_batch_size=64", "actor.grad_clip=1.0", "actor.dtype=float32",
+        f"actor.model={model_dir}", f"actor.lr={lr}", f"trainer.seed={seed}", "actor.micro_batch_size=64", "actor.grad_clip=1.0", "actor.dtype=float32",
         f"data.train_files={prompts}", f"data.batch_size={N_PROMPTS}", "data.apply_chat_template=false", "data.max_prompt_length=512",
         f"rollout.n={GROUP}", f"rollout.max_new_tokens={new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
         f"reward.function={HERE}:tether_reward",
@@ -243,7 +243,7 @@ def worker_tether(args) -> dict:
                      "trainer.resume=off", "trainer.total_steps=100000"]  # fmt: skip
     else:
         new = GSM_NEW_TOKENS if args.workload == "gsm8k" else NEW_TOKENS
-        overrides = tether_overrides(Path(args.model), Path(args.prompts), args.steps, new, Path(args.run_dir))
+        overrides = tether_overrides(Path(args.model), Path(args.prompts), args.steps, new, Path(args.run_dir), lr=args.lr, seed=args.seed)
     cfg = load_config(None, overrides + list(args.tether_args))
     trainer = Trainer(cfg)
     if args.workload == "peer":  # EOS blocked: every response is NEW_TOKENS long, as in the TRL run
@@ -267,7 +267,7 @@ def worker_tether(args) -> dict:
         ph["other"] = wall - sum(ph.values())
         steps.append({
             "s": wall, "cpu_s": cpu, "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
-            "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"),
+            "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"), "clipfrac": m.get("policy/clipfrac"),
             "phases": ph, "mfu": m.get("perf/mfu"),
         })  # fmt: skip
     return {"lib": "tether", "steps": steps}
@@ -291,9 +291,9 @@ def worker_trl(args) -> dict:
         output_dir=str(args.run_dir), per_device_train_batch_size=N_PROMPTS * GROUP, num_generations=GROUP, steps_per_generation=1,
         gradient_accumulation_steps=1, num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
         generation_kwargs={"suppress_tokens": eos}, beta=0.04, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=args.trl_bf16, fp16=False,
-        seed=0, dataloader_num_workers=0, disable_tqdm=True, log_completions=False, model_init_kwargs={"dtype": "float32"},
+        seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False, model_init_kwargs={"dtype": "float32"},
     )  # fmt: skip
     trainer = GRPOTrainer(model=str(args.model), reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok)
     trainer._generate = timed(phases, trainer._generate, "generate")
@@ -326,17 +326,18 @@ def worker_trl(args) -> dict:
         ph["other"] = wall - sum(ph.values())
         log = logs[i] if i < len(logs) else {}
         steps.append({"s": wall, "cpu_s": cpu_marks[i + 1] - cpu_marks[i], "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
-                      "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "phases": ph, "mfu": None})  # fmt: skip
+                      "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "clipfrac": log.get("clip_ratio/region_mean"),
+                      "phases": ph, "mfu": None})  # fmt: skip
     return {"lib": "trl", "steps": steps}
 
 
 # ---------------------------------------------------------------- driver
 def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, tag: str, extra: list[str], workload: str = "peer",
-               trl_bf16: bool = False, src: Path = ROOT / "src") -> dict:  # fmt: skip
+               trl_bf16: bool = False, src: Path = ROOT / "src", lr: float = 1e-5, seed: int = 0) -> dict:  # fmt: skip
     out = workdir / "runs" / f"{tag}-{time.strftime('%H%M%S')}-{random.randrange(10**6)}"
     res = out.with_suffix(".json")
     cmd = [sys.executable, str(HERE), "--worker", lib, "--model", str(model), "--prompts", str(prompts), "--steps", str(steps),
-           "--run-dir", str(out), "--result", str(res), "--workload", workload]  # fmt: skip
+           "--run-dir", str(out), "--result", str(res), "--workload", workload, "--lr", repr(lr), "--seed", str(seed)]  # fmt: skip
     if trl_bf16:
         cmd.append("--trl-bf16")
     for a in extra:
@@ -377,11 +378,12 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
     lines = [f"### {name} ({params / 1e3:.0f}k parameters)", ""]
     med = {lib: statistics.median(median_step(r) for r in rs) for lib, rs in runs.items()}
     cpu = {lib: statistics.median(median_step(r, "cpu_s") for r in rs) for lib, rs in runs.items()}
-    lines.append("| library | median s/step (wall) | median CPU s/step | tokens/s (wall) | runs (wall s/step each) |")
-    lines.append("| --- | ---: | ---: | ---: | --- |")
+    lines.append("| library | median s/step (wall) | median CPU s/step | CPU / wall (> 1: threads in parallel) | tokens/s (wall) | runs (wall s/step each) |")
+    lines.append("| --- | ---: | ---: | ---: | ---: | --- |")
     for lib, rs in runs.items():
         tps = statistics.median(tokens_per_step(r) / median_step(r) for r in rs)
-        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
+        par = statistics.median(median_step(r, "cpu_s") / median_step(r) for r in rs)
+        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {par:.2f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
     lines.append("")
 
     def ratio_line(num: str, den: str, bold: bool) -> str:
@@ -410,6 +412,122 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
     return lines + [""]
 
 
+# ---------------------------------------------------------------- learning curves (--curve)
+def curve_mean_std(curves: list[list[float]]) -> list[tuple[float, float]]:
+    """Per step: the mean and the sample standard deviation (n − 1 in the denominator; 0 for one
+    seed) over the seeds' curves (one list of per-step values per seed, all of one length)."""
+    out = []
+    for xs in zip(*curves, strict=True):
+        out.append((statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0))
+    return out
+
+
+def within_noise(a: list[list[float]], b: list[list[float]], k: float = 2.0, atol: float = 0.0) -> list[tuple[float, float, bool]]:
+    """Per step, whether two libraries' mean curves agree within their seeds' noise.
+
+    ``a``, ``b``: per-seed curves (n_a and n_b lists of per-step values). A step passes when
+    |mean_a − mean_b| ≤ max(k · SE, atol), with SE = sqrt(s_a²/n_a + s_b²/n_b) the standard error
+    of the difference of the two means (s = the seeds' sample standard deviation; Welch's form,
+    which does not assume equal spreads). With k = 2 a step of two identically distributed curves
+    passes about 95% of the time (less with few seeds, whose s is itself noisy). ``atol`` is a floor
+    for values that are round-off (a KL of 1e-15 nats against TRL's exact 0 at step 1 or at a
+    learning rate of ~0). Returns (|diff|, the bound, ok) per step.
+    """
+    out = []
+    for (ma, sa), (mb, sb) in zip(curve_mean_std(a), curve_mean_std(b), strict=True):
+        bound = max(k * (sa * sa / len(a) + sb * sb / len(b)) ** 0.5, atol)
+        diff = abs(ma - mb)
+        out.append((diff, bound, diff <= bound))
+    return out
+
+
+KL_ATOL = 1e-6  # nats/token: KL differences below this are round-off, not learning (report_curve)
+
+
+def curves_of(runs: list[dict], key: str) -> list[list[float]]:
+    """Per run (seed), the per-step values of ``key`` (``reward`` or ``kl``; a missing value reads 0)."""
+    return [[s[key] or 0.0 for s in r["steps"]] for r in runs]
+
+
+def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str = "trl", lags: dict[str, int] | None = None) -> list[str]:
+    """Markdown: per step, mean ± std over seeds of reward and KL for each variant, and which steps of
+    each variant lie within noise of ``against``'s (and of ``tether``'s, for other tether variants).
+
+    ``lags``: label -> steps of staleness (``rollout.async_steps``): such a variant's step t + lag is
+    also compared with tether's step t, since its batch at step t + lag comes from the policy of
+    t − 1 updates, like sync tether's batch at step t."""
+    labs = list(runs)
+    n = len(runs[labs[0]][0]["steps"])
+    stats = {lab: {key: curve_mean_std(curves_of(rs, key)) for key in ("reward", "kl")} for lab, rs in runs.items()}
+    seeds = {lab: len(rs) for lab, rs in runs.items()}
+    lines = [f"### learning curves, {name} model, lr {lr:g} ({', '.join(f'{lab}: {k} seeds' for lab, k in seeds.items())})", ""]
+    head = " | ".join(f"{lab} reward" for lab in labs) + " | " + " | ".join(f"{lab} KL" for lab in labs)
+    lines += [f"| step | {head} |", "| ---: |" + " ---: |" * (2 * len(labs))]
+    for i in range(n):
+        rw = " | ".join(f"{stats[lab]['reward'][i][0]:.3f} ± {stats[lab]['reward'][i][1]:.3f}" for lab in labs)
+        kl = " | ".join(f"{stats[lab]['kl'][i][0]:.2e} ± {stats[lab]['kl'][i][1]:.1e}" for lab in labs)
+        lines.append(f"| {i + 1} | {rw} | {kl} |")
+    lines.append("")
+    pairs = [(lab, against) for lab in labs if lab != against and against in runs]
+    pairs += [(lab, "tether") for lab in labs if lab not in (against, "tether") and "tether" in runs]
+    pairs = [(lab, ref, 0) for lab, ref in pairs]
+    pairs += [(lab, "tether", lag) for lab, lag in (lags or {}).items() if lag and lab in runs and "tether" in runs]
+    for lab, ref, lag in pairs:
+        parts = []
+        n = len(runs[lab][0]["steps"]) - lag
+        for key in ("reward", "kl"):
+            mine = [c[lag:] for c in curves_of(runs[lab], key)]
+            theirs = [c[: len(c) - lag] for c in curves_of(runs[ref], key)]
+            w = within_noise(mine, theirs, atol=KL_ATOL if key == "kl" else 0.0)
+            bad = [i + 1 for i, (_, _, ok) in enumerate(w) if not ok]
+            worst = max(range(n), key=lambda i: w[i][0] / w[i][1] if w[i][1] > 0 else (0.0 if w[i][0] == 0 else float("inf")))
+            parts.append(f"{key} {n - len(bad)}/{n} steps (outside: {bad or 'none'}; largest |Δ|/bound {_ratio(w[worst])} at step {worst + 1})")
+        what = f"{lab} against {ref}" if not lag else f"{lab} step t + {lag} against {ref} step t (its {lag} step(s) of staleness)"
+        lines.append(f"* {what}, |Δ mean| within 2 × SE of the difference (KL: or {KL_ATOL:g}): " + "; ".join(parts))
+    clip = {lab: [s["clipfrac"] for r in rs for s in r["steps"][1:] if s.get("clipfrac") is not None] for lab, rs in runs.items()}
+    if any(clip.values()):
+        lines.append("* policy/clipfrac, mean over steps 2.. and seeds: " + ", ".join(f"{lab} {statistics.fmean(c):.4f}" for lab, c in clip.items() if c))
+    final = {lab: stats[lab]["reward"][-1] for lab in labs}
+    first = ", ".join(f"{lab} {stats[lab]['reward'][0][0]:.3f}" for lab in labs)
+    lines.append("* final-step reward: " + ", ".join(f"{lab} {m:.3f} ± {s:.3f}" for lab, (m, s) in final.items()) + f" (step 1: {first})")
+    return lines + [""]
+
+
+def _ratio(w: tuple[float, float, bool]) -> str:
+    diff, bound, _ = w
+    return f"{diff / bound:.2f}" if bound > 0 else ("0" if diff == 0 else "inf")
+
+
+def plot_curves(path: Path, name: str, runs: dict[str, list[dict]], lr: float) -> bool:
+    """Reward and KL per step, mean ± std band over seeds, one line per variant, as a PNG (False
+    when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, label in zip(axes, ("reward", "kl"), ("reward (fraction of even code points)", "KL to π_ref (k3, nats/token)"), strict=True):
+        for lab, rs in runs.items():
+            ms = curve_mean_std(curves_of(rs, key))
+            x = list(range(1, len(ms) + 1))
+            m = [a for a, _ in ms]
+            ax.plot(x, m, label=f"{lab} ({len(rs)} seeds)")
+            ax.fill_between(x, [a - s for a, s in ms], [a + s for a, s in ms], alpha=0.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{name} model, GRPO, lr {lr:g}: mean ± std over seeds")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is left out of medians)")
@@ -425,6 +543,13 @@ def main() -> None:
     ap.add_argument("--extra", action="store_true", help="add tether-alone rows: embedded default, GSM8K-shaped")
     ap.add_argument("--extra-rounds", type=int, default=1, help="--extra: alternating rounds of the tether variants")
     ap.add_argument("--json", default=None, help="write all runs here")
+    ap.add_argument("--curve", action="store_true",
+                    help="learning curves instead of throughput: --seeds seeds per variant at --lr over --steps steps, alternating; "
+                         "prints mean ± std per step and which steps agree within noise, and plots them")
+    ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both libraries (AdamW, constant)")
+    ap.add_argument("--seeds", type=int, default=3, help="--curve: seeds per variant (0, 1, ...)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of a throughput run (both libraries)")
+    ap.add_argument("--plot-dir", default=None, help="--curve: PNGs go here (default: the workdir)")
     # worker mode (internal)
     ap.add_argument("--worker", choices=["tether", "trl"])
     ap.add_argument("--model"), ap.add_argument("--prompts"), ap.add_argument("--run-dir"), ap.add_argument("--result")
@@ -448,6 +573,8 @@ def main() -> None:
         variants.append((label, Path(src or ROOT / "src"), extra.split()))
     if not args.skip_trl:
         variants.append(("trl", ROOT / "src", []))
+    if args.curve:
+        return main_curve(args, work, variants)
     load = os.getloadavg()[0]
     print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs")
     print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
@@ -459,7 +586,8 @@ def main() -> None:
         for _ in range(args.pairs):
             for lab, src, extra in variants:
                 lib = "trl" if lab == "trl" else "tether"
-                r = run_worker(lib, model, prompts, args.steps, work, f"{lab}-{name}", extra, trl_bf16=args.trl_bf16, src=src)
+                r = run_worker(lib, model, prompts, args.steps, work, f"{lab}-{name}", extra, trl_bf16=args.trl_bf16, src=src, lr=args.lr,
+                               seed=args.seed)  # fmt: skip
                 runs[lab].append(r)
                 print(f"  {lab:10s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)", flush=True)
         everything[name] = runs
@@ -485,6 +613,35 @@ def main() -> None:
                 tok = tokens_per_step(runs[0])
                 out_lines.append(f"| {label} | {lab} | {s:.3f} | {cpu:.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(runs[0]))} |")
         out_lines.append("")
+    print("\n" + "\n".join(out_lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1))
+
+
+def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) -> None:
+    """--curve: per model, seeds 0..--seeds-1, each seed running every variant in turn (fresh processes)."""
+    print(f"# learning curves: {args.steps} steps, lr {args.lr:g}, seeds 0..{args.seeds - 1}, load average {os.getloadavg()[0]:.1f}")
+    print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
+    out_lines, everything = [], {}
+    for name in [m for m in args.models.split(",") if m]:
+        model = build_model(work / f"qwen2-{name}", name)
+        prompts = build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
+        runs: dict[str, list[dict]] = {lab: [] for lab, _, _ in variants}
+        for seed in range(args.seeds):
+            for lab, src, extra in variants:
+                lib = "trl" if lab == "trl" else "tether"
+                r = run_worker(lib, model, prompts, args.steps, work, f"curve-{lab}-{name}-s{seed}", extra, trl_bf16=args.trl_bf16, src=src,
+                               lr=args.lr, seed=seed)  # fmt: skip
+                runs[lab].append(r)
+                rw = [s["reward"] or 0.0 for s in r["steps"]]
+                print(f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL {r['steps'][-1]['kl'] or 0:.3g}, "
+                      f"median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f} (process {r['process_s']:.0f} s)", flush=True)  # fmt: skip
+        everything[name] = runs
+        lags = {lab: 1 for lab, _, extra in variants if "rollout.async_steps=1" in extra}
+        out_lines += report_curve(name, runs, args.lr, lags=lags)
+        png = Path(args.plot_dir or work) / f"curve-{name}-lr{args.lr:g}.png"
+        if plot_curves(png, name, runs, args.lr):
+            out_lines += [f"(plot: {png})", ""]
     print("\n" + "\n".join(out_lines))
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))

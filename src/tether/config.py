@@ -165,6 +165,22 @@ class RolloutConfig(_Section):
         "rollout.n samples of a prompt), instead of once per row. Same sampled tokens in the tests; the cache is computed in a "
         "smaller batch, so its last bits may differ (<= 4e-6 nats in the sampled log-probs measured)."
     )
+    hf_decode: Literal["tether", "generate"] = Field(
+        "tether", description="HF engine: tether = tether's own decode loop over a preallocated KV cache (the same tokens as "
+        "generate for a fixed seed, bit for bit; measured -12% CPU on the 81k bench model, -17% on GSM8K-shaped prompts, unchanged "
+        "on the 5.2M model's short prompts; calls it cannot serve exactly fall back to generate); generate = Hugging Face "
+        "model.generate with its DynamicCache. docs/performance.md#hf-decode-loop."
+    )
+    hf_drop_finished: bool = Field(
+        False, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
+        "so a ragged batch does not step finished rows to the longest one's end. Sampling still draws for every row; the same "
+        "tokens as without it in the tests (bitwise), but a BLAS may round a smaller batch differently on other hardware."
+    )
+    hf_sampler: Literal["multinomial", "inverse_cdf"] = Field(
+        "multinomial", description="HF engine, hf_decode=tether: how a token is drawn from the processed distribution. "
+        "multinomial = torch.multinomial, as generate (V exponential draws per row and step); inverse_cdf = one uniform per row "
+        "and a search in the cumulative sum: the same distribution, a different random stream (other samples for a seed)."
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
     async_steps: int = Field(
         0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
@@ -495,9 +511,8 @@ class TetherConfig(_Section):
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
-        if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full" or self.rollout.async_steps):
-            why = ("rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
-                   if self.kl.estimator == "full" else "rollout.async_steps=1 computes the behaviour policy's log-probs itself")
+        if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full"):
+            why = "rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
             raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed

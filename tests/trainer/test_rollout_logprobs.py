@@ -60,7 +60,6 @@ def test_training_with_rollout_logprobs_logs_the_mismatch(small_cfg, tmp_path):
     [
         (["kl.estimator=full"], "kl.estimator=full needs the actor's logits"),
         (["rollout.mode=offline", "data.response_key=response"], "rollout.mode=offline has no rollout engine"),
-        (["rollout.async_steps=1"], "rollout.async_steps=1 computes the behaviour policy's log-probs itself"),
     ],
 )
 def test_rollout_logprobs_refused_where_there_are_none(overrides, message):

@@ -59,6 +59,16 @@ class HFRolloutEngine:
     consecutive rows (a GRPO group's G samples) is prefilled once, its KV cache copied to the run's
     rows (:meth:`_shared_prefill`), and ``generate`` starts at the last prompt token.
 
+    ``hf_decode`` (``rollout.hf_decode``): ``"tether"`` decodes with :func:`tether.rollout.hf_decode.decode`
+    (tether's own loop over a preallocated KV cache; the same tokens as ``model.generate`` for a fixed
+    seed, bit for bit, with less CPU time) wherever :func:`tether.rollout.hf_decode.plan` accepts the call,
+    else ``model.generate``; ``"generate"`` always uses ``model.generate`` with its ``DynamicCache``.
+    ``drop_finished`` (``rollout.hf_drop_finished``, tether's loop only): rows that have ended stop being
+    run through the model (at least 8 are kept; :func:`tether.rollout.hf_decode._compact`).
+    ``sampler`` (``rollout.hf_sampler``, tether's loop only): ``"multinomial"`` (``generate``'s) or
+    ``"inverse_cdf"`` (:func:`tether.rollout.hf_decode.sample_inverse_cdf`: the same distribution, one
+    uniform per row, other tokens for a given seed).
+
     ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
     return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
     from ``generate``'s own forward passes (KV cache, last position; :class:`SampledLogprobs`).
@@ -72,8 +82,16 @@ class HFRolloutEngine:
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
         eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
+        hf_decode: str = "tether", drop_finished: bool = False, sampler: str = "multinomial",
     ):  # fmt: skip
+        if hf_decode not in ("tether", "generate"):
+            raise ValueError(f"hf_decode must be 'tether' or 'generate', got {hf_decode!r}")
+        if sampler not in ("multinomial", "inverse_cdf"):
+            raise ValueError(f"sampler must be 'multinomial' or 'inverse_cdf', got {sampler!r}")
+        self.sampler = sampler
         self.model = model
+        self.hf_decode = hf_decode
+        self.drop_finished = drop_finished
         self.share_prefill = share_prefill
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
@@ -124,23 +142,32 @@ class HFRolloutEngine:
         return response_ids if recorder is None else (response_ids, logprobs.clone())
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """(B, P + T) prompts and responses, from tether's decode loop or ``model.generate`` (``hf_decode``)."""
+        common = dict(pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids, use_cache=True)
+        if self.hf_decode == "tether":
+            try:
+                from tether.rollout import hf_decode
+            except ImportError:  # a transformers without the cache classes it builds on: generate serves every call
+                hf_decode = None
+            config = hf_decode.plan(self.model, {**kwargs, **common}) if hf_decode is not None else None
+            if config is not None:
+                share = self.share_prefill and not {"cache", "past_key_values"} & set(kwargs)
+                prefill = (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
+                return hf_decode.decode(self.model, prompt_ids, prompt_mask, config, logits_processor=kwargs.get("logits_processor"),
+                                        prefill=prefill, drop_finished=self.drop_finished, sampler=self.sampler)  # fmt: skip
         if self.share_prefill and not {"cache", "past_key_values"} & set(kwargs):
             shared = self._shared_prefill(prompt_ids, prompt_mask)
             if shared is not None:
                 kwargs = {**kwargs, shared[0]: shared[1]}
-        return self.model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            use_cache=True,
-            **kwargs,
-        )
+        return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **common, **kwargs)
 
-    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache=None):
         """``(generate's cache keyword, cache)``: a KV cache (B rows) of the first P - 1 prompt positions,
         computed once per run of identical consecutive rows; None when no two consecutive rows are
-        equal (or P < 2). The keyword is ``cache`` (transformers 5) or ``past_key_values``."""
+        equal (or P < 2). The keyword is ``cache`` (transformers 5) or ``past_key_values``.
+
+        ``cache``: an empty cache to fill (:func:`tether.rollout.hf_decode.preallocated_cache`), left
+        untouched when None is returned; None: the model's default (``DynamicCache``)."""
         B, P = prompt_ids.shape
         if P < 2 or B < 2:
             return None
@@ -150,8 +177,13 @@ class HFRolloutEngine:
         first = torch.cat([same.new_ones(1), ~same])  # (B,) the first row of each run
         group = first.long().cumsum(0) - 1  # (B,) each row's run
         ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]  # (U, P-1)
-        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate computes them
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # pad positions are masked out
+        given = {}
+        if cache is not None:
+            from tether.rollout.hf_decode import cache_keyword
+
+            given = {cache_keyword(self.model): cache}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **given)
         name = "cache" if "cache" in out else "past_key_values"
         cache = out[name]
         cache.batch_select_indices(group)  # (U, ...) -> (B, ...): each row gets its run's entries

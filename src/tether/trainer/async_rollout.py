@@ -10,8 +10,12 @@ So the batch trained at step t was sampled from θ_{t-2} (the policy before step
 ``old_logprobs`` (the PPO ratio's denominator) and ``entropy`` are the behaviour policy's, computed
 by the job on the very weights that generated it, so the clipped ratio π_θ/π_behaviour corrects the
 staleness (the one-step off-policy scheme of verl's ``recipe/one_step_off_policy``, with the
-behaviour policy's own log-probs as the old ones). The reference log-probs, the KL, the advantages
-and the controllers are computed by the trainer as usual, on the main thread.
+behaviour policy's own log-probs as the old ones). With ``actor.old_logprobs_source=rollout`` the job
+makes no such pass: the sampled tokens' log-probs that ``generate`` recorded on the same snapshot
+(``batch.rollout_logprobs``) serve as the old ones (the trainer's ``rollout_old_logprobs``; entropy
+is then not measured), which saves one no-grad forward over the batch per step. The reference
+log-probs, the KL, the advantages and the controllers are computed by the trainer as usual, on the
+main thread.
 
 The job runs on a **snapshot**: a second copy of the policy (``Trainer.roles.actor.model``: the local
 actor, or the driver's copy under ``trainer.backend=ray``) into which the trainable weights are
@@ -94,9 +98,12 @@ class AsyncRollout:
         prompts: the training prompt set; sampler: its PromptSampler (drawn on the main thread).
         n: responses per prompt; micro_batch_size, temperature, compute_dtype: as the actor's
             log-prob pass (``actor.micro_batch_size``, ``rollout.temperature``, ``actor.compute_dtype``).
+        from_rollout: ``actor.old_logprobs_source=rollout``: a batch whose ``rollout_logprobs`` are
+            finite on every counted token keeps them for the trainer instead of the job's pass.
     """
 
-    def __init__(self, runner, model, prompts, sampler, *, n: int, micro_batch_size: int, temperature: float, compute_dtype: str):
+    def __init__(self, runner, model, prompts, sampler, *, n: int, micro_batch_size: int, temperature: float, compute_dtype: str,
+                 from_rollout: bool = False):  # fmt: skip
         self.source = model
         self.snapshot = snapshot_model(model)
         engine = copy.copy(runner.engine)
@@ -106,6 +113,7 @@ class AsyncRollout:
         self.runner.tok = copy.deepcopy(runner.tok)  # the job decodes while the main thread may use the tokenizer
         self.prompts, self.sampler, self.n = prompts, sampler, n
         self.micro_batch_size, self.temperature, self.compute_dtype = micro_batch_size, temperature, compute_dtype
+        self.from_rollout = from_rollout
         self._pool: ThreadPoolExecutor | None = None  # started by the first job, ended by close()
         self._job: Future | None = None
         self._job_indices: list[int] | None = None
@@ -171,29 +179,34 @@ class AsyncRollout:
 
     def _produce(self, indices: list[int]) -> RolloutBatch:
         """Generate ``n`` responses per prompt index on the snapshot, then their log-probs (B, T) and
-        entropy (B, T) under the same weights, nats."""
+        entropy (B, T) under the same weights, nats; with ``from_rollout`` the sampled tokens'
+        log-probs recorded by ``generate`` stand for them (old_logprobs left None for the trainer
+        to take from ``batch.rollout_logprobs``) unless one of a counted token is not finite."""
         t0 = time.perf_counter()
         batch = self.runner.rollout(self.prompts, indices, self.n)
         t1 = time.perf_counter()
-        batch.old_logprobs, batch.entropy, _, _ = _forward_logprobs(
-            self.snapshot, batch, self.micro_batch_size, self.temperature, True, compute_dtype=self.compute_dtype
-        )
+        lp = batch.rollout_logprobs
+        if not (self.from_rollout and lp is not None and bool(torch.isfinite(lp[batch.response_mask.bool()]).all())):
+            batch.old_logprobs, batch.entropy, _, _ = _forward_logprobs(
+                self.snapshot, batch, self.micro_batch_size, self.temperature, True, compute_dtype=self.compute_dtype
+            )
         batch.extra["async_times"] = {"timing/async_generate_s": t1 - t0, "timing/async_logprobs_s": time.perf_counter() - t1}
         return batch
 
     # -------------------------------------------------------------- checkpoints
     def save(self, directory: Path) -> None:
         """Write the pending batch (if any) as ``async_pending.safetensors``: token ids, masks, group
-        ids, behaviour log-probs and entropy, and its prompt indices in the metadata."""
+        ids, behaviour log-probs and entropy (or the engine's sampled-token log-probs, ``from_rollout``),
+        and its prompt indices in the metadata."""
         self.join()
         if self._pending is None:
             return
         b = self._pending
         tensors = {
             "prompt_ids": b.prompt_ids, "prompt_mask": b.prompt_mask, "response_ids": b.response_ids, "group_ids": b.group_ids,
-            "old_logprobs": b.old_logprobs, "entropy": b.entropy,
+            "old_logprobs": b.old_logprobs, "entropy": b.entropy, "rollout_logprobs": b.rollout_logprobs,
         }  # fmt: skip
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if v is not None}
         save_file(tensors, str(Path(directory) / PENDING_FILE), metadata={"indices": json.dumps(self._pending_indices)})
 
     def load(self, directory: Path) -> None:
@@ -219,7 +232,8 @@ class AsyncRollout:
         batch = self.runner._batch(
             self.prompts, rep, t["prompt_ids"].to(device), t["prompt_mask"].to(device), t["response_ids"].to(device), t["group_ids"].to(device)
         )
-        batch.old_logprobs, batch.entropy = t["old_logprobs"].to(device), t["entropy"].to(device)
+        for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
+            setattr(batch, k, t[k].to(device) if k in t else None)
         batch.extra["async_times"] = {}
         self._pending, self._pending_indices = batch, indices
 
@@ -237,5 +251,5 @@ def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
         check_no_dropout({"actor.model": roles.actor.model, "critic.model": getattr(roles.critic, "model", None)})
     return AsyncRollout(
         roles.engine, roles.actor.model, train_set, sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,
-        temperature=cfg.rollout.temperature, compute_dtype=cfg.actor.compute_dtype,
+        temperature=cfg.rollout.temperature, compute_dtype=cfg.actor.compute_dtype, from_rollout=cfg.actor.old_logprobs_source == "rollout",
     )  # fmt: skip

@@ -219,6 +219,7 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
         eos_token_ids=generation_eos_ids(model), compute_dtype=cfg.actor.compute_dtype,
         returns_logprobs=cfg.actor.old_logprobs_source == "rollout", share_prefill=r.share_prefill,
+        hf_decode=r.hf_decode, drop_finished=r.hf_drop_finished, sampler=r.hf_sampler,
     )  # fmt: skip
 
 

@@ -1,0 +1,274 @@
+"""tether's own HF decode loop (``rollout.hf_decode=tether``) against ``model.generate``: the same tokens, bit for bit."""
+
+import pytest
+import torch
+
+from tether.rollout import HFRolloutEngine, hf_decode
+from tether.tasks.sft import load_reference
+
+SAMPLING = {
+    "T=0.7": dict(temperature=0.7, top_p=1.0, top_k=0),
+    "T=1.3,top_p=0.8": dict(temperature=1.3, top_p=0.8, top_k=0),
+    "top_k=5": dict(temperature=1.0, top_p=1.0, top_k=5),
+    "greedy": dict(temperature=1.0, top_p=1.0, top_k=0, do_sample=False),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A tiny Qwen2 (sharper logits than the digit-sum reference) and left-padded prompts of 3..15 tokens, 4 rows each."""
+    from tether.models import load_causal_lm, load_tokenizer
+    from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
+    from tether.trainer.prompts import collate_prompts
+
+    tmp = tmp_path_factory.mktemp("qwen2")
+    tok_dir = build_gsm8k_tokenizer(tmp / "tok", texts=synthetic_math_texts(100))
+    path = build_tiny_causal_lm(tmp / "m", tok_dir, arch="qwen2", hidden=64, layers=2, heads=2, seed=0)
+    model, tok = load_causal_lm(path).eval(), load_tokenizer(path)
+    ids = [tok(t, add_special_tokens=False)["input_ids"][: 3 + 4 * i] for i, t in enumerate(synthetic_math_texts(4))]
+    p_ids, p_mask = collate_prompts([r for r in ids for _ in range(4)], tok.pad_token_id, torch.device("cpu"))
+    assert (p_mask == 0).any()
+    return model, tok, p_ids, p_mask
+
+
+def _run(model, tok, p_ids, p_mask, mode, *, seed=3, return_logprobs=False, monkeypatch=None, **engine_kwargs):
+    """One generate call with ``rollout.hf_decode=mode`` and the RNG's next draw after it; under
+    ``tether`` ``model.generate`` is made to raise, so the loop really served the call."""
+    engine = HFRolloutEngine(model, tok, hf_decode=mode, **{"max_new_tokens": 12, **engine_kwargs})
+    if mode == "tether" and monkeypatch is not None:
+        monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("tether's loop fell back to model.generate"))
+    torch.manual_seed(seed)
+    out = engine.generate(p_ids, p_mask, return_logprobs=return_logprobs)
+    after = torch.rand(3)
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return out, after
+
+
+def _assert_same(a, b, return_logprobs):
+    (out_a, rng_a), (out_b, rng_b) = a, b
+    if return_logprobs:
+        assert torch.equal(out_a[0], out_b[0])
+        assert torch.equal(out_a[1], out_b[1])  # the recorder sees bitwise the same scores
+    else:
+        assert torch.equal(out_a, out_b)
+    assert torch.equal(rng_a, rng_b)  # the same random numbers consumed: the next draw is the same
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
+def test_tether_decode_equals_generate_on_the_digit_sum_llama(sampling, share, monkeypatch):
+    """Llama (the embedded reference), left-padded prompts of two lengths, every row ending with EOS
+    mid-batch at its own step (pad after it): identical tokens, log-probs and RNG state."""
+    model, tok = load_reference()
+    prompt = tok(["3,13=", "2,7=", "1,2=", "3,20="] * 16, return_tensors="pt", padding=True)
+    p_ids, p_mask = prompt["input_ids"], prompt["attention_mask"]
+    assert (p_mask == 0).any()
+    for lp in (False, True):
+        kw = dict(share_prefill=share, return_logprobs=lp, returns_logprobs=lp, **SAMPLING[sampling])
+        a = _run(model, tok, p_ids, p_mask, "generate", **kw)
+        b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
+        _assert_same(a, b, lp)
+    ids = a[0][0]
+    ended = (ids == tok.eos_token_id).any(1)
+    assert ended.all() and ids.shape[1] < 12  # every row stopped at EOS before the limit
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
+@pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "no_padding"])
+def test_tether_decode_equals_generate_on_a_qwen2_model(qwen2, sampling, share, padded, monkeypatch):
+    model, tok, p_ids, p_mask = qwen2
+    if not padded:  # the last 3 positions: every row full, generate drops the all-ones mask
+        p_ids, p_mask = p_ids[:, -3:], p_mask[:, -3:]
+        assert bool(p_mask.all())
+    kw = dict(share_prefill=share, return_logprobs=True, returns_logprobs=True, **SAMPLING[sampling])
+    a = _run(model, tok, p_ids, p_mask, "generate", **kw)
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
+    _assert_same(a, b, True)
+    assert a[0][0].shape[1] == 12
+
+
+def test_tether_decode_equals_generate_under_bf16_autocast_and_several_eos_ids(monkeypatch):
+    """actor.compute_dtype=bfloat16 (generation under autocast) and a second EOS id ('5', a common digit)."""
+    model, tok = load_reference()
+    five = tok.convert_tokens_to_ids("5")
+    prompt = tok(["3,13=", "2,7="] * 16, return_tensors="pt", padding=True)
+    kw = dict(compute_dtype="bfloat16", eos_token_ids=[five], temperature=0.9, top_p=1.0, top_k=0, return_logprobs=True,
+              returns_logprobs=True)  # fmt: skip
+    a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
+    b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", monkeypatch=monkeypatch, **kw)
+    _assert_same(a, b, True)
+    assert int((a[0][0] == five).any(1).sum()) >= 3  # the second EOS id really ended some rows
+
+
+def test_the_models_generation_config_applies_as_in_generate(qwen2, monkeypatch):
+    """Processors come from generate's own builder: a repetition penalty in the model's generation
+    config (as Qwen2.5-Instruct ships) changes the tokens in both paths, identically."""
+    model, tok, p_ids, p_mask = qwen2
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, do_sample=False)
+    plain = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)[0]
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 3.0)
+    a = _run(model, tok, p_ids, p_mask, "generate", **kw)
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 3.0)
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
+    _assert_same(a, b, False)
+    assert not torch.equal(a[0], plain)  # the penalty did something
+
+
+def test_drop_finished_rows_keeps_every_token_bitwise(monkeypatch):
+    """rollout.hf_drop_finished: rows that ended (EOS ids '5' and '1' make the ends ragged) stop being stepped;
+    the tokens and the counted log-probs are still generate's, and the batch really shrank."""
+    from tether.rollout import response_mask_from_ids
+
+    model, tok = load_reference()
+    eos = [tok.convert_tokens_to_ids("5"), tok.convert_tokens_to_ids("1")]
+    prompt = tok(["3,13=", "2,7=", "1,2=", "3,20="] * 16, return_tensors="pt", padding=True)
+    shrunk = []
+    real = hf_decode._compact
+
+    def spy(cache, rows, unfinished, min_rows):
+        out = real(cache, rows, unfinished, min_rows)
+        shrunk.append(None if out is None else len(out))
+        return out
+
+    kw = dict(eos_token_ids=eos, temperature=1.0, top_p=1.0, top_k=0, return_logprobs=True, returns_logprobs=True, max_new_tokens=6)
+    a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
+    monkeypatch.setattr(hf_decode, "_compact", spy)
+    b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", drop_finished=True, **kw)
+    assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1], b[1])
+    m = response_mask_from_ids(a[0][0], [tok.eos_token_id, *eos]).bool()
+    assert torch.equal(a[0][1][m], b[0][1][m])  # after EOS the log-probs are meaningless (zero logits when dropped)
+    sizes = [s for s in shrunk if s is not None]
+    assert sizes and min(sizes) >= 8 and sizes[0] < 64  # compacted, never below the floor
+
+
+def test_compact_drops_finished_rows_from_the_cache_and_keeps_the_floor():
+    cache = hf_decode.PreallocatedLayer(capacity=4)
+    k = torch.arange(10 * 2, dtype=torch.float32).reshape(10, 1, 2, 1)  # (B=10, H=1, n=2, D=1)
+    cache.update(k, -k)
+
+    class Holder:  # the Cache interface _compact uses
+        def batch_select_indices(self, idx):
+            cache.batch_select_indices(idx)
+
+    unfinished = torch.tensor([1, 0, 1, 0, 0, 0, 0, 0, 0, 0])
+    assert hf_decode._compact(Holder(), None, torch.ones(10, dtype=torch.long), 3) is None  # nobody finished
+    rows = hf_decode._compact(Holder(), None, unfinished, 3)
+    assert rows.tolist() == [0, 1, 2]  # rows 0 and 2 alive, row 1 fills up to the floor of 3
+    assert torch.equal(cache.keys, k[[0, 1, 2]]) and torch.equal(cache.values, -k[[0, 1, 2]])
+    assert hf_decode._compact(Holder(), rows, unfinished, 3) is rows  # at the floor: nothing more to drop
+
+
+def test_preallocated_layer_writes_in_place_and_returns_views():
+    layer = hf_decode.PreallocatedLayer(capacity=5)
+    a, b = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 1, 4)  # (B, H, n, D)
+    k1, _ = layer.update(a, a + 1)
+    k2, v2 = layer.update(b, b + 1)
+    assert torch.equal(k2, torch.cat([a, b], -2)) and torch.equal(v2, torch.cat([a + 1, b + 1], -2))
+    assert k2.data_ptr() == k1.data_ptr() == layer.key_buf.data_ptr()  # one buffer, no copy per step
+    assert layer.get_seq_length() == 4 and layer.get_mask_sizes(1) == (5, 0)
+    layer.batch_select_indices(torch.tensor([1, 1, 0]))
+    assert torch.equal(layer.keys, torch.cat([a, b], -2)[[1, 1, 0]]) and layer.key_buf.shape[2] == 5
+    with pytest.raises(ValueError, match="capacity of 5"):
+        layer.update(torch.randn(3, 3, 2, 4), torch.randn(3, 3, 2, 4))
+
+
+def test_calls_the_loop_cannot_serve_exactly_fall_back_to_generate():
+    model, tok = load_reference()
+    base = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, pad_token_id=tok.pad_token_id,
+                eos_token_id=[tok.eos_token_id], use_cache=True)  # fmt: skip
+    assert hf_decode.plan(model, base) is not None
+    for extra in ({"num_beams": 2}, {"num_return_sequences": 2}, {"stop_strings": ["7"]}, {"max_time": 5.0},
+                  {"cache_implementation": "static"}, {"output_scores": True}):  # fmt: skip
+        assert hf_decode.plan(model, {**base, **extra}) is None, extra
+    # (share_prefill off: generate's beam search does not expand a cache passed in)
+    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, share_prefill=False)
+    prompt = tok(["3,13="] * 4, return_tensors="pt")
+    calls = []
+    real = model.generate
+    model.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        torch.manual_seed(0)
+        out = engine.generate(prompt["input_ids"], prompt["attention_mask"], num_beams=2, do_sample=False)
+    finally:
+        del model.generate
+    assert calls and out.shape[0] == 4
+
+
+def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
+    from pydantic import ValidationError
+
+    from tether.config import load_config
+    from tether.trainer import setup
+
+    model, tok = load_reference()
+    assert load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is False
+    for value in ("tether", "generate"):
+        engine = setup._build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=true"]), model, tok, None)
+        assert engine.hf_decode == value and engine.drop_finished is True
+    with pytest.raises((ValidationError, ValueError), match="hf_decode"):
+        load_config(None, ["rollout.hf_decode=fast"])
+    with pytest.raises(ValueError, match="hf_decode must be 'tether' or 'generate', got 'fast'"):
+        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, hf_decode="fast")
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
+def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2, share, monkeypatch):
+    """GPT-2 (learned absolute positions, its own attention code), built here from a config (the testing
+    helpers build Qwen2 and Llama), left-padded prompts, T = 0.8, top_p = 0.9."""
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    _, tok, p_ids, p_mask = qwen2
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+        model = GPT2LMHeadModel(config).eval()
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    kw = dict(share_prefill=share, return_logprobs=True, returns_logprobs=True, temperature=0.8, top_p=0.9, top_k=0)
+    a = _run(model, tok, p_ids, p_mask, "generate", **kw)
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)
+    _assert_same(a, b, True)
+
+
+def test_inverse_cdf_sampler_draws_the_categorical_distribution():
+    """rollout.hf_sampler=inverse_cdf: 200,000 draws from p = (0.5, 0, 0.2, 0.3, 0) (unnormalised ×4,
+    so the total is not 1): frequencies within 5 standard errors (≤ 0.0056), zero-probability tokens
+    (one of them last) never drawn, also with u pushed to just below 1."""
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0]) * 4
+    torch.manual_seed(0)
+    draws = hf_decode.sample_inverse_cdf(p.expand(200_000, 5).contiguous())
+    freq = torch.bincount(draws, minlength=5).double() / draws.numel()
+    want = (p / p.sum()).double()
+    assert (freq - want).abs().max() < 5 * (want * (1 - want) / draws.numel()).sqrt().max()
+    assert freq[1] == 0 and freq[4] == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "rand_like", lambda t: torch.full_like(t, 1 - 2**-24))  # the largest u < 1
+        assert hf_decode.sample_inverse_cdf(p[None]).tolist() == [3]  # the last token of positive probability
+
+
+def test_inverse_cdf_sampler_in_the_engine(qwen2, monkeypatch):
+    """The engine's inverse-CDF path samples valid tokens, respects suppress_tokens and top_k, is
+    reproducible for a seed, and differs from generate's stream (another sampler)."""
+    model, tok, p_ids, p_mask = qwen2
+    kw = dict(temperature=1.0, top_p=1.0, top_k=3)
+    a = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]
+    b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]
+    ref = _run(model, tok, p_ids, p_mask, "generate", **kw)[0]
+    assert torch.equal(a, b) and not torch.equal(a, ref) and a.shape == ref.shape
+    with torch.no_grad():  # the first token is among the top 3 of the prompt's next-token logits
+        logits = model(input_ids=p_ids, attention_mask=p_mask).logits[:, -1]
+    assert (logits.topk(3, -1).indices == a[:, :1]).any(-1).all()
+    engine = HFRolloutEngine(model, tok, max_new_tokens=6, sampler="inverse_cdf", temperature=1.0, top_p=1.0, top_k=0)
+    common = tok(["3 + 4 ="] * 8, return_tensors="pt")["input_ids"][0, :1].item()
+    ids = engine.generate(p_ids, p_mask, suppress_tokens=[common])
+    assert (ids != common).all()
+    from tether.config import load_config
+    from tether.trainer import setup
+
+    assert load_config(None, []).rollout.hf_sampler == "multinomial"
+    cfg = load_config(None, ["rollout.engine=hf", "rollout.hf_sampler=inverse_cdf"])
+    assert setup._build_engine(cfg, model, tok, None).sampler == "inverse_cdf"
+    with pytest.raises(ValueError, match="sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'"):
+        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, sampler="gumbel")
