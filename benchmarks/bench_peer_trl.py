@@ -215,6 +215,11 @@ def timed(phases: Phases, fn, name):
 
 
 # ---------------------------------------------------------------- workers (one fresh process each)
+def bench_threads() -> int:
+    """torch threads of each worker process (``--threads``, passed down as ``BENCH_THREADS``; default 1)."""
+    return int(os.environ.get("BENCH_THREADS", "1"))
+
+
 def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int, out: Path, *, lr: float = 1e-5, seed: int = 0) -> list[str]:
     return [
         f"actor.model={model_dir}", f"actor.lr={lr}", f"trainer.seed={seed}", "actor.micro_batch_size=64", "actor.grad_clip=1.0", "actor.dtype=float32",
@@ -224,7 +229,7 @@ def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int
         "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.04", "kl.controller=fixed",
         "algo.adv_estimator=grpo", f"algo.mini_batch_size={N_PROMPTS * GROUP}", "algo.ppo_epochs=1", "algo.loss_agg_mode=token-mean",
         "guard.target_kl=null", f"trainer.total_steps={steps + 1000}", "trainer.val_freq=0", "trainer.save_freq=0",
-        "trainer.loggers=[jsonl]", "trainer.progress=false", "trainer.report=false", "trainer.threads=1", "trainer.device=cpu",
+        "trainer.loggers=[jsonl]", "trainer.progress=false", "trainer.report=false", f"trainer.threads={bench_threads()}", "trainer.device=cpu",
         f"trainer.output_dir={out}", "trainer.resume=off",
     ]  # fmt: skip
 
@@ -232,14 +237,14 @@ def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int
 def worker_tether(args) -> dict:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(bench_threads())
     phases = Phases()
     from tether.config import load_config
     from tether.trainer import Trainer
 
     if args.workload == "embedded":
         overrides = ["trainer.val_freq=0", "trainer.save_freq=0", "trainer.loggers=[jsonl]", "trainer.progress=false",
-                     "trainer.report=false", "trainer.threads=1", "trainer.device=cpu", f"trainer.output_dir={args.run_dir}",
+                     "trainer.report=false", f"trainer.threads={bench_threads()}", "trainer.device=cpu", f"trainer.output_dir={args.run_dir}",
                      "trainer.resume=off", "trainer.total_steps=100000"]  # fmt: skip
     else:
         new = GSM_NEW_TOKENS if args.workload == "gsm8k" else NEW_TOKENS
@@ -276,7 +281,7 @@ def worker_tether(args) -> dict:
 def worker_trl(args) -> dict:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(bench_threads())
     phases = Phases()
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -342,7 +347,8 @@ def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, 
         cmd.append("--trl-bf16")
     for a in extra:
         cmd += ["--tether-arg", a]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(src))
+    n = str(bench_threads())
+    env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(src))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -546,6 +552,8 @@ def main() -> None:
     ap.add_argument("--curve", action="store_true",
                     help="learning curves instead of throughput: --seeds seeds per variant at --lr over --steps steps, alternating; "
                          "prints mean ± std per step and which steps agree within noise, and plots them")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per worker process, both libraries (default 1); a variant may set trainer.threads itself")
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both libraries (AdamW, constant)")
     ap.add_argument("--seeds", type=int, default=3, help="--curve: seeds per variant (0, 1, ...)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of a throughput run (both libraries)")
@@ -556,6 +564,8 @@ def main() -> None:
     ap.add_argument("--workload", default="peer", choices=["peer", "embedded", "gsm8k"])
     ap.add_argument("--tether-arg", action="append", default=[], dest="tether_args_w")
     args = ap.parse_args()
+    if not args.worker:  # workers read theirs from the environment run_worker gives them
+        os.environ["BENCH_THREADS"] = str(args.threads)
 
     if args.worker:
         args.tether_args = args.tether_args_w
@@ -576,7 +586,7 @@ def main() -> None:
     if args.curve:
         return main_curve(args, work, variants)
     load = os.getloadavg()[0]
-    print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs")
+    print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs, {args.threads} torch thread(s) per process")
     print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
     out_lines, everything = [], {}
     for name in [m for m in args.models.split(",") if m and args.pairs > 0]:

@@ -172,9 +172,10 @@ class RolloutConfig(_Section):
         "model.generate with its DynamicCache. docs/performance.md#hf-decode-loop."
     )
     hf_drop_finished: bool = Field(
-        False, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
-        "so a ragged batch does not step finished rows to the longest one's end. Sampling still draws for every row; the same "
-        "tokens as without it in the tests (bitwise), but a BLAS may round a smaller batch differently on other hardware."
+        True, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
+        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch). Sampling still "
+        "draws for every row; the same tokens as without it in the tests and over 100 demo steps (bitwise), but a BLAS may round "
+        "a smaller batch differently on other hardware (as vLLM's batches do): false keeps every row to the end."
     )
     hf_sampler: Literal["multinomial", "inverse_cdf"] = Field(
         "multinomial", description="HF engine, hf_decode=tether: how a token is drawn from the processed distribution. "

@@ -203,10 +203,10 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
     from tether.trainer import setup
 
     model, tok = load_reference()
-    assert load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is False
+    assert load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is True
     for value in ("tether", "generate"):
-        engine = setup._build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=true"]), model, tok, None)
-        assert engine.hf_decode == value and engine.drop_finished is True
+        engine = setup._build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=false"]), model, tok, None)
+        assert engine.hf_decode == value and engine.drop_finished is False
     with pytest.raises((ValidationError, ValueError), match="hf_decode"):
         load_config(None, ["rollout.hf_decode=fast"])
     with pytest.raises(ValueError, match="hf_decode must be 'tether' or 'generate', got 'fast'"):

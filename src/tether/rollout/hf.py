@@ -82,7 +82,7 @@ class HFRolloutEngine:
     def __init__(
         self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
         eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
-        hf_decode: str = "tether", drop_finished: bool = False, sampler: str = "multinomial",
+        hf_decode: str = "tether", drop_finished: bool = True, sampler: str = "multinomial",
     ):  # fmt: skip
         if hf_decode not in ("tether", "generate"):
             raise ValueError(f"hf_decode must be 'tether' or 'generate', got {hf_decode!r}")
