@@ -6,7 +6,7 @@ Two parts, each usable alone:
   once, at capacity (prompt length + max new tokens), and written in place; ``update`` returns views
   of the filled part, so attention runs over exactly the tokens ``DynamicCache`` would hold and no
   decode step copies the cache (``DynamicCache`` concatenates, copying every layer's keys and values at
-  every step: a third of ``generate``'s CPU time on the 5.2M-parameter bench model). Unlike
+  every step; on short prompts that copy is cheap, see docs/performance.md#hf-decode-loop). Unlike
   ``cache_implementation="static"`` it never attends over the empty tail of the buffer.
 * :func:`decode`: prefill, then one ``model(input_ids=<last token>, position_ids, attention_mask,
   cache)`` per step → ``generate``'s own logits processors (built by ``generate``'s own
