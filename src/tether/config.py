@@ -173,7 +173,8 @@ class RolloutConfig(_Section):
     )
     hf_drop_finished: bool = Field(
         True, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
-        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch). Sampling still "
+        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch; sdpa attention "
+        "only, ignored with another attn_implementation). Sampling still "
         "draws for every row; the same tokens as without it in the tests and over 100 demo steps (bitwise), but a BLAS may round "
         "a smaller batch differently on other hardware (as vLLM's batches do): false keeps every row to the end."
     )
@@ -431,7 +432,8 @@ def _check_async(cfg) -> None:
         "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
         "rollout.engine=vllm": cfg.rollout.engine == "vllm",  # the engine holds its own weights: a snapshot is not wired
         "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
-        "kl.estimator=full": cfg.kl.estimator == "full" or cfg.kl.loss_estimator == "full",  # needs the behaviour policy's logits beside the reference's
+        "kl.estimator=full": cfg.kl.estimator == "full",  # needs the behaviour policy's logits beside the reference's
+        "kl.loss_estimator=full": cfg.kl.loss_estimator == "full",
     }
     bad = [k for k, v in clash.items() if v]
     if bad:
@@ -512,6 +514,13 @@ class TetherConfig(_Section):
         f = self.data.filter
         if self.rollout.mode == "offline" and (f.score_min is not None or f.score_max is not None) and self.data.score_key is None:
             raise ValueError("data.filter.score_min/score_max filter on the dataset's scores: set data.score_key (the column holding them)")
+        if self.actor.old_logprobs_source == "rollout" and not self.rollout.do_sample and self.rollout.temperature != 1.0:
+            raise ValueError(f"actor.old_logprobs_source=rollout with rollout.do_sample=false: greedy decoding's log-probs are the "
+                             f"untempered ones (vLLM reports no others), not the rollout.temperature={self.rollout.temperature} ones "
+                             "the trainer's ratio and KL use; use actor.old_logprobs_source=recompute or rollout.temperature=1")
+        if self.rollout.hf_sampler != "multinomial" and self.rollout.hf_decode != "tether":
+            raise ValueError(f"rollout.hf_sampler={self.rollout.hf_sampler} needs rollout.hf_decode=tether (model.generate samples with "
+                             "torch.multinomial); set rollout.hf_decode=tether or rollout.hf_sampler=multinomial")
         if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full"):
             why = "rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
             raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")

@@ -47,7 +47,7 @@ def test_async_steps_defaults_to_0_and_is_0_or_1():
         (["rollout.engine=vllm"], "rollout.engine=vllm"),
         (["algo.filter_groups=true"], "algo.filter_groups=true"),
         (["kl.estimator=full"], "kl.estimator=full"),
-        (["kl.placement=loss", "kl.loss_estimator=full"], "kl.estimator=full"),
+        (["kl.placement=loss", "kl.loss_estimator=full"], "kl.loss_estimator=full"),  # the key that is set, not kl.estimator
     ],
 )
 def test_async_refuses_what_it_cannot_overlap(extra, named):
@@ -60,7 +60,7 @@ def test_dropout_is_refused_naming_the_role():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
     assert has_dropout(model)
     check_no_dropout({"actor.model": torch.nn.Linear(2, 2), "critic.model": None})
-    with pytest.raises(ConfigError, match=r"needs a critic\.model without dropout"):
+    with pytest.raises(ConfigError, match=r"needs critic\.model without dropout"):
         check_no_dropout({"actor.model": torch.nn.Linear(2, 2), "critic.model": model})
 
 
@@ -197,3 +197,21 @@ def test_learns_the_embedded_task(tmp_path):
     assert last["step"] == 100 and last["exact/ref_score_mean"] == pytest.approx(0.4694, abs=1e-3)
     assert last["exact/score_mean"] > 0.75, last["exact/score_mean"]
     assert 0.05 < last["exact/kl_ref_tok"] < 0.3  # tethered: near the optimum's 0.19 nats/token, not drifting away
+
+
+def test_a_checkpoint_without_a_pending_batch_warns_on_resume(tmp_path, caplog):
+    """The checkpoint of a run's last step holds no pending batch (no next job was started): extending
+    that run cannot match an uninterrupted one, and the resume says so (a new-user trial found it silent)."""
+    import logging
+
+    from tether.trainer.async_rollout import AsyncRollout
+
+    ar = AsyncRollout.__new__(AsyncRollout)  # load() reads nothing else before it finds the file missing
+    (tmp_path / "step_000004").mkdir()
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        ar.load(tmp_path / "step_000004")
+    assert ar._pending is None and ar._pending_indices is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: checkpoint step_000004 holds no pending batch (async_pending.safetensors): the next step's batch is generated from "
+        "the restored weights, not from the previous ones, so the run will not match an uninterrupted one"
+    ]

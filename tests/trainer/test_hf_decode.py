@@ -248,6 +248,23 @@ def test_inverse_cdf_sampler_draws_the_categorical_distribution():
         assert hf_decode.sample_inverse_cdf(p[None]).tolist() == [3]  # the last token of positive probability
 
 
+def test_inverse_cdf_sampler_refuses_rows_that_are_not_distributions():
+    """As torch.multinomial does: a NaN or inf anywhere in a row (a diverged model), or a row of zeros,
+    is an error naming the rows, never an index past the vocabulary (which an empty search returns)."""
+    p = torch.tensor([[0.2, 0.8, 0.0], [0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [float("inf"), 0.0, 1.0]])
+    with pytest.raises(RuntimeError, match=r"inf, nan or a row that sums to <= 0 \(rows \[1, 2, 3\]\)"):
+        hf_decode.sample_inverse_cdf(p)
+    assert hf_decode.sample_inverse_cdf(p[:1]).item() in (0, 1)
+
+
+def test_inverse_cdf_sampler_needs_the_tether_loop():
+    from tether.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout.hf_sampler=inverse_cdf needs rollout.hf_decode=tether"):
+        load_config(None, ["rollout.hf_decode=generate", "rollout.hf_sampler=inverse_cdf"])
+    assert load_config(None, ["rollout.hf_sampler=inverse_cdf"]).rollout.hf_sampler == "inverse_cdf"
+
+
 def test_inverse_cdf_sampler_in_the_engine(qwen2, monkeypatch):
     """The engine's inverse-CDF path samples valid tokens, respects suppress_tokens and top_k, is
     reproducible for a seed, and differs from generate's stream (another sampler)."""

@@ -69,3 +69,12 @@ def test_rollout_logprobs_refused_where_there_are_none(overrides, message):
 
 def test_old_logprobs_source_default_is_recompute():
     assert load_config(None, []).actor.old_logprobs_source == "recompute"
+
+
+def test_greedy_rollout_logprobs_with_a_temperature_are_refused():
+    """Greedy decoding's recorded log-probs are untempered (vLLM gives no others), while the trainer's
+    ratio and KL use rollout.temperature: a silent KL of -0.13 at step 1 in a new-user trial."""
+    with pytest.raises(ConfigError, match=r"actor.old_logprobs_source=rollout with rollout.do_sample=false: .*rollout.temperature=0.7"):
+        load_config(None, ["actor.old_logprobs_source=rollout", "rollout.do_sample=false", "rollout.temperature=0.7"])
+    for ok in (["rollout.do_sample=false", "rollout.temperature=1.0"], ["rollout.temperature=0.7"]):
+        assert load_config(None, ["actor.old_logprobs_source=rollout", *ok]).actor.old_logprobs_source == "rollout"

@@ -79,6 +79,35 @@ def test_longest_prompt_plus_max_new_tokens_must_fit_the_positions(small_cfg, tm
         check_context_length(small_cfg("rollout.max_new_tokens=26"), d, prompts)
 
 
+def test_every_scoring_model_is_checked_and_a_prompt_too_long_alone_says_so(small_cfg, tmp_path):
+    actor = _model_dir(tmp_path, n_positions=64)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps({"n_positions": 8}))  # a reference with fewer positions than the actor
+    prompts = PromptSet([None], ["a"], [[1] * 6])
+    models = {"actor.model": actor, "ref.model": tmp_path / "r"}
+    with pytest.raises(ConfigError, match=r"is 10 tokens, beyond ref.model's n_positions=8 \(config.json\): lower rollout.max_new_tokens to at most 2$"):
+        check_context_length(small_cfg("rollout.max_new_tokens=4"), models, prompts)
+    long = PromptSet([None], ["a"], [[1] * 70])
+    with pytest.raises(ConfigError, match=r"beyond actor.model's n_positions=64 \(config.json\): the prompts alone do not fit: lower "
+                       r"data.max_prompt_length below 64 \(data.overlong_prompts=drop drops longer ones\)"):
+        check_context_length(small_cfg("rollout.max_new_tokens=4"), {"actor.model": actor}, long)
+
+
+def test_a_separate_reference_with_fewer_positions_is_refused_at_start(small_cfg, tmp_path):
+    """A new-user trial's crash: ref.model with fewer positions than the actor went to an IndexError in F.embedding."""
+    import shutil
+
+    from tether.models import resolve_model_path
+
+    ref = tmp_path / "ref"
+    shutil.copytree(resolve_model_path("embedded"), ref)
+    cfg = json.loads((ref / "config.json").read_text())
+    cfg["max_position_embeddings"] = 8
+    (ref / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"beyond ref.model's max_position_embeddings=8 \(config.json\)"):
+        Trainer(small_cfg(f"ref.model={ref}"))
+
+
 def test_a_huge_max_new_tokens_is_refused_at_start(small_cfg):
     # the embedded reference has max_position_embeddings=32 (its config.json)
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=100000 plus the longest prompt .* beyond actor.model's max_position_embeddings=32"):

@@ -279,9 +279,18 @@ def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     Samples the same categorical distribution as ``torch.multinomial`` (to the float32 rounding of
     the cumulative sum), from a different random stream. A zero-probability token is never returned:
     u · total is kept below the total, and a token whose probability is 0 adds nothing to the sum.
+
+    Raises:
+        RuntimeError: a row whose sum is not a positive finite number (inf or NaN probabilities, e.g.
+            from a diverged model, or all zero), as ``torch.multinomial`` refuses them; named by row.
     """
     cdf = probs.cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
+    bad = ~(torch.isfinite(total) & (total > 0)).squeeze(1)  # NaN or inf anywhere in a row reaches its sum
+    if bool(bad.any()):
+        rows = bad.nonzero().squeeze(1).tolist()
+        raise RuntimeError(f"probability tensor contains either inf, nan or a row that sums to <= 0 (rows {rows[:8]}); "
+                           "the model's logits are not finite")  # fmt: skip
     x = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1), < total
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +47,8 @@ from safetensors.torch import save_file
 
 from tether.batch import RolloutBatch
 from tether.workers.actor import _forward_logprobs
+
+log = logging.getLogger("tether")
 
 PENDING_FILE = "async_pending.safetensors"
 
@@ -82,7 +85,7 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
     for role, model in models.items():
         if model is not None and has_dropout(model):
             raise ConfigError(
-                f"rollout.async_steps=1 with trainer.backend=local needs a {role} without dropout: its training forward draws from "
+                f"rollout.async_steps=1 with trainer.backend=local needs {role} without dropout: its training forward draws from "
                 "torch's global RNG while the background generation samples from it, so runs would not repeat. Use "
                 "rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a model without dropout"
             )
@@ -219,7 +222,10 @@ class AsyncRollout:
 
         self._pending = self._pending_indices = None
         path = Path(directory) / PENDING_FILE
-        if not path.is_file():
+        if not path.is_file():  # e.g. the checkpoint of a run's last step, after which no next batch was started
+            log.warning("resume: checkpoint %s holds no pending batch (%s): the next step's batch is generated from the restored "
+                        "weights, not from the previous ones, so the run will not match an uninterrupted one", Path(directory).name,
+                        PENDING_FILE)  # fmt: skip
             return
         with safe_open(str(path), framework="pt") as f:
             indices = json.loads(f.metadata()["indices"])

@@ -31,26 +31,48 @@ def position_limit(model_path) -> tuple[str, int] | None:
     return None
 
 
-def check_context_length(cfg: TetherConfig, model_path, *prompt_sets) -> None:
-    """The longest prompt plus ``rollout.max_new_tokens`` must fit the actor's position embeddings.
+def scoring_models(cfg: TetherConfig, actor_path, *, has_critic: bool) -> dict:
+    """``{config key: model directory}`` of the models that run over whole sequences: the actor, and
+    ``ref.model`` / ``critic.model`` (when a critic is trained) where they are other directories."""
+    from tether.models import resolve_model_path
+
+    models = {"actor.model": actor_path}
+    for key, name in (("ref.model", cfg.ref.model), ("critic.model", cfg.critic.model if has_critic else None)):
+        if name:
+            models[key] = resolve_model_path(name, key)
+    return models
+
+
+def check_context_length(cfg: TetherConfig, models, *prompt_sets) -> None:
+    """The longest prompt plus ``rollout.max_new_tokens`` must fit every model's position embeddings.
 
     A sequence past ``max_position_embeddings`` (``n_positions``) has no position for its later tokens: rotary models
     generate garbage, learned-position models index out of range, and a long enough request just
-    runs for hours. Checked on the prompts actually kept (each at most ``data.max_prompt_length``).
+    runs for hours. Checked on the prompts actually kept (each at most ``data.max_prompt_length``),
+    for each model that scores the sequences (the actor, and a separate ``ref.model`` or ``critic.model``).
 
+    Args:
+        models: ``{config key: model directory}``, e.g. ``{"actor.model": path}``; a bare path means the actor.
     Raises:
-        ConfigError: naming rollout.max_new_tokens, the longest prompt (tokens) and the model's
-            max_position_embeddings (or n_positions).
+        ConfigError: naming the model's key and its max_position_embeddings (or n_positions), the
+            longest prompt (tokens) and rollout.max_new_tokens, with the setting that fixes it (a lower
+            rollout.max_new_tokens, or, where the prompts alone do not fit, a lower data.max_prompt_length).
     """
-    found = position_limit(model_path)
-    key, limit = found if found else ("max_position_embeddings", None)
+    if not isinstance(models, dict):
+        models = {"actor.model": models}
     longest = max((len(ids) for s in prompt_sets for ids in s.ids), default=0)
     total = longest + cfg.rollout.max_new_tokens
-    if limit is not None and total > limit:
+    for role, path in models.items():
+        found = position_limit(path)
+        if found is None or total <= found[1]:
+            continue
+        key, limit = found
+        fix = (f"lower rollout.max_new_tokens to at most {limit - longest}" if longest < limit else
+               f"the prompts alone do not fit: lower data.max_prompt_length below {limit} (data.overlong_prompts=drop "
+               "drops longer ones) and rollout.max_new_tokens to fit")  # fmt: skip
         raise ConfigError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; data.max_prompt_length="
-            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond actor.model's {key}={limit} "
-            f"(config.json): lower rollout.max_new_tokens to at most {max(limit - longest, 0)}"
+            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond {role}'s {key}={limit} (config.json): {fix}"
         )
 
 
