@@ -67,16 +67,16 @@ def test_a_gpt2_style_limit_is_named_by_its_own_key(small_cfg, tmp_path):
     d = _model_dir(tmp_path, n_positions=30)
     prompts = PromptSet([None], ["a"], [[1] * 6])
     with pytest.raises(ConfigError, match=r"is 31 tokens, beyond actor.model's n_positions=30 \(config.json\): lower rollout.max_new_tokens to at most 24"):
-        check_context_length(small_cfg("rollout.max_new_tokens=25"), d, prompts)
+        check_context_length(small_cfg("rollout.max_new_tokens=25"), {"actor.model": d}, prompts)
 
 
 def test_longest_prompt_plus_max_new_tokens_must_fit_the_positions(small_cfg, tmp_path):
     d = _model_dir(tmp_path, max_position_embeddings=32)
     prompts = PromptSet([None, None], ["a", "b"], [[1] * 5, [1] * 7])  # longest prompt: 7 tokens
-    check_context_length(small_cfg("rollout.max_new_tokens=25"), d, prompts)  # 7 + 25 = 32: fits
+    check_context_length(small_cfg("rollout.max_new_tokens=25"), {"actor.model": d}, prompts)  # 7 + 25 = 32: fits
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=26 plus the longest prompt \(7 tokens; data.max_prompt_length=512\) is 33 "
                        r"tokens, beyond actor.model's max_position_embeddings=32 \(config.json\): lower rollout.max_new_tokens to at most 25"):
-        check_context_length(small_cfg("rollout.max_new_tokens=26"), d, prompts)
+        check_context_length(small_cfg("rollout.max_new_tokens=26"), {"actor.model": d}, prompts)
 
 
 def test_every_scoring_model_is_checked_and_a_prompt_too_long_alone_says_so(small_cfg, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,9 @@ class Roles:
     actor_path: Any
     val_reward: Any = None  # scores generated validation responses when `reward` only replays dataset scores
     backend: Any = None  # trainer.backend=ray: the RayBackend whose worker groups run actor, ref and critic
+    #: {config key: model directory} of the models that run over whole sequences (the actor, and a separate
+    #: ref.model / critic.model where one is used), for the start-up context-length check
+    model_paths: dict = field(default_factory=dict)
 
     def close(self) -> None:
         """Stop the Ray worker groups (and a Ray this run started); nothing for the local backend."""
@@ -109,6 +112,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
 
         log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps, value=cfg.actor.model))
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
+    model_paths = {"actor.model": actor_path}
     model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -130,6 +134,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
         ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
         if ref_path != actor_path:
             check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
+            model_paths["ref.model"] = ref_path
         ref = None
         if driver_holds_ref(cfg):
             ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
@@ -147,6 +152,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
         critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
         if critic_path != actor_path:
             check_same_tokenizer(tok, critic_path, "critic.model", trust_remote_code=trc)
+            model_paths["critic.model"] = critic_path
         if cfg.trainer.backend == "ray":  # the critic lives on the workers only; the RNG advances as it would here
             from transformers import AutoConfig
 
@@ -171,7 +177,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
             function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
             model_batch_size=cfg.reward.model_batch_size, device=str(device), timeout_s=cfg.reward.timeout_s,
         )  # fmt: skip
-    roles = Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward)
+    roles = Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward, model_paths=model_paths)
     if cfg.trainer.backend == "ray":
         from tether.distributed.ray_backend import build_ray_roles
 

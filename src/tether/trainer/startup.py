@@ -31,19 +31,7 @@ def position_limit(model_path) -> tuple[str, int] | None:
     return None
 
 
-def scoring_models(cfg: TetherConfig, actor_path, *, has_critic: bool) -> dict:
-    """``{config key: model directory}`` of the models that run over whole sequences: the actor, and
-    ``ref.model`` / ``critic.model`` (when a critic is trained) where they are other directories."""
-    from tether.models import resolve_model_path
-
-    models = {"actor.model": actor_path}
-    for key, name in (("ref.model", cfg.ref.model), ("critic.model", cfg.critic.model if has_critic else None)):
-        if name:
-            models[key] = resolve_model_path(name, key)
-    return models
-
-
-def check_context_length(cfg: TetherConfig, models, *prompt_sets) -> None:
+def check_context_length(cfg: TetherConfig, models: dict, *prompt_sets) -> None:
     """The longest prompt plus ``rollout.max_new_tokens`` must fit every model's position embeddings.
 
     A sequence past ``max_position_embeddings`` (``n_positions``) has no position for its later tokens: rotary models
@@ -52,14 +40,12 @@ def check_context_length(cfg: TetherConfig, models, *prompt_sets) -> None:
     for each model that scores the sequences (the actor, and a separate ``ref.model`` or ``critic.model``).
 
     Args:
-        models: ``{config key: model directory}``, e.g. ``{"actor.model": path}``; a bare path means the actor.
+        models: ``{config key: model directory}``, e.g. ``{"actor.model": path}`` (``Roles.model_paths``).
     Raises:
         ConfigError: naming the model's key and its max_position_embeddings (or n_positions), the
             longest prompt (tokens) and rollout.max_new_tokens, with the setting that fixes it (a lower
             rollout.max_new_tokens, or, where the prompts alone do not fit, a lower data.max_prompt_length).
     """
-    if not isinstance(models, dict):
-        models = {"actor.model": models}
     longest = max((len(ids) for s in prompt_sets for ids in s.ids), default=0)
     total = longest + cfg.rollout.max_new_tokens
     for role, path in models.items():
