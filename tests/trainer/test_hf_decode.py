@@ -102,6 +102,29 @@ def test_tether_decode_equals_generate_under_bf16_autocast_and_several_eos_ids(m
     assert int((a[0][0] == five).any(1).sum()) >= 3  # the second EOS id really ended some rows
 
 
+def test_under_bf16_autocast_the_cache_holds_bf16_and_tether_attention_decodes_as_generate(monkeypatch):
+    """Under autocast the loop's cache stores bf16 keys and values (attention casts them to bf16 anyway:
+    bitwise the same values); with ``tether`` attention (its matmul path in bf16) too, the loop's tokens
+    and log-probs are generate's, whose DynamicCache keeps the float32 keys rotary leaves."""
+    import copy
+
+    from tether.models import attention
+
+    model, tok = load_reference()
+    model = attention.set_attn_implementation(copy.deepcopy(model), "tether")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert hf_decode.cache_dtype(model, torch.device("cpu")) == torch.bfloat16
+    assert hf_decode.cache_dtype(model, torch.device("cpu")) is None  # no autocast: the states' own dtype
+    calls = []
+    monkeypatch.setattr(attention, "matmul_attention", lambda *a, _f=attention.matmul_attention: calls.append(1) or _f(*a))
+    prompt = tok(["3,13=", "2,7=", "1,2="] * 8, return_tensors="pt", padding=True)
+    kw = dict(compute_dtype="bfloat16", temperature=0.9, top_p=1.0, top_k=0, return_logprobs=True, returns_logprobs=True)
+    a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
+    b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", **kw)
+    _assert_same(a, b, True)
+    assert calls  # the matmul path served the calls
+
+
 def test_the_models_generation_config_applies_as_in_generate(qwen2, monkeypatch):
     """Processors come from generate's own builder: a repetition penalty in the model's generation
     config (as Qwen2.5-Instruct ships) changes the tokens in both paths, identically."""

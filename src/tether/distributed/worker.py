@@ -122,6 +122,9 @@ class RankWorker:
 
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
         self.dims.check_model(config, "actor")
+        from tether.models import attention
+
+        attention.set_attn_implementation(model if hasattr(model, "set_attn_implementation") else model.backbone, attention.for_config(self.cfg, self.device))
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
         # rank 0 holds real weights, the others meta tensors: tensor parallelism must not scatter rank 0's
@@ -162,7 +165,7 @@ class RankWorker:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
         cdt = cfg.actor.compute_dtype
-        if cdt != "float32":  # as the local backend: the LM heads stay fp32 under autocast
+        if cdt != "float32" and cfg.actor.lm_head_fp32:  # as the local backend: the LM heads stay fp32 under autocast
             from tether.models import fp32_lm_head
 
             fp32_lm_head(model)

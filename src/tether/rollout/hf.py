@@ -76,6 +76,9 @@ class HFRolloutEngine:
 
     #: "inference" runs generate under ``torch.inference_mode`` (no version counters or autograd
     #: bookkeeping on the KV cache), "no_grad" under ``torch.no_grad``; sampled tokens are the same.
+    #: Under a bf16 ``actor.compute_dtype`` generation always runs under ``no_grad``: autocast caches
+    #: each weight's bf16 cast for the whole call there, while under inference mode it casts every
+    #: weight at every decode step (9% of the 5.2M bench model's bf16 step).
     grad_mode = "inference"
     returns_logprobs = False
 
@@ -131,7 +134,8 @@ class HFRolloutEngine:
             kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
         from tether.models import autocast
 
-        mode = torch.inference_mode() if self.grad_mode == "inference" else torch.no_grad()
+        inference = self.grad_mode == "inference" and self.compute_dtype == "float32"
+        mode = torch.inference_mode() if inference else torch.no_grad()
         with mode, autocast(prompt_ids.device, self.compute_dtype):
             out = self._generate(prompt_ids, prompt_mask, kwargs)
             response_ids = out[:, prompt_ids.shape[1] :]

@@ -45,14 +45,18 @@ class PreallocatedLayer(DynamicLayer):
 
     ``update`` writes the new (B, H_kv, n, D) states at ``[filled, filled + n)`` and returns the views
     ``[:, :, :filled + n]``: the same values ``DynamicLayer`` would return by concatenation, without a copy.
+    ``dtype``: the buffers' dtype (None: the states' own). Under a bf16 autocast :func:`decode` stores
+    bf16: rotary embeddings leave the keys float32 there, and attention casts every cached key to bf16
+    at every step; cast once on writing, the values attention sees are the same, bit for bit.
 
     Raises:
         ValueError: an update past ``capacity`` (the caller sized the cache too small).
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = capacity
+        self.dtype = dtype
         self.filled = 0
         self.key_buf: torch.Tensor | None = None  # (B, H_kv, capacity, D)
         self.value_buf: torch.Tensor | None = None
@@ -60,8 +64,8 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.device = key_states.device
-        self.key_buf = key_states.new_empty(B, H, self.capacity, D)
-        self.value_buf = value_states.new_empty(B, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.key_buf = key_states.new_empty(B, H, self.capacity, D, dtype=self.dtype or key_states.dtype)
+        self.value_buf = value_states.new_empty(B, value_states.shape[1], self.capacity, value_states.shape[-1], dtype=self.dtype or value_states.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +121,16 @@ class PreallocatedLayer(DynamicLayer):
 
 
 class PreallocatedCache(Cache):
-    """A ``Cache`` of ``num_layers`` :class:`PreallocatedLayer` layers of ``capacity`` positions each."""
+    """A ``Cache`` of ``num_layers`` :class:`PreallocatedLayer` layers of ``capacity`` positions each (in ``dtype``)."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, dtype: torch.dtype | None = None):
+        super().__init__(layers=[PreallocatedLayer(capacity, dtype) for _ in range(num_layers)])
 
 
-def preallocated_cache(model, capacity: int) -> PreallocatedCache | None:
-    """A :class:`PreallocatedCache` for ``model`` holding ``capacity`` positions per layer, or None when
-    the model's default cache is not plain full-attention ``DynamicLayer`` layers."""
+def preallocated_cache(model, capacity: int, dtype: torch.dtype | None = None) -> PreallocatedCache | None:
+    """A :class:`PreallocatedCache` for ``model`` holding ``capacity`` positions per layer (in ``dtype``;
+    None: the states' own), or None when the model's default cache is not plain full-attention
+    ``DynamicLayer`` layers."""
     from transformers.cache_utils import DynamicCache
 
     config = model.config.get_text_config(decoder=True)
@@ -135,7 +140,18 @@ def preallocated_cache(model, capacity: int) -> PreallocatedCache | None:
         return None
     if not default.layers or any(type(layer) is not DynamicLayer for layer in default.layers):
         return None
-    return PreallocatedCache(len(default.layers), capacity)
+    return PreallocatedCache(len(default.layers), capacity, dtype)
+
+
+def cache_dtype(model, device: torch.device) -> torch.dtype | None:
+    """The dtype :func:`decode` stores keys and values in: the autocast dtype when a bf16/fp16 autocast
+    is on for ``device`` and the model's attention (``sdpa``, ``tether``) runs under it (it casts keys and
+    values to that dtype itself), else None (the states' own dtype)."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    dtype = torch.get_autocast_dtype(device.type)
+    attn = getattr(model.config, "_attn_implementation", None)
+    return dtype if dtype in (torch.bfloat16, torch.float16) and attn in ("sdpa", "tether") else None
 
 
 def cache_keyword(model) -> str | None:
@@ -187,7 +203,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
             False; None or False: all P positions are prefilled here, as ``generate`` does.
         drop_finished: stop running the model on rows that have ended (EOS), keeping at least
             ``min_rows`` (:func:`_compact`; ignored unless the model runs ``sdpa`` attention, transformers'
-            default); their tokens are the pad token either way, and sampling still
+            default, or ``tether``'s); their tokens are the pad token either way, and sampling still
             draws for all B rows, so the other rows' tokens do not change. Their log-probs after EOS (the
             recorder's) are then computed from zero logits: meaningless, as after EOS anyway.
         sampler: ``"multinomial"`` (``generate``'s ``torch.multinomial``: one exponential draw per vocabulary
@@ -213,13 +229,13 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
         generation_config=config, input_ids_seq_length=P, encoder_input_ids=prompt_ids, prefix_allowed_tokens_fn=None,
         logits_processor=LogitsProcessorList(logits_processor or []), device=device, model_kwargs={"attention_mask": mask},
     )  # fmt: skip
-    cache = preallocated_cache(model, P + max_new)
+    cache = preallocated_cache(model, P + max_new, cache_dtype(model, device))
     if cache is None:
         raise ValueError("decode: the model's cache is not plain full-attention DynamicLayer layers; use model.generate")
     cache_kw = cache_keyword(model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}  # as generate
     # the boolean 4-D mask of dropped-row batches is sdpa's mask type (eager attention adds float masks)
-    drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) == "sdpa"
+    drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) in ("sdpa", "tether")
     ids = prompt_ids.new_empty(B, P + max_new)  # (B, P + max_new) generate's input_ids, filled in place
     ids[:, :P] = prompt_ids
     full_mask = None

@@ -13,6 +13,7 @@ from tether.config import ConfigError, TetherConfig
 from tether.models import (
     ValueModel,
     apply_lora,
+    attention,
     fp32_lm_head,
     load_causal_lm,
     load_tokenizer,
@@ -113,7 +114,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
         log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps, value=cfg.actor.model))
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model_paths = {"actor.model": actor_path}
-    model = load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+    attn = attention.for_config(cfg, device)
+    model = attention.set_attn_implementation(load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device), attn)
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     cdt = cfg.actor.compute_dtype
@@ -137,11 +139,15 @@ def build_roles(cfg: TetherConfig) -> Roles:
             model_paths["ref.model"] = ref_path
         ref = None
         if driver_holds_ref(cfg):
-            ref_model = copy.deepcopy(model) if ref_path == actor_path else load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-            if cdt != "float32":
+            if ref_path == actor_path:
+                ref_model = copy.deepcopy(model)
+            else:
+                ref_model = load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+                attention.set_attn_implementation(ref_model, attn)
+            if cdt != "float32" and cfg.actor.lm_head_fp32:
                 fp32_lm_head(ref_model)  # patched after the deepcopy: each head keeps its own forward
             ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing)
-    if cdt != "float32":
+    if cdt != "float32" and cfg.actor.lm_head_fp32:
         fp32_lm_head(model)
     actor = ActorWorker(
         model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
@@ -159,6 +165,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
             ValueModel.make_head(AutoConfig.from_pretrained(str(critic_path), trust_remote_code=trc).hidden_size)
         else:
             vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+            attention.set_attn_implementation(vm.backbone, attn)
             critic = CriticWorker(
                 vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
                 value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
