@@ -4,9 +4,10 @@
 
 Trains the benchmark model of ``bench_peer_trl.py`` (random Qwen2, built locally) for ``--steps``
 GRPO steps in float32 with the KL in the loss, so that π_θ has moved away from π_ref, then samples
-one batch and scores it with the *same* weights four ways: fp32; bf16 autocast with the fp32 LM
-head (what ``actor.compute_dtype=bfloat16`` does); bf16 autocast of everything, head included; and
-fp32 again (a control: 0 difference). It prints, per way, against fp32:
+one batch and scores it with the *same* weights several ways: fp32 again (a control: 0 difference);
+bf16 autocast with the fp32 LM head and ``tether`` attention (what ``actor.compute_dtype=bfloat16``
+does on CPU) or sdpa (``actor.attn_implementation=model``); and bf16 autocast of everything, head
+included (``actor.lm_head_fp32=false``), with either attention. It prints, per way, against fp32:
 
 * the per-token log-prob error |Δ log π| (mean and max over counted tokens), nats;
 * ``policy/approx_kl`` a mismatch alone would show: mean ½(Δ log π)² of the actor, nats/token
@@ -43,7 +44,7 @@ def main() -> None:
 
     from tether.algos import kl_penalty, masked_mean
     from tether.config import load_config
-    from tether.models import fp32_lm_head, response_logprobs
+    from tether.models import attention, fp32_lm_head, response_logprobs
     from tether.trainer import Trainer
     from tether.workers.common import trim
 
@@ -64,10 +65,12 @@ def main() -> None:
 
     import copy
 
-    def score(dtype: str, head_fp32: bool):
+    def score(dtype: str, head_fp32: bool, attn: str = "sdpa"):
         a, r = actor, ref
         if dtype != "float32" and head_fp32:
             a, r = fp32_lm_head(copy.deepcopy(actor)), fp32_lm_head(copy.deepcopy(ref))
+        if attn != "sdpa":
+            a, r = (attention.set_attn_implementation(copy.deepcopy(m), attn) for m in (a, r))
         with torch.no_grad():
             lp = response_logprobs(a, ids, mask, T, compute_dtype=dtype)[0]
             lr = response_logprobs(r, ids, mask, T, compute_dtype=dtype)[0]
@@ -79,9 +82,15 @@ def main() -> None:
     print(f"# fp32: k3 kl/ref_mean {k3_32:.4e}, k1 {k1_32:.4e} nats/token; {int(rmask.sum())} tokens\n")
     print("| compute | mean abs Δ log π (nats) | max abs Δ log π | approx_kl from the mismatch (nats/token) | k3 KL (nats/token) | k3 − fp32 | k1 KL | k1 − fp32 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, dtype, head in (("fp32 (control)", "float32", True), ("bf16 autocast, fp32 LM head (compute_dtype=bfloat16)", "bfloat16", True),
-                               ("bf16 autocast, bf16 LM head", "bfloat16", False)):  # fmt: skip
-        lp, lr = score(dtype, head)
+    ways = (
+        ("fp32 (control)", "float32", True, "sdpa"),
+        ("bf16 autocast, fp32 LM head, `tether` attention (compute_dtype=bfloat16 on CPU)", "bfloat16", True, "tether"),
+        ("bf16 autocast, fp32 LM head, sdpa attention (attn_implementation=model)", "bfloat16", True, "sdpa"),
+        ("bf16 autocast, bf16 LM head, `tether` attention (lm_head_fp32=false)", "bfloat16", False, "tether"),
+        ("bf16 autocast, bf16 LM head, sdpa attention", "bfloat16", False, "sdpa"),
+    )
+    for label, dtype, head, attn in ways:
+        lp, lr = score(dtype, head, attn)
         d = (lp - lp32).abs()[rmask.bool()]
         approx = float(masked_mean(0.5 * (lp - lp32) ** 2, rmask))
         k3 = float(masked_mean(kl_penalty(lp, lr, "k3"), rmask))

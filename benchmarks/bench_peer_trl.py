@@ -540,7 +540,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3, help="alternating tether/TRL process pairs per model")
     ap.add_argument("--models", default="tiny,small", help="comma-separated; empty (or --pairs 0) for the --extra rows only")
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_peer"))
-    ap.add_argument("--tether-args", nargs="*", default=[], help="extra tether overrides, e.g. actor.compute_dtype=bfloat16")
+    ap.add_argument("--tether-args", nargs="*", default=[], help="extra tether overrides of every tether variant (each --variant's own follow), e.g. actor.compute_dtype=bfloat16")
     ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its default setting)")
     ap.add_argument("--skip-trl", action="store_true", help="tether runs only (no TRL needed)")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=SRC|ARGS",
@@ -584,7 +584,7 @@ def main() -> None:
     for v in args.variant:
         label, _, rest = v.partition("=")
         src, _, extra = rest.partition("|")
-        variants.append((label, Path(src or ROOT / "src"), extra.split()))
+        variants.append((label, Path(src or ROOT / "src"), list(args.tether_args) + extra.split()))
     if not args.skip_trl:
         variants.append(("trl", ROOT / "src", []))
     if args.curve:
