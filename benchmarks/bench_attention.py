@@ -8,7 +8,7 @@ D) it times, in one process, alternating, median of ``--reps``: transformers' ``
 shapes (L = 1) and forward + backward for the others, and prints whether ``tether`` attention takes
 the matmul path there (:func:`tether.models.attention.use_matmul`) and the largest difference of the
 two outputs. The shapes: the peer bench's small model (4/2 heads of 64; decode over 48 and 300 keys,
-64 rows of 48 tokens), a 16/2-head decode over 400 keys, 16 rows of 256 tokens, and 4 rows of 1024
+64 rows of 48 tokens), a 16/2-head decode over 400 keys, 16 rows of 128, 192 and 256 tokens (and 8 rows of 128 of a 16/4-head, 128-dim model), and 4 rows of 1024
 tokens of a 16/4-head, 128-dim model (where flash wins and ``tether`` hands the call to sdpa).
 """
 
@@ -25,6 +25,9 @@ SHAPES = [  # (B, H, H_kv, L, S, D)
     (64, 4, 2, 1, 300, 64),
     (16, 16, 2, 1, 400, 64),
     (64, 4, 2, 48, 48, 64),
+    (16, 4, 2, 128, 128, 64),
+    (8, 16, 4, 128, 128, 128),
+    (16, 4, 2, 192, 192, 64),
     (16, 4, 2, 256, 256, 64),
     (4, 16, 4, 1024, 1024, 128),
 ]

@@ -96,11 +96,12 @@ class ActorConfig(_Section):
         "(docs/performance.md#bf16-and-the-kl-metrics). No effect in float32."
     )
     attn_implementation: str = Field(
-        "auto", description="Attention kernel of the actor, reference and critic (transformers' attn_implementation). auto = 'tether' on "
-        "CPU when actor.dtype, actor.compute_dtype or trainer.fsdp.param_dtype is bfloat16/float16 (matmul attention for one-token decode queries "
-        "and key lengths up to 256, 2-3.5x faster than PyTorch's CPU flash kernel in bf16; sdpa otherwise, bit for bit), else the model's "
-        "own (sdpa); model = the model's own; any other name (sdpa, eager, flash_attention_2, ...) is given to transformers as is "
-        "(docs/performance.md#attention)."
+        "auto", description="Attention kernel of the actor, reference and critic (transformers' attn_implementation; the run logs its "
+        "choice). auto = 'tether' on CPU when actor.dtype, actor.compute_dtype or trainer.fsdp.param_dtype is bfloat16 (or float16) "
+        "(matmul attention for one-token decode queries and up to 128 keys, 1.1-6x faster than PyTorch's CPU flash kernel in bf16; "
+        "sdpa itself, bit for bit, for everything else), else the model's own (sdpa); model = the model's own; any other name (sdpa, "
+        "eager, flash_attention_2, ...) is given to transformers as is "
+        "(docs/performance.md#attention-actorattn_implementation)."
     )
     reuse_update_logprobs: bool = Field(
         True, description="With one PPO epoch and one mini-batch per step, old_logprobs and entropy come from the update's own forward, "
@@ -186,8 +187,8 @@ class RolloutConfig(_Section):
     )
     hf_drop_finished: bool = Field(
         True, description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at least 8, "
-        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch; sdpa attention "
-        "only, ignored with another attn_implementation). Sampling still "
+        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch; sdpa or tether "
+        "attention only, ignored with another actor.attn_implementation). Sampling still "
         "draws for every row; the same tokens as without it in the tests and over 100 demo steps (bitwise), but a BLAS may round "
         "a smaller batch differently on other hardware (as vLLM's batches do): false keeps every row to the end."
     )

@@ -85,7 +85,8 @@ def test_matmul_attention_in_bf16_under_autocast_is_within_bf16_rounding():
         (torch.float32, True, 48, 48, {}, True),  # float32 tensors under bf16 autocast: bf16 work
         (torch.float32, False, 48, 48, {}, False),  # float32: sdpa, bit for bit
         (torch.float64, False, 48, 48, {}, False),
-        (torch.bfloat16, False, 48, 257, {}, False),  # keys past MAX_MATMUL_KEYS: flash
+        (torch.bfloat16, False, 48, 128, {}, True),
+        (torch.bfloat16, False, 48, 129, {}, False),  # keys past MAX_MATMUL_KEYS: flash
         (torch.bfloat16, False, 1, 4096, {}, True),  # a decode query over any cache
         (torch.bfloat16, False, 48, 48, {"dropout": 0.1}, False),
         (torch.bfloat16, False, 48, 48, {"softcap": 30.0}, False),

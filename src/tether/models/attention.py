@@ -2,11 +2,14 @@
 
 On CPU, PyTorch's ``scaled_dot_product_attention`` runs its flash kernel in bf16 and fp16, and for
 the short rows and one-token decode queries of RL post-training that kernel is slower than plain
-matmuls (benchmarks/bench_attention.py, one core, bf16, GQA 4/2 heads, head_dim 64):
+matmuls (``benchmarks/bench_attention.py``, one core, bf16, GQA 4/2 heads, head_dim 64, as called from
+transformers' ``sdpa_attention_forward``):
 
-* decode, one query over 48 cached keys, 64 rows: flash 0.30 ms, matmuls 0.11 ms;
-* forward + backward over 64 rows of 48 tokens: flash 35 ms, matmuls 10 ms;
-* 16 rows of 256 tokens: flash 54 ms, matmuls 40 ms; at 1024 tokens flash wins (0.78 s vs 1.8 s).
+* decode, one query over 48 cached keys, 64 rows: flash 1.41 ms, matmuls 0.30 ms;
+* forward + backward over 64 rows of 48 tokens: flash 34 ms, matmuls 5.6 ms; of 128 tokens (16
+  rows): 25 against 8.5 ms; of 192 tokens the two trade places from run to run (31 against 23 ms,
+  30 against 32); of 256, flash 49 against 55 ms; at 1024 tokens (16/4 heads of 128) flash wins by
+  far (0.73 s against 1.85 s). docs/performance.md#attention-actorattn_implementation has the table.
 
 :func:`tether_attention` takes the matmul path (:func:`matmul_attention`) when all of these hold
 (:func:`use_matmul`): the tensors are on CPU; the work is low precision (bf16/fp16 tensors, or
@@ -26,8 +29,9 @@ from __future__ import annotations
 import torch
 
 NAME = "tether"
-#: longest key sequence the matmul path takes for queries of more than one token (flash wins beyond).
-MAX_MATMUL_KEYS = 256
+#: longest key sequence the matmul path takes for queries of more than one token (between 128 and 256
+#: the two trade places from run to run; flash wins from 256 on).
+MAX_MATMUL_KEYS = 128
 #: most float32 scores (B · H · L · S) one call of the matmul path materialises: 2^24 (64 MiB).
 MAX_MATMUL_SCORES = 1 << 24
 _LOW = (torch.bfloat16, torch.float16)

@@ -115,6 +115,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model_paths = {"actor.model": actor_path}
     attn = attention.for_config(cfg, device)
+    log.info("actor.attn_implementation=%s: %s", cfg.actor.attn_implementation, attn or "the model's own (config.json's, else sdpa)")
     model = attention.set_attn_implementation(load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device), attn)
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()

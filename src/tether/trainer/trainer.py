@@ -461,7 +461,9 @@ class Trainer:
             if not hasattr(self, "_matmul_ceiling"):
                 from tether.models import DTYPES
 
-                dtype = DTYPES[self.cfg.actor.compute_dtype if self.cfg.actor.compute_dtype != "float32" else self.cfg.actor.dtype]
+                a = self.cfg.actor  # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
+                fsdp = self.cfg.trainer.fsdp.param_dtype if self.cfg.trainer.backend == "ray" else None
+                dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (fsdp or a.dtype)]
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
                 self._matmul_params = matmul_params(policy_as_is(self.roles.actor))
                 log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
