@@ -48,6 +48,15 @@ def test_matmul_attention_with_a_padding_mask_gqa_and_a_scale():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_a_query_row_with_no_key_to_attend_gets_the_mean_of_the_values_not_nan():
+    """A fully masked row (a left-padding query in some masks): uniform weights, so the mean of v, finite."""
+    q, k, v = qkv(B=1, L=3, S=3)
+    allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    allowed[0, 0, 0] = False
+    got = attention.matmul_attention(q, k, v, allowed, None, is_causal=True)
+    torch.testing.assert_close(got[0, 0], v[0].mean(1).repeat_interleave(2, 0), rtol=0, atol=1e-12)  # (H, D): head h reads v head h // 2
+
+
 def test_matmul_attention_decode_query_over_a_longer_cache():
     """One query token over S = 9 cached keys, no mask (every key) and with a (B, 1, 1, S) mask."""
     q, k, v = qkv(L=1, S=9)

@@ -78,7 +78,7 @@ class HFRolloutEngine:
     #: bookkeeping on the KV cache), "no_grad" under ``torch.no_grad``; sampled tokens are the same.
     #: Under a bf16 ``actor.compute_dtype`` generation always runs under ``no_grad``: autocast caches
     #: each weight's bf16 cast for the whole call there, while under inference mode it casts every
-    #: weight at every decode step (9% of the 5.2M bench model's bf16 step).
+    #: weight at every decode step (622 casts of the MLP weights a step on the 5.2M bench model, 110 now).
     grad_mode = "inference"
     returns_logprobs = False
 
