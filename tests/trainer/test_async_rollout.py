@@ -82,7 +82,7 @@ def test_snapshot_has_its_own_fp32_head():
         snap.head.weight.fill_(2.0)
     x = torch.ones(1, 3)
     assert snap.head(x).tolist() == [[6.0, 6.0]] and model.head(x).tolist() == [[3.0, 3.0]]
-    assert snap.head._tether_fp32 and not snap.head.weight.requires_grad and not snap.training
+    assert snap.head._tether_patch == {"fp32": True} and not snap.head.weight.requires_grad and not snap.training
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -16,7 +16,7 @@ def test_bf16_on_cpu_takes_tether_attention_and_an_fp32_head_by_default(small_cf
     trainer = Trainer(small_cfg("actor.compute_dtype=bfloat16", "algo.adv_estimator=gae"))
     actor, ref, critic = trainer.roles.actor.model, trainer.roles.ref.model, trainer.roles.critic.model.backbone
     assert (_attn(actor), _attn(ref), _attn(critic)) == ("tether", "tether", "tether")
-    assert actor.get_output_embeddings()._tether_fp32 and ref.get_output_embeddings()._tether_fp32
+    assert actor.get_output_embeddings()._tether_patch == ref.get_output_embeddings()._tether_patch == {"fp32": True}
     m = trainer.train_step()
     assert math.isfinite(m["kl/ref_mean"]) and math.isfinite(m["policy/pg_loss"]) and math.isfinite(m["critic/values_mean"])
 
@@ -35,7 +35,7 @@ def test_an_explicit_attn_implementation_is_used_as_given(small_cfg, setting, ex
 def test_lm_head_fp32_false_leaves_the_head_under_autocast(small_cfg):
     trainer = Trainer(small_cfg("actor.compute_dtype=bfloat16", "actor.lm_head_fp32=false"))
     for model in (trainer.roles.actor.model, trainer.roles.ref.model):
-        assert not getattr(model.get_output_embeddings(), "_tether_fp32", False)
+        assert model.get_output_embeddings()._tether_patch == {"fp32": False}  # contiguous input only
     m = trainer.train_step()
     assert math.isfinite(m["kl/ref_mean"])
 

@@ -165,12 +165,12 @@ class RankWorker:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
         cdt = cfg.actor.compute_dtype
-        if cdt != "float32" and cfg.actor.lm_head_fp32:  # as the local backend: the LM heads stay fp32 under autocast
-            from tether.models import fp32_lm_head
+        from tether.models import patch_lm_head  # as the local backend: contiguous heads, fp32 under autocast
 
-            fp32_lm_head(model)
-            if ref_model is not None:
-                fp32_lm_head(ref_model)
+        head_fp32 = cdt != "float32" and cfg.actor.lm_head_fp32
+        patch_lm_head(model, fp32=head_fp32)
+        if ref_model is not None:
+            patch_lm_head(ref_model, fp32=head_fp32)
         model = self._parallelize(model)
         if ref_model is None:
             self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)

@@ -103,22 +103,57 @@ def autocast(device: torch.device | str, compute_dtype: str = "float32"):
     return torch.autocast(device_type, dtype=DTYPES[compute_dtype])
 
 
-def fp32_lm_head(model: nn.Module) -> nn.Module:
-    """Make the LM head run in fp32 outside autocast (its input cast to fp32), so logits, and the
-    log-probs and KL computed from them, carry fp32 precision under ``actor.compute_dtype=bfloat16``
-    (TRL's ``cast_lm_head_to_fp32`` does the same). Idempotent; returns ``model``."""
+def patch_lm_head(model: nn.Module, *, fp32: bool = False) -> nn.Module:
+    """Patch the LM head's forward (an instance attribute; ``head._tether_patch`` records the flags):
+    its input is made contiguous, and with ``fp32`` it runs in fp32 outside autocast (its input cast
+    to fp32), so logits, and the log-probs and KL computed from them, carry fp32 precision under
+    ``actor.compute_dtype=bfloat16`` (``actor.lm_head_fp32``; TRL's ``cast_lm_head_to_fp32``).
+
+    Contiguous: Hugging Face's causal LMs apply the head to ``hidden[:, -logits_to_keep:]``, a strided
+    view, and torch's matmul folds such an input into one mm or runs a bmm depending on whether the
+    head's weight requires grad; for a micro-batch of a few rows the two round differently, so the
+    actor (weights requiring grad) and the frozen reference disagreed by ~2e-7 nats at equal weights
+    (a token budget's 3-row micro-batch, found by a new-user trial). A contiguous input takes the
+    same mm in both. Idempotent for the same flags (other flags replace the patch); returns ``model``.
+    """
     head = model.get_output_embeddings()
-    if head is None or getattr(head, "_tether_fp32", False):
+    if head is None:
         return model
+    flags = {"fp32": fp32}
+    if getattr(head, "_tether_patch", None) == flags:
+        return model
+    unpatch_lm_head(model)
     inner = head.forward
 
-    def forward(x, *args, **kwargs):
-        with torch.autocast(x.device.type, enabled=False):
-            return inner(x.to(head.weight.dtype), *args, **kwargs)
+    if fp32:
+
+        def forward(x, *args, **kwargs):
+            with torch.autocast(x.device.type, enabled=False):
+                return inner(x.to(head.weight.dtype).contiguous(), *args, **kwargs)
+
+    else:
+
+        def forward(x, *args, **kwargs):
+            return inner(x.contiguous(), *args, **kwargs)
 
     head.forward = forward
-    head._tether_fp32 = True
+    head._tether_patch = flags
     return model
+
+
+def unpatch_lm_head(model: nn.Module) -> dict | None:
+    """Remove :func:`patch_lm_head`'s patch from ``model``'s head (a copy's patch still runs the
+    original's head: its closure holds it); returns the flags it had, or None when unpatched."""
+    head = model.get_output_embeddings()
+    flags = getattr(head, "_tether_patch", None) if head is not None else None
+    if flags is not None:
+        del head.forward, head._tether_patch  # the instance attributes the patch set
+    return flags
+
+
+def fp32_lm_head(model: nn.Module) -> nn.Module:
+    """:func:`patch_lm_head` with ``fp32=True``."""
+    return patch_lm_head(model, fp32=True)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

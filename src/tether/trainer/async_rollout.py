@@ -54,15 +54,14 @@ PENDING_FILE = "async_pending.safetensors"
 
 
 def snapshot_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen eval-mode copy of ``model`` for generation (an fp32 LM head patch is re-applied to the
-    copy's own head: the patch's closure would otherwise keep calling the original head)."""
-    from tether.models import fp32_lm_head
+    """A frozen eval-mode copy of ``model`` for generation (an LM head patch, :func:`tether.models.patch_lm_head`,
+    is re-applied to the copy's own head: the patch's closure would otherwise keep calling the original head)."""
+    from tether.models import patch_lm_head, unpatch_lm_head
 
     snap = copy.deepcopy(model)
-    head = snap.get_output_embeddings() if hasattr(snap, "get_output_embeddings") else None
-    if head is not None and getattr(head, "_tether_fp32", False):
-        del head.forward, head._tether_fp32  # the instance attributes the patch set
-        fp32_lm_head(snap)
+    flags = unpatch_lm_head(snap) if hasattr(snap, "get_output_embeddings") else None
+    if flags is not None:
+        patch_lm_head(snap, **flags)
     snap.eval()
     snap.requires_grad_(False)
     return snap

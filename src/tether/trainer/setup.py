@@ -14,9 +14,9 @@ from tether.models import (
     ValueModel,
     apply_lora,
     attention,
-    fp32_lm_head,
     load_causal_lm,
     load_tokenizer,
+    patch_lm_head,
     resolve_model_path,
 )
 from tether.workers import ActorWorker, CriticWorker, ReferenceWorker
@@ -120,6 +120,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     cdt = cfg.actor.compute_dtype
+    head_fp32 = cdt != "float32" and cfg.actor.lm_head_fp32
     temp = cfg.rollout.temperature
     packing = {
         "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free,
@@ -145,11 +146,9 @@ def build_roles(cfg: TetherConfig) -> Roles:
             else:
                 ref_model = load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
                 attention.set_attn_implementation(ref_model, attn)
-            if cdt != "float32" and cfg.actor.lm_head_fp32:
-                fp32_lm_head(ref_model)  # patched after the deepcopy: each head keeps its own forward
+            patch_lm_head(ref_model, fp32=head_fp32)  # patched after the deepcopy: each head keeps its own forward
             ref = ReferenceWorker(ref_model, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing)
-    if cdt != "float32" and cfg.actor.lm_head_fp32:
-        fp32_lm_head(model)
+    patch_lm_head(model, fp32=head_fp32)
     actor = ActorWorker(
         model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
         grad_clip=cfg.actor.grad_clip, micro_batch_size=cfg.actor.micro_batch_size, temperature=temp, compute_dtype=cdt, **packing,
