@@ -94,7 +94,7 @@ def autocast(device: torch.device | str, compute_dtype: str = "float32"):
     """``torch.autocast`` to ``compute_dtype`` on ``device`` (``actor.compute_dtype``), or a no-op for float32.
 
     Under bfloat16 the matmuls run in bf16 while parameters, their gradients and the optimizer stay
-    in the parameter dtype (fp32 master weights); the LM head stays fp32 (:func:`fp32_lm_head`), and
+    in the parameter dtype (fp32 master weights); the LM head stays fp32 (:func:`patch_lm_head`, ``actor.lm_head_fp32``), and
     log-softmax, entropy, KL and the losses are computed in fp32 from fp32 logits.
     """
     device_type = torch.device(device).type
