@@ -359,6 +359,19 @@ def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, 
     return r
 
 
+def peer_inputs(work: Path, name: str) -> tuple[Path, Path]:
+    """The bench model ``name`` (``tiny``/``small``) and its prompt file, built under ``work`` (or reused)."""
+    return build_model(work / f"qwen2-{name}", name), build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
+
+
+def run_variant(args, work: Path, model: Path, prompts: Path, variant: tuple[str, Path, list[str]], tag: str, seed: int) -> dict:
+    """One fresh worker process of ``variant`` (label, tether source tree, overrides; label ``trl`` is TRL)
+    on the peer workload, ``args.steps`` steps at ``args.lr``."""
+    lab, src, extra = variant
+    lib = "trl" if lab == "trl" else "tether"
+    return run_worker(lib, model, prompts, args.steps, work, tag, extra, trl_bf16=args.trl_bf16, src=src, lr=args.lr, seed=seed)
+
+
 def median_step(r: dict, key: str = "s") -> float:
     """Median seconds per step of a run, its first step left out: wall (``s``) or the process's CPU time (``cpu_s``)."""
     xs = [s[key] for s in r["steps"][1:]] or [s[key] for s in r["steps"]]
@@ -594,14 +607,12 @@ def main() -> None:
     print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
     out_lines, everything = [], {}
     for name in [m for m in args.models.split(",") if m and args.pairs > 0]:
-        model = build_model(work / f"qwen2-{name}", name)
-        prompts = build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
+        model, prompts = peer_inputs(work, name)
         runs: dict[str, list[dict]] = {lab: [] for lab, _, _ in variants}
         for _ in range(args.pairs):
-            for lab, src, extra in variants:
-                lib = "trl" if lab == "trl" else "tether"
-                r = run_worker(lib, model, prompts, args.steps, work, f"{lab}-{name}", extra, trl_bf16=args.trl_bf16, src=src, lr=args.lr,
-                               seed=args.seed)  # fmt: skip
+            for variant in variants:
+                lab = variant[0]
+                r = run_variant(args, work, model, prompts, variant, f"{lab}-{name}", args.seed)
                 runs[lab].append(r)
                 print(f"  {lab:10s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)", flush=True)
         everything[name] = runs
@@ -638,14 +649,12 @@ def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) ->
     print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
     out_lines, everything = [], {}
     for name in [m for m in args.models.split(",") if m]:
-        model = build_model(work / f"qwen2-{name}", name)
-        prompts = build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
+        model, prompts = peer_inputs(work, name)
         runs: dict[str, list[dict]] = {lab: [] for lab, _, _ in variants}
         for seed in range(args.seeds):
-            for lab, src, extra in variants:
-                lib = "trl" if lab == "trl" else "tether"
-                r = run_worker(lib, model, prompts, args.steps, work, f"curve-{lab}-{name}-s{seed}", extra, trl_bf16=args.trl_bf16, src=src,
-                               lr=args.lr, seed=seed)  # fmt: skip
+            for variant in variants:
+                lab = variant[0]
+                r = run_variant(args, work, model, prompts, variant, f"curve-{lab}-{name}-s{seed}", seed)
                 runs[lab].append(r)
                 rw = [s["reward"] or 0.0 for s in r["steps"]]
                 print(f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL {r['steps'][-1]['kl'] or 0:.3g}, "

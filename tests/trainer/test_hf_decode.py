@@ -14,23 +14,6 @@ SAMPLING = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    """A tiny Qwen2 (sharper logits than the digit-sum reference) and left-padded prompts of 3..15 tokens, 4 rows each."""
-    from tether.models import load_causal_lm, load_tokenizer
-    from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
-    from tether.trainer.prompts import collate_prompts
-
-    tmp = tmp_path_factory.mktemp("qwen2")
-    tok_dir = build_gsm8k_tokenizer(tmp / "tok", texts=synthetic_math_texts(100))
-    path = build_tiny_causal_lm(tmp / "m", tok_dir, arch="qwen2", hidden=64, layers=2, heads=2, seed=0)
-    model, tok = load_causal_lm(path).eval(), load_tokenizer(path)
-    ids = [tok(t, add_special_tokens=False)["input_ids"][: 3 + 4 * i] for i, t in enumerate(synthetic_math_texts(4))]
-    p_ids, p_mask = collate_prompts([r for r in ids for _ in range(4)], tok.pad_token_id, torch.device("cpu"))
-    assert (p_mask == 0).any()
-    return model, tok, p_ids, p_mask
-
-
 def _run(model, tok, p_ids, p_mask, mode, *, seed=3, return_logprobs=False, monkeypatch=None, **engine_kwargs):
     """One generate call with ``rollout.hf_decode=mode`` and the RNG's next draw after it; under
     ``tether`` ``model.generate`` is made to raise, so the loop really served the call."""
@@ -77,8 +60,8 @@ def test_tether_decode_equals_generate_on_the_digit_sum_llama(sampling, share, m
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
 @pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "no_padding"])
-def test_tether_decode_equals_generate_on_a_qwen2_model(qwen2, sampling, share, padded, monkeypatch):
-    model, tok, p_ids, p_mask = qwen2
+def test_tether_decode_equals_generate_on_a_qwen2_model(qwen2_padded, sampling, share, padded, monkeypatch):
+    model, tok, p_ids, p_mask = qwen2_padded
     if not padded:  # the last 3 positions: every row full, generate drops the all-ones mask
         p_ids, p_mask = p_ids[:, -3:], p_mask[:, -3:]
         assert bool(p_mask.all())
@@ -125,10 +108,10 @@ def test_under_bf16_autocast_the_cache_holds_bf16_and_tether_attention_decodes_a
     assert calls  # the matmul path served the calls
 
 
-def test_the_models_generation_config_applies_as_in_generate(qwen2, monkeypatch):
+def test_the_models_generation_config_applies_as_in_generate(qwen2_padded, monkeypatch):
     """Processors come from generate's own builder: a repetition penalty in the model's generation
     config (as Qwen2.5-Instruct ships) changes the tokens in both paths, identically."""
-    model, tok, p_ids, p_mask = qwen2
+    model, tok, p_ids, p_mask = qwen2_padded
     kw = dict(temperature=1.0, top_p=1.0, top_k=0, do_sample=False)
     plain = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)[0]
     monkeypatch.setattr(model.generation_config, "repetition_penalty", 3.0)
@@ -237,12 +220,12 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
-def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2, share, monkeypatch):
+def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2_padded, share, monkeypatch):
     """GPT-2 (learned absolute positions, its own attention code), built here from a config (the testing
     helpers build Qwen2 and Llama), left-padded prompts, T = 0.8, top_p = 0.9."""
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-    _, tok, p_ids, p_mask = qwen2
+    _, tok, p_ids, p_mask = qwen2_padded
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256, pad_token_id=tok.pad_token_id,
@@ -288,10 +271,10 @@ def test_inverse_cdf_sampler_needs_the_tether_loop():
     assert load_config(None, ["rollout.hf_sampler=inverse_cdf"]).rollout.hf_sampler == "inverse_cdf"
 
 
-def test_inverse_cdf_sampler_in_the_engine(qwen2, monkeypatch):
+def test_inverse_cdf_sampler_in_the_engine(qwen2_padded, monkeypatch):
     """The engine's inverse-CDF path samples valid tokens, respects suppress_tokens and top_k, is
     reproducible for a seed, and differs from generate's stream (another sampler)."""
-    model, tok, p_ids, p_mask = qwen2
+    model, tok, p_ids, p_mask = qwen2_padded
     kw = dict(temperature=1.0, top_p=1.0, top_k=3)
     a = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]
     b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, sampler="inverse_cdf", **kw)[0]

@@ -146,19 +146,10 @@ def test_shared_prefill_samples_the_same_tokens_as_one_prefill_per_row():
     assert engine._shared_prefill(prompt["input_ids"][4:7], prompt["attention_mask"][4:7]) is None  # no two equal rows: plain
 
 
-def test_shared_prefill_with_left_padding_on_a_qwen2_model(tmp_path):
+def test_shared_prefill_with_left_padding_on_a_qwen2_model(qwen2_padded):
     """Prompts of different lengths (left padding inside the shared prefill), a Qwen2 model with
     sharper logits than the digit-sum reference, 12 new tokens: identical tokens either way."""
-    from tether.models import load_causal_lm, load_tokenizer
-    from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
-    from tether.trainer.prompts import collate_prompts
-
-    tok_dir = build_gsm8k_tokenizer(tmp_path / "tok", texts=synthetic_math_texts(100))
-    path = build_tiny_causal_lm(tmp_path / "m", tok_dir, arch="qwen2", hidden=64, layers=2, heads=2, seed=0)
-    model, tok = load_causal_lm(path).eval(), load_tokenizer(path)
-    ids = [tok(t, add_special_tokens=False)["input_ids"][: 3 + 4 * i] for i, t in enumerate(synthetic_math_texts(4))]
-    p_ids, p_mask = collate_prompts([r for r in ids for _ in range(4)], tok.pad_token_id, torch.device("cpu"))
-    assert (p_mask == 0).any()
+    model, tok, p_ids, p_mask = qwen2_padded
     engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12)
     out = {}
     for share in (True, False):

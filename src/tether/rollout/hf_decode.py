@@ -33,6 +33,10 @@ import inspect
 import torch
 from transformers.cache_utils import Cache, DynamicLayer  # this module is imported lazily (tether.rollout.hf)
 
+#: attention implementations that take ``sdpa_mask``'s boolean masks and cast keys to the autocast
+#: dtype themselves (transformers' ``sdpa``; ``tether``'s, :mod:`tether.models.attention`)
+SDPA_MASK_ATTENTION = ("sdpa", "tether")
+
 #: ``generate`` keywords the loop handles (anything else: ``model.generate``).
 SUPPORTED_KEYS = frozenset(
     {"do_sample", "temperature", "top_p", "top_k", "max_new_tokens", "suppress_tokens", "logits_processor", "min_new_tokens",
@@ -151,7 +155,7 @@ def cache_dtype(model, device: torch.device) -> torch.dtype | None:
         return None
     dtype = torch.get_autocast_dtype(device.type)
     attn = getattr(model.config, "_attn_implementation", None)
-    return dtype if dtype in (torch.bfloat16, torch.float16) and attn in ("sdpa", "tether") else None
+    return dtype if dtype in (torch.bfloat16, torch.float16) and attn in SDPA_MASK_ATTENTION else None
 
 
 def cache_keyword(model) -> str | None:
@@ -235,7 +239,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
     cache_kw = cache_keyword(model)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}  # as generate
     # the boolean 4-D mask of dropped-row batches is sdpa's mask type (eager attention adds float masks)
-    drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) in ("sdpa", "tether")
+    drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) in SDPA_MASK_ATTENTION
     ids = prompt_ids.new_empty(B, P + max_new)  # (B, P + max_new) generate's input_ids, filled in place
     ids[:, :P] = prompt_ids
     full_mask = None
