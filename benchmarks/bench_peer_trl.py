@@ -234,6 +234,11 @@ def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int
     ]  # fmt: skip
 
 
+def block_eos(trainer) -> None:
+    """EOS blocked (``suppress_tokens``): every response is NEW_TOKENS long, as in the TRL run."""
+    trainer.roles.engine.engine.kwargs["suppress_tokens"] = list(trainer.roles.engine.eos_token_ids)
+
+
 def worker_tether(args) -> dict:
     import torch
 
@@ -251,8 +256,8 @@ def worker_tether(args) -> dict:
         overrides = tether_overrides(Path(args.model), Path(args.prompts), args.steps, new, Path(args.run_dir), lr=args.lr, seed=args.seed)
     cfg = load_config(None, overrides + list(args.tether_args))
     trainer = Trainer(cfg)
-    if args.workload == "peer":  # EOS blocked: every response is NEW_TOKENS long, as in the TRL run
-        trainer.roles.engine.engine.kwargs["suppress_tokens"] = list(trainer.roles.engine.eos_token_ids)
+    if args.workload == "peer":
+        block_eos(trainer)
     steps = []
     for _ in range(args.steps):
         phases.take()
@@ -278,29 +283,36 @@ def worker_tether(args) -> dict:
     return {"lib": "tether", "steps": steps}
 
 
+def trl_trainer(model: Path, prompts: Path, run_dir: Path, steps: int, *, lr: float = 1e-5, seed: int = 0, bf16: bool = False):
+    """TRL 1.16's ``GRPOTrainer`` on the peer workload (the module doc), ``steps`` optimizer steps."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.padding_side = "left"
+    rows = [json.loads(x) for x in Path(prompts).read_text().splitlines()]
+    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
+    eos = [tok.eos_token_id]
+    cfg = GRPOConfig(
+        output_dir=str(run_dir), per_device_train_batch_size=N_PROMPTS * GROUP, num_generations=GROUP, steps_per_generation=1,
+        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"suppress_tokens": eos}, beta=0.04, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, fp16=False,
+        seed=seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False, model_init_kwargs={"dtype": "float32"},
+    )  # fmt: skip
+    return GRPOTrainer(model=str(model), reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok)
+
+
 def worker_trl(args) -> dict:
     import torch
 
     torch.set_num_threads(bench_threads())
     phases = Phases()
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    tok.padding_side = "left"
-    rows = [json.loads(x) for x in Path(args.prompts).read_text().splitlines()]
-    ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
-    eos = [tok.eos_token_id]
-    cfg = GRPOConfig(
-        output_dir=str(args.run_dir), per_device_train_batch_size=N_PROMPTS * GROUP, num_generations=GROUP, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"suppress_tokens": eos}, beta=0.04, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=args.trl_bf16, fp16=False,
-        seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False, model_init_kwargs={"dtype": "float32"},
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=str(args.model), reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok)
+    trainer = trl_trainer(Path(args.model), Path(args.prompts), Path(args.run_dir), args.steps, lr=args.lr, seed=args.seed, bf16=args.trl_bf16)
     trainer._generate = timed(phases, trainer._generate, "generate")
     trainer._calculate_rewards = timed(phases, trainer._calculate_rewards, "reward")
     trainer._get_per_token_logps_and_entropies = timed(
