@@ -82,7 +82,11 @@ def test_snapshot_has_its_own_fp32_head():
         snap.head.weight.fill_(2.0)
     x = torch.ones(1, 3)
     assert snap.head(x).tolist() == [[6.0, 6.0]] and model.head(x).tolist() == [[3.0, 3.0]]
-    assert snap.head._tether_patch == {"fp32": True} and not snap.head.weight.requires_grad and not snap.training
+    assert snap.head._tether_patch == {"fp32": True} and not snap.training
+    # the policy's requires_grad flags, so that autocast caches the trainable weights' casts as for the actor
+    assert snap.head.weight.requires_grad
+    model.head.weight.requires_grad_(False)
+    assert not snapshot_model(model).head.weight.requires_grad
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -54,17 +54,20 @@ PENDING_FILE = "async_pending.safetensors"
 
 
 def snapshot_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen eval-mode copy of ``model`` for generation (an LM head patch, :func:`tether.models.patch_lm_head`,
-    is re-applied to the copy's own head: the patch's closure would otherwise keep calling the original head)."""
+    """An eval-mode copy of ``model`` for generation (an LM head patch, :func:`tether.models.patch_lm_head`,
+    is re-applied to the copy's own head: the patch's closure would otherwise keep calling the original head).
+
+    Its parameters keep ``model``'s ``requires_grad`` flags, though nothing trains them (the job runs
+    under ``no_grad``): torch's autocast caches the bf16 cast of a weight for a whole ``generate`` call
+    only when the weight requires grad, so a frozen copy recast every weight at every decode step
+    (+8% of the small bench model's bf16 generation, the same tokens)."""
     from tether.models import patch_lm_head, unpatch_lm_head
 
     snap = copy.deepcopy(model)
     flags = unpatch_lm_head(snap) if hasattr(snap, "get_output_embeddings") else None
     if flags is not None:
         patch_lm_head(snap, **flags)
-    snap.eval()
-    snap.requires_grad_(False)
-    return snap
+    return snap.eval()
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
