@@ -155,7 +155,8 @@ class VLLMConfig(_Section):
     kv_cache_gib: float | None = Field(None, gt=0, description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 GiB of host RAM.")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum.")
     replicas: int = Field(1, ge=1, description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across them in order.")
-    tensor_parallel_size: int = Field(1, ge=1, description="trainer.backend=ray: vLLM's tensor-parallel degree per replica (devices per replica; needs trainer.placement=split on GPUs).")
+    tensor_parallel_size: int = Field(1, ge=1, description="trainer.backend=ray: vLLM's tensor-parallel degree per replica (devices per replica; needs trainer.placement=split on GPUs); "
+                                      "its ranks run as child processes of the replica (vLLM's mp executor).")
     sync_bucket_mib: float = Field(64.0, gt=0, description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of at most this many MiB (a transformer block is never split).")
     sleep: bool = Field(True, description="trainer.backend=ray, trainer.placement=colocate on GPUs: put the replicas to sleep (vLLM sleep mode level 1) between rollouts, freeing their KV cache for the update.")
 

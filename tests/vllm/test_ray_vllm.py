@@ -109,6 +109,38 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         group.kill()
 
 
+@pytest.mark.slow
+def test_a_tensor_parallel_replica_takes_streamed_buckets(cluster, models, tok, prompts):  # noqa: F811
+    """rollout.vllm.tensor_parallel_size=2 inside a Ray replica: vLLM's two tp ranks are processes the
+    replica's actor starts (each bound to one core by the engine); a push from 2 FSDP2 ranks in
+    buckets of 64 KiB is loaded bucket by bucket (one ``load_weights`` call each), and greedy decoding
+    equals HF's with m0 before it and with m1 after it."""
+    from tether.distributed.ray_backend import WorkerGroup
+    from tether.distributed.rollout_workers import VLLMReplicaGroup
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
+    cfg = _cfg(models[1], "rollout.vllm.tensor_parallel_size=2", "rollout.vllm.sync_bucket_mib=0.0625")
+    group = WorkerGroup("actor+ref", cfg, 2, ("actor",))
+    engine = None
+    try:
+        engine = VLLMReplicaGroup(cfg, models[0], tok, [], group)
+        m0, m1 = _load(models[0]), _load(models[1])
+        before = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        assert before == _hf_greedy(m0, tok, prompts)
+        engine.sync_weights()
+        after = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        assert after == _hf_greedy(m1, tok, prompts)  # every tp rank took its part of every bucket
+        assert sum(a != b for a, b in zip(after, before, strict=True)) >= len(before) - 1
+        stats = engine.last_sync_stats
+        print(f"weight sync (tp 2 replica): {stats}")
+        assert stats["tensors"] == len(m1.state_dict()) and stats["buckets"] >= 4
+    finally:
+        if engine is not None:
+            engine.close()
+        group.kill()
+
+
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

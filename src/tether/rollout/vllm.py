@@ -368,6 +368,10 @@ class VLLMRolloutEngine:
             kwargs["max_model_len"] = max_model_len
         if tensor_parallel_size > 1:  # its workers are other processes: pushed weights are pickled to them (lists, not generators)
             kwargs["tensor_parallel_size"] = tensor_parallel_size
+            # tp ranks as child processes of this one, also inside a Ray replica (tether's VLLMReplica), where
+            # vLLM would otherwise pick its Ray executor: refused on the CPU platform, and on GPUs a second
+            # scheduler of the devices the replica's actor already holds
+            kwargs["distributed_executor_backend"] = "mp"
             bind = cpu_threads_bind(tensor_parallel_size) if backend == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else None
             if bind is not None:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
