@@ -7,6 +7,7 @@ test_real_vllm. Skipped without vllm or ray.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,26 +63,41 @@ def _cfg(actor_model, *extra):
     ])  # fmt: skip
 
 
+@contextlib.contextmanager
+def _pushed_replicas(cfg, models, tok, prompts):  # noqa: F811
+    """Replicas started from m0 under an actor group of 2 FSDP2 ranks holding m1; asserts greedy
+    decoding equals HF's with m0, pushes, asserts HF's with m1 (nearly every row changed), then
+    yields the engine (closed, and the group killed, afterwards)."""
+    from tether.distributed.ray_backend import WorkerGroup
+    from tether.distributed.rollout_workers import VLLMReplicaGroup
+
+    group = WorkerGroup("actor+ref", cfg, 2, ("actor",))
+    engine = None
+    try:
+        engine = VLLMReplicaGroup(cfg, models[0], tok, [], group)
+        before = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        assert before == _hf_greedy(_load(models[0]), tok, prompts)
+        engine.sync_weights()
+        after = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        assert after == _hf_greedy(_load(models[1]), tok, prompts)  # every replica (and tp rank) took every bucket
+        assert sum(a != b for a, b in zip(after, before, strict=True)) >= len(before) - 1
+        yield engine
+    finally:
+        if engine is not None:
+            engine.close()
+        group.kill()
+
+
 def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, models, tok, prompts):  # noqa: F811
     """Two replicas start from model m0; the actor group (2 FSDP2 ranks) holds m1. Greedy decoding
     of the replicas equals HF's with m0, then, after one push in buckets of 64 KiB, HF's with m1, in
     the prompts' order; vLLM's sampled-token log-probs then match the HF forward of m1. A killed
     replica gives an error naming it."""
-    from tether.distributed.ray_backend import WorkerDiedError, WorkerGroup
-    from tether.distributed.rollout_workers import VLLMReplicaGroup
+    from tether.distributed.ray_backend import WorkerDiedError
 
     cfg = _cfg(models[1], "rollout.vllm.replicas=2", "rollout.vllm.sync_bucket_mib=0.0625")
-    group = WorkerGroup("actor+ref", cfg, 2, ("actor",))
-    engine = None
-    try:
-        engine = VLLMReplicaGroup(cfg, models[0], tok, [], group)
-        m0, m1 = _load(models[0]), _load(models[1])
-        before = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
-        assert before == _hf_greedy(m0, tok, prompts)
-        engine.sync_weights()
-        after = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
-        assert after == _hf_greedy(m1, tok, prompts)
-        assert sum(a != b for a, b in zip(after, before, strict=True)) >= len(before) - 1
+    with _pushed_replicas(cfg, models, tok, prompts) as engine:
+        m1 = _load(models[1])
         stats = engine.last_sync_stats
         n_bytes = sum(p.numel() * p.element_size() for p in m1.state_dict().values())
         print(f"weight sync: {stats}")
@@ -103,10 +119,6 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         ray.kill(engine.replicas[1])  # a replica that dies stops the run with its name
         with pytest.raises(WorkerDiedError, match=r"rollout \(vLLM\) replica 1 died during generate"):
             engine.generate(*prompts, do_sample=False)
-    finally:
-        if engine is not None:
-            engine.close()
-        group.kill()
 
 
 @pytest.mark.slow
@@ -115,30 +127,13 @@ def test_a_tensor_parallel_replica_takes_streamed_buckets(cluster, models, tok, 
     replica's actor starts (each bound to one core by the engine); a push from 2 FSDP2 ranks in
     buckets of 64 KiB is loaded bucket by bucket (one ``load_weights`` call each), and greedy decoding
     equals HF's with m0 before it and with m1 after it."""
-    from tether.distributed.ray_backend import WorkerGroup
-    from tether.distributed.rollout_workers import VLLMReplicaGroup
-
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
     cfg = _cfg(models[1], "rollout.vllm.tensor_parallel_size=2", "rollout.vllm.sync_bucket_mib=0.0625")
-    group = WorkerGroup("actor+ref", cfg, 2, ("actor",))
-    engine = None
-    try:
-        engine = VLLMReplicaGroup(cfg, models[0], tok, [], group)
-        m0, m1 = _load(models[0]), _load(models[1])
-        before = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
-        assert before == _hf_greedy(m0, tok, prompts)
-        engine.sync_weights()
-        after = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
-        assert after == _hf_greedy(m1, tok, prompts)  # every tp rank took its part of every bucket
-        assert sum(a != b for a, b in zip(after, before, strict=True)) >= len(before) - 1
+    with _pushed_replicas(cfg, models, tok, prompts) as engine:
         stats = engine.last_sync_stats
         print(f"weight sync (tp 2 replica): {stats}")
-        assert stats["tensors"] == len(m1.state_dict()) and stats["buckets"] >= 4
-    finally:
-        if engine is not None:
-            engine.close()
-        group.kill()
+        assert stats["tensors"] == len(_load(models[1]).state_dict()) and stats["buckets"] >= 4
 
 
 def _metrics(run: Path) -> list[dict]:
