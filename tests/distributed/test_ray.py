@@ -159,7 +159,8 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     trainer.train_step()  # checkpoint step 1
     at_1 = _weights(trainer.roles.actor.model)
     ray.kill(trainer.roles.backend.actor_group.workers[1])
-    with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs"):
+    with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs "
+                       r"\(ActorDiedError: The actor is dead because it was killed by `ray.kill`\.\)"):
         trainer.train_step()
     trainer.roles.close()
     again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
@@ -169,6 +170,26 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     assert _max_diff({k: at_1[k] for k in pulled}, pulled) == 0.0  # the workers hold them too
     assert again.train_step()["policy/updates"] > 0
     again.roles.close()
+
+
+def test_an_actor_that_fails_to_start_is_named_with_its_error(cluster):
+    """An actor whose __init__ raises: ray.get of its first call gives an ActorDiedError whose only
+    trace of the cause is the remote traceback in its message (the actor's log does not reach the
+    driver); death_cause gives the traceback's last line, the error itself."""
+    from tether.distributed.ray_backend import death_cause
+
+    class FailsToStart:  # defined here: pickled by value (the workers cannot import this test module)
+        def __init__(self):
+            raise ConfigError("rollout.vllm.tensor_parallel_size=3 on the CPU backend needs a core per tp rank")
+
+        def ping(self):
+            return "never"
+
+    actor = ray.remote(FailsToStart).options(num_cpus=0).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(actor.ping.remote())
+    assert death_cause(info.value) == ("its __init__ raised tether.config.ConfigError: rollout.vllm.tensor_parallel_size=3 "
+                                       "on the CPU backend needs a core per tp rank")  # fmt: skip
 
 
 def test_an_attached_ray_is_left_running(cluster):
@@ -305,3 +326,41 @@ def test_rollback_restores_sharded_weights_and_keeps_the_lr(sharded_run, tmp_pat
     assert _max_diff(at_2, _weights(t.roles.actor.model)) == 0.0
     assert t.roles.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.5)
     t.roles.close()
+
+
+def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_path):
+    """`timeout`, `kill -- -PGID` or a batch scheduler signal every process of the job, the local Ray
+    that tether started included. The run still finishes its step, writes that checkpoint and exits
+    143 with the command that continues it: tearing the workers down one by one needed Ray's GCS,
+    which was shutting down too, and hung until Ray's 60 s reconnect timeout ended the driver with
+    exit code 1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    tmp = Path(os.environ.get("TMPDIR", Path(__file__).parents[2] / ".tmp"))
+    ray_tmp = tmp if len(str(tmp / "ray")) <= 48 else Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", TMPDIR=str(ray_tmp), PYTHONPATH=str(Path(__file__).parents[2] / "src"))
+    cmd = [sys.executable, "-m", "tether.cli", "train", "trainer.backend=ray", "trainer.n_workers=2", "trainer.threads=1",
+           "trainer.total_steps=100000", "trainer.save_freq=0", "trainer.val_freq=0", "trainer.progress=false", "trainer.report=false",
+           "trainer.loggers=[jsonl]", f"trainer.output_dir={run}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)  # the driver, Ray's GCS and raylet, and the workers alike
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = max(r["step"] for r in _metrics(run))
+    assert proc.returncode == 143, err[-3000:]
+    assert f"tether train: stopped by SIGTERM after step {done}; checkpoint step {done} written" in err
+    assert (run / "checkpoints" / f"step_{done:06d}").is_dir()
+    assert time.monotonic() - t0 < 45  # not Ray's 60 s GCS reconnect timeout

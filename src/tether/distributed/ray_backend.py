@@ -35,6 +35,22 @@ class WorkerDiedError(RuntimeError):
     """A Ray worker of a role died or failed; the message names the role's worker group and the rank."""
 
 
+def death_cause(e: BaseException, limit: int = 300) -> str:
+    """What ``ray.get`` said of a dead actor, in one line: the error its ``__init__`` raised (an
+    ``ActorDiedError`` of a failed creation task carries the whole remote traceback in its message,
+    and Ray's worker logs do not reach the driver), else Ray's account of the death (killed by
+    ``ray.kill``, the worker process exited, ...) cut to ``limit`` characters, else the type."""
+    msg = str(getattr(e, "error_msg", "") or "")
+    lines = [line.strip() for line in msg.splitlines() if line.strip()]
+    if getattr(e, "actor_init_failed", False) and lines:
+        return f"its __init__ raised {lines[-1]}"  # the remote traceback's last line: 'module.Error: message'
+    fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
+    text = " ".join(line for line in lines if not line.startswith(fields) and "died unexpectedly before finishing" not in line)
+    if not text:
+        return type(e).__name__
+    return f"{type(e).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
+
+
 def world_size(cfg) -> int:
     """Ranks per worker group: ``trainer.n_workers``, or one per GPU (nnodes × n_gpus_per_node) when left at 1."""
     t = cfg.trainer
@@ -159,7 +175,7 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(r)
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ActorDiedError) as e:
-                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({type(e).__name__}); the run cannot continue") from None
+                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({death_cause(e)}); the run cannot continue") from None
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     raise WorkerDiedError(f"{self.name} worker group: rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from None
@@ -387,6 +403,13 @@ class RayBackend:
             self.critic_group.call("load_checkpoint", str(path / "dcp_critic"), False, schedule)
 
     def close(self) -> None:
+        """End the worker groups and replicas: one by one on an attached cluster; on a local Ray this
+        process started, by shutting that Ray down, which ends them all. Removing a placement group
+        needs Ray's GCS, and a SIGTERM to the whole process group (``timeout``, ``kill -- -PGID``, a
+        batch scheduler) reaches the local GCS too: the one-by-one teardown then blocked until Ray's
+        60 s reconnect timeout killed the driver, after its checkpoint but before its exit message."""
+        if self.cluster.started:
+            self.rollout, self.groups = None, []
         if self.rollout is not None:
             self.rollout.close()
             self.rollout = None

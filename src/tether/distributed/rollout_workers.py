@@ -375,7 +375,7 @@ class VLLMReplicaGroup:
     def _get(self, refs, what: str):
         import ray
 
-        from tether.distributed.ray_backend import WorkerDiedError
+        from tether.distributed.ray_backend import WorkerDiedError, death_cause
 
         out = []
         for i, ref in enumerate(refs):
@@ -385,7 +385,7 @@ class VLLMReplicaGroup:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
                 raise WorkerDiedError(f"rollout (vLLM) replica {i} failed in {what}: {type(cause).__name__}: {cause}") from None
             except ray.exceptions.RayActorError as e:
-                raise WorkerDiedError(f"rollout (vLLM) replica {i} died during {what} ({type(e).__name__}); the run cannot continue") from None
+                raise WorkerDiedError(f"rollout (vLLM) replica {i} died during {what} ({death_cause(e)}); the run cannot continue") from None
         return out
 
     @torch.no_grad()
