@@ -154,6 +154,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--workdir", default=str(peer.ROOT / ".tmp" / "bench_step_profile"))
     args = ap.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in peer.MODELS]
+    if not models or unknown:
+        ap.error(f"--models: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; the bench models are {', '.join(peer.MODELS)}")
+    if args.steps < 1 or args.warmup < 1:
+        ap.error(f"--steps ({args.steps}) and --warmup ({args.warmup}) must be at least 1 (the first step of a run is cold)")
+    if args.trl_bf16 and not args.trl:
+        ap.error("--trl-bf16 needs --trl")
+    if args.trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            ap.error("--trl needs TRL: run this script with .venv-trl/bin/python (`make bench-peer` installs it)")
 
     import torch
 
@@ -164,7 +177,7 @@ def main() -> None:
     print(f"# one torch thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; tether {args.tether_args or 'defaults (fp32)'}"
           f"{'; TRL bf16' if args.trl and args.trl_bf16 else ''}", flush=True)  # fmt: skip
     peaks: dict[str, float] = {}
-    for name in [m for m in args.models.split(",") if m]:
+    for name in models:
         model, prompts = peer.peer_inputs(work, name)
         runs = work / "runs"
         step, dtype = tether_steps(model, prompts, runs / f"{name}-tether-{time.time_ns()}", list(args.tether_args))
