@@ -192,6 +192,24 @@ def test_an_actor_that_fails_to_start_is_named_with_its_error(cluster):
                                        "on the CPU backend needs a core per tp rank")  # fmt: skip
 
 
+def test_gpus_asked_of_a_local_cpu_ray_are_refused_at_once(cluster, monkeypatch):
+    """trainer.n_gpus_per_node on a machine without GPUs: the local Ray tether started cannot grow, so
+    the run stops at once naming the key (its placement groups would time out after 120 s); an
+    attached cluster, which an autoscaler may grow, is left to the placement groups' wait."""
+    from tether.distributed.ray_backend import RayCluster
+
+    local = RayCluster.__new__(RayCluster)  # as if it had started the module's Ray (0 GPUs)
+    local.started = True
+    closed = []
+    monkeypatch.setattr(local, "close", lambda: closed.append(True))
+    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node=2, but the local Ray tether started finds 0 GPU\(s\)"):
+        local.check_gpus(2)
+    assert closed == [True]  # the Ray it started is shut down before the error
+    local.check_gpus(0)  # a CPU run asks for none
+    local.started = False
+    local.check_gpus(2)  # attached
+
+
 def test_an_attached_ray_is_left_running(cluster):
     from tether.distributed.ray_backend import RayCluster
 

@@ -99,6 +99,22 @@ class RayCluster:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False, log_to_driver=False)
         self.started = True
 
+    def check_gpus(self, per_node: int) -> None:
+        """Refuse ``trainer.n_gpus_per_node`` GPUs on a local Ray this object started with fewer, at once:
+        its resources cannot grow, so its placement groups would only time out (``TETHER_RAY_PG_TIMEOUT``,
+        120 s). An attached cluster may be autoscaled: its placement groups are left to wait.
+
+        Raises:
+            ConfigError: naming the key and the GPUs the local Ray found.
+        """
+        import ray
+
+        have = ray.cluster_resources().get("GPU", 0) if self.started and per_node else per_node
+        if have < per_node:
+            self.close()
+            raise ConfigError(f"trainer.n_gpus_per_node={per_node}, but the local Ray tether started finds {have:g} GPU(s) on this "
+                              "machine; set trainer.n_gpus_per_node=0 for a CPU run, or attach to a cluster with GPUs (trainer.ray_address)")  # fmt: skip
+
     def close(self) -> None:
         import ray
 
@@ -347,6 +363,7 @@ class RayBackend:
         split = cfg.trainer.placement == "split" and has_critic
         vllm_bundles = cfg.rollout.vllm.replicas if cfg.rollout.engine == "vllm" and not colocated_vllm(cfg) else 0
         self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + vllm_bundles)
+        self.cluster.check_gpus(cfg.trainer.n_gpus_per_node)
         self.rollout = None
         lora_state = None
         if cfg.actor.lora.rank > 0:
