@@ -298,3 +298,17 @@ def test_rollout_tp_comes_from_rollout_vllm_tensor_parallel_size_unless_the_flag
     assert PlanSettings.from_config(cfg, devices=8, rollout_tp=2).engine_tp == 2
     assert PlanSettings.from_config(load_config(None, base), devices=8).engine_tp == 4  # not set: the training tp
     assert PlanSettings.from_config(load_config(None, [*base, "rollout.vllm.tensor_parallel_size=1"]), devices=8).engine_tp == 1  # set to 1
+
+
+def test_vllm_tensor_parallel_wider_than_a_node_rules_the_plan_out():
+    """A replica's tp ranks are processes on one node: tp 8 on 4 devices, or on 2 nodes of 4, cannot
+    run however much memory there is (the plan said it fits)."""
+    shape = ModelShape.from_config(FIXTURES / "qwen2.5-7b")
+    s = PlanSettings(devices=4, tp=1, storage_dtype="bfloat16", compute_dtype="bfloat16", engine="vllm", rollout_tp=8, device_memory=141 * GIB)
+    plan = plan_memory(s, shape)
+    assert not plan.fits and plan.peak < s.device_memory
+    assert plan.problems == ["vLLM tensor parallel 8 needs 8 devices on one node; the plan has 4 device(s), 8 per node: "
+                             "lower rollout.vllm.tensor_parallel_size (--rollout-tp)"]  # fmt: skip
+    two_nodes = plan_memory(PlanSettings(**{**s.__dict__, "devices": 8, "gpus_per_node": 4}), shape)
+    assert "needs 8 devices on one node; the plan has 8 device(s), 4 per node" in two_nodes.problems[0]
+    assert plan_memory(PlanSettings(**{**s.__dict__, "devices": 8}), shape).fits  # one node of 8

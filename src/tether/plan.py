@@ -553,6 +553,10 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
         problems = [] if seqs >= 1 else [f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
                                          f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
                                          f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"]
+        node = min(s.devices, s.gpus_per_node)  # a replica's tp ranks share one node (vLLM's mp executor)
+        if s.engine_tp > node:
+            problems.append(f"vLLM tensor parallel {s.engine_tp} needs {s.engine_tp} devices on one node; the plan has {s.devices} "
+                            f"device(s), {s.gpus_per_node} per node: lower rollout.vllm.tensor_parallel_size (--rollout-tp)")  # fmt: skip
     else:
         per_dev = math.ceil(s.rollout_batch / s.dp)
         items.append(Item("rollout (HF generate)", f"KV cache ({per_dev} sequences × {seq} tokens)", per_dev * per_seq_kv, "rollout",
@@ -584,6 +588,10 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
     if s.lora_rank == 0:
         tries.append(("LoRA rank 64 (actor.lora.rank=64 ref.model=null)", replace(s, lora_rank=64, separate_ref=False)))
     if s.engine == "vllm" and s.accelerator:
+        node = min(s.devices, s.gpus_per_node)
+        if s.engine_tp > node:  # wider than a node: the widest tp that fits one and divides the heads
+            r = max(d for d in range(1, node + 1) if a.heads % d == 0 and a.kv_heads % d == 0)
+            tries.append((f"vLLM tensor parallel {r} (--rollout-tp {r})", replace(s, rollout_tp=r)))
         r2 = s.engine_tp * 2
         if r2 <= min(s.devices, max_tp) and a.heads % r2 == 0 and a.kv_heads % r2 == 0:
             tries.append((f"vLLM tensor parallel {r2} (--rollout-tp {r2})", replace(s, rollout_tp=r2)))
