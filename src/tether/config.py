@@ -505,6 +505,11 @@ class TetherConfig(_Section):
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
         if self.trainer.backend == "ray":
             _check_distributed(self)
+            if self.rollout.engine == "hf":
+                for key in ("replicas", "tensor_parallel_size"):
+                    if getattr(self.rollout.vllm, key) > 1:
+                        raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} has no effect with rollout.engine=hf (HF generate "
+                                         "runs on the driver): use rollout.engine=vllm, or leave rollout.vllm.* at their defaults")  # fmt: skip
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
         else:

@@ -101,6 +101,9 @@ def test_vllm_replica_keys_in_help_and_validated():
         load_config(None, ["rollout.vllm.replicas=2"])
     with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size=2 needs trainer.backend=ray"):
         load_config(None, ["rollout.vllm.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=hf"):  # settings that would be ignored
+        load_config(None, ["trainer.backend=ray", "rollout.engine=hf", "rollout.vllm.replicas=3"])
+    load_config(None, ["trainer.backend=ray", "rollout.engine=auto", "rollout.vllm.replicas=3"])  # auto may pick vLLM where it is installed
     gpus = [*ray, "trainer.n_gpus_per_node=2"]
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 with trainer.placement=colocate on GPUs"):
         load_config(None, [*gpus, "rollout.vllm.tensor_parallel_size=2"])
