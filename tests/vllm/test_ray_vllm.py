@@ -116,6 +116,12 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         print(f"replicas vs HF sampled-token log-probs after the push: max |diff| {diff.max():.2e} nats over {int(mask.sum())} tokens")
         assert float(diff.max()) < LOGPROB_TOL and float(lp[mask].min()) < -0.5
 
+        torch.manual_seed(7)  # the replicas' sampling seeds come from the driver's RNG: a resumed run samples alike
+        sampled = engine.generate(*prompts, temperature=1.5)
+        torch.manual_seed(7)
+        assert torch.equal(engine.generate(*prompts, temperature=1.5), sampled)
+        assert not torch.equal(engine.generate(*prompts, temperature=1.5), sampled)
+
         ray.kill(engine.replicas[1])  # a replica that dies stops the run with its name
         with pytest.raises(WorkerDiedError, match=r"rollout \(vLLM\) replica 1 died during generate"):
             engine.generate(*prompts, do_sample=False)

@@ -167,6 +167,27 @@ def test_logprobs_match_hf(engine, models, tok, prompts):
     assert float(lp[mask].min()) < -0.5  # sampled, not all near-certain tokens: the comparison means something
 
 
+def test_samples_are_a_function_of_the_callers_rng_state(engine, models, tok, prompts):
+    """Each call seeds vLLM's sampler with a seed drawn from the caller's torch RNG (one draw) and
+    leaves that RNG otherwise untouched: the same RNG state gives the same samples whatever ran
+    before (what a resumed run needs: checkpoints save that RNG), the next state other samples, and
+    an explicit seed the same samples as the state that draws it."""
+    from tether.rollout.vllm import draw_seed
+
+    engine.sync_weights(_load(models[0]))
+    torch.manual_seed(123)
+    first = engine.generate(*prompts, temperature=1.5)
+    after_one = torch.get_rng_state()
+    other = engine.generate(*prompts, temperature=1.5)
+    torch.manual_seed(123)
+    assert torch.equal(engine.generate(*prompts, temperature=1.5), first)  # another call in between changes nothing
+    torch.manual_seed(123)
+    seed = draw_seed()
+    assert torch.equal(torch.get_rng_state(), after_one)  # a call advances the caller's RNG by that one draw only
+    assert not torch.equal(other, first)  # sampled (temperature 1.5 on a peaked model): seeds matter
+    assert torch.equal(engine.generate(*prompts, temperature=1.5, seed=seed), first)
+
+
 @pytest.mark.slow
 def test_grpo_three_steps_on_the_digit_sum_task(tmp_path):
     """3 GRPO steps of the embedded task with rollout.engine=vllm and a head-size-32 digit-sum

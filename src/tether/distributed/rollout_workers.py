@@ -5,8 +5,10 @@ as it calls the local :class:`~tether.rollout.vllm.VLLMRolloutEngine` (``generat
 ``sync_weights``, ``returns_logprobs``): the group splits the prompts into contiguous, equal-count
 chunks, one per replica (``rollout.vllm.replicas``), and concatenates the responses in the prompts'
 order. Each replica is a :class:`VLLMReplica` Ray actor holding one ``VLLMRolloutEngine`` (vLLM's
-``tensor_parallel_size`` = ``rollout.vllm.tensor_parallel_size``) seeded with ``trainer.seed +
-replica index``, so a run's samples depend only on the seed and the replica count.
+``tensor_parallel_size`` = ``rollout.vllm.tensor_parallel_size``); each call's sampling seeds are
+drawn from the driver's torch RNG (replica i samples with s + i), so a run's samples depend only on
+``trainer.seed`` and the replica count, and a resumed run (whose checkpoint restored that RNG)
+samples what the uninterrupted run did.
 
 Placement (``trainer.placement``): ``colocate`` puts replica i on bundle i of the actor group's
 placement group, sharing its device (verl's hybrid engine: on GPUs the rank and the replica take
@@ -213,7 +215,8 @@ class VLLMReplica:
 
     Args:
         cfg: the run's config (``rollout.*``, ``actor.dtype``, ``trainer.seed``).
-        index: this replica's number; its sampling seed is ``trainer.seed + index``.
+        index: this replica's number; vLLM's engine seed is ``trainer.seed + index`` (each ``generate``
+            call then reseeds its sampler with the seed the driver sends).
         model_path: the actor's model directory (the engine's initial weights and tokenizer).
         eos_token_ids: the model's generation_config EOS ids.
         env: environment variables to set before vLLM is imported.
@@ -249,10 +252,10 @@ class VLLMReplica:
     def ping(self) -> str:
         return self.engine.backend or "?"
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, return_logprobs: bool, overrides: dict):
-        """``VLLMRolloutEngine.generate`` on these rows; ``(response_ids, logprobs or None)`` on the CPU."""
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, return_logprobs: bool, overrides: dict, seed: int | None = None):
+        """``VLLMRolloutEngine.generate`` on these rows with sampling seed ``seed``; ``(response_ids, logprobs or None)`` on the CPU."""
         self.wake_up()
-        out = self.engine.generate(prompt_ids, prompt_mask, return_logprobs=return_logprobs, **overrides)
+        out = self.engine.generate(prompt_ids, prompt_mask, return_logprobs=return_logprobs, seed=seed, **overrides)
         return out if return_logprobs else (out, None)
 
     def sleep(self) -> None:
@@ -392,10 +395,17 @@ class VLLMReplicaGroup:
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
         """As :meth:`VLLMRolloutEngine.generate`: one response per row (B, T) on ``prompt_ids``'
         device, and with ``return_logprobs`` the sampled tokens' log-probs (B, T), nats. Rows are
-        split into contiguous chunks across the replicas (:func:`split_rows`) and merged back in order."""
+        split into contiguous chunks across the replicas (:func:`split_rows`) and merged back in order.
+        The sampling seeds come from the driver's torch RNG (replica i samples with seed s + i, s drawn
+        once per call), which checkpoints save: a resumed run samples what the uninterrupted one did,
+        and one replica samples as the local engine does from the same RNG state."""
+        from tether.rollout.vllm import draw_seed
+
         ranges = split_rows(prompt_ids.shape[0], self.n)
         p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu()
-        refs = [r.generate.remote(p_ids[a:b], p_mask[a:b], return_logprobs, overrides) for r, (a, b) in zip(self.replicas, ranges, strict=False)]
+        base = draw_seed()
+        refs = [r.generate.remote(p_ids[a:b], p_mask[a:b], return_logprobs, overrides, base + i)
+                for i, (r, (a, b)) in enumerate(zip(self.replicas, ranges, strict=False))]  # fmt: skip
         parts = self._get(refs, "generate")
         if self.sleeps:
             self._get([r.sleep.remote() for r in self.replicas], "sleep")

@@ -30,6 +30,7 @@ names what was tried when none works. :meth:`VLLMRolloutEngine.load_weights` tak
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -321,6 +322,16 @@ def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
     raise RuntimeError(f"cannot push weights into vLLM {version}; tried: " + "; ".join(tried))
 
 
+def draw_seed() -> int:
+    """A sampling seed for one rollout call, drawn from torch's global RNG (saved by every checkpoint)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _seed_worker(worker, seed: int) -> None:
+    """``collective_rpc`` target: seed the torch RNG of a vLLM worker process, which its sampler draws from."""
+    torch.manual_seed(seed)
+
+
 class VLLMRolloutEngine:
     """Samples responses with a vLLM ``LLM`` from token ids; same interface as ``HFRolloutEngine``,
     plus the sampled tokens' log-probs (``generate(..., return_logprobs=True)``).
@@ -433,14 +444,34 @@ class VLLMRolloutEngine:
         except TypeError:  # vLLM < 0.4.3 took prompt_token_ids as a keyword
             return self.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 
+    @contextlib.contextmanager
+    def _sampling_seed(self, seed: int):
+        """vLLM's sampler draws its random numbers from torch's RNG of the process its model runner is
+        in: seed that RNG with ``seed`` for one call. In this process, inside ``fork_rng``, so the
+        caller's RNG is left where it was; in vLLM's worker processes (tensor parallel, or
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) through ``collective_rpc``."""
+        if self.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            self.llm.collective_rpc(_seed_worker, args=(seed,))
+            yield
+            return
+        devices = [torch.cuda.current_device()] if self.backend != "cpu" and torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, seed: int | None = None,
+                 **overrides):  # fmt: skip
         """One response per row.
 
         Args:
             prompt_ids, prompt_mask: (B, P), left-padded (padding is stripped before vLLM sees it).
             return_logprobs: also return vLLM's log-probs of the sampled tokens (needs
                 ``returns_logprobs``).
+            seed: this call's sampling seed: the samples are a function of the weights, the prompts and
+                it alone (:meth:`_sampling_seed`). None: drawn from the caller's torch RNG, which a
+                checkpoint saves, so a resumed run samples what the uninterrupted one did (the Ray
+                backend's replicas get it from the driver's RNG: :class:`tether.distributed.rollout_workers.VLLMReplicaGroup`).
             overrides: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``.
         Returns:
             response_ids (B, T) int64 on ``prompt_ids``' device, T = the longest response (>= 1),
@@ -457,7 +488,8 @@ class VLLMRolloutEngine:
             raise ValueError("this vLLM engine does not return log-probs (its vLLM has no logprobs_mode)")
         params = self.sampling_params(**overrides)
         prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
-        outs = self._generate(prompts, params)
+        with self._sampling_seed(draw_seed() if seed is None else seed):
+            outs = self._generate(prompts, params)
         seqs = [self._response(o.outputs[0]) for o in outs]
         T = max(1, max(len(s) for s in seqs))
         out = torch.full((len(seqs), T), self.tokenizer.pad_token_id, dtype=torch.long)
