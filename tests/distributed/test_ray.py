@@ -192,6 +192,34 @@ def test_an_actor_that_fails_to_start_is_named_with_its_error(cluster):
                                        "on the CPU backend needs a core per tp rank")  # fmt: skip
 
 
+def test_a_peers_error_after_a_rank_died_names_the_dead_rank(cluster):
+    """Rank 1 dies in a collective and rank 0's call fails first (gloo: connection reset by peer):
+    the message names rank 1 as the one that died, and rank 0's error as what followed."""
+    import time as _time
+
+    from tether.distributed.ray_backend import WorkerDiedError, WorkerGroup
+
+    class Rank:
+        def fail_soon(self):
+            raise RuntimeError("[gloo] Read error: Connection reset by peer")
+
+        def die_later(self):
+            _time.sleep(0.5)
+            os._exit(1)
+
+    a, b = (ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2))
+    group = WorkerGroup.__new__(WorkerGroup)  # only its name and _get
+    group.name = "actor+ref"
+    with pytest.raises(WorkerDiedError) as info:
+        group._get([a.fail_soon.remote(), b.die_later.remote()], "save_checkpoint")
+    msg = str(info.value)
+    assert msg.startswith("actor+ref worker group: rank 1 died during save_checkpoint (ActorDiedError: ")
+    assert msg.endswith("(then rank 0 failed in save_checkpoint: RuntimeError: [gloo] Read error: Connection reset by peer)")
+    with pytest.raises(WorkerDiedError, match=r"^actor\+ref worker group: rank 0 failed in step: RuntimeError"):
+        group._get([a.fail_soon.remote()], "step")  # no peer died: the error itself
+    ray.kill(a)
+
+
 def test_gpus_asked_of_a_local_cpu_ray_are_refused_at_once(cluster, monkeypatch):
     """trainer.n_gpus_per_node on a machine without GPUs: the local Ray tether started cannot grow, so
     the run stops at once naming the key (its placement groups would time out after 120 s); an

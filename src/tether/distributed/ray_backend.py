@@ -177,11 +177,18 @@ class WorkerGroup:
         ]
         self._get([w.ping.remote() for w in self.workers], "start")
 
+    #: seconds a rank's error waits for a peer's death to surface: a rank killed in a collective makes
+    #: its peers fail (gloo: "Connection reset by peer") before Ray reports the death itself
+    DEATH_GRACE_S = 5.0
+
     def _get(self, refs, what: str):
         """ray.get in rank order, failing on the first worker that errors or dies (its peers may be
-        blocked in a collective waiting for it)."""
+        blocked in a collective waiting for it). A rank's error is first held for up to
+        :data:`DEATH_GRACE_S` seconds: if another rank turns out dead meanwhile, the message names
+        the dead rank, the cause, and the error as what followed."""
         import ray
 
+        died = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ActorDiedError)
         pending = {r: i for i, r in enumerate(refs)}
         results: list = [None] * len(refs)
         while pending:
@@ -190,11 +197,21 @@ class WorkerGroup:
                 rank = pending.pop(r)
                 try:
                     results[rank] = ray.get(r)
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ActorDiedError) as e:
+                except died as e:
                     raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({death_cause(e)}); the run cannot continue") from None
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
-                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} failed in {what}: {type(cause).__name__}: {cause}") from None
+                    failed = f"rank {rank} failed in {what}: {type(cause).__name__}: {cause}"
+                    later, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.DEATH_GRACE_S) if pending else ([], [])
+                    for other in later:
+                        try:
+                            ray.get(other)
+                        except died as d:
+                            raise WorkerDiedError(f"{self.name} worker group: rank {pending[other]} died during {what} ({death_cause(d)}); "
+                                                  f"the run cannot continue (then {failed})") from None  # fmt: skip
+                        except ray.exceptions.RayTaskError:
+                            pass
+                    raise WorkerDiedError(f"{self.name} worker group: {failed}") from None
         return results
 
     def call(self, method: str, *args, **kwargs):
