@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,30 @@ def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeyp
     fixed, claimed = claim_run_dir(None, str(tmp_path / "runs/fixed"))
     again, claimed_again = claim_run_dir(None, str(tmp_path / "runs/fixed"))  # a fixed dir is reused: resume
     assert fixed == again and claimed and not claimed_again
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """A read-only mount (or a full disk) under trainer.output_dir: refused when the directory is
+    claimed, naming the key and the OS's reason, not after the models load and Ray starts (the
+    first real write, config.yaml, comes after setup). Root writes through chmod, so the OS's
+    refusal is simulated."""
+    from tether.trainer.trainer import claim_run_dir
+
+    real = Path.write_bytes
+
+    def read_only(self, data):
+        if self.name == ".tether-write-probe":
+            raise OSError(30, "Read-only file system")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(ConfigError, match=r"trainer.output_dir='.*ro': cannot write into .*ro: Read-only file system"):
+        claim_run_dir(None, str(tmp_path / "ro"))
+    with pytest.raises(ConfigError, match=r"cannot write into .*runs/2.*: Read-only file system"):
+        claim_run_dir(None, str(tmp_path / "runs/{time}"))
+    monkeypatch.setattr(Path, "write_bytes", real)
+    path, _ = claim_run_dir(None, str(tmp_path / "rw"))
+    assert list(path.iterdir()) == []  # the probe leaves nothing behind
 
 
 def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):

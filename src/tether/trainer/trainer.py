@@ -76,7 +76,7 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
 
     Raises:
         ConfigError: the path exists and is not a directory, is a non-empty directory that is not a
-            run (naming its files), or cannot be created.
+            run (naming its files), or cannot be created or written into.
     """
     from tether.config import ConfigError
 
@@ -86,6 +86,7 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
             path = Path(output_dir.replace("{time}", stamp + (f"-{i}" if i else "")))
             try:
                 path.mkdir(parents=True, exist_ok=False)
+                _check_writable(path, output_dir)
                 return path, True
             except FileExistsError:
                 continue
@@ -105,7 +106,25 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"trainer.output_dir={str(path)!r}: cannot create it: {e}") from None
+    _check_writable(path, output_dir)
     return path, not existed
+
+
+def _check_writable(path: Path, output_dir: str) -> None:
+    """Refuse a run directory nothing can be written into (a read-only mount, a full disk), before any
+    model loads or Ray starts: the first write (its config.yaml) only comes after setup.
+
+    Raises:
+        ConfigError: naming the key, the directory and the OS's reason.
+    """
+    from tether.config import ConfigError
+
+    probe = path / ".tether-write-probe"
+    try:
+        probe.write_bytes(b"tether")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir={output_dir!r}: cannot write into {path}: {e.strerror or e}") from None
 
 
 class Trainer:
