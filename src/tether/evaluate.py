@@ -608,7 +608,7 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
 def _first_rows(settings: dict) -> list[str]:
     n, ks = settings.get("n", 1), settings.get("ks", [1])
     return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}"]
-            + ["answered_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
+            + ["answered_frac", "unscored_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
                "score_sem", "prompts", "samples"])  # fmt: skip
 
 

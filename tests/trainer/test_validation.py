@@ -60,3 +60,34 @@ def test_validation_logs_each_data_source(small_cfg, tmp_path):
     for ds in ("tether/digitsum", "test/digitsum-copy"):
         assert m[f"val/{ds}/prompts"] == 2 and 0.0 <= m[f"val/{ds}/pass@1"] <= 1.0
     assert m["val/pass@1"] == pytest.approx((m["val/tether/digitsum/pass@1"] + m["val/test/digitsum-copy/pass@1"]) / 2)
+
+
+def test_samples_the_reward_could_not_score_are_counted_and_warned(small_cfg, tmp_path, caplog):
+    """A reward that fails on some samples (here: every response starting with an even digit)
+    scores them 0 in val/score_mean; val/unscored_frac says how many, and a warning names it."""
+    import logging
+
+    from tether.trainer import Trainer
+
+    fn = tmp_path / "flaky.py"
+    fn.write_text(
+        "from tether.rewards import batched\n"
+        "@batched\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str[:1] in '02468':\n"
+        "        raise RuntimeError('cannot score this one')\n"
+        "    return 1.0\n"
+    )
+    t = Trainer(small_cfg(f"reward.function={fn}:compute_score", "trainer.report=false"))
+    samples: list[dict] = []
+    from tether.trainer.stats import evaluate_prompts
+
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        m = evaluate_prompts(t.roles.engine, t.roles.reward, t.val_set, n=2, batch_size=8, samples=samples, do_sample=False)
+        v = t.maybe_validate(force=True)
+    bad = sum(s["response"][:1] in "02468" for s in samples)
+    assert 0 < bad < len(samples)  # the test means something: some scored, some not
+    assert m["unscored_frac"] == bad / len(samples)
+    assert m["score_mean"] == (len(samples) - bad) / len(samples)
+    assert [s["scored"] for s in samples] == [s["response"][:1] not in "02468" for s in samples]
+    assert "val/unscored_frac" in v and "could not be scored by the reward" in caplog.text

@@ -210,7 +210,8 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
         batch_size: prompts per generate call (``batch_size * n`` sequences).
         samples: when a list, one record per response is appended: ``index`` (the row's source index),
             ``sample`` (0..n-1), ``data_source``, ``answer`` (the extracted answer,
-            :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``length``
+            :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``scored``
+            (False: the reward could not score it: an error, a timeout, a non-finite score), ``length``
             (tokens), ``truncated``, ``kl_ref`` (nats per token, with ``kl_probe``), ``prompt``,
             ``response``.
         by_source: when a dict, filled with ``{data_source: metrics}`` (the accuracy and length
@@ -261,7 +262,8 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
                 sc = float(s[j])
                 rec = {"index": row.index, "sample": j % n, "data_source": row.data_source,
                        "answer": extract_answer(row.data_source, batch.responses[j], row.extra_info),
-                       "score": sc, "correct": sc >= CORRECT_THRESHOLD, "length": int(lengths[j]), "truncated": not bool(ended[j])}  # fmt: skip
+                       "score": sc, "correct": sc >= CORRECT_THRESHOLD, "scored": bool(res.valid[j]), "length": int(lengths[j]),
+                       "truncated": not bool(ended[j])}  # fmt: skip
                 if kl is not None:
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
@@ -291,7 +293,8 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         ``pass@k`` (unbiased, Chen et al. 2021) and ``maj@k`` for every k in ``ks`` (``pass@1`` always),
         ``mean@{n}`` and ``score_mean`` (mean raw score; a sample the reward could not score counts 0),
         ``score_sem`` (its standard error from sampling, :func:`score_sem`), ``answered_frac`` (samples
-        with an extracted answer), ``length_mean`` / ``length_max`` (response tokens, EOS included),
+        with an extracted answer), ``unscored_frac`` (samples the reward could not score, counted 0;
+        records without ``scored`` count as scored), ``length_mean`` / ``length_max`` (response tokens, EOS included),
         ``truncated_frac`` (responses that hit the length limit), ``prompts``, ``samples``; with KL in
         the records, ``kl_ref_mean``, ``kl_ref_k3_mean`` (nats per token) and ``kl_ref_seq_mean`` (nats
         per response). See :mod:`tether.metrics.accuracy`.
@@ -308,6 +311,7 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
     out |= {
         "score_mean": out[f"mean@{n}"], "score_sem": score_sem(S),
         "answered_frac": sum(r["answer"] is not None for r in records) / len(records),
+        "unscored_frac": sum(not r.get("scored", True) for r in records) / len(records),
         "length_mean": float(L.mean()), "length_max": float(L.max()),
         "truncated_frac": sum(bool(r["truncated"]) for r in records) / len(records), "samples": float(len(records)),
     }  # fmt: skip
@@ -353,6 +357,9 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size,
                          indices=indices, by_source=per_source, progress=cfg.trainer.progress, desc="validation")  # fmt: skip
     out = {f"val/{key}": v for key, v in m.items()}
+    if m.get("unscored_frac"):
+        logging.getLogger("tether").warning("validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): val/score_mean "
+                    "and val/pass@k count them 0 (val/unscored_frac)", m["unscored_frac"] * m["samples"], m["samples"])  # fmt: skip
     if len(per_source) > 1:
         out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
     if exact_evaluation_applies(cfg):
