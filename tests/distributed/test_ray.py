@@ -410,3 +410,17 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_
     assert f"tether train: stopped by SIGTERM after step {done}; checkpoint step {done} written" in err
     assert (run / "checkpoints" / f"step_{done:06d}").is_dir()
     assert time.monotonic() - t0 < 45  # not Ray's 60 s GCS reconnect timeout
+
+
+def test_a_sharded_checkpoints_failure_is_named_by_each_ranks_own_error():
+    """DCP's CheckpointException (a sharded save that failed on some ranks) buries each rank's error
+    at the end of a traceback per rank: the message gives those errors (a full disk here)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tether.distributed.ray_backend import failure_text
+
+    full = OSError(28, "No space left on device")
+    e = CheckpointException("save failed", {1: (full, None), 0: (OSError(28, "No space left on device"), None)})
+    assert failure_text(e) == ("CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
+                               "rank 1: OSError: [Errno 28] No space left on device)")  # fmt: skip
+    assert failure_text(RuntimeError("boom")) == "RuntimeError: boom"

@@ -51,6 +51,21 @@ def death_cause(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
 
 
+def failure_text(cause: BaseException, limit: int = 500) -> str:
+    """A worker's error in one line. A ``CheckpointException`` (torch.distributed.checkpoint: a sharded
+    save or load that failed on some ranks) is given as each rank's own exception, e.g.
+    ``OSError: [Errno 28] No space left on device``, which its text buries at the end of one
+    traceback per rank."""
+    failures = getattr(cause, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, f in sorted(failures.items()):
+            exc = f[0] if isinstance(f, tuple) else f
+            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return f"{type(cause).__name__} ({'; '.join(parts)})"[:limit]
+    return f"{type(cause).__name__}: {cause}"
+
+
 def world_size(cfg) -> int:
     """Ranks per worker group: ``trainer.n_workers``, or one per GPU (nnodes × n_gpus_per_node) when left at 1."""
     t = cfg.trainer
@@ -201,7 +216,7 @@ class WorkerGroup:
                     raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({death_cause(e)}); the run cannot continue") from None
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
-                    failed = f"rank {rank} failed in {what}: {type(cause).__name__}: {cause}"
+                    failed = f"rank {rank} failed in {what}: {failure_text(cause)}"
                     later, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.DEATH_GRACE_S) if pending else ([], [])
                     for other in later:
                         try:
