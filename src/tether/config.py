@@ -505,18 +505,18 @@ class TetherConfig(_Section):
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
         if self.trainer.backend == "ray":
             _check_distributed(self)
-            if self.rollout.engine == "hf":
-                for key in ("replicas", "tensor_parallel_size"):
-                    if getattr(self.rollout.vllm, key) > 1:
-                        raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} has no effect with rollout.engine=hf (HF generate "
-                                         "runs on the driver): use rollout.engine=vllm, or leave rollout.vllm.* at their defaults")  # fmt: skip
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
+        if self.trainer.backend != "ray":  # vLLM replicas and their tp exist only under Ray, with the vLLM engine
+            unused = "needs trainer.backend=ray (the local backend runs one vLLM engine in its own process)"
+        elif self.rollout.engine == "hf":
+            unused = ("has no effect with rollout.engine=hf (HF generate runs on the driver): use rollout.engine=vllm, or leave "
+                      "rollout.vllm.* at their defaults")  # fmt: skip
         else:
-            for key in ("replicas", "tensor_parallel_size"):
-                if getattr(self.rollout.vllm, key) > 1:
-                    raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} needs trainer.backend=ray (the local backend runs one "
-                                     "vLLM engine in its own process)")
+            unused = None
+        for key in ("replicas", "tensor_parallel_size") if unused else ():
+            if getattr(self.rollout.vllm, key) > 1:
+                raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} {unused}")
         if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
             raise ValueError(f"actor.padding_free / critic.padding_free do not support actor.tp_size={self.actor.tp_size} (vocabulary-parallel "
                              "logits are not gathered per packed position); use actor.tp_size=1 or padding_free=false")

@@ -318,6 +318,11 @@ class PlanSettings:
         return self.devices // self.tp
 
     @property
+    def node_devices(self) -> int:
+        """Devices of one node the plan uses: ``devices``, at most ``gpus_per_node``."""
+        return min(self.devices, self.gpus_per_node)
+
+    @property
     def engine_tp(self) -> int:
         """vLLM's tensor-parallel size (``--rollout-tp``, else ``rollout.vllm.tensor_parallel_size``
         when the config sets it; default the training tp)."""
@@ -425,7 +430,7 @@ class Plan:
 
     @property
     def host_per_node(self) -> int:
-        return sum(i.host for i in self.items) * min(self.settings.devices, self.settings.gpus_per_node)
+        return sum(i.host for i in self.items) * self.settings.node_devices
 
     @property
     def fits(self) -> bool:
@@ -553,8 +558,7 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
         problems = [] if seqs >= 1 else [f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
                                          f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
                                          f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"]
-        node = min(s.devices, s.gpus_per_node)  # a replica's tp ranks share one node (vLLM's mp executor)
-        if s.engine_tp > node:
+        if s.engine_tp > s.node_devices:  # a replica's tp ranks share one node (vLLM's mp executor)
             problems.append(f"vLLM tensor parallel {s.engine_tp} needs {s.engine_tp} devices on one node; the plan has {s.devices} "
                             f"device(s), {s.gpus_per_node} per node: lower rollout.vllm.tensor_parallel_size (--rollout-tp)")  # fmt: skip
     else:
@@ -588,9 +592,8 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
     if s.lora_rank == 0:
         tries.append(("LoRA rank 64 (actor.lora.rank=64 ref.model=null)", replace(s, lora_rank=64, separate_ref=False)))
     if s.engine == "vllm" and s.accelerator:
-        node = min(s.devices, s.gpus_per_node)
-        if s.engine_tp > node:  # wider than a node: the widest tp that fits one and divides the heads
-            r = max(d for d in range(1, node + 1) if a.heads % d == 0 and a.kv_heads % d == 0)
+        if s.engine_tp > s.node_devices:  # wider than a node: the widest tp that fits one and divides the heads
+            r = max(d for d in range(1, s.node_devices + 1) if a.heads % d == 0 and a.kv_heads % d == 0)
             tries.append((f"vLLM tensor parallel {r} (--rollout-tp {r})", replace(s, rollout_tp=r)))
         r2 = s.engine_tp * 2
         if r2 <= min(s.devices, max_tp) and a.heads % r2 == 0 and a.kv_heads % r2 == 0:
@@ -660,7 +663,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{'phase ' + ph:<85} {_gib(b):>10}{'  <- largest' if ph == plan.peak_phase else ''}")
     lines.append(f"{'peak per device':<85} {_gib(plan.peak):>10}")
     if plan.host_per_node:
-        lines.append(f"{'host memory per node (offloaded shards of ' + str(min(s.devices, s.gpus_per_node)) + ' devices)':<85} {_gib(plan.host_per_node):>10}")
+        lines.append(f"{'host memory per node (offloaded shards of ' + str(s.node_devices) + ' devices)':<85} {_gib(plan.host_per_node):>10}")
     lines.append("")
     for note in plan.notes:
         lines.append(f"note: {note}")

@@ -378,7 +378,7 @@ class VLLMReplicaGroup:
     def _get(self, refs, what: str):
         import ray
 
-        from tether.distributed.ray_backend import WorkerDiedError, death_cause
+        from tether.distributed.ray_backend import WorkerDiedError, death_cause, failure_text
 
         out = []
         for i, ref in enumerate(refs):
@@ -386,7 +386,7 @@ class VLLMReplicaGroup:
                 out.append(ray.get(ref))
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
-                raise WorkerDiedError(f"rollout (vLLM) replica {i} failed in {what}: {type(cause).__name__}: {cause}") from None
+                raise WorkerDiedError(f"rollout (vLLM) replica {i} failed in {what}: {failure_text(cause)}") from None
             except ray.exceptions.RayActorError as e:
                 raise WorkerDiedError(f"rollout (vLLM) replica {i} died during {what} ({death_cause(e)}); the run cannot continue") from None
         return out
