@@ -32,17 +32,20 @@ from .controllers import (
 )
 from .kl import (
     KL_ESTIMATORS,
+    KL_OFF_POLICY_CORRECTIONS,
     LOGPROB_KL_ESTIMATORS,
     apply_kl_penalty,
     canonical_kl_estimator,
     kl_penalty,
     last_valid_index,
     mean_kl_per_token,
+    off_policy_kl_penalty,
     token_level_rewards_from_kl,
 )
 from .logprobs import entropy_from_logits, kl_full, logprobs_and_entropy_from_logits, logprobs_from_logits
 from .losses import AGG_MODES, agg_loss, kl_loss, loss_normalizers, ppo_policy_loss, ppo_value_loss
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from .rollout_correction import IS_LEVELS, IS_MODES, REJECT_CRITERIA, rollout_correction
 
 __all__ = [
     # masked statistics
@@ -61,6 +64,8 @@ __all__ = [
     "LOGPROB_KL_ESTIMATORS",
     "canonical_kl_estimator",
     "kl_penalty",
+    "KL_OFF_POLICY_CORRECTIONS",
+    "off_policy_kl_penalty",
     "apply_kl_penalty",
     "token_level_rewards_from_kl",
     "mean_kl_per_token",
@@ -88,6 +93,11 @@ __all__ = [
     "reverse_discounted_cumsum",
     "gae_reference_loop",
     "zero_variance_groups",
+    # rollout correction (engine vs trainer)
+    "IS_LEVELS",
+    "IS_MODES",
+    "REJECT_CRITERIA",
+    "rollout_correction",
     # losses
     "AGG_MODES",
     "agg_loss",

@@ -26,6 +26,8 @@ from .masked import as_bool_mask, masked_mean
 
 __all__ = [
     "KL_ESTIMATORS",
+    "KL_OFF_POLICY_CORRECTIONS",
+    "off_policy_kl_penalty",
     "LOGPROB_KL_ESTIMATORS",
     "canonical_kl_estimator",
     "kl_penalty",
@@ -137,6 +139,86 @@ def kl_penalty(
     if not plus and base != "k2":
         return value
     return value.detach() + _k2_gradient(r)
+
+
+KL_OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("ratio", "none")
+"""``kl.off_policy_correction`` values: ``ratio`` (:func:`off_policy_kl_penalty`) or ``none`` (verl's KL loss)."""
+
+#: estimators whose value is an unbiased estimate of KL(π‖π_ref) under π (k1, k3) or of E_π[|r|] (abs):
+#: off-policy they get the differentiable ratio π_θ/π_old; the rest (k2 and every ``+``) are gradient
+#: estimators and get the detached ratio.
+_VALUE_ESTIMATORS = ("k1", "abs", "k3")
+
+
+def off_policy_kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    estimator: str = "k3",
+    *,
+    log_ratio_clamp: float | None = 20.0,
+    value_clamp: float | None = 10.0,
+    is_log_ratio_clamp: float = 20.0,
+) -> torch.Tensor:
+    """Per-token KL(π_θ ‖ π_ref) loss term for tokens sampled from π_old, importance-weighted so that it
+    is right off-policy (later mini-batches, PPO epochs, async or engine-sampled batches).
+
+    With ρ = π_θ(a_t)/π_old(a_t) and k the named estimator (:func:`kl_penalty`):
+
+    * ``k1``, ``k3`` (and ``abs``): ρ·k with ρ **differentiable**. Under a_t ~ π_old(·|s_t),
+      E[ρ·k] = E_{π_θ}[k] as a function of θ, so for k1 and k3 the expected value is
+      KL(π_θ(·|s_t) ‖ π_ref(·|s_t)) and the expected gradient is its gradient, exactly, for every θ
+      (on-policy too, where plain k3's gradient is that of KL(π_ref‖π_θ) and plain k1's is 0). For
+      ``abs`` they are E_{π_θ}[|r|] and its gradient (not a KL).
+    * ``k2`` and every ``+`` variant (straight-through: the named value, k2's gradient): sg(ρ)·k with ρ
+      **detached**. Under a_t ~ π_old the expected gradient is E_{π_θ}[r ∇log π_θ] = ∇KL(π_θ‖π_ref),
+      exactly; the expected value is E_{π_θ}[k]: KL(π_θ‖π_ref) for ``k1+`` and ``k3+``, E_{π_θ}[½r²]
+      (k2's bias, as on-policy) for ``k2``/``k2+``, E_{π_θ}[|r|] for ``abs+``.
+
+    The states s_t are those π_old's samples visited: the correction is per token, exact per state, and
+    (as PPO's surrogate) leaves the state distribution π_old's. It stays per token when the policy loss
+    is sequence-level.
+
+    The clamp: log ρ is clamped to ±``is_log_ratio_clamp`` before exp, as the policy loss clamps its
+    ratio (verl: 20). Where |log ρ| ≤ c the term is exact; past it ρ is e^{±c} and, for the
+    differentiable variants, carries no gradient, so the expectation over such tokens is off by
+    π_old(a)·(ρ − e^{±c})·k. With c = 20 that needs a token whose probability moved by a factor of
+    4.9e8 since sampling; ``tests/algos/test_algos_kl_off_policy.py`` checks the cost by enumeration
+    at a small c.
+
+    Args:
+        logprobs: (B, T) log π_θ(a_t | s_t), nats, differentiable.
+        ref_logprobs: (B, T) log π_ref(a_t | s_t), nats.
+        old_logprobs: (B, T) log π_old(a_t | s_t) of the policy that sampled a_t, nats (detached here).
+        estimator: a name from :data:`LOGPROB_KL_ESTIMATORS` (not ``"full"``, which sums over the
+            vocabulary at each visited state and needs no token ratio).
+        log_ratio_clamp, value_clamp: k3's guards, see :func:`kl_penalty`.
+        is_log_ratio_clamp: c > 0, the clamp of log ρ (nats).
+
+    Returns:
+        (B, T) per-token term in nats, float32 at least. Positions where the log-probs are -inf
+        (padding) give NaN; mask them with ``torch.where`` before use (:func:`tether.algos.kl_loss` does).
+
+    Raises:
+        ValueError: as :func:`kl_penalty`, a shape mismatch of ``old_logprobs``, or c ≤ 0.
+
+    Source: Schulman 2020 (estimators); importance sampling of the KL term as in TRL ≥ 1.10's GRPO
+    (k3 times the differentiable per-token ratio); the detached-ratio form for gradient estimators is
+    tether's. verl's ``use_kl_loss`` has no ratio (``kl.off_policy_correction=none``).
+    """
+    if tuple(old_logprobs.shape) != tuple(logprobs.shape):
+        raise ValueError(
+            f"old_logprobs {tuple(old_logprobs.shape)} and logprobs {tuple(logprobs.shape)} must have the same shape"
+        )
+    if not is_log_ratio_clamp > 0:
+        raise ValueError(f"is_log_ratio_clamp must be > 0, got {is_log_ratio_clamp!r}")
+    kl = kl_penalty(logprobs, ref_logprobs, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
+    name = canonical_kl_estimator(estimator)
+    log_rho = (logprobs.to(kl.dtype) - old_logprobs.detach().to(kl.dtype)).clamp(-is_log_ratio_clamp, is_log_ratio_clamp)
+    rho = torch.exp(log_rho)  # (B, T) π_θ/π_old, differentiable through logprobs
+    if name in _VALUE_ESTIMATORS:
+        return rho * kl
+    return rho.detach() * kl
 
 
 def _k2_gradient(r: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .kl import kl_penalty
+from .kl import kl_penalty, off_policy_kl_penalty
 from .masked import as_bool_mask, masked_mean
 
 __all__ = ["AGG_MODES", "agg_loss", "loss_normalizers", "ppo_policy_loss", "ppo_value_loss", "kl_loss"]
@@ -143,6 +143,7 @@ def ppo_policy_loss(
     total_seqs: Count = None,
     norm_constant: float | None = None,
     log_ratio_clamp: float = 20.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher and dual clip.
 
@@ -160,6 +161,8 @@ def ppo_policy_loss(
         dual_clip_c: c > 1 (default 3, verl's ``clip_ratio_c``); ``None`` disables dual clip.
         agg_mode, total_tokens, total_seqs, norm_constant: see :func:`agg_loss`.
         log_ratio_clamp: clamp of the log-ratio before exp (verl: 20).
+        weights: (B, T) rollout-correction weights multiplying each token's loss, used detached
+            (:func:`tether.algos.rollout_correction`; verl's ``rollout_is_weights``); None = 1.
 
     Returns:
         ``(loss, metrics)``; metrics (floats, over this call's valid tokens):
@@ -202,6 +205,9 @@ def ppo_policy_loss(
     else:
         lower = torch.zeros_like(m)
         loss_tok = loss_ppo
+    if weights is not None:
+        _check_pair("weights", weights, response_mask)
+        loss_tok = loss_tok * torch.where(m, weights.detach().to(loss_tok.dtype), zero.to(loss_tok.dtype))
     loss = agg_loss(
         loss_tok, m, agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=norm_constant
     )
@@ -281,18 +287,25 @@ def kl_loss(
     response_mask: torch.Tensor,
     estimator: str = "low_var_kl",
     *,
+    old_logprobs: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
     agg_mode: str = "token-mean",
     total_tokens: Count = None,
     total_seqs: Count = None,
     norm_constant: float | None = None,
     log_ratio_clamp: float | None = 20.0,
     value_clamp: float | None = 10.0,
+    is_log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL in the loss: ``agg_loss(kl_penalty(logprobs, ref_logprobs, estimator))``, *unscaled*.
+    """KL in the loss: ``agg_loss(w · term)``, *unscaled* (the actor loss adds ``β · loss``).
 
-    The actor loss adds ``β · loss``; the caller multiplies by β so that this function stays
-    independent of the controller. Use a ``+`` estimator (e.g. ``"k3+"``) for the unbiased KL
-    gradient with a k3-valued log, or ``"k2"``.
+    ``term`` is :func:`tether.algos.off_policy_kl_penalty` when ``old_logprobs`` is given (the tokens
+    were sampled by π_old: each token importance-weighted so that, under a_t ~ π_old, the expected
+    gradient is ∇_θ KL(π_θ‖π_ref) for k1, k3 and every ``+`` variant and k2, and the expected value
+    KL(π_θ‖π_ref) for k1, k3, k1+ and k3+: ``kl.off_policy_correction=ratio``), else the plain
+    :func:`tether.algos.kl_penalty` (verl's ``use_kl_loss``: ``none``). Without the ratio, plain k3's
+    expected gradient is that of KL(π_ref‖π_θ) even on-policy, and every estimator's is biased
+    off-policy (``docs/training.md``, "KL off-policy").
 
     Args:
         logprobs: (B, T) log π_θ, differentiable, nats.
@@ -300,8 +313,12 @@ def kl_loss(
         response_mask: (B, T).
         estimator: see :func:`tether.algos.kl_penalty` (verl's ``kl_loss_type`` default
             ``low_var_kl``).
+        old_logprobs: (B, T) log π_old of the sampling policy, nats; None = no importance ratio.
+        weights: (B, T) rollout-correction weights (:func:`tether.algos.rollout_correction`), used
+            detached; None = 1. They multiply the term, as they do the policy loss.
         agg_mode, total_tokens, total_seqs, norm_constant: see :func:`agg_loss`.
         log_ratio_clamp, value_clamp: see :func:`tether.algos.kl_penalty`.
+        is_log_ratio_clamp: clamp of log(π_θ/π_old), see :func:`tether.algos.off_policy_kl_penalty`.
 
     Returns:
         ``(loss, {"policy/kl_loss": float})``, nats per token for ``token-mean``.
@@ -310,16 +327,26 @@ def kl_loss(
         ValueError: see :func:`tether.algos.kl_penalty` and :func:`agg_loss`.
 
     Source: verl ``use_kl_loss`` (``kl_penalty`` + ``agg_loss``); Shao et al. 2024 (GRPO puts
-    a k3 KL in the loss).
+    a k3 KL in the loss); TRL ≥ 1.10 (the per-token ratio on k3).
     """
     _check_pair("logprobs", logprobs, response_mask)
     _check_pair("ref_logprobs", ref_logprobs, response_mask)
     m = as_bool_mask(response_mask)
     # Sanitise masked positions first: padding with -inf on both sides gives r = NaN, and even a
     # zero upstream gradient times NaN is NaN in backward.
-    lp = torch.where(m, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
-    ref = torch.where(m, ref_logprobs, torch.zeros((), dtype=ref_logprobs.dtype, device=ref_logprobs.device))
-    kl = kl_penalty(lp, ref, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    lp = torch.where(m, logprobs, zero)
+    ref = torch.where(m, ref_logprobs, zero.to(ref_logprobs.dtype))
+    if old_logprobs is None:
+        kl = kl_penalty(lp, ref, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
+    else:
+        _check_pair("old_logprobs", old_logprobs, response_mask)
+        old = torch.where(m, old_logprobs, zero.to(old_logprobs.dtype))
+        kl = off_policy_kl_penalty(lp, ref, old, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp,
+                                   is_log_ratio_clamp=is_log_ratio_clamp)  # fmt: skip
+    if weights is not None:
+        _check_pair("weights", weights, response_mask)
+        kl = kl * torch.where(m, weights.detach().to(kl.dtype), torch.zeros((), dtype=kl.dtype, device=kl.device))
     loss = agg_loss(
         kl, m, agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=norm_constant
     )
