@@ -30,7 +30,14 @@ class RolloutBatch:
         advantages, returns (B, T).
         group_ids (B,) int64: which prompt each response answers.
         rollout_logprobs (B, T): log-probs of the sampled tokens as the rollout engine computed them
-            (vLLM), nats, NaN where unknown; None when the engine returns none (HF generate).
+            (vLLM, or the HF engine when asked: actor.old_logprobs_source=rollout or
+            algo.rollout_correction), nats, NaN where unknown; None when the engine returns none.
+        is_weights (B, T): rollout-correction weights π_old/π_rollout after truncation or masking,
+            detached, multiplying each token's policy loss and KL term; 0 at rejected tokens; None =
+            no correction (``tether.algos.rollout_correction``).
+        loss_mask (B, T) bool: the response tokens rollout correction's rejection kept; the actor's
+            loss and its token counts use ``response_mask & loss_mask`` (:attr:`update_mask`);
+            None = all of them.
     Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text).
     """
 
@@ -52,6 +59,8 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -66,6 +75,13 @@ class RolloutBatch:
     def attention_mask(self) -> torch.Tensor:
         """(B, P+T): real prompt tokens and counted response tokens."""
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def update_mask(self) -> torch.Tensor:
+        """(B, T) the tokens the actor's loss counts: ``response_mask`` less those rollout correction rejected."""
+        if self.loss_mask is None:
+            return self.response_mask
+        return self.response_mask * self.loss_mask.to(device=self.response_mask.device, dtype=self.response_mask.dtype)
 
     @property
     def response_lengths(self) -> torch.Tensor:

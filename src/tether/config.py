@@ -198,6 +198,15 @@ class RolloutConfig(_Section):
         "multinomial = torch.multinomial, as generate (V exponential draws per row and step); inverse_cdf = one uniform per row "
         "and a search in the cumulative sum: the same distribution, a different random stream (other samples for a seed)."
     )
+    engine_temperature: float | None = Field(
+        None, gt=0, description="The engine samples at this temperature (and reports its log-probs at it) while the trainer's "
+        "log-probs, ratio and KL stay at rollout.temperature: a known engine-trainer mismatch for stability experiments "
+        "(docs/stability.md); null = rollout.temperature."
+    )
+    compute_dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="HF engine: the dtype generation runs in (autocast), e.g. bfloat16 beside an fp32 trainer as vLLM samples "
+        "in bf16 (the engine-trainer mismatch algo.rollout_correction corrects, docs/stability.md); null = actor.compute_dtype."
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
     async_steps: int = Field(
         0, ge=0, le=1, description="1 = one-step off-policy overlap: the next batch is generated (on a snapshot of the policy, in a "
@@ -285,6 +294,13 @@ class KLConfig(_Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="scheduled controller: the β schedule.")
     log_ratio_clamp: float = Field(20.0, gt=0, description="Inside k3 only, |log π − log π_ref| is clamped to this before exp (verl's default); k1/abs/k2 and the `+` gradients use the exact log-ratio.")
     value_clamp: float = Field(10.0, gt=0, description="k3 values are clamped to ±this (verl's default).")
+    off_policy_correction: Literal["ratio", "none"] = Field(
+        "ratio", description="KL in the loss when the tokens were sampled by π_old ≠ π_θ (every mini-batch after the first, PPO epochs, "
+        "async and engine-sampled batches): ratio = each token's term importance-weighted by π_θ/π_old (differentiable for k1/k3/abs, "
+        "detached for k2 and the `+` variants; log-ratio clamped at kl.log_ratio_clamp like the policy ratio), so its expected "
+        "gradient is ∇KL(π_θ‖π_ref) exactly for k1, k3, k2 and every `+` (on-policy too, where plain k3's is ∇KL(π_ref‖π_θ)); "
+        "none = the plain estimator (verl's use_kl_loss). docs/training.md#kl-off-policy."
+    )
 
     @field_validator("estimator", "loss_estimator")
     @classmethod
@@ -304,6 +320,44 @@ class KLConfig(_Section):
         if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
             raise ValueError(f"kl.beta_min ({self.beta_min}) must not exceed kl.beta_max ({self.beta_max})")
         return self
+
+
+class RolloutCorrectionConfig(_Section):
+    level: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="Importance weight π_old/π_rollout for the engine-trainer gap, multiplying each token's policy loss and KL "
+        "term: none = off; token = per token; sequence = the product of the token ratios over the response (exact sequence "
+        "likelihood ratio); geometric = their geometric mean (length-normalised). Needs the engine's log-probs (HF and vLLM give them)."
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate = TIS, min(w, threshold); mask = MIS/IcePop, w where lower <= w <= threshold, else 0. With "
+        "actor.old_logprobs_source=rollout (π_old = π_rollout) the weights are measured against π_θ per micro-batch and only mask "
+        "applies (as 0/1): the PPO clip already bounds that ratio (verl's bypass mode)."
+    )
+    threshold: float = Field(2.0, gt=0, description="Upper bound of the weight (verl's rollout_is_threshold).")
+    lower: float | None = Field(None, gt=0, description="mode=mask: lower bound of the weight; null = 1/threshold.")
+    reject: Literal[
+        "none", "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+        "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+    ] = Field(
+        "none", description="Reject divergent samples from the loss (weight 0, out of the token counts) by an estimate of "
+        "KL(π_rollout‖π_old) from the sampled tokens, k1 = log π_rollout/π_old, k2 = ½k1², k3: per token, or the sum/mean/max over "
+        "a response (verl's rollout_rs names)."
+    )
+    reject_threshold: float | None = Field(None, gt=0, description="Rejection bound, nats (|k1| for the k1 criteria); required with reject. verl's k1 ratio bound T is log T here.")
+    batch_normalize: bool = Field(False, description="Divide the weights by their batch mean over kept tokens (token) or responses (sequence levels).")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.reject != "none" and self.reject_threshold is None:
+            raise ValueError(f"reject={self.reject} needs reject_threshold (nats), e.g. 0.5")
+        if self.lower is not None and self.lower > self.threshold:
+            raise ValueError(f"lower ({self.lower}) must not exceed threshold ({self.threshold})")
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is corrected (a level or a rejection criterion)."""
+        return self.level != "none" or self.reject != "none"
 
 
 class AlgoConfig(_Section):
@@ -326,6 +380,10 @@ class AlgoConfig(_Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
     filter_groups: bool = Field(
         False, description="DAPO dynamic sampling: drop prompts whose sampled rewards are all equal (zero advantage) and draw more prompts until data.batch_size prompts differ."
+    )
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="Correction for the gap between the engine that samples and the policy that "
+        "trains (TIS/MIS/rejection; metrics rollout_corr/*; docs/training.md#rollout-correction)."
     )
     filter_groups_max_draws: int = Field(
         10, ge=1, description="algo.filter_groups: at most this many rollout rounds of data.batch_size prompts per step (verl's DAPO recipe: 10); then train on what was found."
@@ -544,6 +602,12 @@ class TetherConfig(_Section):
         if self.actor.old_logprobs_source == "rollout" and (self.rollout.mode == "offline" or self.kl.estimator == "full"):
             why = "rollout.mode=offline has no rollout engine" if self.rollout.mode == "offline" else "kl.estimator=full needs the actor's logits"
             raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")
+        if self.algo.rollout_correction.batch_normalize and self.actor.old_logprobs_source == "rollout":
+            raise ValueError("algo.rollout_correction.batch_normalize has no effect with actor.old_logprobs_source=rollout (bypass mode: "
+                             "the weights are 0/1 mask and rejection factors); set it false")
+        if self.algo.rollout_correction.active and self.rollout.mode == "offline":
+            raise ValueError("algo.rollout_correction needs sampled responses with the engine's log-probs: rollout.mode=offline has none; "
+                             "set algo.rollout_correction.level=none and algo.rollout_correction.reject=none")
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

@@ -77,6 +77,10 @@ def crash_after(trainer: Trainer, n: int) -> None:
         # 12 prompts: the checkpoint at step 4 is 4 prompts into epoch 1; a critic and its optimizer
         pytest.param(["data.embedded_train_size=12", "algo.adv_estimator=gae", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "algo.ppo_epochs=2"], 4, 4, {"epoch": 1, "index": 4}, False, id="mid-epoch-gae-critic"),
         # the reference is moved to the policy every 2 steps: its weights are part of the state
+        # rollout correction against a mismatched engine (TIS + rejection) and an off-policy-corrected k3 KL loss over 2 mini-batches
+        pytest.param(["data.embedded_train_size=8", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
+                      "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05", "kl.placement=both",
+                      "kl.loss_estimator=k3", "algo.mini_batch_size=8"], 3, 2, {"epoch": 1, "index": 0}, False, id="rollout-correction"),
         pytest.param(["data.embedded_train_size=8", "ref.reset_every=3", "kl.placement=both", "kl.loss_estimator=k3", "kl.controller=band", "kl.high=0.02", "kl.low=0.005"], 4, 4, {"epoch": 2, "index": 0}, True, id="ref-reset-band"),
     ],
 )
@@ -120,6 +124,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, extra, stop_afte
         assert full.guard.rollbacks >= 1 and any(r.get("guard/rollback") for r in want)
     assert resumed.sampler.state_dict() == full.sampler.state_dict()
     assert (resumed.diagnostics._calls, resumed.diagnostics.history()) == (full.diagnostics._calls, full.diagnostics.history())
+    if "algo.rollout_correction.level=token" in extra:  # the correction really weighted and rejected, in every step
+        steps = [r for r in want if r["step"] > 0]
+        assert all(0 < r["rollout_corr/ess"] < 1 for r in steps) and any(r["rollout_corr/rejected_frac"] > 0 for r in steps)
     if "reward.normalize=running" in extra:
         assert state["reward"]["running"]["count"] == 32  # 2 steps x 16 valid samples went into the normaliser
 

@@ -111,12 +111,12 @@ class DataParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
+    def loss_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[float, float]:
         import torch.distributed as dist
 
         from tether.algos import loss_normalizers
 
-        tokens, seqs = loss_normalizers(mini.response_mask[: real_rows(mini)])
+        tokens, seqs = loss_normalizers((mini.response_mask if mask is None else mask)[: real_rows(mini)])
         t = torch.tensor([float(tokens), float(seqs)], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
         return float(t[0]), float(t[1])

@@ -233,7 +233,7 @@ class VLLMReplica:
             torch.set_num_threads(cfg.trainer.threads)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.actor.trust_remote_code)
         self.engine = VLLMRolloutEngine(
-            model_path, self.tokenizer, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            model_path, self.tokenizer, temperature=r.engine_temperature or r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
             do_sample=r.do_sample, dtype=cfg.actor.dtype, seed=cfg.trainer.seed + index, trust_remote_code=cfg.actor.trust_remote_code,
             gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gib=v.kv_cache_gib, max_model_len=v.max_model_len,
             eos_token_ids=eos_token_ids, tensor_parallel_size=self.tp, enable_sleep_mode=self._sleeps(cfg),

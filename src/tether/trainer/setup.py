@@ -56,7 +56,19 @@ class Roles:
             kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
             norm_constant=float(cfg.rollout.max_new_tokens), reuse_logprobs=reuse_logprobs,
+            kl_off_policy_correction=k.off_policy_correction, bypass_correction=bypass_correction(cfg),
         )  # fmt: skip
+
+
+def bypass_correction(cfg: TetherConfig) -> dict | None:
+    """Keyword arguments of :func:`tether.algos.rollout_correction` for the actor to apply per micro-batch in bypass
+    mode (``actor.old_logprobs_source=rollout``: π_old is π_rollout, so the correction measures π_θ against it);
+    None when rollout correction is off or the trainer applies it (π_old recomputed: ``batch.is_weights``)."""
+    rc = cfg.algo.rollout_correction
+    if not rc.active or cfg.actor.old_logprobs_source != "rollout":
+        return None
+    return dict(level=rc.level, mode=rc.mode, threshold=rc.threshold, lower=rc.lower, reject=rc.reject, reject_threshold=rc.reject_threshold,
+                log_ratio_clamp=cfg.kl.log_ratio_clamp)  # fmt: skip
 
 
 def pick_device(name: str) -> torch.device:
@@ -221,7 +233,7 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         from tether.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(
-            actor_path, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
+            actor_path, tok, temperature=r.engine_temperature or r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
             dtype=cfg.actor.dtype, seed=cfg.trainer.seed, trust_remote_code=cfg.actor.trust_remote_code,
             gpu_memory_utilization=r.vllm.gpu_memory_utilization, kv_cache_gib=r.vllm.kv_cache_gib, max_model_len=r.vllm.max_model_len,
             eos_token_ids=generation_eos_ids(model),
@@ -229,9 +241,10 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
     from tether.rollout import HFRolloutEngine
 
     return HFRolloutEngine(
-        model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, do_sample=r.do_sample,
-        eos_token_ids=generation_eos_ids(model), compute_dtype=cfg.actor.compute_dtype,
-        returns_logprobs=cfg.actor.old_logprobs_source == "rollout", share_prefill=r.share_prefill,
+        model, tok, temperature=r.engine_temperature or r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+        do_sample=r.do_sample, eos_token_ids=generation_eos_ids(model), compute_dtype=r.compute_dtype or cfg.actor.compute_dtype,
+        # the sampled tokens' own log-probs: old_logprobs_source=rollout takes them as π_old, rollout correction weighs against them
+        returns_logprobs=cfg.actor.old_logprobs_source == "rollout" or cfg.algo.rollout_correction.active, share_prefill=r.share_prefill,
         hf_decode=r.hf_decode, drop_finished=r.hf_drop_finished, sampler=r.hf_sampler,
     )  # fmt: skip
 

@@ -99,6 +99,8 @@ def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout:
         why.append("dropout in the actor")
     if c.rollout.async_steps:
         why.append(f"rollout.async_steps={c.rollout.async_steps}")
+    if c.algo.rollout_correction.active:  # its weights π_old/π_rollout are needed before the update
+        why.append("algo.rollout_correction")
     return why
 
 

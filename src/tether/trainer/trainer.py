@@ -23,6 +23,7 @@ from tether.algos import (
     kl_penalty,
     make_kl_controller,
     mean_kl_per_token,
+    rollout_correction,
     token_level_rewards_from_kl,
 )
 from tether.batch import RolloutBatch
@@ -170,6 +171,12 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
+        if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
+            from tether.config import ConfigError
+
+            raise ConfigError("algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a vLLM "
+                              "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set algo.rollout_correction.level=none "
+                              "and algo.rollout_correction.reject=none")
         if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
             train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
@@ -246,6 +253,8 @@ class Trainer:
         batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
             self.compute_logprobs(batch)
+        with timer("rollout_correction"):
+            self.correct_rollout(batch)
         with timer("values"):
             self.compute_values(batch)
         with timer("kl"):
@@ -375,6 +384,23 @@ class Trainer:
         batch.ref_logprobs = ref_lp if ref_lp is not None else self.roles.ref.compute_logprobs(batch)
         if kl_full is not None:
             batch.extra["kl_full"] = kl_full
+
+    def correct_rollout(self, batch: RolloutBatch) -> None:
+        """``algo.rollout_correction``: importance weights π_old/π_rollout (truncated or masked) and the rejection
+        of divergent samples, into ``batch.is_weights`` and ``batch.loss_mask`` for the update; ``rollout_corr/*``
+        metrics. In bypass mode (``actor.old_logprobs_source=rollout``: π_old is π_rollout) the actor applies it per
+        micro-batch against π_θ instead (``ActorUpdateSpec.bypass_correction``)."""
+        rc = self.cfg.algo.rollout_correction
+        if not rc.active or self.cfg.actor.old_logprobs_source == "rollout":
+            return
+        if batch.rollout_logprobs is None:  # every engine that setup accepts returns them; a batch without is a bug
+            raise RuntimeError("algo.rollout_correction: the rollout engine returned no log-probs for this batch")
+        batch.is_weights, batch.loss_mask, metrics = rollout_correction(
+            batch.old_logprobs, batch.rollout_logprobs.to(batch.old_logprobs.device), batch.response_mask, level=rc.level, mode=rc.mode,
+            threshold=rc.threshold, lower=rc.lower, reject=rc.reject, reject_threshold=rc.reject_threshold,
+            batch_normalize=rc.batch_normalize, log_ratio_clamp=self.cfg.kl.log_ratio_clamp,
+        )  # fmt: skip
+        batch.extra["rollout_corr_metrics"] = metrics
 
     def compute_values(self, batch: RolloutBatch) -> None:
         if self.roles.critic is not None:

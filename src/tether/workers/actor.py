@@ -10,8 +10,9 @@ import torch
 
 from tether.algos import (
     agg_loss,
-    kl_penalty,
+    kl_loss,
     ppo_policy_loss,
+    rollout_correction,
 )
 from tether.batch import RolloutBatch
 from tether.models import response_logprobs
@@ -47,6 +48,15 @@ class ActorUpdateSpec:
     # only, where the old policy is the current one; the update then returns them and the entropy, (B, T)
     # in the batch's row order, as "_old_logprobs" and "_entropy" in its result (actor.reuse_update_logprobs)
     reuse_logprobs: bool = False
+    # kl.off_policy_correction: "ratio" = each KL-loss token importance-weighted by π_θ/π_old (tether.algos.off_policy_kl_penalty)
+    kl_off_policy_correction: str = "ratio"
+    # bypass mode (actor.old_logprobs_source=rollout with algo.rollout_correction): keyword arguments of
+    # tether.algos.rollout_correction, applied per micro-batch to π_θ against π_rollout (= π_old); None = off
+    bypass_correction: dict | None = None
+
+
+#: the rollout-correction metrics a bypass-mode update reports (π_θ against π_rollout, over its micro-batches)
+_BYPASS_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/masked_frac", "rollout_corr/rejected_frac", "rollout_corr/truncated_frac")
 
 
 def _forward_logprobs(
@@ -230,7 +240,8 @@ class ActorWorker:
         ``measured["entropy"]`` (B, T) at ``rows``, the batch rows of ``mini``'s real rows (its trailing
         data-parallel padding rows are not written).
         """
-        total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
+        # the whole mini-batch's, over all ranks, less the tokens rollout correction rejected (batch.loss_mask)
+        total_tokens, total_seqs = self.dp.loss_counts(mini, mini.update_mask)
         sums: dict[str, float] = {}
         finite = True
         need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
@@ -244,7 +255,7 @@ class ActorWorker:
             lp, ent, logits = lay.logprobs(
                 self.model, temperature=self.temperature, with_entropy=with_entropy, return_logits=need_logits, compute_dtype=self.compute_dtype
             )
-            rmask = mb.response_mask[:, :t]
+            rmask = mb.update_mask[:, :t]
             if out is not None:
                 old = lp.detach()
                 measured, rows = out
@@ -255,21 +266,32 @@ class ActorWorker:
                     measured["entropy"][at, :t] = ent.detach()[keep.to(old.device)].float()
             else:
                 old = mb.old_logprobs[:, :t]
+            # rollout correction: the trainer's weights π_old/π_rollout (batch.is_weights), or in bypass mode the 0/1
+            # mask/rejection factors of π_θ against π_rollout = π_old, measured on this micro-batch
+            weights = mb.is_weights[:, :t] if mb.is_weights is not None else None
+            corr_metrics: dict[str, float] = {}
+            if spec.bypass_correction is not None and bool(rmask.any()):
+                weights, _, corr_metrics = rollout_correction(lp.detach(), old, rmask, apply_truncation=False, **spec.bypass_correction)
             pg_loss, pg_metrics = ppo_policy_loss(
                 lp, old, mb.advantages[:, :t], rmask,
                 clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
                 agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
-                log_ratio_clamp=spec.log_ratio_clamp,
+                log_ratio_clamp=spec.log_ratio_clamp, weights=weights,
             )  # fmt: skip
             loss = pg_loss
             if spec.kl_loss_coef > 0:
-                if need_logits:
+                if need_logits:  # the exact KL at each visited state: no token to reweight
                     kl = lay.kl_full(logits, ref.layout_logits(lay), temperature=self.temperature)
-                else:
-                    kl = kl_penalty(lp, mb.ref_logprobs[:, :t], spec.kl_loss_estimator, log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp)
-                kl_loss = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
-                loss = loss + spec.kl_loss_coef * kl_loss
-                add("actor/kl_loss", float(kl_loss.detach()))
+                    kl_term = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
+                else:  # importance-weighted by π_θ/π_old (kl.off_policy_correction=ratio) and the rollout weights
+                    kl_term, _ = kl_loss(
+                        lp, mb.ref_logprobs[:, :t], rmask, spec.kl_loss_estimator,
+                        old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None, weights=weights,
+                        agg_mode=spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
+                        log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp, is_log_ratio_clamp=spec.log_ratio_clamp,
+                    )  # fmt: skip
+                loss = loss + spec.kl_loss_coef * kl_term
+                add("actor/kl_loss", float(kl_term.detach()))
             if spec.entropy_coef > 0:
                 loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
             if not torch.isfinite(loss):
@@ -283,4 +305,7 @@ class ActorWorker:
             share = float(rmask.sum()) / max(total_tokens, 1.0)
             for key in ("policy/clipfrac", "policy/clipfrac_lower", "policy/approx_kl"):
                 add(key, pg_metrics[key] * share)
+            for key in _BYPASS_METRICS:  # bypass mode: π_θ against the engine, token-share weighted over the update
+                if key in corr_metrics:
+                    add(key, corr_metrics[key] * share)
         return sums, finite

@@ -116,11 +116,12 @@ class LocalDataParallel:
         every rank's rows (unchanged here: this rank has them all)."""
         return x
 
-    def loss_counts(self, mini: RolloutBatch) -> tuple[float, float]:
-        """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses."""
+    def loss_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[float, float]:
+        """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses, counted on ``mask``
+        (B, T) (default ``mini.response_mask``; the actor passes ``mini.update_mask``, less rejected tokens)."""
         from tether.algos import loss_normalizers  # S counts only the rows with a valid token
 
-        tokens, seqs = loss_normalizers(mini.response_mask)
+        tokens, seqs = loss_normalizers(mini.response_mask if mask is None else mask)
         return float(tokens), float(seqs)
 
     def reduce(self, metrics: dict[str, float], finite: bool) -> tuple[dict[str, float], bool]:
