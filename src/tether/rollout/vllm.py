@@ -200,7 +200,7 @@ def resolve_engine(engine: str, model_path, *, backend: str = "local", async_ste
     if engine != "auto":
         return engine, f"rollout.engine={engine}"
     if async_steps:
-        return "hf", "rollout.async_steps=1 generates with HF generate on a snapshot of the policy"
+        return "hf", "rollout.async_steps generates with HF generate on a snapshot of the policy"
     if backend != "local":
         return "hf", f"trainer.backend={backend}: auto keeps HF generate; rollout.engine=vllm runs vLLM replicas as Ray actors"
     if vllm_backend() is None:

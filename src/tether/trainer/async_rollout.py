@@ -1,35 +1,46 @@
-"""One-step off-policy overlap (``rollout.async_steps=1``): the next batch is generated while this one trains.
+"""Off-policy overlap (``rollout.async_steps=k``, k = 1..4): batches are generated k steps ahead, the next one while this one trains.
 
-Timeline of step t (θ_k = the policy after k updates)::
+Timeline of step t with k = 1 (θ_j = the policy after j updates)::
 
     main thread   take batch t ─ start job t+1 ─ reward ─ ref log-probs ─ KL ─ advantages ─ update t ─ join ─ validate ─ checkpoint
-    job thread                   └ copy θ_{t-1} into the snapshot ─ generate batch t+1 ─ its log-probs under θ_{t-1} ┘
+    job thread                   └ θ_{t-1} into the snapshot ─ generate batch t+1 ─ its log-probs under θ_{t-1} ┘
 
 So the batch trained at step t was sampled from θ_{t-2} (the policy before step t-1's update; step
-1's and step 2's batches both come from θ_0) and is trained on by θ_{t-1}: one step stale. Its
-``old_logprobs`` (the PPO ratio's denominator) and ``entropy`` are the behaviour policy's, computed
-by the job on the very weights that generated it, so the clipped ratio π_θ/π_behaviour corrects the
-staleness (the one-step off-policy scheme of verl's ``recipe/one_step_off_policy``, with the
-behaviour policy's own log-probs as the old ones). With ``actor.old_logprobs_source=rollout`` the job
-makes no such pass: the sampled tokens' log-probs that ``generate`` recorded on the same snapshot
+1's and step 2's batches both come from θ_0) and is trained on by θ_{t-1}: one step stale. With k > 1
+step t starts the job for batch t+k on θ_{t-1} (step 1 starts k of them, all on θ_0), so from step k+1
+on each batch is k updates stale; ``rollout/staleness`` logs it. Its ``old_logprobs`` (the PPO ratio's
+denominator) and ``entropy`` are the behaviour policy's, computed by the job on the very weights that
+generated it, so the clipped ratio π_θ/π_behaviour corrects the staleness (the one-step off-policy
+scheme of verl's ``recipe/one_step_off_policy``, with the behaviour policy's own log-probs as the old
+ones), and rollout correction (``algo.rollout_correction``) weighs each batch against the engine's
+log-probs on that same snapshot. With ``actor.old_logprobs_source=rollout`` the job makes no such pass:
+the sampled tokens' log-probs that ``generate`` recorded on the same snapshot
 (``batch.rollout_logprobs``) serve as the old ones (the trainer's ``rollout_old_logprobs``; entropy
 is then not measured), which saves one no-grad forward over the batch per step. The reference
 log-probs, the KL, the advantages and the controllers are computed by the trainer as usual, on the
 main thread.
 
-The job runs on a **snapshot**: a second copy of the policy (``Trainer.roles.actor.model``: the local
-actor, or the driver's copy under ``trainer.backend=ray``) into which the trainable weights are
-copied before each job, so the update (local) or the weights pulled back from the Ray workers never
-race with generation. torch releases the GIL inside its kernels, so with one torch thread each the
-two threads use two cores.
+Bounded staleness (``rollout.max_staleness``, default k; as verl's fully async trainer and AReaL
+bound it): a batch more updates behind than the bound is, under ``drop``, regenerated at its step from
+the current weights (same prompts; ``rollout/stale_dropped``), and under ``wait`` never generated that
+far ahead (at most ``max_staleness`` batches are kept ahead). Here every batch is exactly k behind
+(fewer at the start, and after a rollback or a resume that restored fewer), so the bound matters when
+it is below k.
 
-Determinism: prompts are drawn on the main thread in step order, and the job is joined right after
+The jobs run on a **snapshot**: a second copy of the policy (``Trainer.roles.actor.model``: the local
+actor, or the driver's copy under ``trainer.backend=ray``). Each job gets a copy of the trainable
+weights taken when it was started, on the main thread, and loads it into the snapshot when it runs
+(one job at a time, on one thread), so the update (local) or the weights pulled back from the Ray
+workers never race with generation. torch releases the GIL inside its kernels, so with one torch
+thread each the two threads use two cores.
+
+Determinism: prompts are drawn on the main thread in step order, and every job is joined right after
 the update, before validation, checkpointing or anything else that draws from torch's global RNG;
-the only RNG draws during the overlap are the job's own sampling (a train-mode forward with dropout
-would also draw, so that is refused, :func:`check_no_dropout`). The same seed thus gives the same
-metrics run to run. A checkpoint stores the pending batch (its token ids and behaviour log-probs,
-``async_pending.safetensors``); a rollback discards it and the next step regenerates those prompts
-from the restored weights.
+the only RNG draws during the overlap are the jobs' own sampling, in job order (a train-mode forward
+with dropout would also draw, so that is refused, :func:`check_no_dropout`). The same seed thus gives
+the same metrics run to run. A checkpoint stores the pending batches (their token ids, behaviour
+log-probs and versions, ``async_pending.safetensors``), so a resume continues exactly; a rollback
+regenerates them, same prompts, from the restored weights.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import copy
 import json
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +63,8 @@ from tether.workers.actor import _forward_logprobs
 log = logging.getLogger("tether")
 
 PENDING_FILE = "async_pending.safetensors"
+MAX_STEPS_AHEAD = 4
+"""The largest ``rollout.async_steps``."""
 
 
 def snapshot_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -87,7 +101,7 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
     for role, model in models.items():
         if model is not None and has_dropout(model):
             raise ConfigError(
-                f"rollout.async_steps=1 with trainer.backend=local needs {role} without dropout: its training forward draws from "
+                f"rollout.async_steps with trainer.backend=local needs {role} without dropout: its training forward draws from "
                 "torch's global RNG while the background generation samples from it, so runs would not repeat. Use "
                 "rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a model without dropout"
             )
@@ -108,7 +122,11 @@ class AsyncRollout:
     """
 
     def __init__(self, runner, model, prompts, sampler, *, n: int, micro_batch_size: int, temperature: float, compute_dtype: str,
-                 from_rollout: bool = False):  # fmt: skip
+                 from_rollout: bool = False, steps_ahead: int = 1, max_staleness: int | None = None, staleness_policy: str = "drop"):  # fmt: skip
+        if not 1 <= steps_ahead <= MAX_STEPS_AHEAD:
+            raise ValueError(f"steps_ahead must be in 1..{MAX_STEPS_AHEAD}, got {steps_ahead}")
+        if staleness_policy not in ("drop", "wait"):
+            raise ValueError(f"staleness_policy must be 'drop' or 'wait', got {staleness_policy!r}")
         self.source = model
         self.snapshot = snapshot_model(model)
         engine = copy.copy(runner.engine)
@@ -119,68 +137,92 @@ class AsyncRollout:
         self.prompts, self.sampler, self.n = prompts, sampler, n
         self.micro_batch_size, self.temperature, self.compute_dtype = micro_batch_size, temperature, compute_dtype
         self.from_rollout = from_rollout
+        self.steps_ahead = steps_ahead  # rollout.async_steps: k
+        self.max_staleness = steps_ahead if max_staleness is None else max_staleness  # rollout.max_staleness
+        self.staleness_policy = staleness_policy  # rollout.staleness_policy
         self._pool: ThreadPoolExecutor | None = None  # started by the first job, ended by close()
-        self._job: Future | None = None
-        self._job_indices: list[int] | None = None
-        self._pending: RolloutBatch | None = None  # joined, not yet trained on
-        self._pending_indices: list[int] | None = None
+        # (batch or job, prompt indices, version) in step order; version = the step whose weights θ_{version} generated it
+        self._ready: deque[tuple[RolloutBatch, list[int], int]] = deque()  # joined, not yet trained on
+        self._jobs: deque[tuple[Future, list[int], int]] = deque()  # running or queued on the one job thread
+        self._step = 0  # the step of the last next_batch: the weights now are θ_{step-1} until that step's update
 
     # -------------------------------------------------------------- the step's batch
-    def next_batch(self, *, launch: bool = True) -> RolloutBatch:
-        """This step's batch (the pending one, else generated now from the current weights), with
-        ``old_logprobs`` and ``entropy`` of the policy that generated it; then, if ``launch``, the job
-        for the next step's batch starts on the current weights.
+    @property
+    def lookahead(self) -> int:
+        """How many batches are kept generated ahead: k, or fewer under ``wait`` with max_staleness < k."""
+        return min(self.steps_ahead, self.max_staleness) if self.staleness_policy == "wait" else self.steps_ahead
 
-        ``batch.extra["async_times"]`` holds the job's own seconds (``timing/async_generate_s``,
-        ``timing/async_logprobs_s``), spent off the main thread when the batch was pre-generated.
+    def next_batch(self, step: int = 1, *, remaining: int = 1) -> RolloutBatch:
+        """Step ``step``'s batch (the oldest pending one, else generated now from the current weights θ_{step-1}),
+        with ``old_logprobs`` and ``entropy`` of the policy that generated it; then jobs start on the current
+        weights until :attr:`lookahead` batches (at most ``remaining``, the steps after this one) are ahead.
+
+        A pending batch is ``staleness`` = (step − 1) − its version updates behind the policy that trains on it
+        (k in steady state); one past ``max_staleness`` under ``drop`` is regenerated now from the current
+        weights (same prompts). ``batch.extra["async_metrics"]``: ``rollout/staleness`` (steps),
+        ``rollout/stale_dropped`` (0/1); ``batch.extra["async_times"]``: the job's own seconds
+        (``timing/async_generate_s``, ``timing/async_logprobs_s``), spent off the main thread when pre-generated.
         """
         self.join()
-        if self._pending is not None:
-            batch, self._pending, self._pending_indices = self._pending, None, None
+        self._step = step
+        if self._ready:
+            batch, indices, version = self._ready.popleft()
         else:
-            self._copy_weights()
-            batch = self._produce(self.sampler.next_batch())
-        if launch:
-            self._launch()
+            indices, version = self.sampler.next_batch(), step - 1
+            self._copy_weights(self._weights())
+            batch = self._produce(indices)
+        dropped = (step - 1 - version) > self.max_staleness and self.staleness_policy == "drop"
+        if dropped:  # too old: the same prompts, generated now by the policy that trains on them
+            self._copy_weights(self._weights())
+            batch, version = self._produce(indices), step - 1
+        batch.extra["async_metrics"] = {"rollout/staleness": float(step - 1 - version), "rollout/stale_dropped": float(dropped)}
+        while len(self._ready) + len(self._jobs) < min(self.lookahead, remaining):
+            self._launch(step - 1)
         return batch
 
     def join(self) -> None:
-        """Wait for the running job (if any): its batch becomes the pending one. Re-raises its error."""
-        if self._job is None:
-            return
-        job, self._job = self._job, None
-        self._pending, self._pending_indices = job.result(), self._job_indices
+        """Wait for every running or queued job: their batches become pending, in order. Re-raises a job's error."""
+        while self._jobs:
+            job, indices, version = self._jobs.popleft()
+            self._ready.append((job.result(), indices, version))
 
     def discard(self) -> None:
-        """Drop the pending batch, keeping its prompts: the next step regenerates them from the weights
-        it then has (after a rollback restored older ones)."""
+        """Regenerate every pending batch from the current weights (after a rollback restored older ones),
+        keeping their prompts; they count as generated by this step's weights."""
         self.join()
-        if self._pending is not None:
-            self._copy_weights()
-            self._pending = self._produce(self._pending_indices)
+        if self._ready:
+            self._copy_weights(self._weights())
+            self._ready = deque((self._produce(indices), indices, self._step) for _, indices, _ in self._ready)
 
     def close(self) -> None:
-        """End the background thread (after the running job, whose batch is kept); a later step starts a new one."""
+        """End the background thread (after the running jobs, whose batches are kept); a later step starts a new one."""
         self.join()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _launch(self) -> None:
+    def _launch(self, version: int) -> None:
         indices = self.sampler.next_batch()
-        self._copy_weights()  # on the main thread, before the update can move the weights
-        self._job_indices = indices
+        weights = self._weights()  # on the main thread, before the update can move them
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tether-async-rollout")
-        self._job = self._pool.submit(self._produce, indices)
+        self._jobs.append((self._pool.submit(self._job, weights, indices), indices, version))
 
-    def _copy_weights(self) -> None:
-        """Trainable weights of the policy into the snapshot (frozen ones never change)."""
+    def _job(self, weights: dict[str, torch.Tensor], indices: list[int]) -> RolloutBatch:
+        """On the job thread, one job at a time: the launch's weights into the snapshot, then the batch."""
+        self._copy_weights(weights)
+        return self._produce(indices)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's trainable weights (frozen ones never change)."""
+        with torch.no_grad():
+            return {name: p.detach().clone() for name, p in self.source.named_parameters() if p.requires_grad}
+
+    def _copy_weights(self, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.snapshot.named_parameters())
         with torch.no_grad():
-            for name, p in self.source.named_parameters():
-                if p.requires_grad:
-                    params[name].copy_(p)
+            for name, w in weights.items():
+                params[name].copy_(w)
 
     def _produce(self, indices: list[int]) -> RolloutBatch:
         """Generate ``n`` responses per prompt index on the snapshot, then their log-probs (B, T) and
@@ -199,30 +241,35 @@ class AsyncRollout:
         return batch
 
     # -------------------------------------------------------------- checkpoints
-    def save(self, directory: Path) -> None:
-        """Write the pending batch (if any) as ``async_pending.safetensors``: token ids, masks, group
-        ids, behaviour log-probs and entropy (or the engine's sampled-token log-probs, ``from_rollout``),
-        and its prompt indices in the metadata."""
-        self.join()
-        if self._pending is None:
-            return
-        b = self._pending
-        tensors = {
-            "prompt_ids": b.prompt_ids, "prompt_mask": b.prompt_mask, "response_ids": b.response_ids, "group_ids": b.group_ids,
-            "old_logprobs": b.old_logprobs, "entropy": b.entropy, "rollout_logprobs": b.rollout_logprobs,
-        }  # fmt: skip
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if v is not None}
-        save_file(tensors, str(Path(directory) / PENDING_FILE), metadata={"indices": json.dumps(self._pending_indices)})
+    _TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "group_ids", "old_logprobs", "entropy", "rollout_logprobs")
 
-    def load(self, directory: Path) -> None:
-        """Restore :meth:`save`'s pending batch (none in a checkpoint without the file).
+    def save(self, directory: Path) -> None:
+        """Write the pending batches (if any) as ``async_pending.safetensors``: per batch i, its token ids, masks,
+        group ids, behaviour log-probs and entropy (or the engine's sampled-token log-probs, ``from_rollout``)
+        as ``{i}.{name}``, and each batch's prompt indices and version in the metadata (``batches``)."""
+        self.join()
+        if not self._ready:
+            return
+        tensors, meta = {}, []
+        for i, (b, indices, version) in enumerate(self._ready):
+            for k in self._TENSORS:
+                v = getattr(b, k)
+                if v is not None:
+                    tensors[f"{i}.{k}"] = v.detach().cpu().contiguous()
+            meta.append({"indices": indices, "version": version})
+        save_file(tensors, str(Path(directory) / PENDING_FILE), metadata={"batches": json.dumps(meta)})
+
+    def load(self, directory: Path, step: int | None = None) -> None:
+        """Restore :meth:`save`'s pending batches (none in a checkpoint without the file). ``step``: the
+        checkpoint's step, the version of a batch in a file written before versions were saved (one batch).
 
         Raises:
             CheckpointError: the file does not match the training prompts (another data set).
         """
         from tether.trainer.checkpoint import CheckpointError
 
-        self._pending = self._pending_indices = None
+        self._ready.clear()
+        self._step = step or 0
         path = Path(directory) / PENDING_FILE
         if not path.is_file():  # e.g. the checkpoint of a run's last step, after which no next batch was started
             log.warning("resume: checkpoint %s holds no pending batch (%s): the next step's batch is generated from the restored "
@@ -230,24 +277,31 @@ class AsyncRollout:
                         PENDING_FILE)  # fmt: skip
             return
         with safe_open(str(path), framework="pt") as f:
-            indices = json.loads(f.metadata()["indices"])
+            meta = f.metadata()
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        if any(not 0 <= i < len(self.prompts) for i in indices) or t["response_ids"].shape[0] != len(indices) * self.n:
-            raise CheckpointError(f"checkpoint {directory}: {PENDING_FILE} holds {t['response_ids'].shape[0]} responses of prompts "
-                                  f"{indices[:4]}..., which do not fit this run's {len(self.prompts)} prompts x rollout.n={self.n}")
+        if "batches" in meta:
+            batches = json.loads(meta["batches"])
+        else:  # rollout.async_steps=1 before k > 1: one batch, unprefixed names, generated by the checkpoint's weights
+            batches = [{"indices": json.loads(meta["indices"]), "version": self._step - 1}]
+            t = {f"0.{k}": v for k, v in t.items()}
         device = self.runner.device
-        rep = [i for i in indices for _ in range(self.n)]
-        batch = self.runner._batch(
-            self.prompts, rep, t["prompt_ids"].to(device), t["prompt_mask"].to(device), t["response_ids"].to(device), t["group_ids"].to(device)
-        )
-        for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
-            setattr(batch, k, t[k].to(device) if k in t else None)
-        batch.extra["async_times"] = {}
-        self._pending, self._pending_indices = batch, indices
+        for i, spec in enumerate(batches):
+            indices = spec["indices"]
+            ids = t[f"{i}.response_ids"]
+            if any(not 0 <= j < len(self.prompts) for j in indices) or ids.shape[0] != len(indices) * self.n:
+                raise CheckpointError(f"checkpoint {directory}: {PENDING_FILE} holds {ids.shape[0]} responses of prompts "
+                                      f"{indices[:4]}..., which do not fit this run's {len(self.prompts)} prompts x rollout.n={self.n}")
+            rep = [j for j in indices for _ in range(self.n)]
+            batch = self.runner._batch(self.prompts, rep, t[f"{i}.prompt_ids"].to(device), t[f"{i}.prompt_mask"].to(device), ids.to(device),
+                                       t[f"{i}.group_ids"].to(device))  # fmt: skip
+            for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
+                setattr(batch, k, t[f"{i}.{k}"].to(device) if f"{i}.{k}" in t else None)
+            batch.extra["async_times"] = {}
+            self._ready.append((batch, indices, int(spec["version"])))
 
 
 def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
-    """The AsyncRollout of ``rollout.async_steps=1`` (None at 0) over a run's roles, training
+    """The AsyncRollout of ``rollout.async_steps`` (None at 0) over a run's roles, training
     prompts and PromptSampler.
 
     Raises:
@@ -260,4 +314,5 @@ def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
     return AsyncRollout(
         roles.engine, roles.actor.model, train_set, sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,
         temperature=cfg.rollout.temperature, compute_dtype=cfg.actor.compute_dtype, from_rollout=cfg.actor.old_logprobs_source == "rollout",
+        steps_ahead=cfg.rollout.async_steps, max_staleness=cfg.rollout.max_staleness, staleness_policy=cfg.rollout.staleness_policy,
     )  # fmt: skip

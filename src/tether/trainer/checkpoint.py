@@ -8,7 +8,7 @@ Layout of ``<output_dir>/checkpoints/step_000100/``::
     optim.pt                optimizer + LR-scheduler states (tensors only; loaded weights_only=True)
     rng.json                python, numpy and torch (CPU, CUDA) RNG states
     trainer_state.json      step, KL controller, data position, guard, reward normaliser, best score
-    async_pending.safetensors  rollout.async_steps=1: the batch generated for the next step (token ids,
+    async_pending.safetensors  rollout.async_steps: the batches generated for the next steps (token ids,
                             behaviour log-probs; ``tether.trainer.async_rollout``)
     MANIFEST.json           size and sha256 of every file above; written last = the completeness marker
 

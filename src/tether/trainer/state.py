@@ -75,7 +75,7 @@ class CheckpointManager:
     Saved: actor (and critic) weights, the reference's weights when ``ref.reset_every`` moves it,
     optimizer and LR-scheduler states, KL controller, RNG states, data position, guard state, reward
     normaliser, best validation score, last validation metrics, the live diagnostics' state, the
-    step's metrics line, the batch pre-generated for the next step (``rollout.async_steps=1``) and the
+    step's metrics line, the batch pre-generated for the next step (``rollout.async_steps``) and the
     config. Resuming from it continues exactly as the run would have.
 
     Args:
@@ -84,7 +84,7 @@ class CheckpointManager:
         controller, sampler, guard: the KL controller, PromptSampler and GuardMonitor, saved and
             loaded in place.
         exact_cache: the exact/* metrics' ``ExactCache``, emptied when a checkpoint loads the reference.
-        async_rollout: the ``AsyncRollout`` of ``rollout.async_steps=1`` (its pending batch is saved, loaded, and
+        async_rollout: the ``AsyncRollout`` of ``rollout.async_steps`` (its pending batches are saved, loaded, and
             regenerated after a rollback), or None.
 
     The loop's step and last validation metrics are passed to :meth:`save`; :meth:`maybe_resume`
@@ -179,7 +179,7 @@ class CheckpointManager:
             )
 
         writers = {"weights": weights, "optim": optim, "state": trainer_state}
-        if self.async_rollout is not None:  # rollout.async_steps=1: the batch generated for the next step
+        if self.async_rollout is not None:  # rollout.async_steps: the batches generated for the next steps
             writers["pending"] = self.async_rollout.save
         path = write_checkpoint(self.root, step, writers, self._verified)
         self.step = self.last_saved_step = step
@@ -340,7 +340,7 @@ class CheckpointManager:
         self._step_record = state.get("metrics")
         set_rng_state(read_json(path / "rng.json"))
         if self.async_rollout is not None:
-            self.async_rollout.load(path)
+            self.async_rollout.load(path, step=self.step)
         self.resumed_from = path.parent
         self._restore_metrics_line(state.get("metrics"))
         if state.get("stopped"):

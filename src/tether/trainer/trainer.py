@@ -193,7 +193,7 @@ class Trainer:
         self.last_val: dict[str, float] = {}
         from tether.trainer.async_rollout import build_async_rollout
 
-        # rollout.async_steps=1: the next batch is generated during the update
+        # rollout.async_steps=k: batches are generated k steps ahead, the next one during each update
         self.async_rollout = build_async_rollout(cfg, self.roles, self.train_set, self.sampler)
         from tether.trainer.state import CheckpointManager
         from tether.trainer.stats import ExactCache
@@ -318,10 +318,10 @@ class Trainer:
 
     def rollout(self) -> RolloutBatch:
         """Sample ``rollout.n`` responses for each of ``data.batch_size`` prompts; under
-        ``rollout.async_steps=1`` the batch generated during the last update, with its behaviour
-        policy's old_logprobs (``tether.trainer.async_rollout``), and the next one is started."""
+        ``rollout.async_steps=k`` the batch generated k updates ago, with its behaviour policy's
+        old_logprobs (``tether.trainer.async_rollout``), and the one k steps ahead is started."""
         if self.async_rollout is not None:
-            return self.async_rollout.next_batch(launch=self.step < self.cfg.trainer.total_steps)
+            return self.async_rollout.next_batch(self.step, remaining=self.cfg.trainer.total_steps - self.step)
         return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
 
     def score(self, batch: RolloutBatch) -> None:
@@ -371,7 +371,7 @@ class Trainer:
     def compute_logprobs(self, batch: RolloutBatch) -> None:
         """old_logprobs and entropy from the actor, ref_logprobs from the reference (one pass each); the
         actor's pass is left to the update when :meth:`reuse_update_logprobs`, not made when the batch
-        carries its behaviour policy's (``rollout.async_steps=1``), and skipped when old_logprobs are
+        carries its behaviour policy's (``rollout.async_steps``), and skipped when old_logprobs are
         the rollout engine's (:meth:`rollout_old_logprobs`)."""
         if batch.old_logprobs is None and self.rollout_old_logprobs(batch):
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
@@ -494,7 +494,7 @@ class Trainer:
         tokens = float(batch.response_mask.sum())
         train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
         wait_s = times.get("timing/rollout_s", 0.0) + times.get("timing/rollout_join_s", 0.0)  # the main thread's
-        async_times = batch.extra.get("async_times", {})  # rollout.async_steps=1: the job's own, off the main thread
+        async_times = batch.extra.get("async_times", {})  # rollout.async_steps: the job's own, off the main thread
         gen_s = async_times.get("timing/async_generate_s", wait_s)
         out = async_times | {
             "perf/tokens_per_s": tokens / max(train_s, 1e-9),
