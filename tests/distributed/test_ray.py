@@ -56,8 +56,8 @@ def _compare(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
         assert keys == {k for k in rb if not k.startswith(NOT_COMPARED)}, ra["step"]
         for k in keys:
             va, vb = ra[k], rb[k]
-            if isinstance(va, float) and math.isnan(va):
-                assert math.isnan(vb), (ra["step"], k)
+            if va is None or (isinstance(va, float) and math.isnan(va)):  # NaN is written as null (policy/entropy unmeasured)
+                assert vb is None or math.isnan(vb), (ra["step"], k)
             else:
                 assert vb == pytest.approx(va, abs=tol, rel=tol), (ra["step"], k, va, vb)
 
@@ -70,6 +70,14 @@ EQUAL_CASES = {
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
     # the driver generates the next batch (and its behaviour log-probs) while the workers train
     "async": ["rollout.async_steps=1"],
+    # three batches ahead, each weighed against the mismatched engine (TIS), with a rejection that takes responses out
+    # of the all-reduced loss counts, and an off-policy-corrected k3 KL loss over two mini-batches
+    "async-3-rollout-correction": ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
+                                   "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05",
+                                   "kl.placement=both", "kl.loss_estimator=k3", "algo.mini_batch_size=8"],
+    # bypass mode: each rank masks its micro-batches' tokens by π_θ/π_rollout; the metrics are the ranks' shares
+    "bypass-mask": ["rollout.engine_temperature=1.5", "actor.old_logprobs_source=rollout", "algo.rollout_correction.level=token",
+                    "algo.rollout_correction.mode=mask", "algo.rollout_correction.threshold=1.2"],
     # padding-free forwards and token-budget micro-batches (ranks pad to equal micro-batch counts)
     "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
                "critic.max_tokens_per_micro_batch=20"],
