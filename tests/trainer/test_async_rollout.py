@@ -153,6 +153,29 @@ class Crash(Exception):
     pass
 
 
+def crash_after(trainer: Trainer, n: int) -> None:
+    """Run ``trainer.fit()`` and let it die when step ``n + 1`` would start (no end-of-run checkpoint)."""
+    step = trainer.train_step
+
+    def train_step():
+        if trainer.step >= n:
+            raise Crash
+        return step()
+
+    trainer.train_step = train_step
+    with pytest.raises(Crash):
+        trainer.fit()
+
+
+def assert_same_numbers(got: list[dict], want: list[dict]) -> None:
+    """Every non-timing number of every step within 1e-6 (NaN where the other is NaN)."""
+    for g, w in zip(got, want, strict=True):
+        g, w = numbers(g), numbers(w)
+        assert g.keys() == w.keys()
+        for k in w:
+            assert (math.isnan(g[k]) and math.isnan(w[k])) or g[k] == pytest.approx(w[k], abs=1e-6, rel=0), (w["step"], k, g[k], w[k])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
@@ -167,17 +190,7 @@ def test_resume_equals_uninterrupted(tmp_path, extra):
     want = read_lines(tmp_path / "full")
 
     run = tmp_path / "run"
-    first = Trainer(cfg(run, *extra))
-    step = first.train_step
-
-    def train_step():
-        if first.step >= 3:
-            raise Crash
-        return step()
-
-    first.train_step = train_step
-    with pytest.raises(Crash):
-        first.fit()
+    crash_after(Trainer(cfg(run, *extra)), 3)
     assert (run / "checkpoints" / "step_000002" / PENDING_FILE).is_file()
     assert not (run / "checkpoints" / "step_000005").exists()
     resumed = Trainer(cfg(run, *extra))
@@ -185,11 +198,7 @@ def test_resume_equals_uninterrupted(tmp_path, extra):
     resumed.fit()
     got = read_lines(run)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 5]
-    for g, w in zip(got, want, strict=True):
-        g, w = numbers(g), numbers(w)
-        assert g.keys() == w.keys()
-        for k in w:
-            assert (math.isnan(g[k]) and math.isnan(w[k])) or g[k] == pytest.approx(w[k], abs=1e-6, rel=0), (w["step"], k, g[k], w[k])
+    assert_same_numbers(got, want)
     assert not (run / "checkpoints" / "step_000005" / PENDING_FILE).exists()  # the last step starts no next batch
     if extra:
         assert full.guard.rollbacks >= 1 and any(r.get("guard/rollback") for r in want)
@@ -281,26 +290,12 @@ def test_resume_with_three_pending_batches_equals_uninterrupted(tmp_path):
     full.fit()
     want = read_lines(tmp_path / "full")
     run = tmp_path / "run"
-    first = Trainer(cfg(run, *extra))
-    step = first.train_step
-
-    def train_step():
-        if first.step >= 3:
-            raise Crash
-        return step()
-
-    first.train_step = train_step
-    with pytest.raises(Crash):
-        first.fit()
+    crash_after(Trainer(cfg(run, *extra)), 3)
     resumed = Trainer(cfg(run, *extra))
     assert resumed.step == 2 and [v for _, _, v in resumed.async_rollout._ready] == [0, 0, 1]  # batches 3, 4 from θ_0, 5 from θ_1
     resumed.fit()
     got = read_lines(run)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(7))
-    for g, w in zip(got, want, strict=True):
-        g, w = numbers(g), numbers(w)
-        assert g.keys() == w.keys()
-        for key in w:
-            assert (math.isnan(g[key]) and math.isnan(w[key])) or g[key] == pytest.approx(w[key], abs=1e-6, rel=0), (w["step"], key)
+    assert_same_numbers(got, want)
     steps = [r for r in want if r["step"] > 0]
     assert [r["rollout/staleness"] for r in steps] == [0, 1, 2, 3, 3, 3] and all(0 < r["rollout_corr/ess"] < 1 for r in steps)
