@@ -35,12 +35,12 @@ def reward(data_sources, solution_strs, ground_truths, extra_infos):
 '''
 
 
-def overrides(run: Path, reward: Path) -> list[str]:
+def overrides(run: Path, reward: Path, *extra: str) -> list[str]:
     return [
         "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
         "trainer.total_steps=6", "trainer.save_freq=2", "trainer.keep_last=2", "data.batch_size=4", "data.embedded_train_size=8",
         "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-3", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50",
-        f"reward.function={reward}:reward", f"trainer.output_dir={run}",
+        f"reward.function={reward}:reward", f"trainer.output_dir={run}", *extra,
     ]  # fmt: skip
 
 
@@ -81,25 +81,36 @@ def setup(tmp_path_factory):
     return reward, want
 
 
-def train(run: Path, reward: Path, env: dict | None = None) -> subprocess.Popen:
+def train(run: Path, reward: Path, env: dict | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``tether train`` in a subprocess (the fault hook only when ``env`` sets it)."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV} | {"OMP_NUM_THREADS": "1"} | (env or {})
-    cmd = [sys.executable, "-m", "tether.cli", "train", *overrides(run, reward)]
+    cmd = [sys.executable, "-m", "tether.cli", "train", *overrides(run, reward, *extra)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def resume_and_finish(run: Path, reward: Path) -> str:
-    proc = train(run, reward)
+def resume_and_finish(run: Path, reward: Path, extra: tuple[str, ...] = ()) -> str:
+    proc = train(run, reward, extra=extra)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     return err
 
 
-def test_sigkill_at_a_random_step_then_resume(tmp_path, setup):
+#: three batches generated ahead, each weighed against a mismatched engine (TIS) with rejection, and a k3 KL loss
+ASYNC_CORRECTED = ("rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
+                   "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05", "kl.placement=both",
+                   "kl.loss_estimator=k3", "algo.mini_batch_size=8")  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [(), ASYNC_CORRECTED], ids=["sync", "async-3-rollout-correction"])
+def test_sigkill_at_a_random_step_then_resume(tmp_path, setup, extra):
     reward, want = setup
+    if extra:  # its own uninterrupted run, in-process
+        Trainer(load_config(None, overrides(tmp_path / "reference", reward, *extra))).fit()
+        want = read_lines(tmp_path / "reference")
+        assert all(r["rollout/staleness"] == min(r["step"] - 1, 3) and 0 < r["rollout_corr/ess"] < 1 for r in want)
     kill_after = random.Random(20240607).randint(3, 5)  # the step after whose metrics line the kill is sent
     run = tmp_path / "run"
-    proc = train(run, reward, env={"SLOW_REWARD_S": "0.4"})
+    proc = train(run, reward, env={"SLOW_REWARD_S": "0.4"}, extra=extra)
     deadline = time.monotonic() + 90
     while max((r["step"] for r in read_lines(run)), default=0) < kill_after:
         assert proc.poll() is None, proc.stderr.read()
@@ -114,7 +125,7 @@ def test_sigkill_at_a_random_step_then_resume(tmp_path, setup):
     expected = 2 * (done // 2)  # the checkpoint of the last even step logged
     assert last is not None and last.name == f"step_{expected:06d}"
 
-    err = resume_and_finish(run, reward)
+    err = resume_and_finish(run, reward, extra)
     assert f"resumed from {last} (step {expected})" in err
     assert_same(read_lines(run), want)
 
