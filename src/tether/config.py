@@ -230,7 +230,7 @@ class RewardConfig(_Section):
     clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
-    timeout_s: float | None = Field(None, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors (null = wait forever). See docs/rewards.md.")
+    timeout_s: float | None = Field(600.0, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors. With a timeout the function runs in a worker thread: code that installs signal handlers (math_verify's own timeouts) needs null, which runs it on the main thread and waits forever. See docs/rewards.md.")
     max_failed_steps: int = Field(3, ge=1, description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps whose every sample was dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them); a run that ends with every one of its steps so failed also stops with that error. See docs/rewards.md.")
 
     @field_validator("clip")
@@ -425,6 +425,11 @@ class TrainerConfig(_Section):
     output_dir: str = Field("runs/{time}", description="Run directory; '{time}' is replaced by a timestamp.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     resume: str = Field("auto", description="auto (latest complete checkpoint in output_dir), off (a fresh start; refused on an output_dir that holds an earlier run), or a checkpoint path.")
+    stop_grace_s: float | None = Field(
+        120.0, gt=0, description="After a SIGTERM/SIGINT the step in progress may run this many seconds more to finish and be "
+        "checkpointed; past it (a reward that never returns, a hung collective) it is abandoned and the run exits with the last "
+        "complete checkpoint (docs/checkpoints.md). null = wait for the step however long it takes."
+    )
     val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
     val_n: int = Field(4, ge=1, description="Samples per validation prompt: mean@n, pass@k and maj@k for k = 1, 2, 4, ... <= n.")
     val_max_prompts: int | None = Field(

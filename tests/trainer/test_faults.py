@@ -194,3 +194,44 @@ def test_sigterm_or_sigint_finishes_the_step_checkpoints_it_and_resumes_from_it(
     err = resume_and_finish(run, reward)
     assert f"resumed from {last} (step {done})" in err
     assert_same(read_lines(run), want)  # as if never interrupted
+
+
+# A reward that hangs forever from its second batch on (a remote judge that stopped answering).
+HANG = '''
+import os
+import time
+from tether.tasks.digitsum import compute_score
+
+CALLS = []
+
+def reward(data_sources, solution_strs, ground_truths, extra_infos):
+    CALLS.append(1)
+    if len(CALLS) >= 2:
+        time.sleep(100000)
+    return [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
+'''
+
+
+@pytest.mark.parametrize("reward_timeout", ["null", "600"])
+def test_one_sigterm_stops_a_hung_step_after_the_grace_period(tmp_path, reward_timeout):
+    """Issue 24, item 1: a step hung in the reward (reward.timeout_s=null: on the main thread; 600: waiting on its
+    worker thread) gets trainer.stop_grace_s=2 s after one SIGTERM, then is abandoned: exit 143 within seconds,
+    with the last complete checkpoint (step 1) named and the resume command printed."""
+    reward = tmp_path / "hang.py"
+    reward.write_text(HANG)
+    run = tmp_path / "run"
+    proc = train(run, reward, extra=("trainer.save_freq=1", "trainer.stop_grace_s=2", f"reward.timeout_s={reward_timeout}"))
+    deadline = time.monotonic() + 90
+    while max((r["step"] for r in read_lines(run)), default=0) < 1:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.02)
+    time.sleep(0.5)  # into step 2's reward, which never returns
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - t0 < 20
+    assert "did not finish within trainer.stop_grace_s=2 s of the SIGTERM: abandoning it" in err
+    assert "the last checkpoint is step 1" in err and f"trainer.output_dir={run}" in err.rsplit("To continue:", 1)[1]
+    assert latest_valid_checkpoint(run / "checkpoints").name == "step_000001"

@@ -8,7 +8,9 @@ resuming from it continues as an uninterrupted run would), a checkpoint of that 
 and :class:`TrainingInterrupted` is raised. A **second** signal abandons the step at once (raising
 :class:`TrainingInterrupted` from wherever the code is; checkpoints are written atomically, so a
 half-written one is never mistaken for a whole one) and the latest complete checkpoint stays the
-resume point. ``tether train`` then prints how to resume and exits with 128 + the signal number
+resume point. So does a step that has not finished ``grace_s`` seconds (``trainer.stop_grace_s``) after
+the first signal (a reward function that never returns, a hung collective): the grace timer sends the
+signal again, so a scheduler or ``timeout`` that sends one SIGTERM always gets its job back. ``tether train`` then prints how to resume and exits with 128 + the signal number
 (130 for SIGINT, 143 for SIGTERM), the shell's convention for a process ended by a signal.
 
 Handlers are installed only on the main thread (Python allows no other) and the previous handlers
@@ -18,6 +20,7 @@ are restored when ``fit`` returns.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -59,17 +62,34 @@ class StopSignals:
     """Context manager: while active, the first SIGTERM/SIGINT sets :attr:`signum` (checked by the
     training loop between steps) and a second raises :class:`TrainingInterrupted` at once."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float | None = None):
         self.signum: int | None = None
+        self.grace_s = grace_s  # trainer.stop_grace_s: None = wait for the step however long it takes
+        self.grace_expired = False
         self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            log.warning("%s again: abandoning the step in progress without a new checkpoint", signal_name(signum))
+            if self.grace_expired:
+                log.warning("the step did not finish within trainer.stop_grace_s=%g s of the %s: abandoning it without a new "
+                            "checkpoint", self.grace_s, signal_name(signum))  # fmt: skip
+            else:
+                log.warning("%s again: abandoning the step in progress without a new checkpoint", signal_name(signum))
             raise TrainingInterrupted(signum)
         self.signum = signum
         log.warning("%s received: finishing the step in progress, then writing a checkpoint and stopping "
-                    "(send it again to stop at once)", signal_name(signum))
+                    "(send it again to stop at once%s)", signal_name(signum),
+                    f"; after trainer.stop_grace_s={self.grace_s:g} s the step is abandoned" if self.grace_s else "")  # fmt: skip
+        if self.grace_s:
+            self._timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self, signum: int) -> None:
+        """The grace period ran out with the step still going: the signal again (handled on the main thread)."""
+        self.grace_expired = True
+        os.kill(os.getpid(), signum)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -78,6 +98,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}

@@ -143,15 +143,19 @@ class Trainer:
             torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         self.run_dir, claimed = claim_run_dir(run_dir, cfg.trainer.output_dir)
+        from tether.trainer import lock
         from tether.trainer.state import check_fresh_start
 
-        check_fresh_start(self.run_dir, cfg.trainer.resume)  # resume=off on an earlier run: refused before models load
+        self._lock = lock.acquire(self.run_dir)  # one run per directory (RunDirLocked names the holder)
         try:
+            check_fresh_start(self.run_dir, cfg.trainer.resume)  # resume=off on an earlier run: refused before models load
             self._setup(cfg)
         except BaseException:
             if getattr(self, "roles", None) is not None:
                 self.roles.close()
-            if claimed and not any(self.run_dir.iterdir()):
+            lock.release(self._lock)
+            if claimed and {p.name for p in self.run_dir.iterdir()} <= {lock.LOCK_FILE}:
+                (self.run_dir / lock.LOCK_FILE).unlink(missing_ok=True)
                 self.run_dir.rmdir()  # a failed start leaves no empty run directory behind
             raise
         # only a start that got this far writes its config (a failed one never overwrites a run's)
@@ -214,7 +218,7 @@ class Trainer:
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
         first_step = self.step
         try:
-            with StopSignals() as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
+            with StopSignals(self.cfg.trainer.stop_grace_s) as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
                 if self.step == 0 and self.cfg.trainer.val_freq:
                     self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
                 if self.step >= self.cfg.trainer.total_steps:
@@ -237,6 +241,9 @@ class Trainer:
             if self.async_rollout is not None:
                 self.async_rollout.close()
             self.roles.close()
+            from tether.trainer import lock
+
+            lock.release(self._lock)  # the directory is free for the next command (resume, extend)
         if (failed := self.guard.all_steps_failed(self.step - first_step)) is not None:
             raise failed  # every step was empty: an error exit, its checkpoint (at total_steps) already written
         if self.cfg.trainer.report:
