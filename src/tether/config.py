@@ -578,11 +578,19 @@ class TetherConfig(_Section):
             _check_distributed(self)
         elif self.actor.tp_size > 1:
             raise ValueError(f"actor.tp_size={self.actor.tp_size} needs trainer.backend=ray (the local backend runs every role in one process)")
+        if self.trainer.backend != "ray":  # Ray's keys do nothing on the local backend: refused, not ignored
+            t = self.trainer
+            for key, value, default in (("n_workers", t.n_workers, 1), ("nnodes", t.nnodes, 1), ("n_gpus_per_node", t.n_gpus_per_node, 0),
+                                        ("placement", t.placement, "colocate"), ("ray_address", t.ray_address, None)):  # fmt: skip
+                if value != default:
+                    raise ValueError(f"trainer.{key}={value} needs trainer.backend=ray (the local backend runs every role in this "
+                                     f"process); set trainer.backend=ray or leave trainer.{key} at its default ({default})")  # fmt: skip
         if self.trainer.backend != "ray":  # vLLM replicas and their tp exist only under Ray, with the vLLM engine
             unused = "needs trainer.backend=ray (the local backend runs one vLLM engine in its own process)"
-        elif self.rollout.engine == "hf":
-            unused = ("has no effect with rollout.engine=hf (HF generate runs on the driver): use rollout.engine=vllm, or leave "
-                      "rollout.vllm.* at their defaults")  # fmt: skip
+        elif self.rollout.engine in ("hf", "auto"):
+            unused = (f"has no effect with rollout.engine={self.rollout.engine} under trainer.backend=ray (HF generate runs on the driver"
+                      + ("; auto keeps HF there" if self.rollout.engine == "auto" else "")
+                      + "): use rollout.engine=vllm, or leave rollout.vllm.* at their defaults")  # fmt: skip
         else:
             unused = None
         for key in ("replicas", "tensor_parallel_size") if unused else ():

@@ -103,7 +103,11 @@ def test_vllm_replica_keys_in_help_and_validated():
         load_config(None, ["rollout.vllm.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=hf"):  # settings that would be ignored
         load_config(None, ["trainer.backend=ray", "rollout.engine=hf", "rollout.vllm.replicas=3"])
-    load_config(None, ["trainer.backend=ray", "rollout.engine=auto", "rollout.vllm.replicas=3"])  # auto may pick vLLM where it is installed
+    with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=auto under trainer.backend=ray"):
+        load_config(None, ["trainer.backend=ray", "rollout.engine=auto", "rollout.vllm.replicas=3"])  # auto keeps HF under Ray
+    for key, value in (("n_workers", 2), ("nnodes", 2), ("n_gpus_per_node", 1), ("placement", "split"), ("ray_address", "auto")):
+        with pytest.raises(ConfigError, match=rf"trainer.{key}={value} needs trainer.backend=ray"):  # ignored before (issue 24)
+            load_config(None, [f"trainer.{key}={value}"])
     gpus = [*ray, "trainer.n_gpus_per_node=2"]
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 with trainer.placement=colocate on GPUs"):
         load_config(None, [*gpus, "rollout.vllm.tensor_parallel_size=2"])

@@ -230,3 +230,15 @@ def test_gsm8k_on_an_already_converted_file_hints_so(tmp_path):
         (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "1+1?"}) + "\n")
         convert_gsm8k(tmp_path / "bad.jsonl", tmp_path / "x.jsonl")
     assert "converted" not in str(e.value)
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_ray_starts(tmp_path):
+    """Issue 24, item 7: the embedded model has 4 attention heads; actor.tp_size=3 was found only inside the Ray workers."""
+    import ray
+
+    from tether.config import load_config
+
+    cfg = load_config(None, ["trainer.backend=ray", "trainer.n_workers=3", "actor.tp_size=3", f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"actor.tp_size=3 must divide the model's num_attention_heads=4, num_key_value_heads=4 .*actor.model="):
+        Trainer(cfg)
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()

@@ -124,6 +124,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
         from tether.rollout.vllm import resolve_engine
 
         log.info("rollout.engine=auto: %s (%s)", *resolve_engine("auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps, value=cfg.actor.model))
+    if cfg.trainer.backend == "ray" and cfg.actor.tp_size > 1:
+        check_tp_heads(cfg, actor_path)  # before any model loads or Ray starts (the workers would find it after both)
     tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     model_paths = {"actor.model": actor_path}
     attn = attention.for_config(cfg, device)
@@ -247,6 +249,29 @@ def _build_engine(cfg: TetherConfig, model, tok, actor_path):
         returns_logprobs=cfg.actor.old_logprobs_source == "rollout" or cfg.algo.rollout_correction.active, share_prefill=r.share_prefill,
         hf_decode=r.hf_decode, drop_finished=r.hf_drop_finished, sampler=r.hf_sampler,
     )  # fmt: skip
+
+
+def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
+    """``actor.tp_size`` must split the attention and KV heads of every model the worker groups shard (the actor,
+    and a separate ``ref.model`` / ``critic.model``), read from their config.json before anything loads.
+
+    Raises:
+        ConfigError: naming ``actor.tp_size``, the model's key and the count it does not divide.
+    """
+    from transformers import AutoConfig
+
+    from tether.distributed.parallel import ParallelDims
+
+    dims = ParallelDims.from_world(cfg.actor.tp_size, cfg.actor.tp_size)
+    models = {"actor.model": actor_path}
+    for key, value in (("ref.model", cfg.ref.model), ("critic.model", cfg.critic.model if cfg.algo.adv_estimator == "gae" else None)):
+        if value is not None:
+            models[key] = resolve_model_path(value, key)
+    for key, path in models.items():
+        try:
+            dims.check_model(AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor.trust_remote_code))
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({key}={path})") from None
 
 
 def check_same_tokenizer(actor_tok, path, key: str, *, trust_remote_code: bool = False) -> None:
