@@ -345,3 +345,37 @@ def test_a_hung_reward_call_does_not_block_interpreter_exit(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "timeouts 1.0"
+
+
+EXITING = """
+import sys
+def fn(data_sources, solution_strs, ground_truths, extra_infos):
+    if "exit" in solution_strs:
+        sys.exit(0)
+    if "interrupt" in solution_strs:
+        raise KeyboardInterrupt
+    return [1.0 for _ in solution_strs]
+"""
+
+
+@pytest.mark.parametrize("timeout_s", [None, 60.0], ids=["main-thread", "worker-thread"])
+def test_sys_exit_and_keyboard_interrupt_in_reward_code_are_that_samples_error(tmp_path, timeout_s):
+    """Issue 24, item 9: sys.exit(0) in a reward function ended a run with exit 0 and no checkpoint; a KeyboardInterrupt
+    raised by the code read as the user's "interrupted". Both are the sample's error, named (during training, where
+    the trainer's SIGINT handler is installed; StopSignals stands for it here)."""
+    from tether.trainer.signals import StopSignals
+
+    m = RewardManager(function=_user_fn(tmp_path, EXITING), timeout_s=timeout_s)
+    with StopSignals():
+        res = m(_rows(3), ["p"] * 3, ["a", "exit", "interrupt"])
+    assert res.valid.tolist() == [True, False, False] and res.metrics["reward/error_count"] == 2
+    assert res.errors[1] == ("sample 1: RuntimeError: the reward code raised sys.exit(0): counted as this sample's error "
+                             "(a reward function must return scores)")
+    assert "raised KeyboardInterrupt" in res.errors[2]
+
+
+def test_a_ctrl_c_outside_training_still_stops(tmp_path):
+    """With Python's own SIGINT handler (tether eval, a script) a KeyboardInterrupt on the main thread is the user's."""
+    m = RewardManager(function=_user_fn(tmp_path, EXITING))
+    with pytest.raises(KeyboardInterrupt):
+        m(_rows(1), ["p"], ["interrupt"])

@@ -44,6 +44,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -131,6 +132,33 @@ def _accepts_extra_info(fn: Callable) -> bool:
 def _brief(e: BaseException) -> str:
     msg = str(e)
     return f"{type(e).__name__}: {msg[:400]}" if msg else type(e).__name__
+
+
+#: what reward code may raise that is still that code's error: Exception, and the two BaseExceptions a function can
+#: raise itself (sys.exit, KeyboardInterrupt) that would otherwise end the run with exit 0 or "interrupted"
+CAUGHT = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def reward_error(e: BaseException) -> Exception:
+    """The exception a failed reward call counts as: ``e`` itself, or for ``SystemExit`` / ``KeyboardInterrupt``
+    raised by the reward code a ``RuntimeError`` naming it.
+
+    Raises:
+        KeyboardInterrupt: ``e`` again when it is the user's or the trainer's stop, not the code's: tether's
+            ``TrainingInterrupted``, or a Ctrl-C on the main thread while Python's default SIGINT handler is
+            installed (outside training, e.g. ``tether eval``; during training the trainer's handler turns Ctrl-C
+            into a request, so a KeyboardInterrupt there can only come from the code).
+    """
+    if isinstance(e, Exception):
+        return e
+    if isinstance(e, KeyboardInterrupt):
+        from tether.trainer.signals import TrainingInterrupted
+
+        ctrl_c = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if isinstance(e, TrainingInterrupted) or ctrl_c:
+            raise e
+    what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else "KeyboardInterrupt"
+    return RuntimeError(f"the reward code raised {what}: counted as this sample's error (a reward function must return scores)")
 
 
 class RewardManager:
@@ -270,8 +298,8 @@ class RewardManager:
                 continue
             try:
                 outcomes[i] = ("value", self._call_sample_fn(fn, resp, row))
-            except Exception as e:
-                outcomes[i] = ("error", e)
+            except CAUGHT as e:
+                outcomes[i] = ("error", reward_error(e))
 
     def _raw_user(self, rows, responses, outcomes, errors, cancel=None):
         fn = self.user_fn
@@ -280,8 +308,8 @@ class RewardManager:
         b = len(rows)
         try:
             out = fn(*args)
-        except Exception as e:
-            errors.append(f"batch call of {self.function_spec} raised {_brief(e)}; retrying sample by sample")
+        except CAUGHT as e:
+            errors.append(f"batch call of {self.function_spec} raised {_brief(reward_error(e))}; retrying sample by sample")
             for i in range(b):
                 if cancel is not None and cancel.is_set():
                     return
@@ -291,8 +319,8 @@ class RewardManager:
                     if seq is None or len(seq) != 1:
                         raise ValueError(f"returned {_describe(one)} for 1 sample, expected a list of 1 score")
                     outcomes[i] = ("value", seq[0])
-                except Exception as e2:
-                    outcomes[i] = ("error", e2)
+                except CAUGHT as e2:
+                    outcomes[i] = ("error", reward_error(e2))
             return
         seq = _as_list(out)
         if seq is None or len(seq) != b:
