@@ -262,6 +262,7 @@ class DataConfig(_Section):
     max_prompt_length: int = Field(512, ge=1, description="Maximum prompt length, tokens.")
     skip_invalid: bool = Field(False, description="Malformed dataset rows: false = stop before training listing them; true = drop and count them.")
     overlong_prompts: Literal["error", "drop"] = Field("error", description="A prompt over max_prompt_length: stop before training (error) or drop it and count it.")
+    max_dropped_frac: float = Field(0.5, ge=0, le=1, description="rollout.mode=offline with data.overlong_responses=drop: stop before training when more than this fraction of the rows would be dropped for not fitting rollout.max_new_tokens (a length limit that does not fit the data, not a few long rows).")
     overlong_responses: Literal["truncate", "drop", "error"] = Field("drop", description="rollout.mode=offline: a response longer than rollout.max_new_tokens (with its EOS) is cut there (truncate), dropped and counted (drop), or stops before training (error).")
     filter: OfflineFilterConfig = Field(default_factory=OfflineFilterConfig, description="rollout.mode=offline: pre-filtering of the fixed pairs (counts logged at start).")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by trainer.seed).")

@@ -172,8 +172,25 @@ def test_overlong_responses_error_and_nothing_left(model_dir):
     rows = _offline_rows([("q1", "#### 7 and more words here", 1.0), ("q1", "", 0.0)])
     with pytest.raises(ConfigError, match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*record 1 .*data.overlong_responses=drop"):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses="error"), 2)
-    with pytest.raises(ConfigError, match="no offline row left of 2 after data.filter and data.overlong_responses"):
+    with pytest.raises(ConfigError, match=r"would leave 0 of 1 rows, more than data.max_dropped_frac=0.5 of the data gone"):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 2)
+    with pytest.raises(ConfigError, match="no offline row left of 2 after data.filter and data.overlong_responses"):
+        prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", max_dropped_frac=1.0), 2)
+
+
+def test_a_length_limit_that_drops_most_of_the_data_is_refused(model_dir, caplog):
+    """Issue 24, item 12: a rollout.max_new_tokens shorter than the responses dropped 99.96% of the rows with one warning."""
+    from tether.config import ConfigError
+    from tether.trainer.prompts import prepare_offline_rows
+
+    tok = load_tokenizer(model_dir)
+    long = " ".join(["7 + 7 = 14"] * 5)
+    rows = _offline_rows([("q1", long, 1.0), ("q1", long, 0.0), ("q2", long, 1.0), ("q2", "#### 7", 1.0)])
+    with pytest.raises(ConfigError, match=r"3 of 4 offline response\(s\) do not fit rollout.max_new_tokens=5 .*would leave 1 of 4 rows, more "
+                                          r"than data.max_dropped_frac=0.5 of the data gone; raise rollout.max_new_tokens"):
+        prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 5)
+    out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", max_dropped_frac=0.75), 5)
+    assert [r.response for r in out] == ["#### 7"] and "dropped: a whole response's label" in caplog.text
 
 
 def test_filter_config_is_checked_before_anything_loads():

@@ -63,8 +63,8 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
     (responses that do not fit ``rollout.max_new_tokens`` with their EOS); the counts are logged.
 
     Raises:
-        ConfigError: an overlong response with ``data.overlong_responses=error`` (naming the rows),
-            or no row left.
+        ConfigError: an overlong response with ``data.overlong_responses=error`` (naming the rows), more
+            than ``data.max_dropped_frac`` of the rows overlong with ``drop``, or no row left.
     """
     from tether.data.offline import filter_offline_rows, overlong_responses
 
@@ -81,6 +81,10 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
             raise ConfigError(msg + " (raise rollout.max_new_tokens, or set data.overlong_responses=drop or truncate)")
         if mode == "truncate":
             log.warning("%s; they are cut there without an EOS and keep the whole response's score (data.overlong_responses=truncate)", msg)
+        elif len(long) > cfg.max_dropped_frac * len(kept):
+            raise ConfigError(f"{msg}: dropping them would leave {len(kept) - len(long)} of {len(kept)} rows, more than "
+                              f"data.max_dropped_frac={cfg.max_dropped_frac:g} of the data gone; raise rollout.max_new_tokens, or set "
+                              "data.overlong_responses=truncate (or data.max_dropped_frac=1 to train on what is left)")  # fmt: skip
         else:
             drop = {i for i, _ in long}
             kept = [r for i, r in enumerate(kept) if i not in drop]
