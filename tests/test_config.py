@@ -230,3 +230,23 @@ def test_micro_batching_keys_default_off_and_validate(monkeypatch):
         load_config(None, ["actor.max_tokens_per_micro_batch=0"])
     with pytest.raises(ConfigError, match="padding_free do not support actor.tp_size=2"):
         load_config(None, ["actor.padding_free=true", "actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=2"])
+
+
+def test_a_yaml_file_among_the_overrides_is_layered_in_place():
+    """Issue 24, item 14: configs/smoke.yaml after any config shrinks sizes and counts, never the algorithm."""
+    cfg = load_config("configs/gsm8k.yaml", ["configs/smoke.yaml", "trainer.total_steps=3", "actor.model=embedded"])
+    assert (cfg.trainer.total_steps, cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.data.batch_size) == (3, 4, 32, 4)
+    assert (cfg.kl.placement, cfg.kl.estimator, cfg.algo.clip_eps_high, cfg.actor.lr) == ("loss", "low_var_kl", 0.28, 1e-6)  # gsm8k.yaml's
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config(None, ["nope.yaml"])
+
+
+def test_without_the_bar_each_step_logs_one_line(caplog):
+    import logging
+
+    from tether.trainer.progress import Progress
+
+    p = Progress(300, 11, enabled=False)
+    with caplog.at_level(logging.INFO, logger="tether"):
+        p.update({"reward/score_mean": 0.5, "kl/ref_mean": 0.0123, "kl/coef": 0.05, "policy/entropy": float("nan"), "timing/step_s": 1.25})
+    assert caplog.messages == ["step 12/300  reward 0.500  kl 0.0123  β 0.0500  H nan  1.25 s"]

@@ -736,29 +736,47 @@ def build_config(tree: dict | None = None) -> TetherConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TetherConfig:
     """Read a YAML config (optional), apply dotted overrides, validate.
 
+    An override that is the path of a YAML file (``configs/smoke.yaml``, no ``=``) is layered in place:
+    its keys replace the ones before it, section by section, as if each were given as ``key=value``.
+
     Raises:
-        ConfigError: the file is missing or not a YAML mapping, an override is malformed, a key is
+        ConfigError: a file is missing or not a YAML mapping, an override is malformed, a key is
             unknown (with a did-you-mean) or a value is out of range (naming the key).
     """
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded
-        _check_file_relative_paths(tree, p)
+    tree: dict = _read_tree(path) if path is not None else {}
     for item in overrides:
+        if "=" not in item and item.endswith((".yaml", ".yml")):
+            _merge(tree, _read_tree(item))
+            continue
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
     return build_config(tree)
+
+
+def _read_tree(path: str | Path) -> dict:
+    """A config file's mapping of sections (paths in it checked as :func:`_check_file_relative_paths` says)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+    _check_file_relative_paths(loaded, p)
+    return loaded
+
+
+def _merge(tree: dict, layer: dict) -> None:
+    """``layer``'s keys into ``tree``, nested mappings merged key by key, anything else replaced."""
+    for k, v in layer.items():
+        if isinstance(v, dict) and isinstance(tree.get(k), dict):
+            _merge(tree[k], v)
+        else:
+            tree[k] = copy.deepcopy(v)
 
 
 #: Config keys that hold a local path (``reward.function``: the file part of ``file.py:name``).
