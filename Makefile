@@ -48,6 +48,7 @@ demo: install
 
 # the tests also need the ray extra (trainer.backend=ray is tested against a real local Ray)
 $(VENV)/.installed-ray: $(VENV)/.installed
+	@echo "installing tether's ray extra into $(VENV): the test suite runs trainer.backend=ray against a real local Ray"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS),ray]"
 	touch $@
 

@@ -10,7 +10,7 @@ from pathlib import Path
 USAGE = """tether: KL-regularized RL from feedback for language models
 
   tether train [CONFIG.yaml] [key=value ...]   train (no arguments: the embedded digit-sum task)
-  tether sft [--out DIR] [--seed N] [--steps N] rebuild the embedded task's reference policy
+  tether sft [--out DIR] [--seed N] [--steps N] train the embedded task's reference policy (default: into runs/sft-reference)
   tether report RUN_DIR                         plots + summary.md of a run
   tether doctor RUN_DIR                         health checks of a run's metrics
   tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
@@ -95,7 +95,9 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from tether.outputs import output_problem
     from tether.tasks.sft import build_reference, default_reference_path
 
-    out = Path(args.out) if args.out else default_reference_path()
+    from tether.tasks.sft import DEFAULT_STEPS
+
+    out = Path(args.out or SFT_DEFAULT_OUT)  # never the shipped reference unless asked by name (--out)
     if problem := output_problem(out, "dir", "--out"):
         print(f"tether sft: {problem}", file=sys.stderr)
         return 2
@@ -105,9 +107,19 @@ def cmd_sft(args: argparse.Namespace) -> int:
             print(f"tether sft: --steps must be at least 1, got {args.steps}", file=sys.stderr)
             return 2
         kwargs["steps"] = args.steps
-    path = build_reference(out, **kwargs)
+    steps = kwargs.get("steps", DEFAULT_STEPS)
+    shipped = out.resolve() == default_reference_path().resolve()
+    print(f"tether sft: {steps} SFT steps into {out}{' (the shipped reference)' if shipped else ''}, about {steps / 20:.0f} s on one core; "
+          "the loss is printed every 250 steps", file=sys.stderr)  # fmt: skip
+    path = build_reference(out, log_every=250, **kwargs)
     print(f"reference policy written to {path}")
+    if not shipped:
+        print(f"use it: tether train actor.model={path}  (the shipped one is {default_reference_path()})")
     return 0
+
+
+#: where ``tether sft`` writes without ``--out``: a new directory, not the reference the package ships
+SFT_DEFAULT_OUT = "runs/sft-reference"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -292,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("sft", help="(re)build the embedded task's tiny reference policy")
-    s.add_argument("--out", default=None, help="output directory (default: the shipped reference in src/tether/tasks/assets/digitsum_ref, "
-                   "rebuilt byte-identically with the default seed and steps)")
+    s.add_argument("--out", default=None, help="output directory (default runs/sft-reference; name the shipped reference, "
+                   "src/tether/tasks/assets/digitsum_ref, to rebuild it, byte-identically with the default seed and steps)")
     s.add_argument("--seed", type=int, default=0, help="seed of the demonstrations and the initialisation (default 0)")
     s.add_argument("--steps", type=int, default=None, help="SFT optimizer steps (default 1500, about 75 s on one core)")
     s.set_defaults(func=cmd_sft)

@@ -89,3 +89,19 @@ def test_build_reference_is_deterministic(tmp_path):
     assert sft.ensure_reference(a) == a
     with pytest.raises(ValueError, match="steps"):
         sft.build_reference(tmp_path / "d", steps=0)
+
+
+def test_tether_sft_without_out_leaves_the_shipped_reference_alone_and_says_what_it_does(tmp_path, monkeypatch, capsys):
+    """Issue 24, item 15: `tether sft` overwrote src/'s reference and printed nothing for minutes."""
+    from tether.cli import main
+    from tether.tasks.sft import default_reference_path
+
+    shipped = default_reference_path() / "model.safetensors"
+    before = (shipped.stat().st_mtime_ns, shipped.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    assert main(["sft", "--steps", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert (tmp_path / "runs" / "sft-reference" / "model.safetensors").is_file()
+    assert (shipped.stat().st_mtime_ns, shipped.read_bytes()) == before
+    assert err.startswith("tether sft: 2 SFT steps into runs/sft-reference, about 0 s on one core") and "sft step     0  loss" in err
+    assert "use it: tether train actor.model=runs/sft-reference" in out
