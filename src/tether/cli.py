@@ -93,9 +93,7 @@ def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from tether.outputs import output_problem
-    from tether.tasks.sft import build_reference, default_reference_path
-
-    from tether.tasks.sft import DEFAULT_STEPS
+    from tether.tasks.sft import DEFAULT_STEPS, build_reference, default_reference_path
 
     out = Path(args.out or SFT_DEFAULT_OUT)  # never the shipped reference unless asked by name (--out)
     if problem := output_problem(out, "dir", "--out"):
