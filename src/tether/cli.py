@@ -56,6 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"tether train: {e}", file=sys.stderr)
         return 2
     from tether.trainer import Trainer, TrainingInterrupted, TrainingStopped
+    from tether.trainer.checkpoint import CheckpointWriteError
 
     try:
         trainer = Trainer(cfg)
@@ -68,6 +69,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingStopped as e:
         print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:  # a full or read-only disk: one line, the resume point, the command
+        saved = trainer.ckpt.checkpoints()
+        last = f"the last complete checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
+        print(f"tether train: {e.strerror}; {last}. To continue once the disk is fixed:\n  {resume_command(config, overrides, trainer.run_dir)}",
+              file=sys.stderr)  # fmt: skip
+        return 4
     except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.trainer.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
         if isinstance(e, TrainingInterrupted) and e.step is not None:

@@ -24,6 +24,7 @@ Unset (always, outside the fault tests) it does nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -54,19 +55,81 @@ class CheckpointError(RuntimeError, ValueError):
     """
 
 
-def _fault_point(step: int, point: str) -> None:
-    """The test-only hook of the module docstring: SIGKILL this process at (step, point) if asked."""
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished directory). The message says
+    why in one line, names the directory and, for a full disk, the bytes needed against those free; the
+    partial write is removed, so the latest complete checkpoint stays the resume point."""
+
+
+#: the test-only faults besides kill: an OSError with this errno at (step, point), as a full or read-only disk gives
+_FAULT_ERRNOS = {"enospc": errno.ENOSPC, "erofs": errno.EROFS}
+
+
+def _fault_spec() -> tuple[str, int, str] | None:
+    """(kind, step, point) of the test-only hook, None when unset.
+
+    Raises:
+        ValueError: a malformed spec (naming the variable).
+    """
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return None
     parts = spec.split(":")
-    if len(parts) not in (2, 3) or parts[0] != "kill" or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_POINTS):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected kill:<step>[:<point>], point one of {', '.join(FAULT_POINTS)}")
-    if int(parts[1]) == step and (parts[2] if len(parts) == 3 else "weights") == point:
-        log.warning("%s: killing this process while writing checkpoint %d (after %s)", FAULT_ENV, step, point)
-        for h in logging.getLogger().handlers + log.handlers:
-            h.flush()
-        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+    kinds = ("kill", *_FAULT_ERRNOS)
+    if len(parts) not in (2, 3) or parts[0] not in kinds or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_POINTS):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected {'|'.join(kinds)}:<step>[:<point>], point one of {', '.join(FAULT_POINTS)}")
+    return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "weights"
+
+
+def _fault_point(step: int, point: str) -> None:
+    """The test-only hook of the module docstring: SIGKILL this process (``kill``), or raise the OSError of a full
+    (``enospc``) or read-only (``erofs``) disk, at (step, point) if asked."""
+    fault = _fault_spec()
+    if fault is None or fault[1:] != (step, point):
+        return
+    if fault[0] in _FAULT_ERRNOS:
+        code = _FAULT_ERRNOS[fault[0]]
+        raise OSError(code, os.strerror(code))
+    log.warning("%s: killing this process while writing checkpoint %d (after %s)", FAULT_ENV, step, point)
+    for h in logging.getLogger().handlers + log.handlers:
+        h.flush()
+    os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _expected_bytes(ckpt_root: Path, step: int) -> int | None:
+    """The size of the newest other complete checkpoint (the same model and optimizer: the same size), bytes."""
+    others = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != step_dir_name(step) and (p / MANIFEST).is_file()]
+    return _tree_bytes(max(others, key=lambda p: p.name)) if others else None
+
+
+def _write_failure(e: BaseException, ckpt_root: Path, step: int, expected: int | None) -> CheckpointWriteError:
+    """One line for a failed write: the OS's reason (ENOSPC, EROFS, ...), found also under torch's and DCP's wrappers."""
+    cause, seen = e, set()
+    while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    free = shutil.disk_usage(ckpt_root).free if ckpt_root.exists() else None
+    code = getattr(cause, "errno", None)
+    if code is None and (m := re.search(r"\[Errno (\d+)\]", str(e))):  # a Ray worker group's error: each rank's OSError as text
+        code = int(m.group(1))
+    if code is None and free is not None and expected is not None and free < expected:
+        code = errno.ENOSPC  # torch.save reports a full disk as "unexpected pos ..." with no errno
+    if code == errno.ENOSPC:
+        need = f"it needs about {_gib(expected)} (the size of the last checkpoint)" if expected else "its size is unknown (no earlier checkpoint)"
+        why = f"no space left on device: {need}, {_gib(free)} free"
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = f"{os.strerror(code).lower()}: the directory cannot be written"
+    else:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return CheckpointWriteError(code or 0, f"checkpoint step {step} not written to {ckpt_root}: {why}; the partial write was removed")
+
+
+def _gib(n: int | None) -> str:
+    return "? GiB" if n is None else f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
 def step_dir_name(step: int) -> str:
@@ -126,16 +189,33 @@ def write_checkpoint(ckpt_root: Path, step: int, writers: dict, verified: dict |
             were just hashed for the manifest).
     Returns:
         The final directory. Any earlier checkpoint of the same step is replaced.
+
+    Raises:
+        CheckpointWriteError: the write failed (full disk, read-only directory, ...), or the free space is
+            below the size of the last checkpoint before anything is written; the temporary directory is removed.
     """
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    _fault_spec()  # a malformed test hook is an error of its own, before anything is written
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{step_dir_name(step)}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    for name, write in writers.items():
-        write(tmp)
-        _fault_point(step, name)
+    expected = _expected_bytes(ckpt_root, step) if ckpt_root.is_dir() else None
+    if expected is not None and shutil.disk_usage(ckpt_root).free < expected:  # refuse before writing a byte
+        raise _write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), ckpt_root, step, expected)
+    try:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for name, write in writers.items():
+            write(tmp)
+            _fault_point(step, name)
+        return _seal(ckpt_root, tmp, final, step, verified)
+    except Exception as e:  # a full or read-only disk, from any writer (torch, safetensors, DCP, json)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failure(e, ckpt_root, step, expected) from e
+
+
+def _seal(ckpt_root: Path, tmp: Path, final: Path, step: int, verified: dict | None) -> Path:
+    """Manifest, fsyncs and the atomic rename of a written temporary checkpoint directory."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {
         "format": FORMAT,
