@@ -352,3 +352,142 @@ def test_a_model_without_a_run_on_the_embedded_task_is_measured_against_the_task
     assert m["exact/ref_score_mean"] == pytest.approx(reference_success_rate(prompts=make_dataset("val")), abs=1e-9)
     assert m["exact/score_mean"] != pytest.approx(m["exact/ref_score_mean"], abs=1e-3)
     assert m["exact/kl_ref_tok"] > 1e-3 and m["kl_ref_mean"] is not None
+
+
+def _run_with_custom_reward(tmp_path, reward_py: str):
+    """A run directory as training leaves it: config.yaml with reward.function = a user function
+    (``always_one``, the whole file ``reward_py``), and one complete checkpoint whose actor is the
+    embedded task's model."""
+    import shutil
+
+    from tether.config import config_to_yaml
+    from tether.models import resolve_model_path
+    from tether.trainer.checkpoint import write_checkpoint
+
+    fn = tmp_path / "my_reward.py"
+    fn.write_text(reward_py)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(load_config(None, [f"reward.function={fn}:always_one", "trainer.val_n=2"])))
+    write_checkpoint(run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")})
+    return run, f"{fn}:always_one"
+
+
+ALWAYS_ONE = "def always_one(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"
+
+
+def test_a_benchmark_is_scored_by_its_verifier_not_by_the_runs_training_reward(tmp_path, capsys):
+    """Regression (new-user trial): `tether eval RUN aime.parquet` on a run trained with a custom
+    reward.function scored the AIME rows with that function ("AIME pass@1 0.83" with 0% of the
+    answers parsed). The AIME rows (data_source as `tether data aime` writes it) are scored by the
+    AIME verifier; rows of a source without a built-in verifier keep the run's reward; each
+    source's scorer is named in the header line, the JSON and `by_source`."""
+    from tether.data.benchmarks import AIME_DATA_SOURCE, convert_aime
+    from tether.rewards import aime_compute_score
+
+    run, spec = _run_with_custom_reward(tmp_path, ALWAYS_ONE)
+    src = tmp_path / "aime_src.jsonl"
+    # digit-sum prompts, so that the embedded model (a character vocabulary, 32 positions) can read them
+    write_records([{"problem": "3,5=", "answer": "033"}, {"problem": "3,11=", "answer": 5}, {"problem": "3,16=", "answer": 204}], src)
+    aime = tmp_path / "aime.jsonl"
+    assert convert_aime(src, aime, template="{problem}") == 3
+    rows = [json.loads(line) for line in aime.read_text().splitlines()]
+    assert {r["data_source"] for r in rows} == {AIME_DATA_SOURCE} == {"aime"}
+    rows += [{"data_source": "my/length-task", "prompt": "3,6="}, {"data_source": "my/length-task", "prompt": "3,21="}]
+    data = tmp_path / "mixed.jsonl"
+    write_records(rows, data)
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run), str(data), "--no-kl", "--no-progress", "--out", str(out), "--samples"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    verifier = "built-in verifier tether.rewards.benchmarks:aime_compute_score"
+    assert "5 prompts x n=2" in header
+    assert header.endswith(f"; scored by {verifier} (aime); the run's reward.function {spec} (my/length-task)")
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["scorers"] == {"aime": verifier, "my/length-task": f"the run's reward.function {spec}"}
+    assert doc["by_source"]["aime"]["scorer"] == verifier and doc["by_source"]["aime"]["no_ground_truth"] == 0.0
+    assert doc["by_source"]["my/length-task"]["scorer"] == f"the run's reward.function {spec}"
+    gts = {i: r["reward_model"]["ground_truth"] for i, r in enumerate(rows[:3])}
+    aime_samples = [s for s in doc["samples"] if s["data_source"] == "aime"]
+    assert len(aime_samples) == 6 and len(doc["samples"]) == 10
+    # the embedded model writes digits, never a marked answer: the AIME verifier parses nothing and scores 0 ...
+    assert [s["score"] for s in aime_samples] == [aime_compute_score(s["response"], gts[s["index"]]) for s in aime_samples] == [0.0] * 6
+    assert doc["by_source"]["aime"]["answered_frac"] == 0.0 and doc["by_source"]["aime"]["pass@1"] == 0.0
+    # ... where the run's reward (1.0 for everything) still scores its own source
+    assert doc["by_source"]["my/length-task"]["pass@1"] == 1.0 and doc["metrics"]["pass@1"] == pytest.approx(2 / 5)
+    assert "no_ground_truth" not in doc["metrics"]
+    # a reward given to tether eval itself scores every row, and is named as given
+    s = EvalSettings(reward_function=spec, kl=False)
+    assert evaluate(run, aime, s)["pass@1"] == 1.0 and s.resolved["scorers"] == {"aime": f"reward.function {spec} (given)"}
+
+
+def test_eval_reward_routes_each_row_and_merges_the_scores(tmp_path):
+    """EvalReward on one batch of mixed rows: the AIME and GPQA rows by their verifiers (1 for the
+    right answer, 0 for a wrong one), the others by the run's function, each score in its place;
+    an error of the run's function names the sample's index in the whole batch."""
+    from tether.data import rows_from_records
+    from tether.evaluate import EvalReward
+
+    fn = tmp_path / "r.py"
+    fn.write_text("def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                  "    return [float('nan') if s == 'bad' else 1.0 for s in solution_strs]\n")  # fmt: skip
+    rows = rows_from_records([
+        {"data_source": "aime", "prompt": "p0", "reward_model": {"ground_truth": "33"}},
+        {"data_source": "my/task", "prompt": "p1"},
+        {"data_source": "Idavidrein/gpqa", "prompt": "p2", "reward_model": {"ground_truth": "C"}},
+        {"data_source": "aime", "prompt": "p3", "reward_model": {"ground_truth": "33"}},
+        {"data_source": "my/task", "prompt": "p4"},
+    ], source="mixed")  # fmt: skip
+    reward = EvalReward(f"{fn}:one_unless_bad", None)
+    reward.check_rows(rows)
+    res = reward(rows, ["p0", "p1", "p2", "p3", "p4"], ["so \\boxed{033}", "anything", "Answer: B", "\\boxed{34}", "bad"])
+    assert res.scores.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert res.valid.tolist() == [True, True, True, True, False]
+    assert res.metrics["reward/invalid_count"] == 1.0 and res.metrics["reward/nonfinite_count"] == 1.0
+    assert res.metrics["reward/raw_mean"] == pytest.approx(0.5) and res.errors == ["sample 4: non-finite reward nan"]
+    assert [reward.scorer(ds) for ds in ("aime", "Idavidrein/gpqa", "my/task")] == [
+        "built-in verifier tether.rewards.benchmarks:aime_compute_score", "built-in verifier tether.rewards.benchmarks:gpqa_compute_score",
+        f"the run's reward.function {fn}:one_unless_bad"]  # fmt: skip
+
+
+def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_path, capsys, caplog):
+    """Rows whose verifier cannot use their reward_model.ground_truth (missing, empty, not an AIME
+    integer, not a GPQA letter) are left out of the evaluation: not generated, not in pass@k,
+    counted in `no_ground_truth` (overall and per source), with a warning naming the first row; a
+    file with no usable row at all is an error. --limit counts the prompts evaluated."""
+    rows = [
+        {"data_source": "aime", "prompt": "3,5=", "reward_model": {"ground_truth": "33"}},
+        {"data_source": "aime", "prompt": "3,6=", "reward_model": {"style": "rule"}},  # missing
+        {"data_source": "aime", "prompt": "3,11=", "reward_model": {"ground_truth": ""}},  # empty
+        {"data_source": "aime", "prompt": "3,16=", "reward_model": {"ground_truth": "x"}},  # unparseable
+        {"data_source": "aime", "prompt": "3,21=", "reward_model": {"ground_truth": 204}},
+        {"data_source": "Idavidrein/gpqa", "prompt": "2,5=", "reward_model": {"ground_truth": "E"}},  # not A-D
+    ]  # fmt: skip
+    data = tmp_path / "aime_gaps.jsonl"
+    write_records(rows, data)
+    out = tmp_path / "eval.json"
+    with caplog.at_level("WARNING", logger="tether"):
+        assert main(["eval", "embedded", str(data), "--n", "2", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "2 prompts x n=2" in printed[0] and printed[0].endswith("; 4 row(s) without a usable ground truth left out")
+    assert printed[1].split() == ["metric", "all", "aime", "Idavidrein/gpqa"]
+    table = {ln.split()[0]: ln.split()[1:] for ln in printed[3:] if ln.split() and not ln.startswith("written")}
+    assert table["no_ground_truth"] == ["4", "3", "1"] and table["prompts"] == ["2", "2", "0"]
+    warning = caplog.text
+    assert "4 row(s) of" in warning and "not counted in pass@k" in warning
+    assert "aime: 3 row(s), first line 2: missing ground truth: AIME ground truth is not an integer: None" in warning
+    assert "Idavidrein/gpqa: 1 row(s), first line 6: GPQA ground truth must be one of the letters A, B, C, D, got 'E'" in warning
+    doc = json.loads(out.read_text())
+    assert doc["metrics"]["no_ground_truth"] == 4.0 and doc["metrics"]["prompts"] == 2.0
+    assert sorted({s["index"] for s in doc["samples"]}) == [0, 4]  # only the rows with a usable ground truth were generated
+    assert doc["by_source"]["aime"]["no_ground_truth"] == 3.0 and doc["by_source"]["aime"]["prompts"] == 2.0
+    assert doc["by_source"]["Idavidrein/gpqa"] == {"prompts": 0.0, "samples": 0.0, "no_ground_truth": 1.0,
+                                                   "scorer": "built-in verifier tether.rewards.benchmarks:gpqa_compute_score"}  # fmt: skip
+    # --limit: the first N prompts that can be scored
+    s = EvalSettings(n=2, limit=2, max_new_tokens=4, kl=False)
+    assert evaluate("embedded", data, s)["prompts"] == 2
+    # nothing usable: an error before any generation, naming the rows
+    none = tmp_path / "none.jsonl"
+    write_records(rows[1:4], none)
+    assert main(["eval", "embedded", str(none), "--n", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to evaluate: no row has a reward_model.ground_truth its verifier can use (3 row(s) checked; aime: 3 row(s)" in err

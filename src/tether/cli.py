@@ -214,8 +214,10 @@ def _add_eval_parser(sub) -> None:
     v.add_argument("--max-new-tokens", type=int, default=None, help="response limit in tokens (default 512, 4 for DATA=embedded, or the run's)")
     v.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (batch-size x n sequences)")
     v.add_argument("--limit", type=int, default=None, help="only the first N distinct prompts")
-    v.add_argument("--reward-function", default=None, help="file.py:name or module:name (default: built-in by data_source)")
-    v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory")
+    v.add_argument("--reward-function", default=None, help="file.py:name or module:name, scoring every row (default: each row's "
+                   "built-in verifier by data_source, else the run's reward.function)")
+    v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory, scoring every row "
+                   "(default: as --reward-function)")
     v.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto", help="rollout engine (default: the run's rollout.engine, else hf)")
     v.add_argument("--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)")
     v.add_argument("--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)")

@@ -10,14 +10,19 @@ runs every ``trainer.val_freq`` steps; this module only loads what it needs (:cl
   ``embedded``;
 * the prompts: a verl-schema ``.jsonl``/``.json``/``.parquet`` file rendered exactly as in training
   (chat template, instruction suffix, ``max_prompt_length``), or the embedded task's split;
-* the reward: the built-in verifier of each row's ``data_source``, a user function or a reward model;
+* the reward (:class:`EvalReward`): the built-in verifier of each row's ``data_source`` where it
+  has one (AIME, GPQA, MATH, GSM8K, ...: a benchmark is scored by its verifier even when the run
+  trained with its own ``reward.function`` or ``reward.model``), else the run's reward; a reward
+  given to ``tether eval`` scores every row. Rows whose verifier cannot use their ground truth are
+  left out and counted (``no_ground_truth``);
 * the rollout engine of the run (``rollout.engine``: HF generate or vLLM), built once, each policy's
   weights pushed with ``sync_weights``;
 * the reference (the run's ``ref.model`` / ``actor.model``), for the KL of the eval samples.
 
 When the checkpoint belongs to a run (``<run>/config.yaml``), that run's data rendering, reward,
 sampling and engine settings are the defaults, so ``tether eval runs/x data/test.parquet`` scores
-exactly what the run's validation scored; any option given on the command line wins. See
+what the run's validation scored (except rows with a built-in verifier in a run trained with its
+own reward: those get their verifier); any option given on the command line wins. See
 ``docs/eval.md``.
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +58,8 @@ class EvalSettings:
             the run's ``rollout.max_new_tokens``).
         batch_size: prompts per generate call (``batch_size * n`` sequences).
         limit: evaluate only the first N distinct prompts.
-        reward_function, reward_model: as ``reward.function`` / ``reward.model``.
+        reward_function, reward_model: as ``reward.function`` / ``reward.model``, for every row
+            (default: each row's built-in verifier by ``data_source``, else the run's reward).
         prompt_key, apply_chat_template, instruction_suffix, max_prompt_length: as ``data.*``.
         engine: ``auto`` (the run's ``rollout.engine``; hf without a run, and hf with a warning when
             the run used vllm and vLLM is not usable here), ``hf`` or ``vllm``.
@@ -203,15 +210,177 @@ def _adapter_base(where: Path) -> Path | None:
     return Path(base).expanduser() if base else None
 
 
+class EvalReward:
+    """The reward of an evaluation: which scorer scores each row, and the scoring itself (a reward
+    callable for :func:`tether.trainer.stats.evaluate_prompts`, as a RewardManager).
+
+    * a reward given for the evaluation (``EvalSettings.reward_function`` / ``reward_model``,
+      ``given=True``) scores every row;
+    * otherwise a row whose ``data_source`` has a built-in verifier
+      (:data:`tether.rewards.REWARD_FUNCTIONS`: AIME, GPQA, MATH, GSM8K, ...) is scored by it, even
+      when the run was trained with a ``reward.function`` or ``reward.model``: a benchmark is scored
+      by its own verifier, not by whatever the run optimised;
+    * the other rows by the run's ``reward.function`` / ``reward.model``, or, with neither, they are
+      an error (:meth:`check_rows`).
+
+    Args:
+        function, reward_model: the run's (or the given) ``reward.function`` spec / reward-model
+            directory, or None.
+        given: they were given for this evaluation (then they score every row).
+        device: reward-model device. timeout_s: seconds per batch for a reward function (the run's
+            ``reward.timeout_s``), or None.
+
+    The run's reward is loaded on first use (:meth:`check_rows`), so a reward model the rows do not
+    need is never loaded.
+    """
+
+    def __init__(self, function: str | None, reward_model: str | None, *, given: bool = False, device: str = "cpu",
+                 timeout_s: float | None = None):  # fmt: skip
+        from tether.rewards import RewardManager
+
+        self.function = function or None
+        self.reward_model = str(Path(reward_model).expanduser()) if reward_model else None
+        self.given = given and bool(self.function or self.reward_model)
+        self._kw = {"device": device, "timeout_s": timeout_s}
+        self.builtin = None if self.given else RewardManager(**self._kw)
+        self._other = None  # the run's / given reward manager, loaded by _fallback()
+
+    # ---------------------------------------------------------------------------------- routing
+
+    def uses_builtin(self, data_source: str) -> bool:
+        """Whether rows of ``data_source`` go to the built-in dispatch (its verifier, or an error
+        when it has none and no other reward is known)."""
+        from tether.rewards import REWARD_FUNCTIONS
+
+        if self.given:
+            return False
+        return data_source in REWARD_FUNCTIONS or not (self.function or self.reward_model)
+
+    def fallback_name(self) -> str | None:
+        """``"reward.function SPEC"`` / ``"reward.model DIR"`` of the run's reward, or None (none, or given)."""
+        if self.given or not (self.function or self.reward_model):
+            return None
+        return f"reward.function {self.function}" if self.function else f"reward.model {self.reward_model}"
+
+    def scorer(self, data_source: str) -> str:
+        """What scores rows of ``data_source``: ``"built-in verifier MODULE:FUNCTION"``, ``"the run's
+        reward.function SPEC"`` (or ``reward.model DIR``), or ``"reward.function SPEC (given)"``."""
+        from tether.rewards import REWARD_FUNCTIONS
+
+        if self.uses_builtin(data_source):
+            return f"built-in verifier {REWARD_FUNCTIONS.get(data_source, '(none registered)')}"
+        what = f"reward.function {self.function}" if self.function else f"reward.model {self.reward_model}"
+        return f"{what} (given)" if self.given else f"the run's {what}"
+
+    def _fallback(self):
+        if self._other is None:
+            from tether.rewards import RewardManager
+
+            self._other = RewardManager(function=self.function, reward_model=self.reward_model, **self._kw)
+        return self._other
+
+    def _manager(self, data_source: str):
+        return self.builtin if self.uses_builtin(data_source) else self._fallback()
+
+    # ---------------------------------------------------------------------------------- checks
+
+    def ground_truth_problem(self, row) -> str | None:
+        """Why ``row`` cannot be scored for want of a ground truth, or None: its built-in verifier
+        raises ValueError/TypeError on its ``ground_truth`` (missing, empty or unparseable: an AIME
+        answer that is not an integer in 0..999, a GPQA answer that is not a letter A-D, an empty
+        MATH answer, a GSM8K answer that is not a number), tried with an empty response. Rows scored
+        by a user function or reward model are not checked (those decide what they need)."""
+        from tether.rewards import REWARD_FUNCTIONS, get_reward_function
+
+        if not self.uses_builtin(row.data_source) or row.data_source not in REWARD_FUNCTIONS:
+            return None
+        try:
+            fn = get_reward_function(row.data_source)
+        except ValueError:
+            return None  # an unimportable verifier: check_rows reports it
+        try:
+            self.builtin._call_sample_fn(fn, "", row)
+        except (ValueError, TypeError) as e:
+            return f"{'missing ground truth: ' if row.ground_truth is None else ''}{e}"
+        return None
+
+    def check_rows(self, rows) -> None:
+        """Fail before any generation when some rows cannot be scored (loading the run's reward if
+        rows need it).
+
+        Raises:
+            ValueError: rows whose ``data_source`` has no built-in verifier and no other reward is
+                known (naming the sources); a reward function or model that cannot be loaded.
+        """
+        mine = [r for r in rows if self.uses_builtin(r.data_source)]
+        if mine:
+            self.builtin.check_rows(mine)
+        if len(mine) < len(rows):
+            self._fallback().check_rows([r for r in rows if not self.uses_builtin(r.data_source)])
+
+    # ---------------------------------------------------------------------------------- scoring
+
+    def __call__(self, rows, prompts, responses):
+        """Score B responses, each with its row's scorer; a :class:`tether.rewards.RewardResult`
+        (``reward/*_count`` metrics summed over the scorers, ``errors`` naming the batch's sample index)."""
+        import torch
+
+        from tether.rewards import RewardResult
+        from tether.rewards.manager import MAX_ERRORS
+
+        parts: dict = {}
+        for i, row in enumerate(rows):
+            parts.setdefault(self._manager(row.data_source), []).append(i)
+        if len(parts) <= 1:
+            return (next(iter(parts), None) or self.builtin or self._fallback())(rows, prompts, responses)
+        b = len(rows)
+        scores, valid = torch.zeros(b, dtype=torch.float32), torch.zeros(b, dtype=torch.bool)
+        raw = torch.full((b,), float("nan"), dtype=torch.float32)
+        counts: dict[str, float] = {}
+        errors: list[str] = []
+        n_clipped = 0.0
+        for mgr, ix in parts.items():
+            res = mgr([rows[i] for i in ix], [prompts[i] for i in ix], [responses[i] for i in ix])
+            at = torch.tensor(ix)
+            scores[at], valid[at], raw[at] = res.scores, res.valid, res.raw_scores
+            for k, v in res.metrics.items():
+                if k.endswith("_count"):
+                    counts[k] = counts.get(k, 0.0) + v
+            n_clipped += res.metrics.get("reward/clip_frac", 0.0) * int(res.valid.sum())
+            errors += [re.sub(r"^sample (\d+)", lambda m, ix=ix: f"sample {ix[int(m.group(1))]}", e) for e in res.errors]
+        ok = raw[valid].double()
+        n_valid = int(valid.sum())
+        metrics = counts | {"reward/all_invalid": float(b > 0 and n_valid == 0), "reward/clip_frac": n_clipped / n_valid if n_valid else 0.0,
+                            "reward/raw_mean": float(ok.mean()) if n_valid else 0.0,
+                            "reward/raw_std": float(ok.std(unbiased=False)) if n_valid else 0.0}  # fmt: skip
+        return RewardResult(scores=scores, valid=valid, raw_scores=raw, metrics=metrics, errors=errors[:MAX_ERRORS])
+
+    def state_dict(self) -> dict:
+        """The managers' states (running normalisation), restored by :meth:`load_state_dict`."""
+        return {"builtin": self.builtin.state_dict() if self.builtin else None, "other": self._other.state_dict() if self._other else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        for mgr, st in ((self.builtin, state.get("builtin")), (self._other, state.get("other"))):
+            if mgr is not None and st is not None:
+                mgr.load_state_dict(st)
+
+
 class Evaluator:
     """Everything of an evaluation that does not depend on the policy's weights: the resolved
     settings, the rendered prompts, the reward, the reference (for the KL) and the rollout engine.
     Call it with a policy model; :func:`evaluate` evaluates one policy, :func:`evaluate_checkpoints`
     every checkpoint of a run with one Evaluator.
 
+    Scoring (:class:`EvalReward`): each row whose ``data_source`` has a built-in verifier is scored
+    by it, even when the run trained with a ``reward.function`` or ``reward.model``; the run's reward
+    scores the other rows; a reward given in the settings scores every row. ``scorers``
+    (``{data_source: scorer}``, also ``resolved["scorers"]``) names what scored each source. Rows
+    whose verifier cannot use their ground truth are left out of the evaluation (not generated, not
+    in pass@k or any other metric) and counted in ``no_ground_truth`` (``{data_source: rows}``).
+
     Raises (at construction):
         ConfigError: bad settings (k > n, an unusable engine, ...) or no prompt left.
-        DataError: the data file is missing or malformed.
+        DataError: the data file is missing or malformed, or no row has a usable ground truth.
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
 
@@ -219,7 +388,6 @@ class Evaluator:
         from tether.config import DataConfig
         from tether.data import load_rows
         from tether.metrics.accuracy import parse_ks
-        from tether.rewards import RewardManager
         from tether.trainer.prompts import prepare_prompts
         from tether.trainer.stats import distinct_prompt_indices
 
@@ -234,6 +402,8 @@ class Evaluator:
         r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
              ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "prompt_key",
               "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
+        if s.reward_function or s.reward_model:  # a reward given here replaces the run's (function or model)
+            r["reward_function"], r["reward_model"] = s.reward_function, s.reward_model
         if s.ks and s.n is None:
             r["n"] = max(s.ks)
         if s.greedy:
@@ -263,15 +433,10 @@ class Evaluator:
             rows = rows_from_records(make_dataset(split), source=f"embedded:{split}")
         else:
             rows = load_rows(data, prompt_key=r["prompt_key"])
-        if s.limit is not None:  # render only what is evaluated: the rows of the first `limit` distinct prompts
-            seen: set[str] = set()
-            kept = []
-            for row in rows:
-                key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
-                if key in seen or len(seen) < s.limit:
-                    seen.add(key)
-                    kept.append(row)
-            rows = kept
+        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
+        self.reward = EvalReward(r["reward_function"], r["reward_model"], given=bool(s.reward_function or s.reward_model),
+                                 device=str(device), timeout_s=timeout)  # fmt: skip
+        rows = self._scorable_rows(rows, s.limit)
         data_cfg = DataConfig(
             train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
             instruction_suffix=r["instruction_suffix"], max_prompt_length=r["max_prompt_length"], overlong_prompts="drop",
@@ -280,14 +445,50 @@ class Evaluator:
         self.indices = distinct_prompt_indices(self.prompts)
         if s.limit is not None:
             self.indices = self.indices[: s.limit]
-        reward_model = str(Path(r["reward_model"]).expanduser()) if r["reward_model"] else None
-        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
-        self.reward = RewardManager(function=r["reward_function"], reward_model=reward_model, device=str(device), timeout_s=timeout)
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
+        self.resolved["scorers"] = self.scorers = {ds: self.reward.scorer(ds) for ds in dict.fromkeys(
+            [self.prompts.rows[i].data_source for i in self.indices] + list(self.no_ground_truth))}  # fmt: skip
+        if (run_reward := self.reward.fallback_name()) and (mine := sorted(ds for ds in self.scorers if self.reward.uses_builtin(ds))):
+            log.info("tether eval: data_source %s scored by the built-in verifier, not by the run's training reward %s",
+                     ", ".join(mine), run_reward)  # fmt: skip
         self.engine = None
         self._ref = None
         self._no_ref = False  # reference() found none (checked once)
         self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
+
+    def _scorable_rows(self, rows: list, limit: int | None) -> list:
+        """The rows to evaluate: those of the first ``limit`` distinct prompts (all of them without a
+        limit) that their scorer can score. A row whose built-in verifier cannot use its
+        ``reward_model.ground_truth`` (missing, empty or unparseable: the verifier raises on it,
+        :meth:`EvalReward.ground_truth_problem`) is left out (it does not count towards ``limit``)
+        and counted in :attr:`no_ground_truth` (``{data_source: rows}``), with one warning.
+
+        Raises:
+            DataError: no row is left (naming the first rows left out and why).
+        """
+        from tether.data import DataError
+
+        seen: set[str] = set()
+        kept, skipped = [], {}
+        for row in rows:
+            key = row.prompt if isinstance(row.prompt, str) else json.dumps(row.prompt, sort_keys=True)
+            if limit is not None and key not in seen and len(seen) >= limit:
+                continue  # render only what is evaluated (later rows of a prompt already kept stay)
+            if (why := self.reward.ground_truth_problem(row)) is not None:
+                skipped.setdefault(row.data_source, []).append(f"{row.where}: {why}")
+                continue
+            seen.add(key)
+            kept.append(row)
+        self.no_ground_truth = {ds: len(v) for ds, v in skipped.items()}
+        if skipped:
+            n = sum(self.no_ground_truth.values())
+            which = "; ".join(f"{ds}: {len(v)} row(s), first {v[0]}" for ds, v in skipped.items())
+            if not kept:
+                raise DataError(f"{self.data}: nothing to evaluate: no row has a reward_model.ground_truth its verifier can use "
+                                f"({n} row(s) checked; {which})")  # fmt: skip
+            log.warning("tether eval: %d row(s) of %s left out: no reward_model.ground_truth their verifier can use, so they cannot be "
+                        "scored (not counted in pass@k; no_ground_truth): %s", n, self.data, which)  # fmt: skip
+        return kept
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
         if asked not in ("auto", "hf", "vllm"):
@@ -374,7 +575,10 @@ class Evaluator:
         """Evaluate ``model`` (an HF causal LM); returns the metrics of
         :func:`tether.trainer.stats.evaluate_prompts`, with ``kl_ref_*`` when a reference is known
         and decoding samples (``is_reference``: the model is the reference, KL 0 without a forward),
-        and ``exact/*`` on the embedded task."""
+        ``exact/*`` on the embedded task, and ``no_ground_truth`` (rows left out, see the class
+        docstring) when there were any. ``by_source`` gets, for every data source, ``scorer`` (a
+        string: what scored it, :meth:`EvalReward.scorer`) and ``no_ground_truth`` besides its
+        metrics; a source all of whose rows were left out gets ``prompts = samples = 0``."""
         from tether.trainer.stats import KLProbe, evaluate_prompts
         from tether.workers.actor import ReferenceWorker
 
@@ -390,6 +594,12 @@ class Evaluator:
                              progress=self.settings.progress, do_sample=not r["greedy"])  # fmt: skip
         if is_reference and self.settings.kl and not r["greedy"]:
             m |= {"kl_ref_mean": 0.0, "kl_ref_k3_mean": 0.0, "kl_ref_seq_mean": 0.0}
+        if self.no_ground_truth:
+            m["no_ground_truth"] = float(sum(self.no_ground_truth.values()))
+        if by_source is not None:  # every source: its scorer and its rows left out (a source with none evaluated too)
+            for ds, scorer in self.scorers.items():
+                by_source.setdefault(ds, {"prompts": 0.0, "samples": 0.0})
+                by_source[ds] |= {"scorer": scorer, "no_ground_truth": float(self.no_ground_truth.get(ds, 0))}
         if self.data in EMBEDDED_DATA and not r["greedy"] and r["top_p"] == 1.0:
             m |= self._exact(model)
         return m
@@ -419,11 +629,14 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
     """Evaluate a policy on a dataset; returns the metrics of
     :func:`tether.trainer.stats.evaluate_prompts` (``pass@k``, ``maj@k``, ``mean@n``,
     ``length_mean``, diversity, ``kl_ref_mean`` when the run's reference is known, ``exact/*`` on the
-    embedded task). ``settings.resolved`` is filled with the settings used.
+    embedded task, ``no_ground_truth`` when rows were left out for want of a usable ground truth;
+    see :meth:`Evaluator.__call__`). ``settings.resolved`` is filled with the settings used (its
+    ``scorers``: ``{data_source: what scored it}``).
 
     Raises:
         ConfigError: a bad model/checkpoint path, bad settings, or no prompt left.
-        DataError: the data file is missing or malformed (line numbers named).
+        DataError: the data file is missing or malformed (line numbers named), or no row has a
+            ground truth its verifier can use.
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
     from tether.trainer.setup import pick_device
@@ -609,7 +822,7 @@ def _first_rows(settings: dict) -> list[str]:
     n, ks = settings.get("n", 1), settings.get("ks", [1])
     return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}"]
             + ["answered_frac", "unscored_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
-               "score_sem", "prompts", "samples"])  # fmt: skip
+               "score_sem", "prompts", "samples", "no_ground_truth"])  # fmt: skip
 
 
 def format_table(metrics: dict[str, float], settings: dict, by_source: dict | None = None) -> str:
@@ -628,11 +841,20 @@ def format_table(metrics: dict[str, float], settings: dict, by_source: dict | No
         cells = []
         for (_, m), w in zip(cols, cw, strict=True):
             v = m.get(n)
-            shown = "" if v is None else (f"{v:.0f}" if n in ("prompts", "samples", "length_max", "exact/n_prompts")
+            shown = "" if v is None else (f"{v:.0f}" if n in ("prompts", "samples", "length_max", "exact/n_prompts", "no_ground_truth")
                                           else (f"{v:.4f}" if math.isfinite(v) else str(v)))  # fmt: skip
             cells.append(f"{shown:>{w}}")
         lines.append(f"{n:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+def describe_scorers(scorers: dict[str, str]) -> str:
+    """``{data_source: scorer}`` in words, sources sharing a scorer together:
+    ``"built-in verifier tether.rewards.benchmarks:aime_compute_score (aime)"``."""
+    by_scorer: dict[str, list[str]] = {}
+    for ds, scorer in scorers.items():
+        by_scorer.setdefault(scorer, []).append(ds)
+    return "; ".join(f"{scorer} ({', '.join(sources)})" for scorer, sources in by_scorer.items()) or "nothing"
 
 
 _TEXT_KEYS = ("prompt", "response")
@@ -684,6 +906,7 @@ def main_eval(args) -> int:
             out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
             print(curve_table(results, s.resolved))
+            print(f"scored by {describe_scorers(s.resolved.get('scorers', {}))}")
             print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
             return 0
         samples: list[dict] = []
@@ -695,8 +918,10 @@ def main_eval(args) -> int:
     seconds = time.perf_counter() - t0
     r = s.resolved
     mode = "greedy" if r["greedy"] else f"sampled, temperature {r['temperature']}, top_p {r['top_p']}"
+    left_out = f"; {metrics['no_ground_truth']:.0f} row(s) without a usable ground truth left out" if metrics.get("no_ground_truth") else ""
     text = (f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
-            f"engine {r['engine']}), {seconds:.1f}s\n" + format_table(metrics, r, by_source))  # fmt: skip
+            f"engine {r['engine']}), {seconds:.1f}s; scored by {describe_scorers(r.get('scorers', {}))}{left_out}\n"
+            + format_table(metrics, r, by_source))  # fmt: skip
     print(text)
     if args.out:
         path = write_json(args.out, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
@@ -705,5 +930,5 @@ def main_eval(args) -> int:
     return 0
 
 
-__all__ = ["DEFAULTS", "EvalSettings", "Evaluator", "curve_table", "evaluate", "evaluate_checkpoints", "format_table", "load_policy",
+__all__ = ["DEFAULTS", "EvalReward", "EvalSettings", "Evaluator", "curve_table", "describe_scorers", "evaluate", "evaluate_checkpoints", "format_table", "load_policy",
            "main_eval", "plot_curve", "resolve_policy", "select_checkpoints", "write_json"]  # fmt: skip

@@ -139,3 +139,50 @@ def test_cli_converters(tmp_path, capsys):
     assert main(["data", "gpqa", str(g), str(tmp_path / "g0b.jsonl")]) == 0
     assert _read(tmp_path / "g0.jsonl") == _read(tmp_path / "g0b.jsonl")
     assert TEMPLATES["gpqa"].count("{") == 5
+
+
+def test_a_source_that_is_not_utf8_is_one_line_naming_the_file_and_byte_offset(tmp_path, capsys):
+    """Regression: a GPQA csv saved as Latin-1 (a spreadsheet export) raised a UnicodeDecodeError
+    traceback. Now a DataError worded as the training loader words a non-UTF-8 file, with the
+    byte offset of the first bad byte, and through the CLI one line and exit 2."""
+    row = {"Question": "Which café?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c", "Incorrect Answer 3": "d"}
+    src = tmp_path / "gpqa_latin1.csv"
+    with src.open("w", newline="", encoding="latin-1") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        w.writeheader()
+        w.writerow(row)
+    offset = src.read_bytes().index(b"\xe9")  # é in Latin-1: one byte, not a valid UTF-8 sequence before "?"
+    assert offset == 91  # the header line (80 characters + CRLF) and "Which caf"
+    with pytest.raises(DataError) as e:
+        convert_gpqa(src, tmp_path / "o.jsonl")
+    assert str(e.value) == (f"{src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in position 91: "
+                            "invalid continuation byte; re-save it as UTF-8")  # fmt: skip
+    assert "\n" not in str(e.value)
+    # the same file as jsonl: the converters and the training loader say the same thing
+    bad_jsonl = tmp_path / "aime_latin1.jsonl"
+    bad_jsonl.write_bytes('{"problem": "Caf\u00e9 problem", "answer": 7}\n'.encode("latin-1"))
+    with pytest.raises(DataError) as conv:
+        convert_aime(bad_jsonl, tmp_path / "a.jsonl")
+    with pytest.raises(DataError) as train:
+        load_rows(bad_jsonl)
+    assert str(conv.value) == str(train.value) == (f"{bad_jsonl}: not a UTF-8 text file, so not .jsonl: 'utf-8' codec can't decode "
+                                                   "byte 0xe9 in position 16: invalid continuation byte")  # fmt: skip
+    capsys.readouterr()
+    out = tmp_path / "g.jsonl"
+    assert main(["data", "gpqa", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"tether data: {src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in "
+                                "position 91: invalid continuation byte; re-save it as UTF-8"]  # fmt: skip
+    assert not out.exists()
+
+
+def test_gpqa_csv_with_a_byte_order_mark(tmp_path):
+    """A csv saved as "UTF-8 with BOM" (Excel's UTF-8 export): the mark is not part of the first header."""
+    src = tmp_path / "bom.csv"
+    with src.open("w", newline="", encoding="utf-8-sig") as f:
+        w = csv.DictWriter(f, fieldnames=["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"])
+        w.writeheader()
+        w.writerow({"Question": "Q?", "Correct Answer": "a", "Incorrect Answer 1": "b", "Incorrect Answer 2": "c", "Incorrect Answer 3": "d"})
+    assert src.read_bytes()[:3] == b"\xef\xbb\xbf"
+    assert convert_gpqa(src, tmp_path / "o.jsonl") == 1
+    assert _read(tmp_path / "o.jsonl")[0]["extra_info"]["question"] == "Q?"

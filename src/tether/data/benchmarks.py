@@ -36,6 +36,7 @@ texts (``choices``), the correct text and the permutation.
 from __future__ import annotations
 
 import csv
+import io
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -79,13 +80,30 @@ def _check_template(template: str, kind: str) -> None:
 
 
 def _read_source(src: Path) -> list[tuple[str, Any]]:
-    """Records of a .csv (header row; locators name the 1-based line) or any :func:`read_records` file."""
+    """Records of a .csv (header row; locators name the 1-based line; a UTF-8 byte-order mark is
+    skipped) or any :func:`read_records` file.
+
+    Raises:
+        DataError: a missing file; a file that is not UTF-8 text (one line naming the file and, as
+            ``position``, the byte offset in the file of the first byte that is not UTF-8, worded
+            as the training loader words it); a csv the csv module cannot read (line named); the
+            other problems of :func:`~tether.data.rows.read_records`.
+    """
     if src.suffix.lower() != ".csv":
         return read_records(src)
     if not src.is_file():
         raise DataError(f"{src}: no such file")
-    with src.open(newline="", encoding="utf-8") as f:
-        return [(f"line {i}", rec) for i, rec in enumerate(csv.DictReader(f), start=2)]
+    try:
+        text = src.read_bytes().decode("utf-8")  # the whole file at once: the error's position is the file's byte offset
+    except UnicodeDecodeError as e:
+        raise DataError(f"{src}: not a UTF-8 text file, so not .csv: {e}; re-save it as UTF-8") from e
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        return [(f"line {i}", rec) for i, rec in enumerate(reader, start=2)]
+    except csv.Error as e:  # a NUL byte, a field over csv's size limit, ...
+        raise DataError(f"{src}: not a readable csv file: line {reader.line_num}: {e}") from e
 
 
 def _field(rec: dict, *names: str) -> Any:
@@ -125,9 +143,9 @@ def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
         The number of rows written.
 
     Raises:
-        DataError: a missing source, a row without a problem or with an answer that is not an
-            integer in 0..999 (file and line named), a template without ``{problem}``, an
-            unsupported output extension.
+        DataError: a missing source or one that is not UTF-8 text (file and byte offset named), a
+            row without a problem or with an answer that is not an integer in 0..999 (file and line
+            named), a template without ``{problem}``, an unsupported output extension.
     """
     from tether.rewards.benchmarks import parse_aime_ground_truth
 
@@ -159,8 +177,9 @@ def convert_math500(src: str | Path, out: str | Path, *, template: str = TEMPLAT
         The number of rows written.
 
     Raises:
-        DataError: a missing source, a row without a problem or an answer, a template without
-            ``{problem}``, an unsupported output extension.
+        DataError: a missing source or one that is not UTF-8 text (file and byte offset named), a
+            row without a problem or an answer, a template without ``{problem}``, an unsupported
+            output extension.
     """
     from tether.rewards.math import extract_last_boxed
 
@@ -207,9 +226,9 @@ def convert_gpqa(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
         The number of rows written.
 
     Raises:
-        DataError: a missing source, a row without a question or one of the four answers (line
-            named), a template without ``{question}`` and ``{A}`` … ``{D}``, an unsupported output
-            extension.
+        DataError: a missing source or one that is not UTF-8 text (file and byte offset named), a
+            row without a question or one of the four answers (line named), a template without
+            ``{question}`` and ``{A}`` … ``{D}``, an unsupported output extension.
     """
     _check_template(template, "gpqa")
 
