@@ -3,6 +3,7 @@ prediction against the measured peak of the actor's real training step (MemTrack
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from tether.plan import (
     logits_bytes,
     parse_size,
     plan_memory,
+    resolve_shape,
 )
+from tether.plan_shapes import SHAPES, SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "model_configs"
@@ -37,6 +40,8 @@ TINY = {
                            num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen3-qk-norm": dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -85,7 +90,7 @@ def test_published_shapes_give_the_published_sizes():
     assert abs(sizes["qwen2.5-72b"] / 72.7e9 - 1) < 0.005
 
 
-@pytest.mark.parametrize("name", ["qwen2-gqa-untied", "llama-biases"])
+@pytest.mark.parametrize("name", ["qwen2-gqa-untied", "llama-biases", "qwen3-qk-norm"])
 def test_activation_formula_equals_the_bytes_autograd_saves(name):
     """Every floating tensor the forward saves for backward (unique storages, parameters excluded),
     minus the (b, t, V) logits."""
@@ -312,3 +317,126 @@ def test_vllm_tensor_parallel_wider_than_a_node_rules_the_plan_out():
     two_nodes = plan_memory(PlanSettings(**{**s.__dict__, "devices": 8, "gpus_per_node": 4}), shape)
     assert "needs 8 devices on one node; the plan has 8 device(s), 4 per node" in two_nodes.problems[0]
     assert plan_memory(PlanSettings(**{**s.__dict__, "devices": 8}), shape).fits  # one node of 8
+
+
+# ---- named shapes (tether.plan_shapes) and config.json validation
+
+# "Number of Parameters" of each model card (Llama 3.1/3.3 70B: Hugging Face's count of the checkpoint), in billions as printed
+PUBLISHED_B = {
+    "qwen2.5-0.5b": "0.49", "qwen2.5-1.5b": "1.54", "qwen2.5-3b": "3.09", "qwen2.5-7b": "7.61", "qwen2.5-14b": "14.7", "qwen2.5-32b": "32.5",
+    "qwen2.5-72b": "72.7", "qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2", "qwen3-14b": "14.8",
+    "qwen3-32b": "32.8", "llama-3.2-1b": "1.23", "llama-3.2-3b": "3.21", "llama-3.1-8b": "8.03", "llama-3.1-70b": "70.6",
+    "llama-3.3-70b": "70.6",
+}  # fmt: skip
+
+
+def test_the_named_shapes_are_the_families_asked_for():
+    assert list(SHAPES) == list(PUBLISHED_B) == list(SOURCES)
+    assert SOURCES["qwen2.5-7b"] == "Qwen/Qwen2.5-7B" and SOURCES["llama-3.3-70b"] == "meta-llama/Llama-3.3-70B-Instruct"
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_a_named_shape_equals_its_config_json_written_to_a_directory(name, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES[name]))
+    named = resolve_shape(name, "actor.model")
+    assert named == ModelShape.from_config(tmp_path) == resolve_shape(str(tmp_path), "actor.model")
+    assert named.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_named_shapes_give_the_published_parameter_counts(name):
+    """Within 1% of the card's figure, or of its last printed digit where that is coarser (a "1.7B" card is 1.65-1.75 B)."""
+    card = PUBLISHED_B[name]
+    printed = 0.5 * 10 ** -len(card.partition(".")[2])
+    count = resolve_shape(name, "actor.model").causal_lm_params() / 1e9
+    assert abs(count - float(card)) <= max(0.01 * float(card), printed), (count, card)
+
+
+def test_named_shapes_count_exactly_the_parameters_of_the_checkpoints():
+    """``sum(p.numel())`` of the published checkpoints (a tied LM head counted once), and the fixtures' copies
+    of Qwen2.5's full config.json files give the same shapes."""
+    exact = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400,
+             "llama-3.1-8b": 8_030_261_248}  # fmt: skip
+    assert {n: resolve_shape(n, "actor.model").causal_lm_params() for n in exact} == exact
+    for name in ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"):
+        assert resolve_shape(name, "actor.model") == ModelShape.from_config(FIXTURES / name)
+    q3 = resolve_shape("qwen3-32b", "actor.model")  # 64 heads of 128 on a 5120-wide residual stream, per-head q/k norms
+    assert (q3.q_dim, q3.kv_dim, q3.qk_norm, q3.qkv_bias, q3.tied) == (8192, 1024, True, False, False)
+    l1 = resolve_shape("llama-3.2-1b", "actor.model")
+    assert (l1.head_dim, l1.kv_heads, l1.tied, l1.qkv_bias, l1.qk_norm) == (64, 8, True, False, False)
+    assert resolve_shape("Qwen2.5-7B", "actor.model") == resolve_shape("qwen2.5-7b", "actor.model")  # any case
+
+
+def test_cli_plans_a_named_shape_exactly_as_its_directory(capsys):
+    args = ["plan", str(PRESET), "--devices", "8", "--device-memory", "80GiB"]
+    assert main([*args, *_preset_overrides(FIXTURES / "qwen2.5-7b")]) == 0
+    from_directory = capsys.readouterr().out
+    assert main([*args, *_preset_overrides("qwen2.5-7b")]) == 0
+    named = capsys.readouterr().out
+    note = ("note: named shapes (published config.json fields; tether plan only): actor.model=qwen2.5-7b, ref.model=qwen2.5-7b, "
+            "critic.model=qwen2.5-7b, reward.model=qwen2.5-7b\n")  # fmt: skip
+    assert note in named and named.replace(note, "") == from_directory
+
+
+def test_a_local_directory_named_like_a_shape_wins(capsys, tmp_path, monkeypatch):
+    (tmp_path / "qwen2.5-7b").mkdir()
+    (tmp_path / "qwen2.5-7b" / "config.json").write_text(json.dumps(TINY["qwen2-tied"]))
+    monkeypatch.chdir(tmp_path)
+    shape = ModelShape.from_config(TINY["qwen2-tied"])
+    assert resolve_shape("qwen2.5-7b", "actor.model") == shape
+    assert main(["plan", "actor.model=qwen2.5-7b"]) == 0
+    out = capsys.readouterr().out
+    assert f"parameters: actor {shape.causal_lm_params():,}," in out and "named shapes" not in out
+
+
+def test_an_unknown_name_is_an_error_naming_the_key_and_the_names(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "actor.model=qwen2.5-7b", "ref.model=meta-llama/Llama-3.1-8B-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "tether plan: ref.model='meta-llama/Llama-3.1-8B-Instruct': no such local model directory, nor a named shape "
+        "(did you mean llama-3.1-8b or llama-3.1-70b or llama-3.2-3b?); tether plan's named shapes: " + ", ".join(SHAPES)]
+    assert main(["plan", "critic.model=gpt-5", "algo.adv_estimator=gae"]) == 2
+    assert capsys.readouterr().err.startswith("tether plan: critic.model='gpt-5': no such local model directory, nor a named shape; ")
+
+
+def test_tether_train_does_not_take_named_shapes(tmp_path, monkeypatch):
+    """The trainer resolves models with resolve_model_path, which needs a directory: the names are tether plan's only."""
+    from tether.config import ConfigError
+    from tether.models import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"actor.model='qwen2.5-7b': no such local model directory \(tether never downloads models\)"):
+        resolve_model_path("qwen2.5-7b", "actor.model")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("hidden_size", "big", "hidden_size must be a positive integer, got 'big'"),
+    ("num_hidden_layers", 28.0, "num_hidden_layers must be a positive integer, got 28.0"),
+    ("vocab_size", True, "vocab_size must be a positive integer, got True"),
+    ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (28)"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+    ("model_type", "qwen9", "model_type 'qwen9' is no transformers architecture; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders"),
+])  # fmt: skip
+def test_a_bad_config_json_field_is_one_line_naming_the_file_and_the_field(field, value, message, tmp_path, capsys):
+    raw = json.loads((FIXTURES / "qwen2.5-7b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
+    path = tmp_path / "config.json"
+    with pytest.raises(ValueError) as e:
+        ModelShape.from_config(tmp_path)
+    assert str(e.value) == f"{path}: {message}"
+    assert main(["plan", f"actor.model={tmp_path}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"tether plan: actor.model: {path}: {message}"] and captured.out == ""
+
+
+def test_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "qwen2",')
+    assert main(["plan", f"actor.model={tmp_path}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"tether plan: actor.model: {path}: not valid JSON (Expecting property name enclosed in "
+                                                    "double quotes: line 1 column 24 (char 23))"]  # fmt: skip
+    path.write_text("[1, 2]")
+    assert main(["plan", f"actor.model={tmp_path}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"tether plan: actor.model: {path}: holds a JSON list, not an object of config fields"]

@@ -243,7 +243,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(sub) -> None:
-    pl = sub.add_parser("plan", help="per-device memory of every role from the models' config.json (no weights); fits or not")
+    pl = sub.add_parser("plan", help="per-device memory of every role from the models' config.json (no weights) or a named shape "
+                        "(actor.model=qwen2.5-32b); fits or not")
     pl.add_argument("config", nargs="?", help="YAML config file")
     pl.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for tether train")
     pl.add_argument("--devices", type=int, default=1, help="devices the roles share (dp × tp; default 1)")

@@ -2,8 +2,10 @@
 
 ``tether plan CONFIG --devices N --device-memory 80GiB`` reads each model's ``config.json`` (the
 actor's, and the reference, critic and reward models' where they differ; no weights are loaded),
-counts the parameters from the architecture (Llama / Qwen2 / Mistral-style decoders), and adds up
-what each role keeps on one device:
+or takes a named shape instead of a directory (``actor.model=qwen2.5-32b``: the published
+``config.json`` fields of Qwen2.5, Qwen3 and Llama 3.x checkpoints, :mod:`tether.plan_shapes`),
+counts the parameters from the architecture (Llama / Qwen2 / Qwen3 / Mistral-style decoders), and
+adds up what each role keeps on one device:
 
 * **weights** in ``actor.dtype`` (with ``actor.dtype=float32`` and a bfloat16 compute dtype these
   are the fp32 master weights), **gradients** and **AdamW's two moments**, sharded by FSDP2 over
@@ -40,6 +42,7 @@ from pathlib import Path
 __all__ = [
     "DTYPE_BYTES",
     "ModelShape",
+    "resolve_shape",
     "PlanSettings",
     "Plan",
     "activation_bytes",
@@ -59,6 +62,36 @@ VLLM_MAX_NUM_SEQS = 256
 """vLLM's default ``max_num_seqs`` on a GPU: sequences one engine decodes at once."""
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+"""config.json fields that must be positive integers (the library's default where the file leaves one out)."""
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "num_labels")
+"""Positive integers where given; null or absent means the default (all heads, hidden // heads, 1)."""
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def _check_fields(values: dict, where: str) -> None:
+    """Check the config.json fields :class:`ModelShape` reads before anything divides by them.
+
+    Raises:
+        ValueError: one line naming ``where`` (the config.json path) and the first bad field: a count
+            that is not a positive integer (0, a string, a float, true/false), a flag that is not
+            true/false, a dtype that is not a string, or KV heads that do not divide the heads.
+    """
+    for k in _COUNTS + _OPTIONAL_COUNTS:
+        if k not in values or (values[k] is None and k in _OPTIONAL_COUNTS):
+            continue
+        v = values[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {k} must be a positive integer, got {v!r}")
+    for k in _FLAGS:
+        if k in values and not isinstance(values[k], bool):
+            raise ValueError(f"{where}: {k} must be true or false, got {values[k]!r}")
+    for k in ("torch_dtype", "dtype"):
+        if values.get(k) is not None and not isinstance(values[k], str):
+            raise ValueError(f"{where}: {k} must be a dtype name such as \"bfloat16\", got {values[k]!r}")
+    heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ValueError(f"{where}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
 
 
 def parse_size(text: str) -> int:
@@ -81,12 +114,13 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers of a decoder-only LM (Llama / Qwen2 / Mistral style).
+    """The architecture numbers of a decoder-only LM (Llama / Qwen2 / Qwen3 / Mistral style).
 
     ``head_dim`` is the per-head width (``hidden // heads`` unless the config sets it). Biases:
-    Qwen2 has q/k/v biases; Llama's ``attention_bias`` adds them to q/k/v/o and ``mlp_bias`` to the
-    MLP; Mistral has none. ``dtype`` is the checkpoint's ``torch_dtype`` (what a reward model loads in
-    on a GPU with ``dtype="auto"``).
+    Qwen2 has q/k/v biases; Llama's and Qwen3's ``attention_bias`` adds them to q/k/v/o and Llama's
+    ``mlp_bias`` to the MLP; Mistral has none. ``qk_norm``: Qwen3's RMSNorm of each query and key
+    head (``q_norm``, ``k_norm``: head_dim weights each). ``dtype`` is the checkpoint's
+    ``torch_dtype`` (what a reward model loads in on a GPU with ``dtype="auto"``).
     """
 
     model_type: str
@@ -103,36 +137,64 @@ class ModelShape:
     mlp_bias: bool = False
     dtype: str = "float32"
     num_labels: int = 1
+    qk_norm: bool = False
 
     @classmethod
-    def from_config(cls, source: str | Path | dict) -> ModelShape:
-        """Read a model directory's ``config.json`` (or a dict of it) through ``transformers.AutoConfig``,
-        so defaults the file leaves out (``tie_word_embeddings``, ``head_dim``) are the library's.
+    def from_config(cls, source: str | Path | dict, *, where: str | None = None) -> ModelShape:
+        """Read a model directory's ``config.json`` (or a dict of its fields: a named shape of
+        :mod:`tether.plan_shapes`) through ``transformers.AutoConfig``, so defaults the file leaves
+        out (``tie_word_embeddings``, ``head_dim``) are the library's. A dict goes through the same
+        steps as the file. ``where`` names the source in errors (default: the config.json path, or
+        ``"config"`` for a dict).
 
         Raises:
-            ValueError: no config.json, or an architecture without the fields above (names it).
+            ValueError: one line naming the config.json path (or ``where``) and the field: no
+                config.json, not a JSON object, a count that is not a positive integer (zero heads,
+                ``"hidden_size": "big"``), a flag that is not true/false, KV heads that do not divide
+                the heads, a config transformers refuses, or an architecture without the fields above.
         """
-        from transformers import AutoConfig, PretrainedConfig
-
         if isinstance(source, dict):
-            d = dict(source)
-            cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+            raw, where = dict(source), where or "config"
         else:
             p = Path(source)
-            if not (p / "config.json").is_file():
+            f = p / "config.json"
+            if not f.is_file():
                 raise ValueError(f"{p}: no config.json (tether plan reads the architecture from it)")
-            raw = json.loads((p / "config.json").read_text())
-            if "torch_dtype" in raw:  # the name before transformers 5
-                raw.setdefault("dtype", raw.pop("torch_dtype"))
-            cfg = AutoConfig.for_model(raw.pop("model_type"), **raw) if "model_type" in raw else PretrainedConfig(**raw)
-        return cls.from_hf(cfg)
+            where = where or str(f)
+            try:
+                raw = json.loads(f.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{where}: holds a JSON {type(raw).__name__}, not an object of config fields")
+        _check_fields(raw, where)
+        if "torch_dtype" in raw:  # the name before transformers 5
+            raw.setdefault("dtype", raw.pop("torch_dtype"))
+        from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+        mt = raw.pop("model_type", None)
+        if mt is not None and (not isinstance(mt, str) or mt not in CONFIG_MAPPING):
+            raise ValueError(f"{where}: model_type {mt!r} is no transformers architecture; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders")
+        try:
+            cfg = AutoConfig.for_model(mt, **raw) if mt is not None else PretrainedConfig(**raw)
+        except Exception as e:  # a field the config class's own checks refuse (transformers 5's strict dataclasses)
+            msg = " ".join(str(e).split())
+            raise ValueError(f"{where}: transformers cannot read it: {type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}") from None
+        return cls.from_hf(cfg, where=where)
 
     @classmethod
-    def from_hf(cls, cfg) -> ModelShape:
-        """From a ``transformers`` config object. Raises ValueError naming a missing field."""
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if getattr(cfg, k, None) is None]
+    def from_hf(cls, cfg, *, where: str | None = None) -> ModelShape:
+        """From a ``transformers`` config object. ``where`` names it in errors (default its model_type).
+
+        Raises:
+            ValueError: a missing field, or one that is not a positive integer / true or false
+                (one line naming ``where`` and the field).
+        """
+        where = where or f"model_type {getattr(cfg, 'model_type', '?')!r}"
+        missing = [k for k in _COUNTS if getattr(cfg, k, None) is None]
         if missing:
-            raise ValueError(f"model_type {getattr(cfg, 'model_type', '?')!r}: config has no {', '.join(missing)}; tether plan knows Llama/Qwen2/Mistral-style decoders")
+            raise ValueError(f"{where}: config has no {', '.join(missing)}; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders")
+        _check_fields({k: getattr(cfg, k) for k in _COUNTS + _OPTIONAL_COUNTS + _FLAGS if hasattr(cfg, k)}, where)
         mt = cfg.model_type
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -143,7 +205,7 @@ class ModelShape:
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
             tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)), dtype=dtype if dtype in DTYPE_BYTES else "float32",
-            num_labels=int(getattr(cfg, "num_labels", 1) or 1),
+            num_labels=int(getattr(cfg, "num_labels", 1) or 1), qk_norm=mt == "qwen3",
         )  # fmt: skip
 
     # ---- parameter counts (exact, as ``sum(p.numel() for p in model.parameters())``)
@@ -156,11 +218,16 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def block_params(self) -> int:
-        """One decoder layer: q/k/v/o projections (GQA: k and v have kv_heads), SwiGLU MLP, two RMSNorms."""
+        """One decoder layer: q/k/v/o projections (GQA: k and v have kv_heads), SwiGLU MLP, two RMSNorms
+        (and Qwen3's per-head query and key norms)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        return attn + mlp + 2 * h
+        return attn + mlp + self.block_norm_params()
+
+    def block_norm_params(self) -> int:
+        """The RMSNorm weights of one decoder layer: 2·h, plus 2·head_dim with ``qk_norm``."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     def backbone_params(self) -> int:
         """Embeddings, the layers and the final norm (``AutoModel``: the critic's and reward model's trunk)."""
@@ -216,10 +283,13 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
       probabilities), plus the (b, 1, s, s) additive padding mask each layer's SDPA keeps in e
       bytes (b·s²·e: a separate copy per layer, as measured on CPU);
     * the SwiGLU MLP: gate (SiLU's input), SiLU(gate), up and their product (down_proj's input):
-      4·b·s·I·e.
+      4·b·s·I·e;
+    * with ``qk_norm`` (Qwen3), each query and key head's RMSNorm: its float32 input and normalised
+      value, b·s·(heads + kv_heads)·head_dim·(4 + e), plus the float32 rsqrt per head and position,
+      b·s·(heads + kv_heads)·4 (RoPE, which takes the norm's output, saves nothing of that size).
 
-    Checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks`` on tiny Qwen2 models
-    (tests/test_plan.py).
+    Checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks`` on tiny Qwen2, Llama
+    and Qwen3 models (tests/test_plan.py).
 
     ``autocast`` (``actor.compute_dtype=bfloat16`` over float32 weights): the norms keep their
     input and normalised value in float32 and each projection saves its own e-byte cast of the
@@ -234,6 +304,8 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
     else:
         norms = 2 * b * s * (h * (4 + 2 * e) + 4)  # + the float32 rsqrt(variance), one per position
     attn = b * s * 4 * q * e + b * shape.heads * s * 4 + b * s * s * e  # + the layer's (b, 1, s, s) mask in e bytes
+    if shape.qk_norm:  # Qwen3: fp32 input, normalised value and fp32 rsqrt of each q and k head's RMSNorm
+        attn += b * s * (q + shape.kv_dim) * (4 + e) + b * s * (shape.heads + shape.kv_heads) * 4
     mlp = 4 * b * s * i * e
     return math.ceil((norms + attn + mlp) / tp)
 
@@ -474,7 +546,7 @@ def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: 
                           note="foreach AdamW: one tensor per parameter (GPU); the CPU loop: two of the largest tensor"))
     amp = s.autocast and lm  # the critic runs without autocast
     if amp:
-        casts = shape.layers * (shape.block_params() - 2 * shape.hidden) * ec // s.tp
+        casts = shape.layers * (shape.block_params() - shape.block_norm_params()) * ec // s.tp
         items.append(Item(role, f"autocast {s.compute_dtype} copies of the layers' weights", casts, back,
                           note="torch.autocast caches one cast per weight through the forward; the backward keeps them"))
     elif n > 1 or (ec != es and not s.autocast) or s.offload:
@@ -690,30 +762,76 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _named_shape(name: str) -> dict | None:
+    """The :mod:`tether.plan_shapes` entry ``name`` stands for (any case), unless a path of that name exists."""
+    from tether.config import EMBEDDED
+    from tether.plan_shapes import SHAPES
+
+    if name == EMBEDDED or Path(name).expanduser().exists():
+        return None
+    return SHAPES.get(name.lower())
+
+
+def resolve_shape(name: str | None, key: str) -> ModelShape | None:
+    """The shape of a model key of ``tether plan`` (``actor.model``, ``ref.model``, ``critic.model``,
+    ``reward.model``): a local model directory's ``config.json`` (``embedded`` included), else a
+    named shape of :mod:`tether.plan_shapes` (``qwen2.5-7b``; a directory of the same name wins).
+    None for None (the role defaults to the actor's model).
+
+    Raises:
+        ValueError: one line naming ``key``: neither a directory nor a named shape (with the closest
+            names and the list of them), a directory without config.json, or a config.json field
+            that is missing or not a positive integer / true or false (naming the file and field).
+    """
+    import difflib
+
+    from tether.config import EMBEDDED
+    from tether.models import resolve_model_path
+    from tether.plan_shapes import SHAPES
+
+    if name is None:
+        return None
+    named = _named_shape(name)
+    if named is not None:
+        return ModelShape.from_config(named, where=f"{key}={name!r} (named shape)")
+    if name != EMBEDDED and not Path(name).expanduser().exists():
+        wanted = name.lower().rstrip("/").rsplit("/", 1)[-1]  # "meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"
+        close = difflib.get_close_matches(wanted, list(SHAPES), n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise ValueError(f"{key}={name!r}: no such local model directory, nor a named shape{hint}; tether plan's named shapes: "
+                         f"{', '.join(SHAPES)}")
+    path = resolve_model_path(name, key)  # a file, or a directory without config.json: its ConfigError names the key
+    try:
+        return ModelShape.from_config(path)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+
+
 def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = None, offload: bool | None = None, param_dtype: str | None = None,
                 gpus_per_node: int | None = None, activation_checkpointing: bool | None = None, rollout_tp: int | None = None) -> Plan:
     """The plan of a :class:`tether.config.TetherConfig`: reads ``config.json`` of ``actor.model``,
-    ``ref.model``, ``critic.model`` and ``reward.model`` (local directories; no weights).
+    ``ref.model``, ``critic.model`` and ``reward.model`` (local directories; no weights), or takes
+    their named shapes (:func:`resolve_shape`).
 
     Raises:
-        ValueError: a model directory without config.json, or bad devices / tp (names the key).
+        ValueError: a model that is neither a directory with a valid config.json nor a named shape,
+            or bad devices / tp (names the key).
     """
-    from tether.models import resolve_model_path
-
-    def shape(name: str | None, key: str) -> ModelShape | None:
-        return None if name is None else ModelShape.from_config(resolve_model_path(name, key))
-
     s = PlanSettings.from_config(cfg, devices=devices, device_memory=device_memory, tp_size=tp_size, offload=offload, param_dtype=param_dtype,
                                  gpus_per_node=gpus_per_node, activation_checkpointing=activation_checkpointing, rollout_tp=rollout_tp)  # fmt: skip
-    actor = shape(cfg.actor.model, "actor.model")
-    shapes = {"actor": actor, "ref": shape(cfg.ref.model, "ref.model"), "critic": shape(cfg.critic.model, "critic.model"),
-              "reward": shape(cfg.reward.model, "reward.model")}
+    keys = {"actor": ("actor.model", cfg.actor.model), "ref": ("ref.model", cfg.ref.model), "critic": ("critic.model", cfg.critic.model),
+            "reward": ("reward.model", cfg.reward.model)}
+    shapes = {role: resolve_shape(name, key) for role, (key, name) in keys.items()}
+    actor = shapes["actor"]
     for key, sh in (("actor.model", actor), ("critic.model", shapes["critic"])):
         if sh is not None and (sh.heads % s.tp or sh.kv_heads % s.tp):
             raise ValueError(f"tensor-parallel size {s.tp} must divide the attention heads ({sh.heads}) and KV heads ({sh.kv_heads}) of {key}")
     plan = plan_memory(s, **shapes)
     if not plan.fits:
         plan.suggestions, plan.combined = suggestions(s, shapes)
+    named = [f"{key}={name}" for key, name in keys.values() if name is not None and _named_shape(name) is not None]
+    if named:
+        plan.notes.append(f"named shapes (published config.json fields; tether plan only): {', '.join(named)}")
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
         plan.notes.append(f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local backend uses one device")
     return plan
@@ -723,7 +841,8 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
               param_dtype: str | None = None, gpus_per_node: int | None = None, activation_checkpointing: bool | None = None,
               rollout_tp: int | None = None) -> int:
     """``tether plan``: print the table and the verdict. Returns 0 when it fits, 1 when it does not,
-    2 for a bad config, model directory or flag (the message names it)."""
+    2 for a bad config, model directory or name, config.json field or flag (one line on stderr,
+    ``tether plan: ...``, naming it)."""
     import sys
 
     from tether.config import ConfigError, load_config
