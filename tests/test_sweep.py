@@ -54,7 +54,28 @@ def test_expand_grid_is_the_cartesian_product_in_order():
     assert runs[3].overrides == (("kl.coef", 0.05), ("kl.controller", "adaptive"))
     # fixed overrides first, then the sweep's defaults, then the run's own
     assert runs[3].args() == ["trainer.total_steps=7", "trainer.progress=false", "trainer.report=false", "kl.coef=0.05", "kl.controller=adaptive"]
-    assert runs[2].label() == "0.05/fixed"
+    assert runs[2].label() == "kl.coef=0.05, kl.controller=fixed"
+    assert runs[2].label({"kl.controller": "controller"}) == "kl.coef=0.05, controller=fixed"
+
+
+def test_plot_labels_name_each_value_s_key():
+    # Regression: legends showed "0.05/fixed", not which key each value belongs to.
+    runs = sw.expand_grid({"kl.coef": [0, 0.05]}, {"trainer.total_steps": 7})
+    assert sw.plot_labels(runs) == {"kl.coef=0": "kl.coef=0", "kl.coef=0.05": "kl.coef=0.05"}
+    # long keys: their last two parts, more where two keys would read the same; a key all runs set alike is left out
+    runs = sw.expand_grid(
+        {"trainer.seed": [0, 1]},
+        configs=[{"algo.rollout_correction.level": "token", "actor.optim.lr": 1e-3, "rollout.n": 4},
+                 {"critic.optim.lr": 1e-3, "rollout.n": 4}],
+    )  # fmt: skip
+    assert list(sw.plot_labels(runs).values()) == [
+        "rollout_correction.level=token, actor.optim.lr=0.001, trainer.seed=0",
+        "rollout_correction.level=token, actor.optim.lr=0.001, trainer.seed=1",
+        "critic.optim.lr=0.001, trainer.seed=0",
+        "critic.optim.lr=0.001, trainer.seed=1",
+    ]
+    assert sw.plot_labels(sw.expand_grid({"kl.coef": [0.1]})) == {"kl.coef=0.1": "kl.coef=0.1"}
+    assert sw.plot_labels(sw.expand_grid({}, {"kl.coef": 0.1})) == {"default": "default"}
 
 
 def test_expand_grid_configs_times_grid_and_config_keys_win():
@@ -282,6 +303,83 @@ def test_plots_are_written(tmp_path):
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
+def _close(figs):
+    import matplotlib.pyplot as plt
+
+    for fig in figs.values():
+        plt.close(fig)
+
+
+def test_sweep_legends_and_the_hollow_note(tmp_path):
+    # Regressions: legends gave bare values ("0.05"); "hollow: sampled" was in the axis labels with no hollow point drawn.
+    runs = sw.expand_grid({"kl.coef": [0, 0.05, 0.1]})
+    for r in runs[:2]:
+        _fake_run(tmp_path / r.name, 10, lambda s: 0.5, lambda s: 0.1, 0.05, lambda s: 0.6, run=r)  # exact/* logged at step 10
+    _fake_run(tmp_path / runs[2].name, 5, lambda s: 0.4, lambda s: 0.2, 0.1, lambda s: 0.6, run=runs[2])  # sampled columns only
+    rows = sw.summarize_sweep(tmp_path, runs, exact_final="none", plots=False, echo=lambda *_: None)
+    curve = [{"beta": b, "kl_tok": 0.2 / (1 + b), "reward": 1 - b / 10, "correct_effective_answers": 40.0, "unique_frac": 0.9} for b in (0.05, 0.3, 1.0)]
+    labels = sw.plot_labels(runs)
+
+    figs = sw.sweep_figures(rows[:2], curve, labels)  # every point exact: no hollow note
+    (ax,) = figs["reward_vs_kl"].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["exact optimum π*_β", "kl.coef=0", "kl.coef=0.05"]
+    assert ax.get_xlabel() == "KL(π‖π_ref), nats per token (exact)"
+    left, right = figs["reward_vs_diversity"].axes
+    assert left.get_xlabel().endswith("(exact)") and right.get_xlabel().endswith("(exact)")
+    _close(figs)
+
+    figs = sw.sweep_figures(rows, curve, labels)  # the third run is drawn hollow
+    (ax,) = figs["reward_vs_kl"].axes
+    assert ax.get_xlabel() == "KL(π‖π_ref), nats per token (filled: exact; hollow: sampled)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["exact optimum π*_β", "kl.coef=0", "kl.coef=0.05", "kl.coef=0.1"]
+    points = {c.get_label(): c for c in ax.collections}
+    assert points["kl.coef=0.1"].get_facecolor().size == 0 and points["kl.coef=0"].get_facecolor()[0][3] == 1  # hollow, filled
+    left, right = figs["reward_vs_diversity"].axes
+    assert left.get_xlabel().endswith("(exact)")  # this panel has no sampled fallback: the run is not drawn
+    assert [c.get_label() for c in left.collections] == ["kl.coef=0", "kl.coef=0.05"]
+    assert right.get_xlabel() == "unique fraction among n samples (filled: exact; hollow: sampled)"
+    # one legend for both panels, and a run keeps its colour in each
+    assert left.get_legend() is None
+    assert [t.get_text() for t in right.get_legend().get_texts()] == ["exact optimum π*_β", "kl.coef=0", "kl.coef=0.05", "kl.coef=0.1"]
+    for c in right.collections:
+        assert list(c.get_edgecolor()[0]) == list(points[c.get_label()].get_edgecolor()[0])
+    _close(figs)
+
+    figs = sw.sweep_figures(rows[2:], None, labels)  # only sampled points, no curve
+    assert figs["reward_vs_kl"].axes[0].get_xlabel() == "KL(π‖π_ref), nats per token (hollow: sampled)"
+    assert figs["reward_vs_diversity"].axes[0].get_xlabel() == "distinct correct answers, exp H(π | correct)"
+    _close(figs)
+
+
+def test_curve_beta_labels_do_not_overlap():
+    # Regression: β=0.05 and β=0.1 (nearly the same point of the curve) were printed over each other, and on
+    # the vertical line of correct answers every label stacked at its right edge, past the axes.
+    betas = [0.0, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 100.0]
+    kl = [0.2, 0.1999, 0.1995, 0.15, 0.1, 0.05, 0.02, 0.0]
+    reward = [1.0, 0.9999, 0.999, 0.96, 0.9, 0.75, 0.6, 0.46]
+    curve = [{"beta": b, "kl_tok": k, "reward": r, "correct_effective_answers": 47.2, "unique_frac": 0.95 - k} for b, k, r in zip(betas, kl, reward, strict=True)]
+    rows = [{"name": "a", "exact_kl_tok": 0.25, "exact_score": 0.9, "correct_eff_answers": 35.0, "exact_unique_frac": 0.9}]
+    figs = sw.sweep_figures(rows, curve)
+    seen = {}
+    for key, fig in figs.items():
+        renderer = fig.canvas.get_renderer()
+        sep = sw.CURVE_LABEL_SEP * fig.dpi / 72
+        for ax in fig.axes:
+            notes = [t for t in ax.texts if t.get_text().startswith("β=")]
+            seen[key, ax.get_xlabel()] = [t.get_text() for t in notes]
+            boxes = [t.get_window_extent(renderer) for t in notes]
+            anchors = [ax.transData.transform(t.xy) for t in notes]
+            for i in range(len(notes)):
+                assert ax.bbox.x0 <= boxes[i].x0 and boxes[i].x1 <= ax.bbox.x1, notes[i].get_text()
+                for j in range(i):
+                    assert not boxes[i].overlaps(boxes[j]), (notes[i].get_text(), notes[j].get_text())
+                    assert math.dist(anchors[i], anchors[j]) >= sep
+    assert list(seen.values()) == [
+        ["β=0.05", "β=0.3", "β=0.5", "β=1", "β=2"],  # β=0.1 sits on β=0.05: left out in each panel
+    ] * 3
+    _close(figs)
+
+
 def test_optimum_curve_matches_the_closed_form():
     prompts = sw.exact_prompts("val")
     assert prompts == ["3,6=", "3,11=", "3,16=", "3,21="]
@@ -317,11 +415,15 @@ def test_tiny_real_sweep(tmp_path, capsys):
     with (out / "table.csv").open() as f:
         rows = {r["name"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"kl.coef=0", "kl.coef=0.05"}
+    assert {r["beta"] for r in rows.values()} == {"0.0", "0.05"}
+    optimum = {c["beta"]: c for c in sw.optimum_curve(sw.exact_prompts("val"), [1e-6, 0.05])}
     for name, r in rows.items():
         assert r["status"] == "finished" and r["steps"] == "2" and r["exact_source"] == "val"
         assert 0.3 < float(r["exact_score"]) < 0.7  # two small steps from π_ref (0.46 on these prompts)
         assert 0 <= float(r["exact_kl_tok"]) < 0.1
-        assert float(r["opt_kl_seq"]) == pytest.approx(0.78, abs=0.1) if name.endswith("0.05") else True
+        # KL(π*_β‖π_ref) at the run's final β (floored at 1e-6): the optimum's curve at that β, ≈ −log P_ref(correct) for small β
+        assert float(r["opt_kl_seq"]) == pytest.approx(optimum[max(float(r["beta"]), 1e-6)]["kl_seq"], rel=1e-9)
+        assert float(r["opt_kl_seq"]) == pytest.approx(0.78, abs=0.1)
         assert (out / name / sw.EXACT_FINAL).is_file() and (out / name / sw.DONE_MARKER).is_file()
     assert (out / "reward_vs_kl.png").is_file() and (out / "reward_vs_diversity.png").is_file()
     curve = json.loads((out / "optimum_curve.json").read_text())

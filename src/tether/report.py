@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from tether.diagnostics import read_metrics
 
@@ -29,8 +30,94 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+#: A panel whose values span less than this fraction of their magnitude (or less than
+#: :data:`MIN_SPAN_ABS`) is drawn on a y-axis this wide, centred on them: a constant or nearly constant
+#: series shows as a flat line at a readable value, not as a swing across its last digits.
+MIN_SPAN_REL = 0.25
+MIN_SPAN_ABS = 1e-3
+
+#: (line style, marker, line width, marker size) of a panel's first, second, third line: each later line
+#: is thinner and drawn on top, so a line that coincides with an earlier one leaves it visible.
+LINE_STYLES = [("-", "o", 2.8, 6.0), ("--", "s", 1.6, 3.5), (":", "^", 1.6, 3.5)]
+
+
+def panels_with_data(history: list[dict]) -> list[tuple[str, list[str], str]]:
+    """The entries of :data:`PANELS` with at least one finite value in ``history`` (no empty panel is drawn)."""
+    return [p for p in PANELS if any(_series(history, key)[0] for key in p[1])]
+
+
+def draw_panel(ax, history: list[dict], name: str, keys: list[str], unit: str) -> None:
+    """Draw one panel on ``ax``: a line per key of ``keys`` with data, without offset notation.
+
+    A line identical to an earlier one says so in the legend (``kl/ref_mean_unclamped (= kl/ref_mean)``)
+    and is drawn thinner and dashed on top of it (:data:`LINE_STYLES`); a constant line gives its value
+    (``kl/coef = 0.05 (constant)``). The y-axis spans at least :data:`MIN_SPAN_REL` of the values'
+    magnitude, or :data:`MIN_SPAN_ABS`.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    drawn: list[tuple[str, list[int], list[float]]] = []
+    for key in keys:
+        xs, ys = _series(history, key)
+        if not xs:
+            continue
+        same = next((k for k, xs0, ys0 in drawn if xs0 == xs and ys0 == ys), None)
+        label = f"{key} (= {same})" if same else f"{key} = {ys[0]:.4g} (constant)" if len(set(ys)) == 1 else key
+        ls, marker, lw, ms = LINE_STYLES[len(drawn) % len(LINE_STYLES)]
+        ax.plot(xs, ys, ls=ls, lw=lw, marker=marker if len(xs) < 30 else None, ms=ms, label=label, zorder=2 + len(drawn))
+        drawn.append((key, xs, ys))
+    ax.set_xlabel("step")
+    ax.set_ylabel(unit)
+    ax.set_title(name)
+    ax.grid(alpha=0.3)
+    ax.ticklabel_format(useOffset=False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if drawn:
+        values = [y for _, _, ys in drawn for y in ys]
+        lo, hi = min(values), max(values)
+        floor = max(MIN_SPAN_REL * max(abs(lo), abs(hi)), MIN_SPAN_ABS)
+        if hi - lo < floor:
+            mid, half = (lo + hi) / 2, max(floor, 1.1 * (hi - lo)) / 2
+            ax.set_ylim(mid - half, mid + half)
+        ax.legend(fontsize=7)
+
+
+def report_figures(history: list[dict]) -> dict[str, Any]:
+    """The report's matplotlib figures by file stem: one per panel with data, and ``overview`` (all of them).
+
+    Panels without data (``exact`` on a run without the embedded task) are left out: no figure, no
+    axes in the overview, whose grid (at most 4 a row) holds only the others. The caller closes the figures.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = panels_with_data(history)
+    nrows = max(1, math.ceil(len(panels) / 4))  # at most 4 a row, the rows as full as they can be
+    ncols = max(1, math.ceil(len(panels) / nrows))
+    fig_all, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.75 * nrows), squeeze=False)
+    figs = {}
+    for (name, keys, unit), ax_all in zip(panels, axes.flat, strict=False):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for a in (ax, ax_all):
+            draw_panel(a, history, name, keys, unit)
+        fig.tight_layout()
+        figs[name] = fig
+    for ax in axes.flat[max(1, len(panels)) :]:
+        fig_all.delaxes(ax)
+    if not panels:
+        axes.flat[0].axis("off")
+        axes.flat[0].text(0.5, 0.5, "no plottable metrics logged", ha="center", va="center")
+    fig_all.tight_layout()
+    figs["overview"] = fig_all
+    return figs
+
+
 def write_report(run_dir: str | Path) -> Path:
-    """Write ``report/<panel>.png``, ``report/overview.png`` and ``report/summary.md``; returns the report dir.
+    """Write ``report/<panel>.png`` (panels with data), ``report/overview.png`` and ``report/summary.md``; returns the report dir.
+
+    A panel's PNG left by an earlier report is removed when the panel has no data.
 
     Raises:
         FileNotFoundError: no ``metrics.jsonl`` in ``run_dir``.
@@ -48,28 +135,13 @@ def write_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl holds no step record: nothing to report")
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
-    fig_all, axes = plt.subplots(2, 4, figsize=(18, 7.5))
-    for (name, keys, unit), ax_all in zip(PANELS, axes.flat, strict=False):
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for a in (ax, ax_all):
-            for key in keys:
-                xs, ys = _series(history, key)
-                if xs:
-                    a.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
-            a.set_xlabel("step")
-            a.set_ylabel(unit)
-            a.set_title(name)
-            a.grid(alpha=0.3)
-            if a.lines:
-                a.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
+    figs = report_figures(history)
+    for name, fig in figs.items():
+        fig.savefig(out / f"{name}.png", dpi=90 if name == "overview" else 110)
         plt.close(fig)
-    for ax in axes.flat[len(PANELS) :]:
-        ax.axis("off")
-    fig_all.tight_layout()
-    fig_all.savefig(out / "overview.png", dpi=90)
-    plt.close(fig_all)
+    for name, _, _ in PANELS:
+        if name not in figs:
+            (out / f"{name}.png").unlink(missing_ok=True)  # an empty panel an earlier report drew
     (out / "summary.md").write_text(_summary(run_dir, history))
     return out
 

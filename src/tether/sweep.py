@@ -185,9 +185,36 @@ class RunSpec:
         """``key=value`` arguments for ``tether train`` (without the output directory)."""
         return [f"{k}={format_value(v)}" for k, v in self.all_overrides.items()]
 
-    def label(self) -> str:
-        """Short label for plots: the varying values only (``0.05/adaptive``)."""
-        return "/".join(format_value(v) for _, v in self.overrides) or "default"
+    def label(self, keys: Mapping[str, str] | None = None) -> str:
+        """Label for plots: the varying overrides as ``key=value`` joined by ``, `` (``kl.coef=0.05, kl.controller=adaptive``).
+
+        ``keys`` maps a key to the name shown for it (see :func:`plot_labels`); a key not in it is shown whole.
+        """
+        keys = keys or {}
+        return ", ".join(f"{keys.get(k, k)}={format_value(v)}" for k, v in self.overrides) or "default"
+
+
+def plot_labels(runs: Sequence[RunSpec]) -> dict[str, str]:
+    """Legend labels of a sweep's runs by name: :meth:`RunSpec.label` with short keys.
+
+    A key is shown as its last two dotted parts (``algo.rollout_correction.level`` →
+    ``rollout_correction.level``), or as many more as tell it apart from the sweep's other varying
+    keys; a key every run sets to the same value is left out when there are several runs.
+    """
+    keys = list(dict.fromkeys(k for r in runs for k, _ in r.overrides))
+    constant = {k for k in keys if len(runs) > 1 and len({(k in dict(r.overrides), format_value(dict(r.overrides).get(k))) for r in runs}) == 1}
+    short = {}
+    for k in keys:
+        parts = k.split(".")
+        for n in range(min(2, len(parts)), len(parts) + 1):
+            short[k] = ".".join(parts[-n:])
+            if not any(o != k and (o == short[k] or o.endswith("." + short[k])) for o in keys):
+                break
+    out = {}
+    for r in runs:
+        shown = tuple((k, v) for k, v in r.overrides if k not in constant)
+        out[r.name] = RunSpec(r.name, shown or r.overrides).label(short)
+    return out
 
 
 def _as_pairs(obj: Any, where: str) -> list[tuple[str, Any]]:
@@ -746,11 +773,135 @@ def optimum_curve(prompts: Sequence[str], betas: Iterable[float], *, temperature
 CURVE_BETAS = [0.0, 0.01, 0.03, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0]
 
 
-def plot_sweep(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, float]] | None, out: Path, labels: Mapping[str, str] | None = None) -> list[Path]:
-    """``reward_vs_kl.png`` and ``reward_vs_diversity.png``: one point per run, and the optimum's curve.
+#: β values of the optimum's curve that get a ``β=…`` label, where it does not overlap one already placed.
+CURVE_LABEL_BETAS = (0.05, 0.1, 0.3, 0.5, 1.0, 2.0)
 
-    Points use the exact columns when a run has them (enumeration), else the sampled tail means
-    (hollow markers). Returns the written paths.
+
+#: Least distance, in points, between two labelled points of the optimum's curve.
+CURVE_LABEL_SEP = 14.0
+
+
+def _label_curve(ax, curve: Sequence[Mapping[str, float]], xkey: str) -> None:
+    """Annotate the curve's points at :data:`CURVE_LABEL_BETAS` with ``β=…``, below right of the point
+    (below left in the right fifth of the axes) or else above it. A point closer than
+    :data:`CURVE_LABEL_SEP` to one already labelled, or whose label would overlap one already placed
+    in both spots, gets none. Call once the figure's layout is final.
+    """
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    to_axes = ax.transData + ax.transAxes.inverted()
+    sep = CURVE_LABEL_SEP * fig.dpi / 72
+    anchors, boxes = [], []
+    for c in curve:
+        if c["beta"] not in CURVE_LABEL_BETAS:
+            continue
+        xy = (c[xkey], c["reward"])
+        fx, fy = to_axes.transform(xy)
+        px, py = ax.transData.transform(xy)
+        if not (0 <= fx <= 1 and 0 <= fy <= 1) or any(math.hypot(px - qx, py - qy) < sep for qx, qy in anchors):
+            continue
+        side = -1 if fx > 0.8 else 1
+        for dy in (-8, 4):
+            t = ax.annotate(f"β={c['beta']:g}", xy, xytext=(3 * side, dy), textcoords="offset points", fontsize=6, ha="left" if side > 0 else "right")
+            box = t.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in boxes):
+                anchors.append((px, py))
+                boxes.append(box)
+                break
+            t.remove()
+
+
+def sweep_figures(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, float]] | None, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The figures of :func:`plot_sweep` by file stem (``reward_vs_kl``, ``reward_vs_diversity``); the caller closes them.
+
+    A run keeps its colour (and marker, past the palette's length) in every panel; its legend entry is
+    its label from ``labels`` (``kl.coef=0.05``; default its name). Points use the exact columns when a
+    run has them (filled), else the sampled tail means (hollow); the axis label says which of the two
+    kinds its panel shows. Legends sit right of the axes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or {}
+    cmap = plt.get_cmap("tab10" if len(rows) <= 10 else "tab20")
+    markers = "osD^v"
+
+    def finite(x: Any, y: Any) -> bool:
+        return isinstance(x, float) and isinstance(y, float) and math.isfinite(x) and math.isfinite(y)
+
+    def scatter(ax, xkey: str, ykey: str, xfb: str | None, yfb: str) -> set[bool]:
+        """One point per row with values; returns which kinds were drawn (True: exact, False: sampled)."""
+        kinds = set()
+        for i, r in enumerate(rows):
+            x, y = r.get(xkey, float("nan")), r.get(ykey, float("nan"))
+            exact = finite(x, y)
+            if not exact and xfb is not None:
+                x, y = r.get(xfb, float("nan")), r.get(yfb, float("nan"))
+            if finite(x, y):
+                c = cmap(i % cmap.N)
+                m = markers[(i // cmap.N) % len(markers)]
+                ax.scatter([x], [y], color=c if exact else "none", edgecolors=c, marker=m, s=36, zorder=3, label=labels.get(r["name"], r["name"]))
+                kinds.add(exact)
+        return kinds
+
+    def kind_note(kinds: set[bool]) -> str:
+        return {frozenset({True}): " (exact)", frozenset({False}): " (hollow: sampled)", frozenset({True, False}): " (filled: exact; hollow: sampled)"}.get(frozenset(kinds), "")
+
+    def draw_curve(ax, xkey: str) -> None:
+        if curve:
+            ax.plot([c[xkey] for c in curve], [c["reward"] for c in curve], "k-", lw=1.2, zorder=2, label="exact optimum π*_β")
+
+    def legend(ax, axes) -> None:
+        """One legend right of ``ax`` for the curve and the runs drawn on any of ``axes``, in the rows' order."""
+        handles: dict[str, Any] = {}
+        for a in axes:
+            for h, lab in zip(*a.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        order = {labels.get(r["name"], r["name"]): i for i, r in enumerate(rows)}
+        handles = dict(sorted(handles.items(), key=lambda kv: order.get(kv[0], -1)))
+        if handles:
+            ax.legend(handles.values(), handles.keys(), fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1), ncol=1 if len(handles) <= 30 else 2)
+
+    figs = {}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    draw_curve(ax, "kl_tok")
+    kinds = scatter(ax, "exact_kl_tok", "exact_score", "kl_tok", "reward")
+    ax.set_xlabel("KL(π‖π_ref), nats per token" + kind_note(kinds))
+    ax.set_ylabel("expected reward")
+    ax.set_title("reward against KL")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    legend(ax, [ax])
+    if curve:
+        _label_curve(ax, curve, "kl_tok")
+    figs["reward_vs_kl"] = fig
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    draw_curve(axes[0], "correct_effective_answers")
+    kinds = scatter(axes[0], "correct_eff_answers", "exact_score", None, "reward")
+    axes[0].set_xlabel("distinct correct answers, exp H(π | correct)" + kind_note(kinds))
+    draw_curve(axes[1], "unique_frac")
+    kinds = scatter(axes[1], "exact_unique_frac", "exact_score", "unique_frac", "reward")
+    axes[1].set_xlabel("unique fraction among n samples" + kind_note(kinds))
+    for a in axes:
+        a.set_ylabel("expected reward")
+        a.grid(alpha=0.3)
+    fig.suptitle("reward against diversity")
+    fig.tight_layout()
+    legend(axes[1], list(axes))
+    if curve:
+        _label_curve(axes[0], curve, "correct_effective_answers")
+        _label_curve(axes[1], curve, "unique_frac")
+    figs["reward_vs_diversity"] = fig
+    return figs
+
+
+def plot_sweep(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, float]] | None, out: Path, labels: Mapping[str, str] | None = None) -> list[Path]:
+    """``reward_vs_kl.png`` and ``reward_vs_diversity.png`` (:func:`sweep_figures`): one point per run, and the optimum's curve.
+
+    Returns the written paths.
     """
     import matplotlib
 
@@ -758,64 +909,11 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, f
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    labels = labels or {}
     paths = []
-
-    def pts(xkey: str, ykey: str, xfb: str | None, yfb: str):
-        res = []
-        for r in rows:
-            x, y = r.get(xkey, float("nan")), r.get(ykey, float("nan"))
-            exact = isinstance(x, float) and isinstance(y, float) and math.isfinite(x) and math.isfinite(y)
-            if not exact and xfb is not None:
-                x, y = r.get(xfb, float("nan")), r.get(yfb, float("nan"))
-            if isinstance(x, float) and isinstance(y, float) and math.isfinite(x) and math.isfinite(y):
-                res.append((x, y, labels.get(r["name"], r["name"]), exact))
-        return res
-
-    def scatter(ax, points):
-        cmap = plt.get_cmap("tab10" if len(points) <= 10 else "tab20")
-        for i, (x, y, lab, exact) in enumerate(points):
-            c = cmap(i % cmap.N)
-            ax.scatter([x], [y], color=c if exact else "none", edgecolors=c, s=36, zorder=3, label=lab)
-        if points:
-            ax.legend(fontsize=6, loc="lower right", ncol=1 if len(points) <= 12 else 2)
-
-    def draw_curve(ax, xkey):
-        if not curve:
-            return
-        xs, ys = [c[xkey] for c in curve], [c["reward"] for c in curve]
-        ax.plot(xs, ys, "k-", lw=1.2, zorder=2, label="exact optimum π*_β")
-        for c in curve:
-            if c["beta"] in (0.05, 0.1, 0.3, 0.5, 1.0, 2.0):
-                ax.annotate(f"β={c['beta']:g}", (c[xkey], c["reward"]), fontsize=6, xytext=(3, -8), textcoords="offset points")
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    draw_curve(ax, "kl_tok")
-    scatter(ax, pts("exact_kl_tok", "exact_score", "kl_tok", "reward"))
-    ax.set_xlabel("KL(π‖π_ref), nats per token (filled: exact; hollow: sampled)")
-    ax.set_ylabel("expected reward")
-    ax.set_title("reward against KL")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "reward_vs_kl.png", dpi=100)
-    plt.close(fig)
-    paths.append(out / "reward_vs_kl.png")
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    draw_curve(axes[0], "correct_effective_answers")
-    scatter(axes[0], pts("correct_eff_answers", "exact_score", None, "reward"))
-    axes[0].set_xlabel("distinct correct answers, exp H(π | correct) (exact)")
-    draw_curve(axes[1], "unique_frac")
-    scatter(axes[1], pts("exact_unique_frac", "exact_score", "unique_frac", "reward"))
-    axes[1].set_xlabel("unique fraction among n samples (filled: exact; hollow: sampled)")
-    for a in axes:
-        a.set_ylabel("expected reward")
-        a.grid(alpha=0.3)
-    fig.suptitle("reward against diversity")
-    fig.tight_layout()
-    fig.savefig(out / "reward_vs_diversity.png", dpi=100)
-    plt.close(fig)
-    paths.append(out / "reward_vs_diversity.png")
+    for name, fig in sweep_figures(rows, curve, labels).items():
+        fig.savefig(out / f"{name}.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(out / f"{name}.png")
     return paths
 
 
@@ -861,7 +959,7 @@ def summarize_sweep(
             n = int(_read_yaml(out / runs[0].name / "config.yaml").get("rollout", {}).get("n", 8)) if runs else 8
             curve = optimum_curve(exact_prompts(which), CURVE_BETAS, temperature=temps.pop() if temps else 1.0, n_samples=n, ref_cache=ref_cache)
             (out / "optimum_curve.json").write_text(json.dumps({"prompts": which, "curve": curve}, indent=1))
-        for p in plot_sweep(rows, curve, out, labels={r.name: r.label() for r in runs}):
+        for p in plot_sweep(rows, curve, out, labels=plot_labels(runs)):
             echo(f"plot: {p}")
     return rows
 
