@@ -477,6 +477,8 @@ class GuardConfig(_Section):
     on_max_kl: Literal["raise_coef", "skip", "stop"] = Field("raise_coef", description="What exceeding guard.max_kl does.")
     coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run.")
+    atomic_update: bool = Field(True, description="A step of several optimizer updates (mini-batches x PPO epochs) whose later mini-batch turns non-finite is undone whole (weights, AdamW state, LR schedule), never left half applied; costs a host copy of 3x the trainable parameters (per rank) during each such step. false = only the non-finite mini-batch is skipped.")
+    max_nonfinite_steps: int = Field(3, ge=1, description="Stop (exit 3, no checkpoint of the broken weights) after this many steps in a row that skipped a non-finite mini-batch update; an update that leaves non-finite weights stops at once.")
     rollback_drop: float = Field(0.05, ge=0, lt=1, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off; below 1, since a fall of the whole score or more never happens to a score >= 0).")
     rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean.")
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")

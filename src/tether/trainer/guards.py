@@ -19,7 +19,12 @@ log = logging.getLogger("tether")
 
 
 class TrainingStopped(RuntimeError):
-    """A guard stopped the run; the message says which and why."""
+    """A guard stopped the run; the message says which and why. ``save``: whether the run's final checkpoint is
+    written (False when the weights themselves are broken: the latest complete checkpoint stays the resume point)."""
+
+    def __init__(self, message: str, *, save: bool = True):
+        super().__init__(message)
+        self.save = save
 
 
 class GuardMonitor:
@@ -39,6 +44,7 @@ class GuardMonitor:
         self.stable_score: float | None = None
         self.stable_sem = 0.0
         self.empty_streak = 0  # consecutive steps whose every sample was dropped
+        self.nonfinite_streak = 0  # consecutive steps with a non-finite update skipped (guard.max_nonfinite_steps)
         self.val_step: int | None = None
         self.val_score: float | None = None
         self.val_sem = 0.0
@@ -50,12 +56,33 @@ class GuardMonitor:
         self._events[f"guard/{name}"] = self._events.get(f"guard/{name}", 0.0) + count
         log.log(level, "guard/%s: %s", name, message)
 
-    def _stop(self, name: str, message: str) -> TrainingStopped:
+    def _stop(self, name: str, message: str, *, save: bool = True) -> TrainingStopped:
         """Record ``guard/stop`` and ``guard/<name>`` and return the exception to raise."""
         self._events[f"guard/{name}"] = self._events.get(f"guard/{name}", 0.0) + 1.0
         self._events["guard/stop"] = 1.0
         log.error("guard/stop: %s", message)
-        return TrainingStopped(message)
+        return TrainingStopped(message, save=save)
+
+    def check_update(self, step: int, metrics: dict[str, float], *, lr: float) -> None:
+        """Right after the actor's update, before anything samples from the new weights.
+
+        Raises:
+            TrainingStopped: the update left non-finite weights (``guard/nonfinite_weights``, counted by the
+                actor over every rank; no checkpoint of them, ``save=False``); or ``guard.max_nonfinite_steps``
+                steps in a row skipped a non-finite mini-batch update (checkpointed only under
+                ``guard.atomic_update``, which undid those steps whole). Both name the learning rate, the usual cause.
+        """
+        bad = metrics.get("guard/nonfinite_weights", 0.0)
+        if bad > 0:
+            raise self._stop("nonfinite_weights", f"step {step}: the update left {bad:g} non-finite weight(s) (actor.lr={lr:g}: a learning rate "
+                             "far too large, or non-finite inputs): stopped without checkpointing them; the latest complete checkpoint "
+                             "is the resume point", save=False)  # fmt: skip
+        skipped = metrics.get("guard/nonfinite_skip", 0.0) > 0
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        if skipped and self.nonfinite_streak >= self.cfg.max_nonfinite_steps:
+            raise self._stop("nonfinite", f"step {step}: a non-finite loss or gradient in {self.nonfinite_streak} steps in a row "
+                             f"(guard.max_nonfinite_steps={self.cfg.max_nonfinite_steps}; actor.lr={lr:g}): the run is not learning; "
+                             "lower actor.lr or check the data and reward", save=self.cfg.atomic_update)  # fmt: skip
 
     def pop_metrics(self) -> dict[str, float]:
         """``guard/coef_scale``, ``guard/rollbacks`` and the events since the last call."""
@@ -255,7 +282,7 @@ class GuardMonitor:
         return {
             "coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
             "val_step": self.val_step, "val_score": self.val_score, "stable_sem": self.stable_sem, "val_sem": self.val_sem,
-            "empty_streak": self.empty_streak,
+            "empty_streak": self.empty_streak, "nonfinite_streak": self.nonfinite_streak,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -268,3 +295,4 @@ class GuardMonitor:
         self.stable_sem = float(state.get("stable_sem", 0.0))
         self.val_sem = float(state.get("val_sem", 0.0))
         self.empty_streak = int(state.get("empty_streak", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))

@@ -56,7 +56,7 @@ class Roles:
             kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
             norm_constant=float(cfg.rollout.max_new_tokens), reuse_logprobs=reuse_logprobs,
-            kl_off_policy_correction=k.off_policy_correction, bypass_correction=bypass_correction(cfg),
+            kl_off_policy_correction=k.off_policy_correction, bypass_correction=bypass_correction(cfg), atomic_update=cfg.guard.atomic_update,
         )  # fmt: skip
 
 

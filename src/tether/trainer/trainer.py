@@ -233,7 +233,8 @@ class Trainer:
                 self.roles.actor.model  # noqa: B018 - a lazy driver copy (Ray + vLLM) is pulled once: trained when fit returns
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
-            self.ckpt.save(self.step, self.last_val, final=True, diagnostics=self.diagnostics, logger=self.logger)
+            if stop.save:
+                self.ckpt.save(self.step, self.last_val, final=True, diagnostics=self.diagnostics, logger=self.logger)
             raise
         finally:
             progress.close()
@@ -464,6 +465,7 @@ class Trainer:
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
         spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
+        self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)  # broken weights stop here, before anything samples them
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
             batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
         self.roles.engine.sync_weights(policy_as_is(self.roles.actor))  # vLLM replicas take the group's weights, not the driver's

@@ -50,6 +50,8 @@ class ActorUpdateSpec:
     reuse_logprobs: bool = False
     # kl.off_policy_correction: "ratio" = each KL-loss token importance-weighted by π_θ/π_old (tether.algos.off_policy_kl_penalty)
     kl_off_policy_correction: str = "ratio"
+    # guard.atomic_update: undo a step of several optimizer updates whole when a later mini-batch turns non-finite
+    atomic_update: bool = True
     # bypass mode (actor.old_logprobs_source=rollout with algo.rollout_correction): keyword arguments of
     # tether.algos.rollout_correction, applied per micro-batch to π_θ against π_rollout (= π_old); None = off
     bypass_correction: dict | None = None
@@ -199,6 +201,8 @@ class ActorWorker:
             # filled micro-batch by micro-batch, returned (not written into ``batch``, which a remote role only holds a copy of)
             measured = {"old_logprobs": torch.zeros_like(batch.response_mask, dtype=torch.float32)}
             measured["entropy"] = torch.zeros_like(measured["old_logprobs"])
+        # guard.atomic_update: a step of several optimizer updates is undone whole when a later one turns non-finite
+        saved = self._snapshot() if spec.atomic_update and spec.ppo_epochs * math.ceil(len(batch) / spec.mini_batch_size) > 1 else None
         for _ in range(spec.ppo_epochs):
             for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
                 # the batch rows of this rank's shard, in its order (the shard's padding rows have none)
@@ -224,13 +228,63 @@ class ActorWorker:
             if early_stop:
                 break
         out = acc.mean()
+        if saved is not None and skipped and updates:  # part of the step was applied before a mini-batch turned non-finite
+            self._restore(saved)
+            out["guard/undone_updates"] = float(updates)
+            skipped, updates = skipped + updates, 0
         out["policy/updates"] = float(updates)
         out["guard/nonfinite_skip"] = float(skipped)
+        out["guard/nonfinite_weights"] = self._nonfinite_weights() if updates else 0.0
         out["guard/early_stop"] = float(early_stop)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         if spec.reuse_logprobs:  # each rank measured its own rows: every rank's, in the batch's order
             out["_old_logprobs"], out["_entropy"] = self.dp.merge_rows(measured["old_logprobs"]), self.dp.merge_rows(measured["entropy"])
         return out
+
+    def _snapshot(self) -> dict:
+        """Host copies of the trainable weights and their AdamW state (this rank's shards) and the LR schedule's
+        state: 3x the trainable parameters in host memory while the step runs (guard.atomic_update)."""
+
+        def host(x):
+            local = x.to_local() if hasattr(x, "to_local") else x  # a DTensor shard: this rank's part
+            return local.detach().to("cpu", copy=True) if isinstance(local, torch.Tensor) else x
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            weights = [host(p) for p in params]
+            state = [{k: host(v) for k, v in self.optimizer.state.get(p, {}).items()} for p in params]
+        return {"weights": weights, "state": state, "scheduler": self.scheduler.state_dict(), "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+
+    def _restore(self, saved: dict) -> None:
+        """Put :meth:`_snapshot`'s values back in place (the step's applied updates undone; tensors keep their type,
+        DTensor shards included)."""
+
+        def local(x):
+            return x.to_local() if hasattr(x, "to_local") else x
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, w, st in zip(params, saved["weights"], saved["state"], strict=True):
+                local(p).copy_(w)
+                if not st:  # the step created this parameter's state: the next update starts it afresh
+                    self.optimizer.state.pop(p, None)
+                    continue
+                for k, v in st.items():
+                    cur = self.optimizer.state[p][k]
+                    if isinstance(cur, torch.Tensor):
+                        local(cur).copy_(v)
+                    else:
+                        self.optimizer.state[p][k] = v
+        self.scheduler.load_state_dict(saved["scheduler"])
+        for g, lr in zip(self.optimizer.param_groups, saved["lrs"], strict=True):  # what the undone scheduler steps set
+            g["lr"] = lr
+
+    def _nonfinite_weights(self) -> float:
+        """Non-finite entries of the trainable weights after an update, over every rank (each counts its shards)."""
+        with torch.no_grad():
+            n = sum(int((~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)).sum()) for p in self.model.parameters() if p.requires_grad)
+        counts, _ = self.dp.reduce({"n": float(n)}, True)
+        return counts["n"]
 
     def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None):
         """Forward/backward of one mini-batch, micro-batch by micro-batch; returns (metric sums, all losses finite).
