@@ -242,3 +242,22 @@ def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_ray_starts(tm
     with pytest.raises(ConfigError, match=r"actor.tp_size=3 must divide the model's num_attention_heads=4, num_key_value_heads=4 .*actor.model="):
         Trainer(cfg)
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_path):
+    """Issue 24, item 8: data.batch_size=100000000 allocated for minutes until a 38 GB RuntimeError."""
+    from tether.config import load_config
+    from tether.plan import ModelShape
+    from tether.tasks.sft import default_reference_path
+    from tether.trainer.startup import device_memory_bytes, rollout_bytes
+
+    shape = ModelShape.from_config(default_reference_path())
+    kv, logits = rollout_bytes(shape, 10, 7, 4)
+    assert kv == shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * 7 * 10 and logits == 2 * 4 * shape.vocab * 10
+    cfg = load_config(None, ["data.batch_size=100000000", f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"data.batch_size=100000000 x rollout.n=8 = 800000000 sequences of up to \d+ tokens need about "
+                                          r"[\d.]+ GiB to generate .* more than this cpu device's [\d.]+ GiB: lower data.batch_size or rollout.n"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists() and device_memory_bytes(torch.device("cpu")) > 2**30
+    default = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'ok'}"]))  # the default run is far inside
+    assert default.step == 0

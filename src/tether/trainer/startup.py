@@ -62,6 +62,59 @@ def check_context_length(cfg: TetherConfig, models: dict, *prompt_sets) -> None:
         )
 
 
+def device_memory_bytes(device) -> int | None:
+    """Total memory of ``device`` (a torch.device): a GPU's, or the host's RAM for the CPU; None where unknown."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def rollout_bytes(shape, sequences: int, tokens: int, dtype_bytes: int) -> tuple[int, int]:
+    """``(KV cache, logits)`` bytes of HF generation of ``sequences`` rows of up to ``tokens`` tokens (prompt +
+    response): the cache of every layer's keys and values in the compute dtype, and one step's last-position
+    logits with their softmax in float32 (:class:`tether.plan.ModelShape` ``shape``)."""
+    return shape.kv_bytes_per_token(dtype_bytes) * tokens * sequences, 2 * 4 * shape.vocab * sequences
+
+
+def check_rollout_memory(cfg: TetherConfig, actor_path, device, *prompt_sets) -> int | None:
+    """Refuse, before the first step, a rollout whose generation cannot fit the device at all (its total memory,
+    not what is free): ``data.batch_size`` × ``rollout.n`` sequences of the longest kept prompt plus
+    ``rollout.max_new_tokens``, with the HF engine (vLLM sizes its own cache). Returns the estimate, bytes (None
+    where nothing is checked: offline data, the vLLM engine, an architecture :mod:`tether.plan` cannot read).
+
+    Raises:
+        ConfigError: naming data.batch_size, rollout.n and the keys that lower it, the estimate and the device's memory.
+    """
+    if cfg.rollout.mode == "offline" or cfg.rollout.engine == "vllm":
+        return None
+    from tether.plan import ModelShape
+
+    try:
+        shape = ModelShape.from_config(actor_path)
+    except (ValueError, OSError):
+        return None
+    longest = max((len(ids) for ps in prompt_sets for ids in ps.ids), default=0)
+    sequences, tokens = cfg.data.batch_size * cfg.rollout.n, longest + cfg.rollout.max_new_tokens
+    dtype = cfg.rollout.compute_dtype or cfg.actor.compute_dtype
+    kv, logits = rollout_bytes(shape, sequences, tokens, 2 if dtype == "bfloat16" else 4)
+    limit = device_memory_bytes(device)
+    if limit is not None and kv + logits > limit:
+        gib = 2**30
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences of up to {tokens} tokens need about "
+            f"{(kv + logits) / gib:.1f} GiB to generate (KV cache {kv / gib:.1f} GiB, logits {logits / gib:.1f} GiB), more than this "
+            f"{device.type} device's {limit / gib:.1f} GiB: lower data.batch_size or rollout.n (or rollout.max_new_tokens)"
+        )
+    return kv + logits
+
+
 def warn_batch_larger_than_data(cfg: TetherConfig, n_prompts: int) -> bool:
     """One warning when ``data.batch_size`` exceeds the training prompts: each step then repeats prompts.
     Returns whether it warned."""

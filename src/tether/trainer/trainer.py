@@ -186,6 +186,7 @@ class Trainer:
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         startup.check_context_length(cfg, self.roles.model_paths, self.train_set, self.val_set)
+        startup.check_rollout_memory(cfg, self.roles.model_paths["actor.model"], self.device, self.train_set)  # before any work
         startup.warn_batch_larger_than_data(cfg, len(self.train_set))
         startup.log_reuse_logprobs(cfg, has_critic=self.roles.critic is not None, has_dropout=self._actor_has_dropout)
         if hasattr(self.roles.reward, "check_rows"):
