@@ -128,11 +128,17 @@ SFT_DEFAULT_OUT = "runs/sft-reference"
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Exit 0; 2 when RUN_DIR is not a run or its report/ cannot be written (found before drawing); 4 when
+    a write fails (full or read-only disk): one line, and an earlier report is left as it was."""
+    from tether.outputs import OutputPathError, OutputWriteError
     from tether.report import write_report
 
     try:
         out = write_report(args.run_dir)
-    except FileNotFoundError as e:
+    except OutputWriteError as e:
+        print(f"tether report: {e}", file=sys.stderr)
+        return 4
+    except (FileNotFoundError, OutputPathError) as e:
         print(f"tether report: {e}", file=sys.stderr)
         return 2
     print(f"report written to {out}")
@@ -146,11 +152,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """Exit 0; 2 for a bad checkpoint or OUT_DIR (found before writing); 4 when a write fails (full or
+    read-only disk): one line, and nothing left at or beside OUT_DIR."""
     from tether.export import export_checkpoint
+    from tether.outputs import OutputWriteError
     from tether.trainer.checkpoint import CheckpointError
 
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir)
+    except OutputWriteError as e:
+        print(f"tether export: {e}", file=sys.stderr)
+        return 4
     except CheckpointError as e:
         print(f"tether export: {e}", file=sys.stderr)
         return 2
@@ -195,6 +207,8 @@ def _add_sweep_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Exit 0; 2 on bad input (an unwritable --out among it, found before evaluating); 4 when writing
+    --out fails (full or read-only disk): see :func:`tether.evaluate.main_eval`."""
     from tether.evaluate import main_eval
 
     return main_eval(args)

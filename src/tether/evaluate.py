@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tether.config import EMBEDDED, ConfigError
+from tether.outputs import atomic_output, write_text
 
 log = logging.getLogger("tether")
 
@@ -696,7 +697,8 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
     """Evaluate the reference (as step 0) and every selected checkpoint of a run with one
     :class:`Evaluator` (one engine, weights pushed per checkpoint); write ``eval/curve.png``
     (accuracy against step and against the KL to the reference of the eval prompts' own samples),
-    ``eval/curve.md`` (the table), ``eval/curve.json`` and ``eval/step_NNNNNN.json`` (every sample).
+    ``eval/curve.md`` (the table), ``eval/curve.json`` and ``eval/step_NNNNNN.json`` (every sample), each
+    file whole or not at all (written beside, then renamed: :func:`tether.outputs.atomic_output`).
 
     Returns:
         One ``{"step", "checkpoint", "metrics", "by_source"}`` per evaluated policy, step 0 first.
@@ -704,6 +706,8 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
     Raises:
         ConfigError: see :func:`select_checkpoints`; bad settings; a run without a reference to
             measure the KL against (no config.yaml and no ``settings.ref``).
+        OutputWriteError: a file could not be written (no space left, a read-only file system, ...);
+            the files of the policies evaluated before it are complete, none is partial.
     """
     from tether.trainer.setup import pick_device
 
@@ -739,8 +743,8 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         log.info("tether eval: step %d: pass@1 %.4f, KL %.4f nats/token (%.1fs)", st, m["pass@1"], m.get("kl_ref_mean", float("nan")), seconds)
         if not is_ref:
             del model
-    (out / "curve.json").write_text(json.dumps({"run": str(run), "data": str(data), "settings": ev.resolved, "results": results}, indent=2) + "\n")
-    (out / "curve.md").write_text(curve_table(results, ev.resolved) + "\n")
+    write_text(out / "curve.json", json.dumps({"run": str(run), "data": str(data), "settings": ev.resolved, "results": results}, indent=2) + "\n")
+    write_text(out / "curve.md", curve_table(results, ev.resolved) + "\n")
     plot_curve(results, ev.resolved, out / "curve.png")
     return results
 
@@ -782,7 +786,11 @@ def curve_table(results: list[dict], settings: dict) -> str:
 
 def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
     """``curve.png``: accuracy against step (left) and against the KL to the reference (right, nats
-    per token on the eval prompts' own samples, each point labelled with its step)."""
+    per token on the eval prompts' own samples, each point labelled with its step).
+
+    Raises:
+        OutputWriteError: the PNG could not be written; ``path`` is as it was.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -810,8 +818,11 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"n={settings['n']} samples per prompt, temperature {settings['temperature']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_output(path, "file") as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -863,15 +874,19 @@ _TEXT_KEYS = ("prompt", "response")
 def write_json(path: str | Path, model: str, data: str, metrics: dict, settings: dict, seconds: float, samples: list | None,
                *, by_source: dict | None = None, texts: bool = True) -> Path:  # fmt: skip
     """``{"model", "data", "settings", "metrics", "by_source", "seconds", "samples"}`` as indented JSON;
-    ``texts=False`` leaves each sample's prompt and response text out (ids, answers, scores stay)."""
+    ``texts=False`` leaves each sample's prompt and response text out (ids, answers, scores stay).
+
+    The file is whole or unchanged: written beside ``path``, then renamed onto it.
+
+    Raises:
+        OutputWriteError: the write failed (no space left, a read-only file system, ...).
+    """
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"model": str(model), "data": str(data), "settings": settings, "metrics": metrics, "by_source": by_source or {},
            "seconds": round(seconds, 3)}  # fmt: skip
     if samples is not None:
         doc["samples"] = samples if texts else [{k: v for k, v in r.items() if k not in _TEXT_KEYS} for r in samples]
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    return out
+    return write_text(out, json.dumps(doc, indent=2) + "\n")
 
 
 def _settings_from_args(args) -> EvalSettings:
@@ -891,27 +906,35 @@ def _settings_from_args(args) -> EvalSettings:
 
 
 def main_eval(args) -> int:
-    """The ``tether eval`` command (argparse namespace from :mod:`tether.cli`). Exit 0, or 2 on bad input."""
+    """The ``tether eval`` command (argparse namespace from :mod:`tether.cli`). Exit 0; 2 on bad input,
+    an ``--out`` that cannot be written among it (:func:`tether.outputs.output_problem`, before evaluating);
+    4 when writing ``--out`` fails all the same (a full or read-only disk): one line naming the path and
+    the OS's reason, and no partial file (each is written beside, then renamed)."""
     import sys
 
     from tether.data import DataError
-    from tether.outputs import output_problem
+    from tether.outputs import OutputWriteError, output_problem
 
     t0 = time.perf_counter()
     try:
         s = _settings_from_args(args)
-        if args.out and (problem := output_problem(args.out, "dir" if args.checkpoints is not None else "file", "--out")):
-            raise ConfigError(problem)
         if args.checkpoints is not None:
             out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
+            if (args.out or Path(args.model).is_dir()) and (problem := output_problem(out_dir, "dir", "--out" if args.out else "the output directory")):
+                raise ConfigError(problem)
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
             print(curve_table(results, s.resolved))
             print(f"scored by {describe_scorers(s.resolved.get('scorers', {}))}")
             print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
             return 0
+        if args.out and (problem := output_problem(args.out, "file", "--out") or output_problem(Path(args.out).with_suffix(".txt"), "file", "--out's table")):
+            raise ConfigError(problem)
         samples: list[dict] = []
         by_source: dict = {}
         metrics = evaluate(args.model, args.data, s, samples=samples, by_source=by_source)
+    except OutputWriteError as e:
+        print(f"tether eval: {e}", file=sys.stderr)
+        return 4
     except (ConfigError, DataError, ValueError) as e:
         print(f"tether eval: {e}", file=sys.stderr)
         return 2
@@ -924,8 +947,14 @@ def main_eval(args) -> int:
             + format_table(metrics, r, by_source))  # fmt: skip
     print(text)
     if args.out:
-        path = write_json(args.out, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
-        path.with_suffix(".txt").write_text(text + "\n")
+        path = Path(args.out)
+        try:
+            with atomic_output(path.with_suffix(".txt"), "file") as txt:  # renamed into place after the JSON
+                txt.write_text(text + "\n")
+                write_json(path, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
+        except OutputWriteError as e:
+            print(f"tether eval: {e}", file=sys.stderr)
+            return 4
         print(f"written to {path} and {path.with_suffix('.txt')}")
     return 0
 

@@ -53,6 +53,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write a ``save_pretrained`` directory (safetensors, config, tokenizer) that
     ``AutoModelForCausalLM.from_pretrained`` loads. A LoRA checkpoint is merged into its base model.
 
+    The directory is written whole or not at all: into ``.<OUT_DIR name>.tmp-<pid>/`` beside it, renamed
+    to ``out_dir`` only when every file is written (:func:`tether.outputs.atomic_output`), so a full or
+    read-only disk never leaves a truncated ``model.safetensors`` that looks like a model.
+
     Args:
         checkpoint: a checkpoint directory, or a run directory (its latest checkpoint whose actor
             verifies; see :func:`resolve_checkpoint`).
@@ -60,17 +64,24 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
     Raises:
         CheckpointError: see :func:`resolve_checkpoint`; no actor weights; ``out_dir`` is a
-            non-empty directory or a file.
+            non-empty directory or a file, lies under a file, or its directory is read-only
+            (:func:`tether.outputs.output_problem`), all found before anything is read or written.
+        OutputWriteError: less free space than the weights need (found before writing), or a write
+            failed (no space left, a read-only file system, ...): nothing was left at or beside ``out_dir``.
     """
+    from tether.outputs import output_problem
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR")
+    if problem := output_problem(out, "dir", "OUT_DIR", beside=True):
+        raise CheckpointError(problem)
     ckpt = resolve_checkpoint(checkpoint)
     try:
         verify_checkpoint(ckpt)
     except CheckpointError as e:
         log.warning("export: %s; the actor's files verify, which is all an export reads", e)
     src = ckpt / "actor"
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR")
     if (ckpt / "dcp").is_dir() and not (src / "adapter_config.json").is_file():
         return _export_sharded(ckpt, out)
     if (src / "adapter_config.json").is_file():
@@ -78,17 +89,38 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         from transformers import AutoTokenizer
 
         model = AutoPeftModelForCausalLM.from_pretrained(str(src)).merge_and_unload()
-        model.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(src)).save_pretrained(out)
-        return out
+        return _save_model(model, AutoTokenizer.from_pretrained(str(src)), out)
     if not (src / "config.json").is_file():
         raise CheckpointError(f"checkpoint {ckpt}: file actor/config.json is missing")
     if not any(src.glob("*.safetensors")):
         raise CheckpointError(f"checkpoint {ckpt}: no actor/*.safetensors weights")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(src.iterdir()):
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
+    from tether.outputs import atomic_output, check_free_space
+
+    files = [f for f in sorted(src.iterdir()) if f.is_file()]
+    check_free_space(out, sum(f.stat().st_size for f in files))
+    with atomic_output(out, "dir") as tmp:
+        for f in files:
+            shutil.copy2(f, tmp / f.name)
+    return out
+
+
+def _save_model(model, tokenizer, out: Path) -> Path:
+    """``save_pretrained`` of the model and its tokenizer into ``out``, whole or not at all.
+
+    Raises:
+        OutputWriteError: see :func:`export_checkpoint`.
+    """
+    from tether.outputs import atomic_output, check_free_space
+
+    seen, need = set(), 0
+    for t in model.state_dict().values():  # tied weights once
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            need += t.numel() * t.element_size()
+    check_free_space(out, need)
+    with atomic_output(out, "dir") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return out
 
 
@@ -96,10 +128,7 @@ def _export_sharded(ckpt: Path, out: Path) -> Path:
     """A trainer.backend=ray checkpoint: :func:`load_sharded_actor`, then ``save_pretrained``."""
     from transformers import AutoTokenizer
 
-    model = load_sharded_actor(ckpt)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(ckpt / "actor")).save_pretrained(out)
-    return out
+    return _save_model(load_sharded_actor(ckpt), AutoTokenizer.from_pretrained(str(ckpt / "actor")), out)
 
 
 def load_sharded_actor(ckpt: str | Path):

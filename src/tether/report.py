@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +115,30 @@ def report_figures(history: list[dict]) -> dict[str, Any]:
     return figs
 
 
+#: The files a report writes (the panels' PNGs, the overview, the summary); any other file in an earlier
+#: ``report/`` (the user's) is carried over into the new one.
+REPORT_FILES = frozenset({*(f"{name}.png" for name, _, _ in PANELS), "overview.png", "summary.md"})
+
+
 def write_report(run_dir: str | Path) -> Path:
     """Write ``report/<panel>.png`` (panels with data), ``report/overview.png`` and ``report/summary.md``; returns the report dir.
 
-    A panel's PNG left by an earlier report is removed when the panel has no data.
+    The report is written whole or not at all: into ``RUN_DIR/.report.tmp-<pid>/``, which then replaces
+    ``report/`` (:func:`tether.outputs.atomic_output`); a failed write leaves an earlier report as it was.
+    A panel's PNG left by an earlier report is gone when the panel has no data; other files there are kept.
 
     Raises:
         FileNotFoundError: no ``metrics.jsonl`` in ``run_dir``.
+        OutputPathError: ``report`` is a file, or ``run_dir`` is read-only (before anything is drawn).
+        OutputWriteError: a write failed (no space left, a read-only file system, ...): nothing was left
+            beside ``report/``, an earlier report is unchanged.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from tether.outputs import OutputPathError, atomic_output, output_problem
 
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -134,16 +147,32 @@ def write_report(run_dir: str | Path) -> Path:
     if not history:
         raise FileNotFoundError(f"{run_dir}/metrics.jsonl holds no step record: nothing to report")
     out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    if problem := output_problem(out, "dir", "the report directory", beside=True):
+        raise OutputPathError(problem)
     figs = report_figures(history)
-    for name, fig in figs.items():
-        fig.savefig(out / f"{name}.png", dpi=90 if name == "overview" else 110)
-        plt.close(fig)
-    for name, _, _ in PANELS:
-        if name not in figs:
-            (out / f"{name}.png").unlink(missing_ok=True)  # an empty panel an earlier report drew
-    (out / "summary.md").write_text(_summary(run_dir, history))
+    try:
+        with atomic_output(out, "dir", replace=True) as tmp:
+            for name, fig in figs.items():
+                fig.savefig(tmp / f"{name}.png", dpi=90 if name == "overview" else 110)
+            (tmp / "summary.md").write_text(_summary(run_dir, history))
+            _carry_over(out, tmp)
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
     return out
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Copy the entries of an earlier report that a report does not write (the user's) into the new one."""
+    if not old.is_dir():
+        return
+    for f in sorted(old.iterdir()):
+        if f.name in REPORT_FILES or (new / f.name).exists():
+            continue
+        if f.is_dir() and not f.is_symlink():
+            shutil.copytree(f, new / f.name, symlinks=True)
+        else:
+            shutil.copy2(f, new / f.name, follow_symlinks=False)
 
 
 def wall_time_s(history: list[dict]) -> float:

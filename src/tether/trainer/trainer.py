@@ -249,9 +249,13 @@ class Trainer:
         if (failed := self.guard.all_steps_failed(self.step - first_step)) is not None:
             raise failed  # every step was empty: an error exit, its checkpoint (at total_steps) already written
         if self.cfg.trainer.report:
+            from tether.outputs import OutputPathError, OutputWriteError
             from tether.report import write_report
 
-            write_report(self.run_dir)
+            try:
+                write_report(self.run_dir)
+            except (OutputPathError, OutputWriteError) as e:  # the training is done and checkpointed: say so, do not fail it
+                log.warning("report not written (%s); make it later with: tether report %s", e, self.run_dir)
         return history
 
     def train_step(self) -> dict[str, float]:
