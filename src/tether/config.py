@@ -497,6 +497,8 @@ def _check_rollback_metric(v: str) -> str:
 def _check_distributed(cfg) -> None:
     """The Ray backend's degrees, checked in one place before anything starts."""
     t = cfg.trainer
+    if t.nnodes > 1 and not t.n_gpus_per_node and t.n_workers % t.nnodes:
+        raise ValueError(f"trainer.n_workers={t.n_workers} must be a multiple of trainer.nnodes={t.nnodes} (the same number of ranks on every node)")
     if t.n_gpus_per_node and t.n_workers not in (1, t.nnodes * t.n_gpus_per_node):
         raise ValueError(f"trainer.n_workers={t.n_workers} must equal trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} (one worker per GPU)")
     if t.n_gpus_per_node == 0 and t.device == "cuda":

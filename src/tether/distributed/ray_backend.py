@@ -94,9 +94,148 @@ def check_ray_installed() -> None:
         raise ConfigError(f"trainer.backend=ray needs Ray, which is not installed: {RAY_INSTALL_HINT}") from None
 
 
+#: seconds tether waits for a cluster at ``trainer.ray_address`` to answer before it gives up (environment variable)
+RAY_CONNECT_TIMEOUT_ENV = "TETHER_RAY_CONNECT_TIMEOUT"
+RAY_CONNECT_TIMEOUT_S = 15.0
+RAY_CLIENT_PORT = 10001  # a ``ray://host`` address without a port: Ray client's default
+
+
+def _connect_error(address: str, why: str) -> ConfigError:
+    return ConfigError(f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({why}); start one with "
+                       "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null "
+                       "for a local Ray")  # fmt: skip
+
+
+def _wait_interruptibly(done, deadline: float, step_s: float = 0.05) -> bool:
+    """Poll ``done()`` until it is true or ``deadline`` (time.monotonic) passes: the main thread stays in
+    Python, so a signal handler (SIGTERM, SIGINT) runs at once instead of after a blocking C call."""
+    import time
+
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step_s)
+    return True
+
+
+def _ray_target(address: str) -> tuple[str | None, bool]:
+    """The ``host:port`` that ``ray.init(address=address)`` will connect to (None for ``local``: a new Ray),
+    and whether it is a Ray client (``ray://``) address. Ray rewrites a loopback host (127.0.0.1, localhost)
+    to this machine's address and resolves ``auto`` (``RAY_ADDRESS``, else the cluster ``ray start``
+    recorded under Ray's temp directory, else a GCS process running on this machine).
+
+    Raises:
+        ConfigError: ``auto`` finds no cluster, or the address is not ``host:port`` / ``ray://host[:port]``.
+    """
+    if address.startswith("ray://"):
+        hostport = address[len("ray://"):].split("/", 1)[0]
+        host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(RAY_CLIENT_PORT))
+        if not host or not port.isdigit():
+            raise ConfigError(f"trainer.ray_address={address!r} is not a Ray client address: expected ray://HOST[:PORT] (port {RAY_CLIENT_PORT} by default)")
+        return f"{host}:{port}", True
+    try:
+        from ray._private.services import canonicalize_bootstrap_address  # what ray.init itself calls
+    except ImportError:  # another Ray layout: the address as given
+        return address, False
+    try:
+        target = canonicalize_bootstrap_address(address)
+    except ConnectionError as e:  # auto: no cluster recorded or running on this machine
+        raise _connect_error(address, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    except ValueError:
+        raise ConfigError(f"trainer.ray_address={address!r} is not a Ray address: expected auto, HOST:PORT (the cluster's GCS, "
+                          f"port 6379 by default) or ray://HOST[:PORT] (Ray client, port {RAY_CLIENT_PORT})") from None  # fmt: skip
+    return target, False
+
+
+def probe_ray_address(address: str, timeout_s: float | None = None) -> None:
+    """Check, within ``timeout_s`` seconds (``TETHER_RAY_CONNECT_TIMEOUT``, default 15), that a Ray cluster
+    answers at ``trainer.ray_address`` before ``ray.init`` is called: a TCP connection to the host and port
+    Ray will use, then (a GCS address, not ``ray://``) one gRPC call of the GCS (``GetClusterId``). Ray's
+    own connection loop retries a dead address for about 14 minutes (20 attempts of about 40 s, printing
+    its GCS warnings), blocked in C++ so that SIGTERM waits for it; this check fails at once when nothing
+    listens, and after ``timeout_s`` when something listens but no GCS answers (a wrong port, a proxy). It
+    waits in Python, so a signal ends it promptly. ``ray://`` addresses get the TCP check only: Ray's client
+    then gives up by itself after 3 attempts (about 30 s).
+
+    Raises:
+        ConfigError: one line naming ``trainer.ray_address``, the address Ray would connect to and why not.
+    """
+    import socket
+    import time
+
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(RAY_CONNECT_TIMEOUT_ENV, RAY_CONNECT_TIMEOUT_S))
+    deadline = time.monotonic() + timeout_s
+    target, client = _ray_target(address)
+    if target is None:  # "local": ray.init starts a new cluster, nothing to reach
+        return
+    given = address.removeprefix("ray://").split("/", 1)[0]
+    note = ""
+    if address == "auto":
+        note = "; `auto` resolved to it"
+    elif given != target and not client:
+        note = f"; Ray connects there for {given}: it replaces a loopback host by this machine's address"
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except TimeoutError:
+        raise _connect_error(address, f"no answer from {target} within {timeout_s:g} s{note}") from None
+    except OSError as e:
+        raise _connect_error(address, f"nothing listens at {target}: {e.strerror or e}{note}") from None
+    if client:
+        return
+    answered = _gcs_answers(target, deadline)
+    if answered == "silent":
+        raise _connect_error(address, f"{target} accepts connections, but no Ray GCS answered within {timeout_s:g} s{note}; is it the "
+                                      "GCS port (6379 by default)? a Ray client port (10001) needs ray://")  # fmt: skip
+    if answered is not None:
+        raise _connect_error(address, f"{target} answers, but not as a Ray GCS: {answered}{note}")
+
+
+def _gcs_answers(target: str, deadline: float) -> str | None:
+    """None when a Ray GCS answers ``GetClusterId`` at ``target`` before ``deadline`` (time.monotonic; an
+    authentication error counts as an answer: ``ray.init`` then says what it needs); "silent" when nothing
+    answered in time; else the gRPC status of a server that is not a GCS."""
+    import time
+
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+        channel = init_grpc_channel(target)  # TLS (RAY_USE_TLS) and token auth as Ray's own clients
+    except Exception:  # another Ray layout, TLS files missing, ...: the TCP check alone, ray.init says the rest
+        return None
+    left, call = max(deadline - time.monotonic(), 0.5), None
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        call = stub.GetClusterId.future(gcs_service_pb2.GetClusterIdRequest(), timeout=left, wait_for_ready=True)
+        if not _wait_interruptibly(call.done, time.monotonic() + left + 1.0):
+            return "silent"
+        try:
+            call.result()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "silent"
+            if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE):
+                details = (e.details() or "").strip().splitlines()
+                return f"{e.code().name}{': ' + details[0][:200] if details else ''}"
+        return None
+    finally:
+        if call is not None:
+            call.cancel()
+        channel.close()
+
+
 class RayCluster:
     """Attach to a running Ray (``trainer.ray_address``, or one this process already joined) or start a
-    local one; :meth:`close` shuts down only a Ray that this object started."""
+    local one; :meth:`close` shuts down only a Ray that this object started.
+
+    Raises:
+        ConfigError: no Ray cluster answers at ``trainer.ray_address`` (:func:`probe_ray_address`), or
+            ``ray.init`` fails to attach; one line naming the key and the address.
+    """
 
     def __init__(self, address: str | None, num_cpus_needed: int):
         import ray
@@ -105,11 +244,11 @@ class RayCluster:
         if ray.is_initialized():
             return
         if address:
+            probe_ray_address(address)
             try:
                 ray.init(address=address, log_to_driver=False)
-            except (ConnectionError, TimeoutError) as e:  # Ray raises ConnectionError after its own retries
-                raise ConfigError(f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({e}); "
-                                  "start one with `ray start --head` or leave trainer.ray_address null for a local Ray") from None
+            except (ConnectionError, TimeoutError, RuntimeError) as e:  # Ray raises these after its own retries
+                raise _connect_error(address, str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from None
             return
         ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False, log_to_driver=False)
         self.started = True
@@ -130,6 +269,18 @@ class RayCluster:
             raise ConfigError(f"trainer.n_gpus_per_node={per_node}, but the local Ray tether started finds {have:g} GPU(s) on this "
                               "machine; set trainer.n_gpus_per_node=0 for a CPU run, or attach to a cluster with GPUs (trainer.ray_address)")  # fmt: skip
 
+    def check_nodes(self, nnodes: int) -> None:
+        """Refuse ``trainer.nnodes`` > 1 on the one-node local Ray this object started, at once (its
+        placement groups would only time out). An attached cluster is left to the placement groups.
+
+        Raises:
+            ConfigError: naming the key.
+        """
+        if self.started and nnodes > 1:
+            self.close()
+            raise ConfigError(f"trainer.nnodes={nnodes}, but without trainer.ray_address tether starts a one-node local Ray; "
+                              "attach to a cluster of that many nodes (trainer.ray_address) or set trainer.nnodes=1")  # fmt: skip
+
     def close(self) -> None:
         import ray
 
@@ -148,6 +299,43 @@ def _node_address() -> tuple[str, int]:
         s.bind(("", 0))
         port = s.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its node id
+
+
+def spread_over_nodes(name: str, n: int, nnodes: int, bundle: dict, timeout_s: float) -> list[dict[str, str]]:
+    """``trainer.nnodes`` > 1: one label selector per rank that puts ranks ``[j·k, (j+1)·k)`` on node j,
+    k = n / nnodes ranks per node, the nnodes nodes all distinct. Ray picks the nodes: a placement group
+    of nnodes bundles of k × ``bundle`` each, ``STRICT_SPREAD`` (each bundle on its own node), reserved
+    and released again; the worker group's own placement group (one bundle per rank, so that colocated
+    vLLM replica i still shares rank i's bundle) then pins bundle i to node i // k with
+    ``bundle_label_selector`` (Ray's ``ray.io/node-id`` label). Neighbouring ranks share a node, so a
+    tensor-parallel group (``actor.tp_size`` ≤ k) stays on one. Without this the group's ``PACK``
+    placement filled one node first, whatever ``trainer.nnodes`` said.
+
+    Raises:
+        WorkerDiedError: no nnodes distinct nodes with room for k bundles each within ``timeout_s``
+            seconds (``TETHER_RAY_PG_TIMEOUT``), naming the group, the key and the alive nodes.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    per = n // nnodes
+    probe = placement_group([{k: v * per for k, v in bundle.items()} for _ in range(nnodes)], strategy="STRICT_SPREAD")
+    try:
+        ray.get(probe.ready(), timeout=timeout_s)
+        nodes = placement_group_table(probe)["bundles_to_node_id"]
+    except ray.exceptions.GetTimeoutError:
+        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        raise WorkerDiedError(
+            f"{name} worker group: trainer.nnodes={nnodes}, but Ray found no {nnodes} distinct nodes with room for {per} bundles of "
+            f"{bundle} each within {timeout_s:g} s ({alive} alive node(s), available: {ray.available_resources()}); "
+            "add nodes or lower trainer.nnodes"
+        ) from None
+    finally:
+        remove_placement_group(probe)
+    return [{NODE_ID_LABEL: nodes[i // per]} for i in range(n)]
 
 
 class WorkerGroup:
@@ -170,16 +358,22 @@ class WorkerGroup:
         if gpus and colocated_vllm(cfg) and "actor" in roles:
             gpus = 0.5  # the other half of the bundle's GPU is the colocated vLLM replica's (rollout_workers)
         bundle = {"CPU": 1} | ({"GPU": 1} if gpus else {})
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        timeout = float(os.environ.get("TETHER_RAY_PG_TIMEOUT", "120"))
+        nnodes = cfg.trainer.nnodes
+        selectors = spread_over_nodes(name, n, nnodes, bundle, timeout) if nnodes > 1 else None
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", bundle_label_selector=selectors)
         try:
-            ray.get(self.pg.ready(), timeout=float(os.environ.get("TETHER_RAY_PG_TIMEOUT", "120")))
+            ray.get(self.pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
             avail = ray.available_resources()
             raise WorkerDiedError(
-                f"{name} worker group: Ray could not place {n} bundles of {bundle} (available: {avail}); "
-                "lower trainer.n_workers or add nodes"
+                f"{name} worker group: Ray could not place {n} bundles of {bundle}{f' on the {nnodes} nodes it chose' if selectors else ''} "
+                f"(available: {avail}); lower trainer.n_workers or add nodes"
             ) from None
+        if selectors:
+            log.info("%s worker group: %d ranks on %d nodes, %d per node (ranks %s)", name, n, nnodes, n // nnodes,
+                     ", ".join(f"{i}: {sel[NODE_ID_LABEL][:8]}" for i, sel in enumerate(selectors)))  # fmt: skip
 
         def on(i, **kw):
             return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i), **kw)
@@ -394,8 +588,12 @@ class RayBackend:
         has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
         vllm_bundles = cfg.rollout.vllm.replicas if cfg.rollout.engine == "vllm" and not colocated_vllm(cfg) else 0
+        nnodes = cfg.trainer.nnodes
+        if n % nnodes:
+            raise ConfigError(f"trainer.n_workers={n} must be a multiple of trainer.nnodes={nnodes}: each node runs n_workers / nnodes ranks of a worker group")
         self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + vllm_bundles)
         self.cluster.check_gpus(cfg.trainer.n_gpus_per_node)
+        self.cluster.check_nodes(nnodes)
         self.rollout = None
         lora_state = None
         if cfg.actor.lora.rank > 0:

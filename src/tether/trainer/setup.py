@@ -111,6 +111,10 @@ def build_roles(cfg: TetherConfig) -> Roles:
         from tether.distributed.ray_backend import check_ray_installed
 
         check_ray_installed()  # a one-line error naming the extra, before any model loads
+        if cfg.trainer.ray_address:  # a cluster that does not answer: one line in seconds, not Ray's 14 minutes of retries
+            from tether.distributed.ray_backend import probe_ray_address
+
+            probe_ray_address(cfg.trainer.ray_address)
     device = pick_device(cfg.trainer.device)
     if device.type == "cpu" and cfg.actor.dtype == "float16":
         raise ConfigError("actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16")
