@@ -83,7 +83,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             what = f"stopped by {signal_name(e.signum)} after step {e.step}; checkpoint step {e.step} written"
         else:
             what = f"interrupted at step {trainer.step}; " + (f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet")
-        print(f"\ntether train: {what}. To continue:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)
+        again = "To continue" if saved or (isinstance(e, TrainingInterrupted) and e.step is not None) else "To start again (from step 0)"
+        print(f"\ntether train: {what}. {again}:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)
         return e.exit_code if isinstance(e, TrainingInterrupted) else 130
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
@@ -105,6 +106,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
     out = Path(args.out or SFT_DEFAULT_OUT)  # never the shipped reference unless asked by name (--out)
     if problem := output_problem(out, "dir", "--out"):
         print(f"tether sft: {problem}", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()) and not (out / "model.safetensors").is_file():  # a reference is replaced, nothing else
+        print(f"tether sft: --out {out} holds files but no model.safetensors (not a reference to rebuild): choose an empty or new "
+              "directory", file=sys.stderr)  # fmt: skip
         return 2
     kwargs = {"seed": args.seed}
     if args.steps is not None:

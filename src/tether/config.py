@@ -359,8 +359,20 @@ class RolloutCorrectionConfig(_Section):
     def _bounds(self):
         if self.reject != "none" and self.reject_threshold is None:
             raise ValueError(f"reject={self.reject} needs reject_threshold (nats), e.g. 0.5")
+        if self.reject == "none" and self.reject_threshold is not None:
+            raise ValueError(f"reject_threshold={self.reject_threshold} has no effect with reject=none: name a reject criterion or leave it null")
         if self.lower is not None and self.lower > self.threshold:
             raise ValueError(f"lower ({self.lower}) must not exceed threshold ({self.threshold})")
+        if self.level != "none" and self.mode == "mask" and self.lower is None and self.threshold < 1:
+            raise ValueError(f"mode=mask with threshold={self.threshold} below 1 needs lower (<= threshold): the default 1/threshold is above it")
+        if self.lower is not None and (self.mode != "mask" or self.level == "none"):
+            raise ValueError(f"lower={self.lower} is used by mode=mask with a level only: set level and mode=mask, or leave lower null")
+        if self.level == "none":  # the weight's own settings do nothing without a weight
+            unused = [f"{k}={getattr(self, k)}" for k, default in (("mode", "truncate"), ("threshold", 2.0), ("batch_normalize", False))
+                      if getattr(self, k) != default]  # fmt: skip
+            if unused:
+                raise ValueError(f"{', '.join(unused)} has no effect with level=none (no importance weight): set level=token, sequence or "
+                                 "geometric, or leave them at their defaults")
         return self
 
     @property
@@ -637,6 +649,11 @@ class TetherConfig(_Section):
         if self.algo.rollout_correction.batch_normalize and self.actor.old_logprobs_source == "rollout":
             raise ValueError("algo.rollout_correction.batch_normalize has no effect with actor.old_logprobs_source=rollout (bypass mode: "
                              "the weights are 0/1 mask and rejection factors); set it false")
+        if self.rollout.mode == "offline":
+            for key in ("engine_temperature", "compute_dtype"):
+                if getattr(self.rollout, key) is not None:
+                    raise ValueError(f"rollout.{key}={getattr(self.rollout, key)} has no effect with rollout.mode=offline (nothing is generated "
+                                     "for training)")  # fmt: skip
         if self.algo.rollout_correction.active and self.rollout.mode == "offline":
             raise ValueError("algo.rollout_correction needs sampled responses with the engine's log-probs: rollout.mode=offline has none; "
                              "set algo.rollout_correction.level=none and algo.rollout_correction.reject=none")

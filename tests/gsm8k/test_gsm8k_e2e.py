@@ -53,7 +53,7 @@ def _trainer(qwen2_dir, tmp_path, *overrides):
 def test_config_file_is_a_real_model_config():
     cfg = load_config(CONFIG)
     assert cfg.rollout.max_new_tokens == 512 and cfg.rollout.n == 8
-    assert cfg.algo.adv_estimator == "grpo" and cfg.actor.dtype == "bfloat16"
+    assert cfg.algo.adv_estimator == "grpo" and (cfg.actor.dtype, cfg.actor.compute_dtype) == ("float32", "bfloat16")  # fp32 master weights
     assert cfg.data.train_files.endswith(".parquet") and cfg.data.val_files.endswith(".parquet")
     assert cfg.actor.model.startswith("/path/to/")  # a placeholder the user replaces
 

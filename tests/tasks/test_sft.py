@@ -105,3 +105,13 @@ def test_tether_sft_without_out_leaves_the_shipped_reference_alone_and_says_what
     assert (shipped.stat().st_mtime_ns, shipped.read_bytes()) == before
     assert err.startswith("tether sft: 2 SFT steps into runs/sft-reference, about 0 s on one core") and "sft step     0  loss" in err
     assert "use it: tether train actor.model=runs/sft-reference" in out
+
+
+def test_tether_sft_refuses_a_directory_that_holds_something_else(tmp_path, capsys):
+    from tether.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["sft", "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    assert "holds files but no model.safetensors" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]

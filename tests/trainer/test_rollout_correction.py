@@ -155,11 +155,29 @@ def test_bypass_mode_measures_pi_theta_against_the_engine_in_the_update(small_cf
         (["algo.rollout_correction.level=tokn"], "level"),
         (["algo.rollout_correction.mode=mask", "algo.rollout_correction.lower=3"], "lower"),
         (["kl.off_policy_correction=yes"], "off_policy_correction"),
+        # settings that would do nothing (a new-user trial found them accepted silently)
+        (["algo.rollout_correction.mode=mask"], r"mode=mask has no effect with level=none"),
+        (["algo.rollout_correction.batch_normalize=true"], r"batch_normalize=True has no effect with level=none"),
+        (["algo.rollout_correction.reject_threshold=0.1"], r"reject_threshold=0.1 has no effect with reject=none"),
+        (["algo.rollout_correction.level=token", "algo.rollout_correction.lower=0.5"], r"lower=0.5 is used by mode=mask"),
+        (["rollout.mode=offline", "data.response_key=response", "rollout.engine_temperature=1.5"], r"rollout.engine_temperature=1.5 has no effect"),
+        # a threshold below 1 under mask: the default lower 1/threshold is above it (it crashed at step 1)
+        (["algo.rollout_correction.level=token", "algo.rollout_correction.mode=mask", "algo.rollout_correction.threshold=0.5"], r"needs lower"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_threshold_below_one_truncates_without_a_lower_bound():
+    """truncate never uses lower: threshold=0.5 caps every weight at 0.5 (it crashed at step 1 on the default lower, 2)."""
+    cfg = load_config(None, ["algo.rollout_correction.level=token", "algo.rollout_correction.threshold=0.5"])
+    assert cfg.algo.rollout_correction.lower is None
+    from tether.algos import rollout_correction
+
+    w, _, m = rollout_correction(torch.zeros(1, 2), torch.full((1, 2), -1.0), torch.ones(1, 2), threshold=0.5)
+    assert w.tolist() == [[0.5, 0.5]] and m["rollout_corr/truncated_frac"] == 1.0
 
 
 def test_defaults():

@@ -122,7 +122,8 @@ def rollout_correction(
         level: one of :data:`IS_LEVELS` (see the module docstring); ``"none"`` = weight 1.
         mode: one of :data:`IS_MODES`.
         threshold: upper bound C > 0 of the weight (verl's ``rollout_is_threshold``, default 2).
-        lower: ``mode="mask"``'s lower bound, in (0, threshold]; default 1/threshold (verl's).
+        lower: ``mode="mask"``'s lower bound, in (0, threshold]; default 1/threshold (verl's; a threshold
+            below 1 needs it given). Not used by ``truncate``.
         reject: one of :data:`REJECT_CRITERIA`.
         reject_threshold: the rejection bound, nats (> 0); required unless ``reject="none"``.
         batch_normalize: divide the weights by their mean over the kept tokens (``token``) or over the
@@ -147,7 +148,7 @@ def rollout_correction(
 
     Raises:
         ValueError: shape mismatch, an unknown level, mode or criterion (listing the valid ones),
-            threshold ≤ 0, lower outside (0, threshold], or a missing/non-positive reject_threshold.
+            threshold ≤ 0, ``mask`` with lower outside (0, threshold], or a missing/non-positive reject_threshold.
 
     Source: verl ``compute_rollout_correction_and_rejection_mask`` (see the module docstring).
     """
@@ -160,8 +161,9 @@ def rollout_correction(
     if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
     lo = 1.0 / threshold if lower is None else lower
-    if not 0 < lo <= threshold:
-        raise ValueError(f"lower must be in (0, threshold={threshold}], got {lower!r}")
+    if mode == "mask" and level != "none" and not 0 < lo <= threshold:
+        raise ValueError(f"mode='mask' needs lower in (0, threshold={threshold}], got {lower!r}"
+                         + (" (the default 1/threshold is above a threshold below 1: set lower)" if lower is None else ""))
     if reject != "none" and not (reject_threshold is not None and math.isfinite(reject_threshold) and reject_threshold > 0):
         raise ValueError(f"reject={reject!r} needs reject_threshold > 0 (nats), got {reject_threshold!r}")
 

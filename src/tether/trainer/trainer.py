@@ -414,6 +414,10 @@ class Trainer:
             batch_normalize=rc.batch_normalize, log_ratio_clamp=self.cfg.kl.log_ratio_clamp,
         )  # fmt: skip
         batch.extra["rollout_corr_metrics"] = metrics
+        if metrics.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
+            log.warning("step %d: algo.rollout_correction rejected every token (reject=%s, reject_threshold=%g; rollout_corr/k3_kl=%.4f): "
+                        "nothing of this batch is trained; raise algo.rollout_correction.reject_threshold", self.step, rc.reject,
+                        rc.reject_threshold, metrics["rollout_corr/k3_kl"])  # fmt: skip
 
     def compute_values(self, batch: RolloutBatch) -> None:
         if self.roles.critic is not None:
