@@ -182,11 +182,12 @@ def test_world_size_2_equals_1(replay, name):
 
 
 def test_nonfinite_loss_on_one_rank_drops_the_mini_batch_everywhere(replay):
-    """Row 0's NaN advantage makes one rank's loss NaN in the one mini-batch (per epoch) holding it:
-    every rank skips that mini-batch and applies the others (2 epochs x 2 mini-batches of 8)."""
+    """Row 0's NaN advantage makes one rank's loss NaN in the one mini-batch (per epoch) holding it: every rank
+    skips that mini-batch, and guard.atomic_update then undoes the two applied ones on every rank, each its own
+    shards (2 epochs x 2 mini-batches of 8: 4 not applied, 2 of them undone)."""
     _, results = replay
     m = results["epochs"]["nonfinite"]
-    assert m["guard/nonfinite_skip"] == 2.0 and m["policy/updates"] == 2.0
+    assert m["guard/nonfinite_skip"] == 4.0 and m["policy/updates"] == 0.0 and m["guard/undone_updates"] == 2.0
 
 
 def test_autocast_compute_dtype_reaches_the_workers(replay):

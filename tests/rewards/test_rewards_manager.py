@@ -376,6 +376,12 @@ def test_sys_exit_and_keyboard_interrupt_in_reward_code_are_that_samples_error(t
 
 def test_a_ctrl_c_outside_training_still_stops(tmp_path):
     """With Python's own SIGINT handler (tether eval, a script) a KeyboardInterrupt on the main thread is the user's."""
-    m = RewardManager(function=_user_fn(tmp_path, EXITING))
-    with pytest.raises(KeyboardInterrupt):
-        m(_rows(1), ["p"], ["interrupt"])
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # an earlier test's library may have left its own
+    try:
+        m = RewardManager(function=_user_fn(tmp_path, EXITING))
+        with pytest.raises(KeyboardInterrupt):
+            m(_rows(1), ["p"], ["interrupt"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
