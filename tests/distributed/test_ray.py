@@ -75,9 +75,6 @@ EQUAL_CASES = {
     "async-3-rollout-correction": ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
                                    "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05",
                                    "kl.placement=both", "kl.loss_estimator=k3", "algo.mini_batch_size=8"],
-    # bypass mode: each rank masks its micro-batches' tokens by π_θ/π_rollout; the metrics are the ranks' shares
-    "bypass-mask": ["rollout.engine_temperature=1.5", "actor.old_logprobs_source=rollout", "algo.rollout_correction.level=token",
-                    "algo.rollout_correction.mode=mask", "algo.rollout_correction.threshold=1.2"],
     # padding-free forwards and token-budget micro-batches (ranks pad to equal micro-batch counts)
     "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
                "critic.max_tokens_per_micro_batch=20"],
