@@ -7,6 +7,7 @@ from collections import deque
 
 import pytest
 import torch
+from test_resume import crash_after  # tests/trainer is on sys.path (rootdir-less prepend import)
 
 from tether.config import ConfigError, load_config
 from tether.models import fp32_lm_head
@@ -147,24 +148,6 @@ def test_same_seed_same_metrics(tmp_path):
         runs.append([numbers(r) for r in read_lines(tmp_path / name)])
     assert runs[0] == runs[1]
     assert any(r.get("policy/approx_kl", 0) > 1e-4 for r in runs[0])
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_after(trainer: Trainer, n: int) -> None:
-    """Run ``trainer.fit()`` and let it die when step ``n + 1`` would start (no end-of-run checkpoint)."""
-    step = trainer.train_step
-
-    def train_step():
-        if trainer.step >= n:
-            raise Crash
-        return step()
-
-    trainer.train_step = train_step
-    with pytest.raises(Crash):
-        trainer.fit()
 
 
 def assert_same_numbers(got: list[dict], want: list[dict]) -> None:

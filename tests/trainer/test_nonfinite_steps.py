@@ -3,9 +3,9 @@ with a clear error instead of a crash in sampling."""
 
 import pytest
 import torch
-from test_rollout_correction import (  # tests/trainer is on sys.path (rootdir-less prepend import)
-    _actor,
-    _prepared_batch,
+from test_rollout_correction import _actor, _prepared_batch
+from test_rollout_correction import (
+    _spec as rollout_spec,  # tests/trainer is on sys.path (rootdir-less prepend import)
 )
 
 from tether.cli import main
@@ -15,12 +15,8 @@ from tether.workers.actor import ActorUpdateSpec
 
 
 def _spec(**kw) -> ActorUpdateSpec:
-    base = dict(
-        ppo_epochs=1, mini_batch_size=8, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, loss_agg_mode="token-mean", entropy_coef=0.0,
-        kl_loss_coef=0.0, kl_loss_estimator="k3", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0, value_clamp=10.0, target_kl=None,
-        seed=0, norm_constant=4.0,
-    )  # fmt: skip
-    return ActorUpdateSpec(**(base | kw))
+    """Two mini-batches of 8, no KL loss."""
+    return rollout_spec(**({"mini_batch_size": 8, "kl_loss_coef": 0.0} | kw))
 
 
 def _state(actor):
