@@ -35,9 +35,11 @@ def two_nodes(monkeypatch):
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized()  # tether must attach itself, not find a Ray this process joined
+    # Ray's unix sockets live at <temp_dir>/session_<date>_<pid>/sockets/plasma_store, ~80 characters under temp_dir, and
+    # AF_UNIX paths stop at 107 bytes: the project's .tmp is short enough only in a shallow checkout (CI's clone was not)
     tmp = Path(os.environ.get("TMPDIR", Path(__file__).parents[2] / ".tmp"))
     tmp.mkdir(parents=True, exist_ok=True)
-    own = Path(tempfile.mkdtemp(prefix="tether-2n-", dir=tmp if len(str(tmp)) <= 24 else "/tmp"))  # unix sockets: short paths
+    own = Path(tempfile.mkdtemp(prefix="t2n-", dir=tmp if len(str(tmp)) <= 12 else "/tmp"))  # removed at the end
     monkeypatch.setenv("RAY_TMPDIR", str(own))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
