@@ -64,9 +64,15 @@ def bypass_correction(cfg: TetherConfig) -> dict | None:
     """Keyword arguments of :func:`tether.algos.rollout_correction` for the actor to apply per micro-batch in bypass
     mode (``actor.old_logprobs_source=rollout``: π_old is π_rollout, so the correction measures π_θ against it);
     None when rollout correction is off or the trainer applies it (π_old recomputed: ``batch.is_weights``)."""
-    rc = cfg.algo.rollout_correction
-    if not rc.active or cfg.actor.old_logprobs_source != "rollout":
+    if not cfg.algo.rollout_correction.active or cfg.actor.old_logprobs_source != "rollout":
         return None
+    return correction_kwargs(cfg)
+
+
+def correction_kwargs(cfg: TetherConfig) -> dict:
+    """``algo.rollout_correction``'s settings as :func:`tether.algos.rollout_correction` keywords (``batch_normalize``
+    aside: only the trainer's whole-batch pass normalises)."""
+    rc = cfg.algo.rollout_correction
     return dict(level=rc.level, mode=rc.mode, threshold=rc.threshold, lower=rc.lower, reject=rc.reject, reject_threshold=rc.reject_threshold,
                 log_ratio_clamp=cfg.kl.log_ratio_clamp)  # fmt: skip
 

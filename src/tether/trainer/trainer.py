@@ -31,7 +31,7 @@ from tether.config import EMBEDDED, TetherConfig, config_to_yaml
 from tether.trainer import startup
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
-from tether.trainer.setup import build_roles, policy_as_is
+from tether.trainer.setup import build_roles, correction_kwargs, policy_as_is
 from tether.trainer.signals import StopSignals, TrainingInterrupted
 
 log = logging.getLogger("tether")
@@ -409,9 +409,8 @@ class Trainer:
         if batch.rollout_logprobs is None:  # every engine that setup accepts returns them; a batch without is a bug
             raise RuntimeError("algo.rollout_correction: the rollout engine returned no log-probs for this batch")
         batch.is_weights, batch.loss_mask, metrics = rollout_correction(
-            batch.old_logprobs, batch.rollout_logprobs.to(batch.old_logprobs.device), batch.response_mask, level=rc.level, mode=rc.mode,
-            threshold=rc.threshold, lower=rc.lower, reject=rc.reject, reject_threshold=rc.reject_threshold,
-            batch_normalize=rc.batch_normalize, log_ratio_clamp=self.cfg.kl.log_ratio_clamp,
+            batch.old_logprobs, batch.rollout_logprobs.to(batch.old_logprobs.device), batch.response_mask,
+            batch_normalize=rc.batch_normalize, **correction_kwargs(self.cfg),
         )  # fmt: skip
         batch.extra["rollout_corr_metrics"] = metrics
         if metrics.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
