@@ -24,12 +24,14 @@ from .controllers import (
     KL_CONTROLLERS,
     AdaptiveKLController,
     BandKLController,
+    EntropyCoefController,
     ExponentialKLController,
     FixedKLController,
     KLController,
     ScheduledKLController,
     make_kl_controller,
 )
+from .entropy import entropy_quantile_threshold, top_entropy_mask
 from .kl import (
     KL_ESTIMATORS,
     KL_OFF_POLICY_CORRECTIONS,
@@ -45,6 +47,7 @@ from .kl import (
 from .logprobs import entropy_from_logits, kl_full, logprobs_and_entropy_from_logits, logprobs_from_logits
 from .losses import AGG_MODES, agg_loss, kl_loss, loss_normalizers, ppo_policy_loss, ppo_value_loss
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from .overlong import overlong_penalty
 from .rollout_correction import IS_LEVELS, IS_MODES, REJECT_CRITERIA, rollout_correction
 
 __all__ = [
@@ -79,6 +82,11 @@ __all__ = [
     "ExponentialKLController",
     "ScheduledKLController",
     "make_kl_controller",
+    # entropy control (algo.entropy_target, algo.top_entropy_quantile) and DAPO's overlong penalty
+    "EntropyCoefController",
+    "entropy_quantile_threshold",
+    "top_entropy_mask",
+    "overlong_penalty",
     # advantages
     "ADVANTAGE_ESTIMATORS",
     "NORM_BY_STD",

@@ -32,6 +32,7 @@ __all__ = [
     "ScheduledKLController",
     "KL_CONTROLLERS",
     "make_kl_controller",
+    "EntropyCoefController",
 ]
 
 
@@ -435,3 +436,93 @@ def make_kl_controller(name: str, coef: float, **kwargs: Any) -> KLController:
         return _CONTROLLER_CLASSES[name](coef, **kwargs)
     except TypeError as exc:
         raise ValueError(f"bad arguments for KL controller {name!r}: {exc}") from exc
+
+
+class EntropyCoefController:
+    """The entropy bonus's coefficient α, held at a target entropy by projected dual ascent.
+
+    The constrained problem max_θ J(θ) s.t. H(π_θ) ≥ H_target has the Lagrangian
+    J(θ) + α·(H(π_θ) − H_target) with α ≥ 0: the actor ascends it in θ (the entropy bonus α·H in its
+    loss), and α takes a projected (sub)gradient step on the dual, once per training step:
+
+        α ← clip(α + lr · (H_target − H), 0, α_max)
+
+    so α grows while the policy's entropy is below the target and shrinks back to 0 above it (the
+    same dual variable as SAC's automatic entropy tuning, Haarnoja et al. 2018 sec. 5, there on
+    log α; here on α itself, so that α can reach and stay at 0, where the bonus is off). α_max bounds
+    the bonus so that a target the policy cannot reach does not let it grow without limit.
+
+    Units: H and H_target in **nats per token**. The trainer passes H = ``policy/entropy``: the
+    entropy of π_old at each sampled position, averaged over each counted response's tokens and
+    then over responses (the quantity it logs, as the KL controllers get ``kl/ref_mean``). α is
+    dimensionless (it multiplies an entropy in nats, as β a KL); ``lr`` is α per nat per step.
+
+    Args:
+        coef: initial α, in [0, coef_max].
+        target: H_target ≥ 0, nats per token.
+        lr: step size > 0.
+        coef_max: upper bound α_max > 0.
+
+    ``state_dict()`` is JSON-serialisable (``{"name", "value", "n_updates"}``) and round-trips
+    exactly, so a resumed run continues with the same α; hyper-parameters come from the
+    constructor.
+
+    Raises:
+        ValueError: naming the offending argument.
+    """
+
+    name = "entropy_dual_ascent"
+
+    def __init__(self, coef: float, *, target: float, lr: float, coef_max: float):
+        self.target = _finite("target", target)
+        if self.target < 0:
+            raise ValueError(f"target (entropy, nats per token) must be >= 0, got {target!r}")
+        self.lr = _positive("lr", lr)
+        self.coef_max = _positive("coef_max", coef_max)
+        coef = _finite("coef", coef)
+        if not 0 <= coef <= self.coef_max:
+            raise ValueError(f"coef ({coef!r}) must lie within [0, coef_max] = [0, {coef_max!r}]")
+        self._value = coef
+        self.n_updates = 0
+
+    @property
+    def value(self) -> float:
+        """Current α (dimensionless)."""
+        return self._value
+
+    def update(self, entropy: float) -> float:
+        """One dual step given the observed entropy H (nats per token); returns the new α.
+
+        Raises:
+            ValueError: ``entropy`` is not finite.
+        """
+        h = _finite("entropy", entropy)
+        self._value = min(max(self._value + self.lr * (self.target - h), 0.0), self.coef_max)
+        self.n_updates += 1
+        return self._value
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: ``{"name", "value", "n_updates"}``."""
+        return {"name": self.name, "value": self._value, "n_updates": self.n_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore α and the update count saved by :meth:`state_dict`; an α above this controller's
+        ``coef_max`` (a resumed run that lowered the bound) is clamped to it.
+
+        Raises:
+            ValueError: ``state`` is another controller's, or malformed (a negative or non-finite α).
+        """
+        if state.get("name") != self.name:
+            raise ValueError(f"state_dict is for controller {state.get('name')!r}, not {self.name!r}")
+        value = _finite("state['value']", state["value"])
+        if value < 0:
+            raise ValueError(f"state['value'] must be >= 0, got {value!r}")
+        value = min(value, self.coef_max)
+        n = state.get("n_updates", 0)
+        if isinstance(n, bool) or int(n) != n or n < 0:
+            raise ValueError(f"state['n_updates'] must be an integer >= 0, got {n!r}")
+        self._value = value
+        self.n_updates = int(n)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(value={self._value!r}, n_updates={self.n_updates})"
