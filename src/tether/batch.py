@@ -37,7 +37,12 @@ class RolloutBatch:
             no correction (``tether.algos.rollout_correction``).
         loss_mask (B, T) bool: the response tokens rollout correction's rejection kept; the actor's
             loss and its token counts use ``response_mask & loss_mask`` (:attr:`update_mask`);
-            None = all of them.
+            None = all of them. ``algo.mask_truncated`` also takes truncated responses out here.
+        truncated (B,) bool: the response has no EOS (it was cut at rollout.max_new_tokens, or for an
+            offline row at that length); None = not known (a batch built by hand).
+        entropy_mask (B, T) bool: ``algo.top_entropy_quantile``: the tokens among the step's highest-entropy
+            fraction (``tether.algos.top_entropy_mask`` of π_old's entropy over the whole batch), the only
+            ones whose policy loss counts (the KL and entropy terms keep every token); None = all.
     Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text).
     """
 
@@ -61,6 +66,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    entropy_mask: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -17,6 +17,13 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | list[
     return (~after_eos).long()
 
 
+def truncated_rows(response_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """(B,) bool: the rows with no EOS, which :func:`response_mask_from_ids` counts whole: a response
+    cut at the length limit before it ended (DAPO's "overlong" samples; ``algo.mask_truncated``)."""
+    eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=response_ids.device)
+    return ~torch.isin(response_ids, eos).any(-1)
+
+
 class SampledLogprobs:
     """A ``generate`` logits processor that records each sampled token's log-prob, nats:
     log softmax(scores_t / temperature)[a_t], from the scores ``generate`` passes it (the model's

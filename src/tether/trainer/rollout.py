@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tether.batch import RolloutBatch
-from tether.rollout import response_mask_from_ids
+from tether.rollout import response_mask_from_ids, truncated_rows
 from tether.trainer.prompts import PromptSet, collate_prompts
 
 
@@ -96,4 +96,5 @@ class RolloutRunner:
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
             group_ids=group_ids, rows=[prompts.rows[i] for i in rep], prompts=[prompts.texts[i] for i in rep], responses=responses,
+            truncated=truncated_rows(response_ids, self.eos_token_ids),
         )  # fmt: skip

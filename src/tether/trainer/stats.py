@@ -54,7 +54,8 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
     eos = eos_id
-    truncated = (batch.response_ids == eos).sum(-1) == 0
+    # no EOS: cut at rollout.max_new_tokens (every EOS id of the model, batch.truncated; the tokenizer's alone for a hand-built batch)
+    truncated = batch.truncated.to(mask.device) if batch.truncated is not None else (batch.response_ids == eos).sum(-1) == 0
     m = {
         "reward/score_mean": _mean(scores),
         "reward/score_std": float(scores.std()) if scores.numel() > 1 else 0.0,
@@ -85,6 +86,7 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     m |= batch.extra.get("old_logprobs_metrics", {})  # actor.old_logprobs_source=rollout
     m |= batch.extra.get("rollout_corr_metrics", {})  # algo.rollout_correction (Trainer.correct_rollout)
     m |= batch.extra.get("async_metrics", {})  # rollout.async_steps: rollout/staleness, rollout/stale_dropped
+    m |= batch.extra.get("control_metrics", {})  # actor/entropy_coef; algo.mask_truncated, algo.top_entropy_quantile (Trainer.mask_tokens)
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = pad_id
