@@ -232,6 +232,15 @@ class RewardConfig(_Section):
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
     timeout_s: float | None = Field(600.0, gt=0, description="Seconds a reward function may take per batch; past it the call is abandoned and its unscored samples count as errors. With a timeout the function runs in a worker thread: code that installs signal handlers (math_verify's own timeouts) needs null, which runs it on the main thread and waits forever. See docs/rewards.md.")
     max_failed_steps: int = Field(3, ge=1, description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps whose every sample was dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them); a run that ends with every one of its steps so failed also stops with that error. See docs/rewards.md.")
+    overlong_buffer: int | None = Field(
+        None, ge=0, description="DAPO's soft overlong penalty: L_cache, the last tokens before rollout.max_new_tokens over which a "
+        "training response's score is lowered linearly, from 0 at length max_new_tokens − L_cache to −reward.overlong_penalty at "
+        "max_new_tokens (Yu et al. 2025 eq. 13; verl's overlong_buffer.len); added to the score after reward.clip and reward.normalize, "
+        "before advantages. Must be < rollout.max_new_tokens. null or 0 = off (docs/training.md#truncation)."
+    )
+    overlong_penalty: float = Field(
+        1.0, gt=0, description="reward.overlong_buffer: the penalty at the length limit, in score units (verl's overlong_buffer.penalty_factor, 1.0)."
+    )
 
     @field_validator("clip")
     @classmethod
@@ -398,7 +407,36 @@ class AlgoConfig(_Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="How the per-token loss is averaged."
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient in the actor loss.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus coefficient α in the actor loss (loss − α·agg(entropy)); with algo.entropy_target, "
+        "the adaptive α's starting value. actor/entropy_coef logs the α of each step."
+    )
+    entropy_target: float | None = Field(
+        None, ge=0, description="Adaptive entropy bonus: the entropy to hold, nats per token (policy/entropy: π_old's entropy at the "
+        "sampled positions, averaged per response then over responses). After each step α ← clip(α + algo.entropy_coef_lr·(target − "
+        "policy/entropy), 0, algo.entropy_coef_max) (dual ascent), starting at algo.entropy_coef; α is saved in checkpoints. null = "
+        "α stays algo.entropy_coef. Not with actor.old_logprobs_source=rollout (no entropy measured) (docs/training.md#entropy-control)."
+    )
+    entropy_coef_lr: float = Field(
+        0.01, gt=0, description="algo.entropy_target: the dual-ascent step, α per nat of entropy error per step (an entropy 0.1 nats "
+        "below the target raises α by 0.001 per step)."
+    )
+    entropy_coef_max: float = Field(
+        0.1, gt=0, description="algo.entropy_target: the upper bound of α, so that an unreachable target cannot grow the bonus without "
+        "limit (at 0.1 the bonus of 1 nat per token is a tenth of a unit advantage's surrogate)."
+    )
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1, description="ρ: only the highest-entropy fraction ρ of a step's counted tokens get a policy-loss gradient "
+        "(threshold: the 1 − ρ quantile of π_old's entropy over the whole batch, ties kept); the KL and entropy terms keep every "
+        "token and the loss's denominators do not change (Wang et al. 2025, arXiv 2506.01939: 0.2; TRL's top_entropy_quantile). "
+        "1.0 = every token. Logs actor/entropy_mask_frac. Not with actor.old_logprobs_source=rollout (no entropy measured); turns off "
+        "actor.reuse_update_logprobs (the entropy is needed before the update)."
+    )
+    mask_truncated: bool = Field(
+        False, description="A response cut at rollout.max_new_tokens without EOS gets no gradient: it leaves the actor's loss (policy, "
+        "KL and entropy terms) and its token counts, as a rejected sample (DAPO's overlong filtering; TRL's mask_truncated_completions); "
+        "advantages, the critic and the metrics still see it. Logs actor/masked_truncated (response/truncated_frac: their share)."
+    )
     filter_groups: bool = Field(
         False, description="DAPO dynamic sampling: drop prompts whose sampled rewards are all equal (zero advantage) and draw more prompts until data.batch_size prompts differ."
     )
@@ -529,6 +567,30 @@ def _check_distributed(cfg) -> None:
             raise ValueError(f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per worker GPU ({n})")
 
 
+def _check_entropy_and_truncation(cfg) -> None:
+    """algo.entropy_target, algo.top_entropy_quantile, reward.overlong_buffer: bad combinations, and keys that would do nothing."""
+    a, r = cfg.algo, cfg.reward
+    if a.entropy_target is None:
+        unused = [f"algo.{k}={getattr(a, k)}" for k in ("entropy_coef_lr", "entropy_coef_max") if getattr(a, k) != AlgoConfig.model_fields[k].default]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} has no effect without algo.entropy_target (α stays algo.entropy_coef): set "
+                             "algo.entropy_target (nats per token) or leave them at their defaults")  # fmt: skip
+    elif a.entropy_coef > a.entropy_coef_max:
+        raise ValueError(f"algo.entropy_coef={a.entropy_coef} (the adaptive α's start) must not exceed algo.entropy_coef_max={a.entropy_coef_max}")
+    needs_entropy = [(f"algo.entropy_target={a.entropy_target}", "algo.entropy_target null")] if a.entropy_target is not None else []
+    needs_entropy += [(f"algo.top_entropy_quantile={a.top_entropy_quantile}", "algo.top_entropy_quantile at 1")] if a.top_entropy_quantile < 1 else []
+    if needs_entropy and cfg.actor.old_logprobs_source == "rollout":
+        setting, off = needs_entropy[0]
+        raise ValueError(f"{setting} needs π_old's entropy, which actor.old_logprobs_source=rollout does not measure (no actor pass "
+                         f"before the update); use actor.old_logprobs_source=recompute, or leave {off}")  # fmt: skip
+    if r.overlong_buffer and r.overlong_buffer >= cfg.rollout.max_new_tokens:
+        raise ValueError(f"reward.overlong_buffer={r.overlong_buffer} must be below rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
+                         "(the penalty ramps over the last overlong_buffer tokens before the limit)")
+    if not r.overlong_buffer and r.overlong_penalty != RewardConfig.model_fields["overlong_penalty"].default:
+        raise ValueError(f"reward.overlong_penalty={r.overlong_penalty} has no effect without reward.overlong_buffer: set "
+                         "reward.overlong_buffer (tokens) or leave reward.overlong_penalty at its default")
+
+
 def _check_async(cfg) -> None:
     """rollout.async_steps needs something to generate, with the HF engine, one draw per step and per-token log-probs."""
     clash = {
@@ -657,6 +719,7 @@ class TetherConfig(_Section):
         if self.algo.rollout_correction.active and self.rollout.mode == "offline":
             raise ValueError("algo.rollout_correction needs sampled responses with the engine's log-probs: rollout.mode=offline has none; "
                              "set algo.rollout_correction.level=none and algo.rollout_correction.reject=none")
+        _check_entropy_and_truncation(self)
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

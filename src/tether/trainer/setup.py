@@ -48,11 +48,14 @@ class Roles:
             self.backend = None
 
     @staticmethod
-    def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard, *, reuse_logprobs: bool = False) -> ActorUpdateSpec:
+    def actor_spec(cfg: TetherConfig, kl_loss_coef: float, guard, *, reuse_logprobs: bool = False, entropy_coef: float | None = None) -> ActorUpdateSpec:
+        """The update's settings for one step: β of the KL loss and, given, α of the entropy bonus (the trainer's
+        adaptive one under algo.entropy_target; default algo.entropy_coef)."""
         a, k = cfg.algo, cfg.kl
+        entropy_coef = a.entropy_coef if entropy_coef is None else entropy_coef
         return ActorUpdateSpec(
             ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-            dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=a.entropy_coef, kl_loss_coef=kl_loss_coef,
+            dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=entropy_coef, kl_loss_coef=kl_loss_coef,
             kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
             norm_constant=float(cfg.rollout.max_new_tokens), reuse_logprobs=reuse_logprobs,

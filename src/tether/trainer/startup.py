@@ -154,6 +154,8 @@ def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout:
         why.append(f"rollout.async_steps={c.rollout.async_steps}")
     if c.algo.rollout_correction.active:  # its weights π_old/π_rollout are needed before the update
         why.append("algo.rollout_correction")
+    if c.algo.top_entropy_quantile < 1:  # its token mask is computed from π_old's entropy before the update
+        why.append(f"algo.top_entropy_quantile={c.algo.top_entropy_quantile}")
     return why
 
 

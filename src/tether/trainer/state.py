@@ -73,7 +73,8 @@ class CheckpointManager:
     """Saves and restores every bit of a trainer's state.
 
     Saved: actor (and critic) weights, the reference's weights when ``ref.reset_every`` moves it,
-    optimizer and LR-scheduler states, KL controller, RNG states, data position, guard state, reward
+    optimizer and LR-scheduler states, KL controller, entropy coefficient (``algo.entropy_target``),
+    RNG states, data position, guard state, reward
     normaliser, best validation score, last validation metrics, the live diagnostics' state, the
     step's metrics line, the batch pre-generated for the next step (``rollout.async_steps``) and the
     config. Resuming from it continues exactly as the run would have.
@@ -83,6 +84,7 @@ class CheckpointManager:
         cfg: the run's config; roles: its ``Roles`` (models, optimizers, tokenizer, reward, engine).
         controller, sampler, guard: the KL controller, PromptSampler and GuardMonitor, saved and
             loaded in place.
+        entropy_controller: the ``EntropyCoefController`` of ``algo.entropy_target`` (saved and loaded in place), or None.
         exact_cache: the exact/* metrics' ``ExactCache``, emptied when a checkpoint loads the reference.
         async_rollout: the ``AsyncRollout`` of ``rollout.async_steps`` (its pending batches are saved, loaded, and
             regenerated after a rollback), or None.
@@ -91,9 +93,10 @@ class CheckpointManager:
     returns those it loaded.
     """
 
-    def __init__(self, run_dir, cfg, roles, *, controller, sampler, guard, exact_cache=None, async_rollout=None):
+    def __init__(self, run_dir, cfg, roles, *, controller, sampler, guard, exact_cache=None, async_rollout=None, entropy_controller=None):
         self.run_dir, self.cfg, self.roles = Path(run_dir), cfg, roles
         self.controller, self.sampler, self.guard, self.exact_cache = controller, sampler, guard, exact_cache
+        self.entropy_controller = entropy_controller
         self.async_rollout = async_rollout
         self.root = self.run_dir / "checkpoints"
         self.step = 0  # the step of the checkpoint last saved or loaded
@@ -164,6 +167,7 @@ class CheckpointManager:
                 {
                     "step": step,
                     "controller": self.controller.state_dict(),
+                    "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict(),
                     "data": self.sampler.state_dict(),
                     "guard": self.guard.state_dict(),
                     "reward": roles.reward.state_dict(),
@@ -331,6 +335,12 @@ class CheckpointManager:
                                   + ("" if path.parent == self.root else " or a checkpoint of this model")) from e
         self.step = int(state["step"])
         self.controller.load_state_dict(state["controller"])
+        if self.entropy_controller is not None:
+            if state.get("entropy_controller") is None:  # a checkpoint of a run without algo.entropy_target (or from before it existed)
+                log.warning("resume: checkpoint %s holds no entropy coefficient (algo.entropy_target was not set): α starts again at "
+                            "algo.entropy_coef=%g", path.name, self.cfg.algo.entropy_coef)  # fmt: skip
+            else:
+                self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.sampler.load_state_dict(state["data"])
         self.guard.load_state_dict(state["guard"])
         self.roles.reward.load_state_dict(state["reward"])

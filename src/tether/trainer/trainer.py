@@ -19,15 +19,19 @@ import torch
 
 from tether.algos import (
     AdvantageInputs,
+    EntropyCoefController,
     compute_advantages,
     kl_penalty,
     make_kl_controller,
     mean_kl_per_token,
+    overlong_penalty,
     rollout_correction,
     token_level_rewards_from_kl,
+    top_entropy_mask,
 )
 from tether.batch import RolloutBatch
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
+from tether.rollout import truncated_rows
 from tether.trainer import startup
 from tether.trainer.guards import GuardMonitor, TrainingStopped
 from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
@@ -193,6 +197,9 @@ class Trainer:
             self.roles.reward.check_rows(train_rows + val_rows)  # an unknown data_source fails here, not mid-run
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, cfg.trainer.seed, cfg.data.shuffle)
         self.controller = make_kl_controller(cfg.kl.controller, **controller_kwargs(cfg))
+        a = cfg.algo  # algo.entropy_target: the entropy bonus's α by dual ascent; None = α fixed at algo.entropy_coef
+        self.entropy_controller = (None if a.entropy_target is None else
+                                   EntropyCoefController(a.entropy_coef, target=a.entropy_target, lr=a.entropy_coef_lr, coef_max=a.entropy_coef_max))  # fmt: skip
         self.guard = GuardMonitor(cfg.guard, max_failed_steps=cfg.reward.max_failed_steps)
         self.step = 0
         self.last_val: dict[str, float] = {}
@@ -205,7 +212,8 @@ class Trainer:
 
         self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
         self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
-                                      exact_cache=self.exact_cache, async_rollout=self.async_rollout)  # fmt: skip
+                                      exact_cache=self.exact_cache, async_rollout=self.async_rollout,
+                                      entropy_controller=self.entropy_controller)  # fmt: skip
         resumed = self.ckpt.maybe_resume()
         if resumed is not None:
             self.step, self.last_val = resumed
@@ -268,6 +276,7 @@ class Trainer:
             self.compute_logprobs(batch)
         with timer("rollout_correction"):
             self.correct_rollout(batch)
+            self.mask_tokens(batch)  # algo.mask_truncated, algo.top_entropy_quantile
         with timer("values"):
             self.compute_values(batch)
         with timer("kl"):
@@ -316,6 +325,11 @@ class Trainer:
         """β in use: the controller's value times the guard's scale (raised after KL explosions)."""
         return self.controller.value * self.guard.coef_scale
 
+    @property
+    def entropy_coef(self) -> float:
+        """α of the entropy bonus in use: ``algo.entropy_target``'s controller, else ``algo.entropy_coef``."""
+        return self.cfg.algo.entropy_coef if self.entropy_controller is None else self.entropy_controller.value
+
     def sample(self, timer: PhaseTimer) -> RolloutBatch:
         """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
         if self.cfg.algo.filter_groups:
@@ -343,9 +357,51 @@ class Trainer:
         batch.scores = result.scores.to(self.device)
         empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device)
         batch.drop(~result.valid.to(self.device) | empty)
-        batch.extra["reward_metrics"] = dict(result.metrics) | {"rollout/empty_count": float(empty.sum())}
+        batch.extra["reward_metrics"] = dict(result.metrics) | {"rollout/empty_count": float(empty.sum())} | self.penalize_overlong(batch)
         for msg in result.errors[:3]:
             log.warning("step %d: reward: %s", self.step, msg)
+
+    def penalize_overlong(self, batch: RolloutBatch) -> dict[str, float]:
+        """``reward.overlong_buffer``: DAPO's soft overlong penalty (``tether.algos.overlong_penalty``) added to
+        ``batch.scores`` of the counted responses, after the reward's clipping and normalisation; its metrics."""
+        r = self.cfg.reward
+        if not r.overlong_buffer:
+            return {}
+        lengths = batch.response_lengths  # counted tokens, EOS included (0 for a dropped sample)
+        penalty = overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, r.overlong_buffer, r.overlong_penalty).to(batch.scores)
+        valid = lengths > 0
+        batch.scores = batch.scores + torch.where(valid, penalty, 0.0)
+        n = int(valid.sum())
+        return {
+            "reward/overlong_penalty_mean": float(penalty[valid].mean()) if n else float("nan"),
+            "reward/overlong_frac": float((penalty[valid] < 0).float().mean()) if n else float("nan"),
+        }
+
+    def mask_tokens(self, batch: RolloutBatch) -> None:
+        """The tokens the actor trains on, after rollout correction: ``algo.mask_truncated`` takes responses cut at
+        ``rollout.max_new_tokens`` out of ``batch.loss_mask`` (loss and token counts); ``algo.top_entropy_quantile``
+        keeps the policy loss to the step's highest-entropy tokens of what remains (``batch.entropy_mask``, one
+        threshold over the whole batch from π_old's entropy). Metrics ``actor/masked_truncated``, ``actor/entropy_mask_frac``."""
+        a, metrics = self.cfg.algo, {}
+        if a.mask_truncated:
+            truncated = batch.truncated if batch.truncated is not None else truncated_rows(batch.response_ids, self.tok.eos_token_id)
+            counted = batch.response_mask.sum(-1) > 0
+            cut = truncated.to(counted.device) & counted  # (B,) counted responses without EOS
+            keep = (~cut).unsqueeze(1).expand_as(batch.response_mask)
+            batch.loss_mask = keep if batch.loss_mask is None else batch.loss_mask.to(keep.device) & keep
+            metrics["actor/masked_truncated"] = float(cut.sum())
+            if bool(cut.any()) and bool(cut.sum() == counted.sum()):
+                log.warning("step %d: algo.mask_truncated took all %d responses out of the loss (none ended within rollout.max_new_tokens=%d): "
+                            "nothing of this batch is trained; raise rollout.max_new_tokens", self.step, int(cut.sum()),
+                            self.cfg.rollout.max_new_tokens)  # fmt: skip
+        if a.top_entropy_quantile < 1:
+            if batch.entropy is None:  # the config refuses actor.old_logprobs_source=rollout, and reuse_update_logprobs gives way
+                raise RuntimeError("algo.top_entropy_quantile: this batch has no entropy of π_old")
+            mask = batch.update_mask
+            batch.entropy_mask, _ = top_entropy_mask(batch.entropy, mask, a.top_entropy_quantile)
+            n = int(mask.bool().sum())
+            metrics["actor/entropy_mask_frac"] = float(batch.entropy_mask.sum()) / n if n else float("nan")
+        batch.extra["control_metrics"] = batch.extra.get("control_metrics", {}) | metrics
 
     def reuse_update_logprobs(self, batch: RolloutBatch) -> bool:
         """Whether the update's own log-probs, detached, serve as old_logprobs (actor.reuse_update_logprobs).
@@ -471,7 +527,7 @@ class Trainer:
         if self.cfg.kl.placement == "loss":
             batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
-        spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None)
+        spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
         self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)  # broken weights stop here, before anything samples them
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
@@ -497,9 +553,15 @@ class Trainer:
         return float(mean_kl_per_token(batch.kl, batch.response_mask))
 
     def update_controller(self, batch: RolloutBatch) -> None:
+        """β from ``kl/ref_mean``; the entropy bonus's α (``algo.entropy_target``) from ``policy/entropy``, its
+        step's value logged first as ``actor/entropy_coef``."""
         kl = self.kl_mean(batch)
         if math.isfinite(kl):
             self.controller.update(kl, n_steps=self.n_valid(batch))
+        batch.extra["control_metrics"] = batch.extra.get("control_metrics", {}) | {"actor/entropy_coef": self.entropy_coef}
+        if self.entropy_controller is not None and batch.entropy is not None and self.n_valid(batch):
+            # policy/entropy: π_old's entropy per token, averaged per counted response, then over responses (nats)
+            self.entropy_controller.update(float(mean_kl_per_token(batch.entropy, batch.response_mask)))
 
     # ------------------------------------------------------------------ metrics, validation
     def perf_metrics(self, batch: RolloutBatch, times: dict[str, float]) -> dict[str, float]:

@@ -299,6 +299,7 @@ class ActorWorker:
         sums: dict[str, float] = {}
         finite = True
         need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
+        # spec.entropy_coef is this step's α (algo.entropy_target moves it between steps): at α = 0 the bonus has no gradient
         with_entropy = spec.entropy_coef > 0 or out is not None
 
         def add(key: str, value: float) -> None:
@@ -326,6 +327,10 @@ class ActorWorker:
             corr_metrics: dict[str, float] = {}
             if spec.bypass_correction is not None and bool(rmask.any()):
                 weights, _, corr_metrics = rollout_correction(lp.detach(), old, rmask, apply_truncation=False, **spec.bypass_correction)
+            kl_weights = weights  # the KL term keeps every token: the entropy mask weighs the policy loss only
+            if mb.entropy_mask is not None:  # algo.top_entropy_quantile: the step's highest-entropy tokens (batch.entropy_mask)
+                keep = mb.entropy_mask[:, :t].to(device=lp.device, dtype=torch.float32)
+                weights = keep if weights is None else weights * keep
             pg_loss, pg_metrics = ppo_policy_loss(
                 lp, old, mb.advantages[:, :t], rmask,
                 clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
@@ -340,7 +345,7 @@ class ActorWorker:
                 else:  # importance-weighted by π_θ/π_old (kl.off_policy_correction=ratio) and the rollout weights
                     kl_term, _ = kl_loss(
                         lp, mb.ref_logprobs[:, :t], rmask, spec.kl_loss_estimator,
-                        old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None, weights=weights,
+                        old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None, weights=kl_weights,
                         agg_mode=spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
                         log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp, is_log_ratio_clamp=spec.log_ratio_clamp,
                     )  # fmt: skip
