@@ -71,10 +71,12 @@ EQUAL_CASES = {
     # the driver generates the next batch (and its behaviour log-probs) while the workers train
     "async": ["rollout.async_steps=1"],
     # three batches ahead, each weighed against the mismatched engine (TIS), with a rejection that takes responses out
-    # of the all-reduced loss counts, and an off-policy-corrected k3 KL loss over two mini-batches
+    # of the all-reduced loss counts, and an off-policy-corrected k3 KL loss over two mini-batches; the (B, T) token
+    # masks and α of the entropy controls and mask_truncated travel to the ranks with the batch and the spec
     "async-3-rollout-correction": ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
                                    "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05",
-                                   "kl.placement=both", "kl.loss_estimator=k3", "algo.mini_batch_size=8"],
+                                   "kl.placement=both", "kl.loss_estimator=k3", "algo.mini_batch_size=8", "algo.top_entropy_quantile=0.5",
+                                   "algo.mask_truncated=true", "algo.entropy_target=2.5", "algo.entropy_coef=0.01"],
     # padding-free forwards and token-budget micro-batches (ranks pad to equal micro-batch counts)
     "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
                "critic.max_tokens_per_micro_batch=20"],

@@ -108,11 +108,11 @@ def test_top_entropy_quantile_keeps_about_half_the_tokens(small_cfg, tmp_path):
     tau = values[(n - 1) // 2] + (0.5 * (n - 1) - (n - 1) // 2) * (values[n // 2] - values[(n - 1) // 2])  # the median, by hand
     torch.testing.assert_close(batch.entropy_mask, counted & (batch.entropy.double() >= tau), rtol=0, atol=0)
     kept = int(batch.entropy_mask.sum())
-    assert kept == math.ceil(n / 2)  # continuous entropies: no ties at τ
+    assert kept == math.ceil(n / 2)  # no tie at τ in this batch (a group's first tokens share one state, so their entropies tie)
     assert batch.extra["control_metrics"]["actor/entropy_mask_frac"] == kept / n
     t.fit()
     for r in metrics(run):
-        assert abs(r["actor/entropy_mask_frac"] - 0.5) <= 1 / 40, r["actor/entropy_mask_frac"]
+        assert abs(r["actor/entropy_mask_frac"] - 0.5) <= 1 / 16, r["actor/entropy_mask_frac"]  # ties at τ are kept
         assert "actor/masked_truncated" not in r
 
 
