@@ -106,7 +106,7 @@ class ActorConfig(_Section):
     reuse_update_logprobs: bool = Field(
         True, description="With one PPO epoch and one mini-batch per step, old_logprobs and entropy come from the update's own forward, "
         "detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update (kl.placement loss/none, "
-        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor)."
+        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor, algo.top_entropy_quantile=1)."
     )
     old_logprobs_source: Literal["recompute", "rollout"] = Field(
         "recompute", description="Where old_logprobs (π_old in the PPO ratio and the KL to the reference) come from: recompute = the "
