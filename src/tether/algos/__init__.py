@@ -48,6 +48,14 @@ from .logprobs import entropy_from_logits, kl_full, logprobs_and_entropy_from_lo
 from .losses import AGG_MODES, agg_loss, kl_loss, loss_normalizers, ppo_policy_loss, ppo_value_loss
 from .masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
 from .overlong import overlong_penalty
+from .policy_losses import (
+    POLICY_LOSS_AGG,
+    POLICY_LOSS_HYPER,
+    POLICY_LOSSES,
+    binary_kl,
+    binary_tv,
+    policy_loss,
+)
 from .rollout_correction import IS_LEVELS, IS_MODES, REJECT_CRITERIA, rollout_correction
 
 __all__ = [
@@ -113,4 +121,11 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "kl_loss",
+    # the policy-loss family
+    "POLICY_LOSSES",
+    "POLICY_LOSS_AGG",
+    "POLICY_LOSS_HYPER",
+    "policy_loss",
+    "binary_tv",
+    "binary_kl",
 ]
