@@ -296,7 +296,7 @@ class KLConfig(_Section):
     estimator: str = Field("k1", description="KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, full, or a straight-through variant k1+, k3+, ...")
     loss_estimator: str | None = Field(None, description="Estimator for the loss placement; null = kl.estimator.")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
-        None, description="Aggregation of the KL loss; null = algo.loss_agg_mode."
+        None, description="Aggregation of the KL loss; null = algo.loss_agg_mode (or, when that is null, the policy loss's own)."
     )
     coef: float = Field(0.05, ge=0, description="β: the initial (or fixed) KL coefficient.")
     controller: Literal["fixed", "adaptive", "band", "exponential", "scheduled"] = Field("fixed", description="How β changes over training.")
@@ -390,6 +390,58 @@ class RolloutCorrectionConfig(_Section):
         return self.level != "none" or self.reject != "none"
 
 
+class GSPOConfig(_Section):
+    clip_eps_low: float = Field(3e-4, gt=0, lt=1, description="algo.policy_loss=gspo|gspo_token: the sequence ratio's lower clip ε_low (GSPO paper: 3e-4).")
+    clip_eps_high: float = Field(4e-4, gt=0, description="algo.policy_loss=gspo|gspo_token: the sequence ratio's upper clip ε_high (GSPO paper: 4e-4).")
+
+
+class GMPOConfig(_Section):
+    clip_eps_low: float = Field(0.4, gt=0, description="algo.policy_loss=gmpo: lower clip of each token's log-ratio, in log space (GMPO paper: 0.4, i.e. e^-0.4; verl's geo_mean reuses its clip_ratio 0.2).")
+    clip_eps_high: float = Field(0.4, gt=0, description="algo.policy_loss=gmpo: upper clip of each token's log-ratio, in log space (GMPO paper: 0.4).")
+
+
+class CISPOConfig(_Section):
+    clip_eps_low: float | None = Field(None, gt=0, lt=1, description="algo.policy_loss=cispo: lower bound 1 - ε_low of the detached IS weight; null = none (the MiniMax-M1 paper's choice; verl bounds it at 0.8).")
+    clip_eps_high: float = Field(0.2, gt=0, description="algo.policy_loss=cispo: the IS weight is capped at 1 + ε_high (verl's 0.2; the paper tunes it).")
+
+
+class SAPOConfig(_Section):
+    tau_pos: float = Field(1.0, gt=0, description="algo.policy_loss=sapo: gate temperature τ for tokens with A > 0 (SAPO paper and verl: 1.0).")
+    tau_neg: float = Field(1.05, gt=0, description="algo.policy_loss=sapo: gate temperature τ for tokens with A <= 0 (SAPO paper and verl: 1.05).")
+
+
+class ClipCovConfig(_Section):
+    ratio: float = Field(2e-4, gt=0, le=1, description="algo.policy_loss=clip_cov: fraction r of the micro-batch's tokens whose gradient is detached (at least 1), drawn among the high-covariance ones (paper and verl: 2e-4).")
+    lb: float = Field(1.0, description="algo.policy_loss=clip_cov: lower bound of the covariance term (A - mean A)(log π - mean log π) of a drawable token (paper and verl: 1).")
+    ub: float = Field(5.0, description="algo.policy_loss=clip_cov: upper bound of that covariance term (paper and verl: 5).")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if not self.lb < self.ub:
+            raise ValueError(f"clip_cov.lb ({self.lb}) must be below clip_cov.ub ({self.ub})")
+        return self
+
+
+class KLCovConfig(_Section):
+    ratio: float = Field(2e-4, gt=0, le=1, description="algo.policy_loss=kl_cov: fraction k of the micro-batch's tokens (at least 1), those with the largest covariance term, that get the |log r| penalty (verl: 2e-4; the paper tunes it per model, 2e-3 at 7B).")
+    coef: float = Field(0.1, ge=0, description="algo.policy_loss=kl_cov: coefficient of the |log π/π_old| penalty on the selected tokens (verl's ppo_kl_coef 0.1).")
+
+
+class DPPOConfig(_Section):
+    delta_low: float = Field(0.2, gt=0, description="algo.policy_loss=dppo_tv|dppo_kl: divergence bound δ for tokens with A <= 0 whose probability fell (binary TV, or binary KL in nats).")
+    delta_high: float = Field(0.2, gt=0, description="algo.policy_loss=dppo_tv|dppo_kl: divergence bound δ for tokens with A > 0 whose probability rose.")
+    is_cap: float = Field(20.0, ge=1, description="algo.policy_loss=dppo_tv|dppo_kl: cap C of the detached importance ratio (truncated IS; the DPPO paper recommends a large one; verl's falls back to 20 but its actor config sets clip_ratio_c=3).")
+
+
+def _dppo_kl_defaults() -> DPPOConfig:
+    return DPPOConfig(delta_low=0.05, delta_high=0.05)
+
+
+#: algo.policy_loss's hyper-parameter sections and the modes that read them (the rest refuse a non-default one)
+POLICY_LOSS_SECTIONS = {"gspo": ("gspo", "gspo_token"), "gmpo": ("gmpo",), "cispo": ("cispo",), "sapo": ("sapo",), "clip_cov": ("clip_cov",),
+                        "kl_cov": ("kl_cov",), "dppo_tv": ("dppo_tv",), "dppo_kl": ("dppo_kl",)}  # fmt: skip
+
+
 class AlgoConfig(_Section):
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
         "grpo", description="Advantage estimator: gae (PPO with a critic) or a critic-free one."
@@ -402,10 +454,26 @@ class AlgoConfig(_Section):
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="ε_low of the clipped surrogate.")
     clip_eps_high: float = Field(0.2, gt=0, description="ε_high of the clipped surrogate (clip-higher, DAPO).")
     dual_clip_c: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages (Ye et al. 2020).")
+    policy_loss: Literal["vanilla", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "gpg"] = Field(
+        "vanilla", description="Policy loss (tether.algos.policy_loss; docs/training.md#policy-losses): vanilla = PPO clip (algo.clip_eps_*, "
+        "algo.dual_clip_c); gspo / gspo_token = sequence-level ratio (algo.gspo.*); gmpo = geometric-mean ratio (algo.gmpo.*); cispo = "
+        "capped detached IS weight (algo.cispo.*); sapo = soft gate (algo.sapo.*); clip_cov / kl_cov = PPO clip / plain ratio with the "
+        "high-covariance tokens detached / penalised (algo.clip_cov.*, algo.kl_cov.*); dppo_tv / dppo_kl = binary-divergence trust region "
+        "(algo.dppo_tv.*, algo.dppo_kl.*); gpg = no surrogate, -A log π."
+    )
+    gspo: GSPOConfig = Field(default_factory=GSPOConfig, description="algo.policy_loss=gspo|gspo_token hyper-parameters.")
+    gmpo: GMPOConfig = Field(default_factory=GMPOConfig, description="algo.policy_loss=gmpo hyper-parameters.")
+    cispo: CISPOConfig = Field(default_factory=CISPOConfig, description="algo.policy_loss=cispo hyper-parameters.")
+    sapo: SAPOConfig = Field(default_factory=SAPOConfig, description="algo.policy_loss=sapo hyper-parameters.")
+    clip_cov: ClipCovConfig = Field(default_factory=ClipCovConfig, description="algo.policy_loss=clip_cov hyper-parameters (its clip is algo.clip_eps_low/high).")
+    kl_cov: KLCovConfig = Field(default_factory=KLCovConfig, description="algo.policy_loss=kl_cov hyper-parameters.")
+    dppo_tv: DPPOConfig = Field(default_factory=DPPOConfig, description="algo.policy_loss=dppo_tv hyper-parameters (δ in probability).")
+    dppo_kl: DPPOConfig = Field(default_factory=_dppo_kl_defaults, description="algo.policy_loss=dppo_kl hyper-parameters (δ in nats; default 0.05).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     mini_batch_size: int = Field(64, ge=1, description="Responses per optimizer step.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How the per-token loss is averaged."
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = Field(
+        None, description="How the per-token loss is averaged (policy, entropy bonus, value loss, and the KL loss unless kl.loss_agg_mode); "
+        "null = the policy loss's own: token-mean, seq-mean-token-mean for gspo, gspo_token, gmpo and sapo (their papers')."
     )
     entropy_coef: float = Field(
         0.0, ge=0, description="Entropy bonus coefficient α in the actor loss (loss − α·agg(entropy)); with algo.entropy_target, "
@@ -457,6 +525,51 @@ class AlgoConfig(_Section):
         if v is False:
             return "none"
         return v
+
+    @model_validator(mode="after")
+    def _policy_loss_keys(self):
+        """A hyper-parameter of a policy loss that is not the selected one would do nothing: refused, naming it."""
+        used = {"vanilla": {"clip_eps_low", "clip_eps_high", "dual_clip_c"}, "clip_cov": {"clip_eps_low", "clip_eps_high"}}.get(self.policy_loss, set())
+        for key in ("clip_eps_low", "clip_eps_high", "dual_clip_c"):
+            if key not in used and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"algo.{key}={getattr(self, key)} has no effect with algo.policy_loss={self.policy_loss} (read by "
+                                 f"{'vanilla and clip_cov' if key != 'dual_clip_c' else 'vanilla'}): leave it at its default"
+                                 f"{self._own_keys_hint()}")  # fmt: skip
+        for section, modes in POLICY_LOSS_SECTIONS.items():
+            value = getattr(self, section)
+            default = type(self).model_fields[section].default_factory()
+            if self.policy_loss not in modes and value != default:
+                changed = [f"algo.{section}.{k}={getattr(value, k)}" for k in type(value).model_fields if getattr(value, k) != getattr(default, k)]
+                raise ValueError(f"{', '.join(changed)} has no effect with algo.policy_loss={self.policy_loss} (read by "
+                                 f"{' and '.join(modes)}){self._own_keys_hint()}")  # fmt: skip
+        return self
+
+    def _own_keys_hint(self) -> str:
+        own = [s for s, modes in POLICY_LOSS_SECTIONS.items() if self.policy_loss in modes]
+        return f"; {self.policy_loss}'s own settings are algo.{own[0]}.*" if own else ""
+
+    @property
+    def agg_mode(self) -> str:
+        """``loss_agg_mode``, or the policy loss's own aggregation when it is null."""
+        from tether.algos import POLICY_LOSS_AGG
+
+        return self.loss_agg_mode or POLICY_LOSS_AGG[self.policy_loss]
+
+    def policy_loss_hyper(self) -> dict:
+        """The selected policy loss's hyper-parameters as :func:`tether.algos.policy_loss` keywords."""
+        name = self.policy_loss
+        if name == "vanilla":
+            return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high, "dual_clip_c": self.dual_clip_c}
+        if name == "clip_cov":
+            c = self.clip_cov
+            return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high, "clip_cov_ratio": c.ratio, "clip_cov_lb": c.lb,
+                    "clip_cov_ub": c.ub}  # fmt: skip
+        if name == "kl_cov":
+            return {"kl_cov_ratio": self.kl_cov.ratio, "kl_cov_coef": self.kl_cov.coef}
+        if name == "gpg":
+            return {}
+        section = next(s for s, modes in POLICY_LOSS_SECTIONS.items() if name in modes)
+        return getattr(self, section).model_dump()
 
 
 class FSDPConfig(_Section):

@@ -68,3 +68,26 @@ def test_critic_loss_ignores_a_dropped_response(mode, expected):
     assert out[3]["value/loss"] == pytest.approx(expected, abs=1e-6)
     assert out[2]["value/loss"] == pytest.approx(expected, abs=1e-6)
     assert out[3]["value/grad_norm"] == pytest.approx(out[2]["value/grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("tether.algos", fromlist=["POLICY_LOSSES"]).POLICY_LOSSES if not n.endswith("_cov")])
+def test_every_policy_loss_is_micro_batch_invariant(name):
+    """Off-policy (π_old = π_θ + noise), the accumulated micro-batch loss and gradient equal the one-micro-batch ones for
+    every mode whose statistics are per token or per response (clip_cov and kl_cov select tokens per call, as verl)."""
+    from tether.algos import POLICY_LOSS_AGG, POLICY_LOSS_HYPER
+
+    out = {}
+    for micro in (1, 8):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(default_reference_path(), dtype=torch.float32)
+        actor = ActorWorker(model, lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1e9, micro_batch_size=micro, temperature=1.0)
+        b = _batch(3)
+        lp, _, _, _ = actor.compute_logprobs(b, with_entropy=False)
+        b.old_logprobs = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+        b.advantages = torch.tensor([[1.0] * 3, [-2.0] * 3, [5.0] * 3])
+        spec = _spec(POLICY_LOSS_AGG[name])
+        spec = type(spec)(**{**spec.__dict__, "policy_loss": name, "policy_loss_hyper": dict(POLICY_LOSS_HYPER[name])})
+        out[micro] = actor.update(b, spec, step=1)
+    assert out[1]["policy/pg_loss"] == pytest.approx(out[8]["policy/pg_loss"], rel=1e-6, abs=1e-7)
+    assert out[1]["policy/grad_norm"] == pytest.approx(out[8]["policy/grad_norm"], rel=1e-5)
+    assert out[8]["policy/grad_norm"] > 0

@@ -55,11 +55,12 @@ class Roles:
         entropy_coef = a.entropy_coef if entropy_coef is None else entropy_coef
         return ActorUpdateSpec(
             ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-            dual_clip_c=a.dual_clip_c, loss_agg_mode=a.loss_agg_mode, entropy_coef=entropy_coef, kl_loss_coef=kl_loss_coef,
-            kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.loss_agg_mode,
+            dual_clip_c=a.dual_clip_c, loss_agg_mode=a.agg_mode, entropy_coef=entropy_coef, kl_loss_coef=kl_loss_coef,
+            kl_loss_estimator=cfg.kl_loss_estimator, kl_loss_agg_mode=k.loss_agg_mode or a.agg_mode,
             log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp, target_kl=cfg.guard.target_kl, seed=cfg.trainer.seed,
             norm_constant=float(cfg.rollout.max_new_tokens), reuse_logprobs=reuse_logprobs,
             kl_off_policy_correction=k.off_policy_correction, bypass_correction=bypass_correction(cfg), atomic_update=cfg.guard.atomic_update,
+            policy_loss=a.policy_loss, policy_loss_hyper=a.policy_loss_hyper(),
         )  # fmt: skip
 
 

@@ -519,7 +519,7 @@ class Trainer:
         if self.roles.critic is None:
             return {}
         a = self.cfg.algo
-        return self.roles.critic.update(batch, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, agg_mode=a.loss_agg_mode, seed=self.cfg.trainer.seed, step=self.step)
+        return self.roles.critic.update(batch, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, agg_mode=a.agg_mode, seed=self.cfg.trainer.seed, step=self.step)
 
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         if self.step <= self.cfg.critic.warmup_steps and self.roles.critic is not None:

@@ -11,7 +11,7 @@ import torch
 from tether.algos import (
     agg_loss,
     kl_loss,
-    ppo_policy_loss,
+    policy_loss,
     rollout_correction,
 )
 from tether.batch import RolloutBatch
@@ -55,6 +55,9 @@ class ActorUpdateSpec:
     # bypass mode (actor.old_logprobs_source=rollout with algo.rollout_correction): keyword arguments of
     # tether.algos.rollout_correction, applied per micro-batch to π_θ against π_rollout (= π_old); None = off
     bypass_correction: dict | None = None
+    # algo.policy_loss: a tether.algos.POLICY_LOSSES name and its hyper-parameters (None = vanilla's from clip_eps_*/dual_clip_c above)
+    policy_loss: str = "vanilla"
+    policy_loss_hyper: dict | None = None
 
 
 #: the rollout-correction metrics a bypass-mode update reports (π_θ against π_rollout, over its micro-batches)
@@ -162,6 +165,7 @@ class ActorWorker:
             check_padding_free(model, "actor.padding_free")
         self.temperature = temperature
         self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel
+        self._loss_gen = None  # clip_cov's random draws, seeded per update
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
@@ -190,6 +194,8 @@ class ActorWorker:
         self.model.train()
         acc = MetricAccumulator()
         gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+        # clip_cov's random draws: seeded per step and rank, so a run and its resume draw the same tokens
+        self._loss_gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + step) * 7919 + self.dp.rank) if spec.policy_loss == "clip_cov" else None
         skipped = updates = 0
         early_stop = False
         if spec.reuse_logprobs:
@@ -331,11 +337,13 @@ class ActorWorker:
             if mb.entropy_mask is not None:  # algo.top_entropy_quantile: the step's highest-entropy tokens (batch.entropy_mask)
                 keep = mb.entropy_mask[:, :t].to(device=lp.device, dtype=torch.float32)
                 weights = keep if weights is None else weights * keep
-            pg_loss, pg_metrics = ppo_policy_loss(
-                lp, old, mb.advantages[:, :t], rmask,
-                clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c,
+            hyper = spec.policy_loss_hyper
+            if hyper is None:
+                hyper = dict(clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c)
+            pg_loss, pg_metrics = policy_loss(
+                spec.policy_loss, lp, old, mb.advantages[:, :t], rmask,
                 agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
-                log_ratio_clamp=spec.log_ratio_clamp, weights=weights,
+                log_ratio_clamp=spec.log_ratio_clamp, weights=weights, generator=self._loss_gen, **hyper,
             )  # fmt: skip
             loss = pg_loss
             if spec.kl_loss_coef > 0:
@@ -362,8 +370,9 @@ class ActorWorker:
             add("policy/pg_loss", float(pg_loss.detach()))
             add("policy/loss", float(loss.detach()))
             share = float(rmask.sum()) / max(total_tokens, 1.0)
-            for key in ("policy/clipfrac", "policy/clipfrac_lower", "policy/approx_kl"):
-                add(key, pg_metrics[key] * share)
+            for key, value in pg_metrics.items():  # clipfrac, approx_kl and the mode's own (seq-ratio spread, covariance selection)
+                if key != "policy/pg_loss":
+                    add(key, value * share)
             for key in _BYPASS_METRICS:  # bypass mode: π_θ against the engine, token-share weighted over the update
                 if key in corr_metrics:
                     add(key, corr_metrics[key] * share)

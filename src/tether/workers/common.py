@@ -102,6 +102,7 @@ class LocalDataParallel:
     """
 
     world_size = 1
+    rank = 0
 
     def shard(self, mini: RolloutBatch) -> RolloutBatch:
         """This rank's rows of a mini-batch (all of them)."""
