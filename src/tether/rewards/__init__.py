@@ -7,6 +7,7 @@ imported when a manager is called or a reward model is loaded.
 """
 
 from .benchmarks import aime_compute_score, extract_aime_answer, extract_choice_letter, gpqa_compute_score
+from .gold import GoldResult, GoldReward
 from .manager import DEFAULT_REWARD_MODEL_CLIP, RewardManager, RewardResult, to_score
 from .math import (
     extract_gsm8k_answer,
@@ -23,10 +24,12 @@ from .math import (
 from .normalize import NORMALIZE_MODES, RunningMeanStd
 from .registry import (
     ANSWER_EXTRACTORS,
+    GOLD_FUNCTIONS,
     REWARD_FUNCTIONS,
     batched,
     extract_answer,
     get_answer_extractor,
+    get_gold_function,
     get_reward_function,
     load_user_function,
     register_reward_function,
@@ -41,6 +44,10 @@ __all__ = [
     "extract_choice_letter",
     "extract_math_answer",
     "get_answer_extractor",
+    "get_gold_function",
+    "GOLD_FUNCTIONS",
+    "GoldResult",
+    "GoldReward",
     "gpqa_compute_score",
     "math_boxed_compute_score",
     "DEFAULT_REWARD_MODEL_CLIP",

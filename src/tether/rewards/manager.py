@@ -183,6 +183,12 @@ class RewardManager:
         timeout_s: seconds a reward function may take per batch before its unscored samples count
             as errors (see the module docstring); None waits forever (and runs the function on the
             calling thread).
+        builtin: ``data_source -> per-sample function`` of the built-in dispatch (default
+            :func:`~tether.rewards.registry.get_reward_function`; the gold reward of validation passes
+            :func:`~tether.rewards.registry.get_gold_function`). With one given, rows are always scored
+            by it, never by a dataset ``score``.
+        keys: the config keys of ``function`` and ``reward_model``, named in the errors
+            (``("reward.val_function", "reward.val_model")`` for the gold).
 
     Raises:
         ValueError: both ``function`` and ``reward_model``; bad ``clip`` (not ``lo < hi``) or
@@ -203,11 +209,13 @@ class RewardManager:
         base_dir: str | Path | None = None,
         reward_model_chat_template: bool = True,
         timeout_s: float | None = None,
+        builtin: Callable[[str], Callable] | None = None,
+        keys: tuple[str, str] = ("reward.function", "reward.model"),
     ):
         if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
             raise ValueError(f"reward.timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
         if function and reward_model:
-            raise ValueError("set either reward.function or reward.model, not both")
+            raise ValueError(f"set either {keys[0]} or {keys[1]}, not both")
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"reward.normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
         if clip is None and reward_model:
@@ -221,7 +229,8 @@ class RewardManager:
         self.normalize = normalize
         self.function_spec = function
         self.reward_model_path = reward_model
-        self.user_fn = load_user_function(function, base_dir=base_dir) if function else None
+        self.user_fn = load_user_function(function, base_dir=base_dir, key=keys[0]) if function else None
+        self._builtin = builtin  # None: get_reward_function, and dataset scores where a row has one
         self.scorer = None
         if reward_model:
             from .model import RewardModelScorer
@@ -250,14 +259,14 @@ class RewardManager:
         bad: dict[str, list[str]] = {}
         problems: dict[str, str] = {}
         for r in rows:
-            if getattr(r, "score", None) is not None and getattr(r, "response", None) is not None:
+            if self._builtin is None and getattr(r, "score", None) is not None and getattr(r, "response", None) is not None:
                 continue
             ds = r.data_source
             if ds in problems or ds in bad:
                 bad.setdefault(ds, []).append(r.where)
                 continue
             try:
-                get_reward_function(ds)
+                (self._builtin or get_reward_function)(ds)
             except ValueError as e:
                 problems[ds] = str(e)
                 bad.setdefault(ds, []).append(r.where)
@@ -283,13 +292,13 @@ class RewardManager:
             if cancel is not None and cancel.is_set():
                 return
             ds_score, ds_resp = getattr(row, "score", None), getattr(row, "response", None)
-            if ds_score is not None and ds_resp is not None and resp == ds_resp:
+            if self._builtin is None and ds_score is not None and ds_resp is not None and resp == ds_resp:
                 outcomes[i] = ("dataset", ds_score)
                 continue
             ds = row.data_source
             if ds not in fns:
                 try:
-                    fns[ds] = get_reward_function(ds)
+                    fns[ds] = (self._builtin or get_reward_function)(ds)
                 except ValueError as e:
                     fns[ds] = e
             fn = fns[ds]

@@ -28,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "ANSWER_EXTRACTORS",
+    "GOLD_FUNCTIONS",
     "REWARD_FUNCTIONS",
     "BatchRewardFn",
     "SampleRewardFn",
@@ -35,6 +36,7 @@ __all__ = [
     "check_batch_signature",
     "extract_answer",
     "get_answer_extractor",
+    "get_gold_function",
     "get_reward_function",
     "load_user_function",
     "register_reward_function",
@@ -79,6 +81,16 @@ ANSWER_EXTRACTORS: dict[str, str] = {
     **{ds: "tether.rewards.registry:math_answer" for ds in _MATH_SOURCES},
     **{ds: "tether.rewards.registry:aime_answer" for ds in AIME_SOURCES},
     **{ds: "tether.rewards.registry:gpqa_answer" for ds in GPQA_SOURCES},
+}
+
+#: ``data_source`` → ``"module:function"`` of the per-sample **gold** reward of validation (verl's
+#: ``compute_score(solution_str, ground_truth, extra_info=None)``, imported on first use like
+#: :data:`REWARD_FUNCTIONS`): the verifier that validation also scores with when the training reward of
+#: that source is a proxy (``val/gold_mean``, ``val/gold_gap``). Used when neither ``reward.val_function``
+#: nor ``reward.val_model`` is set; a source not listed has no gold (its training reward is its own gold,
+#: and no gold metric is logged for it). docs/rewards.md#gold-reward-for-validation.
+GOLD_FUNCTIONS: dict[str, str] = {
+    # a hackable task's source maps to its exact verifier here, e.g. "my/proxy-task": "my.module:exact_score"
 }
 
 _cache: dict[str, Callable] = {}
@@ -155,7 +167,18 @@ def get_reward_function(data_source: str) -> SampleRewardFn:
     return resolve_import_path(path)
 
 
-def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> BatchRewardFn:
+def get_gold_function(data_source: str) -> SampleRewardFn | None:
+    """The built-in per-sample gold reward of ``data_source`` (:data:`GOLD_FUNCTIONS`), or None when
+    that source has none.
+
+    Raises:
+        ValueError: its module cannot be imported, or the attribute is missing or not callable.
+    """
+    path = GOLD_FUNCTIONS.get(data_source)
+    return None if path is None else resolve_import_path(path)
+
+
+def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: str = "reward.function") -> BatchRewardFn:
     """Load a user reward function from ``"path/to/file.py:name"`` or ``"package.module:name"``.
 
     A spec whose part before the last ``:`` ends in ``.py`` or contains a path separator is a file:
@@ -166,6 +189,7 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> Batc
     Args:
         spec: the function spec.
         base_dir: directory for relative file paths (e.g. the config file's directory).
+        key: the config key the spec came from, named in the errors (``reward.val_function`` for the gold).
 
     Returns:
         The function (called in batches, see the module docstring).
@@ -190,7 +214,7 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None) -> Batc
         path = Path(base_dir) / path
     path = path.resolve()
     if not path.is_file():
-        raise ValueError(f"reward function file not found: {path} (from reward.function={spec!r}, name {name!r})")
+        raise ValueError(f"reward function file not found: {path} (from {key}={spec!r}, name {name!r})")
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     mod_name = f"tether_user_reward_{path.stem.replace('-', '_')}_{digest}"
     mod_spec = importlib.util.spec_from_file_location(mod_name, path)
