@@ -227,6 +227,15 @@ class RolloutConfig(_Section):
 class RewardConfig(_Section):
     function: str | None = Field(None, description="Reward function 'path/file.py:name' or 'module:name'; null = built-in by data_source.")
     model: str | None = Field(None, description="Local AutoModelForSequenceClassification directory used as the reward model.")
+    val_function: str | None = Field(
+        None, description="Gold reward of validation: 'path/file.py:name' or 'module:name', a batch function like reward.function, scoring "
+        "the same sampled validation responses (val/gold_mean, val/gold_gap; tether eval too). null = reward.val_model, else the data "
+        "source's built-in gold (tether.rewards.GOLD_FUNCTIONS), else none (docs/rewards.md#gold-reward-for-validation)."
+    )
+    val_model: str | None = Field(
+        None, description="Gold reward of validation: a local AutoModelForSequenceClassification directory, like reward.model "
+        "(exclusive with reward.val_function); null = see reward.val_function."
+    )
     clip: tuple[float, float] | None = Field(None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2]).")
     normalize: Literal["none", "batch", "running"] = Field("none", description="Score normalisation before advantages.")
     model_batch_size: int = Field(16, ge=1, description="Responses per reward-model forward pass.")
@@ -248,6 +257,13 @@ class RewardConfig(_Section):
         if v is not None and not v[0] < v[1]:
             raise ValueError(f"reward.clip must be [low, high] with low < high, got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _one_gold(self):
+        if self.val_function and self.val_model:
+            raise ValueError(f"reward.val_function={self.val_function!r} and reward.val_model={self.val_model!r} are both set: the gold "
+                             "reward of validation is one of them; unset one")  # fmt: skip
+        return self
 
 
 class OfflineFilterConfig(_Section):
@@ -643,7 +659,7 @@ class GuardConfig(_Section):
     atomic_update: bool = Field(True, description="A step of several optimizer updates (mini-batches x PPO epochs) whose later mini-batch turns non-finite is undone whole (weights, AdamW state, LR schedule), never left half applied; costs a host copy of 3x the trainable parameters (per rank) during each such step. false = only the non-finite mini-batch is skipped.")
     max_nonfinite_steps: int = Field(3, ge=1, description="Stop (exit 3, no checkpoint of the broken weights) after this many steps in a row that skipped a non-finite mini-batch update; an update that leaves non-finite weights stops at once.")
     rollback_drop: float = Field(0.05, ge=0, lt=1, description="Roll back when the val score falls more than this fraction below the last stable checkpoint's (0 = off; below 1, since a fall of the whole score or more never happens to a score >= 0).")
-    rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean.")
+    rollback_metric: str = Field("auto", description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded task (no sampling noise), else val/score_mean; gold = val/gold_mean, the gold reward's (reward.val_function / reward.val_model, or the data source's built-in gold; refused without one).")
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
     max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
@@ -652,9 +668,37 @@ class GuardConfig(_Section):
 
 
 def _check_rollback_metric(v: str) -> str:
-    if v != "auto" and not v.startswith(("val/", "exact/")):
-        raise ValueError("guard.rollback_metric must be auto or a validation metric (val/... or exact/...)")
+    if v not in ("auto", "gold") and not v.startswith(("val/", "exact/")):
+        raise ValueError("guard.rollback_metric must be auto, gold or a validation metric (val/... or exact/...)")
     return v
+
+
+def no_gold_message(sources) -> str:
+    """Why ``guard.rollback_metric=gold`` cannot run: no gold reward for the validation data ``sources``."""
+    shown = ", ".join(repr(s) for s in sources) or "none"
+    return (f"guard.rollback_metric=gold watches val/gold_mean, but validation has no gold reward: reward.val_function and "
+            f"reward.val_model are unset, and the validation data source(s) {shown} have no built-in gold "
+            "(tether.rewards.GOLD_FUNCTIONS). Set reward.val_function=path/file.py:name (or reward.val_model=DIR), or choose "
+            "another guard.rollback_metric (docs/rewards.md#gold-reward-for-validation)")
+
+
+def _check_gold_rollback(cfg) -> None:
+    """``guard.rollback_metric=gold`` without reward.val_function / reward.val_model on the embedded task, whose
+    validation data sources are known before any file is read: refused when none of them has a built-in gold.
+    With data files, the sources are known once they are read: ``tether.trainer.startup.check_gold`` refuses it
+    then, before training."""
+    if cfg.guard.rollback_metric != "gold" or cfg.reward.val_function or cfg.reward.val_model:
+        return
+    d = cfg.data
+    if d.train_files != EMBEDDED or d.val_files not in (None, EMBEDDED):
+        return
+    from tether.rewards.registry import GOLD_FUNCTIONS
+    from tether.trainer.prompts import load_prompt_rows
+
+    _, val = load_prompt_rows(d.model_copy(update={"embedded_train_size": 1}), cfg.trainer.seed)  # the val split's rows
+    sources = list(dict.fromkeys(r.data_source for r in val))
+    if not any(s in GOLD_FUNCTIONS for s in sources):
+        raise ValueError(no_gold_message(sources))
 
 
 def _check_distributed(cfg) -> None:
@@ -833,6 +877,7 @@ class TetherConfig(_Section):
             raise ValueError("algo.rollout_correction needs sampled responses with the engine's log-probs: rollout.mode=offline has none; "
                              "set algo.rollout_correction.level=none and algo.rollout_correction.reject=none")
         _check_entropy_and_truncation(self)
+        _check_gold_rollback(self)
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self
@@ -976,12 +1021,13 @@ def _merge(tree: dict, layer: dict) -> None:
             tree[k] = copy.deepcopy(v)
 
 
-#: Config keys that hold a local path (``reward.function``: the file part of ``file.py:name``).
-PATH_KEYS = ("actor.model", "ref.model", "critic.model", "reward.function", "reward.model", "data.train_files", "data.val_files")
+#: Config keys that hold a local path (``reward.function``, ``reward.val_function``: the file part of ``file.py:name``).
+PATH_KEYS = ("actor.model", "ref.model", "critic.model", "reward.function", "reward.model", "reward.val_function", "reward.val_model",
+             "data.train_files", "data.val_files")  # fmt: skip
 
 
 def _path_part(key: str, value: str) -> str | None:
-    if key == "reward.function":
+    if key in ("reward.function", "reward.val_function"):
         target = value.rpartition(":")[0]
         return target if target.endswith(".py") or "/" in target or "\\" in target else None
     return None if value == EMBEDDED else value

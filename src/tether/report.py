@@ -10,7 +10,7 @@ from typing import Any
 from tether.diagnostics import read_metrics
 
 PANELS = [
-    ("reward", ["reward/score_mean", "val/score_mean"], "score"),
+    ("reward", ["reward/score_mean", "val/score_mean", "val/gold_mean"], "score"),  # val/gold_mean: the gold reward's, when a run has one
     ("kl", ["kl/ref_mean", "kl/ref_mean_unclamped", "kl/k3_mean"], "nats / token"),
     ("beta", ["kl/coef"], "β"),
     ("entropy", ["policy/entropy"], "nats / token"),
@@ -193,7 +193,7 @@ def wall_time_s(history: list[dict]) -> float:
 
 def _summary(run_dir: Path, history: list[dict]) -> str:
     keys = [
-        "reward/score_mean", "val/score_mean", "kl/ref_mean", "kl/coef", "policy/entropy", "response/length_mean",
+        "reward/score_mean", "val/score_mean", "val/gold_mean", "val/gold_gap", "kl/ref_mean", "kl/coef", "policy/entropy", "response/length_mean",
         "policy/clipfrac", "diversity/unique_frac", "diversity/collapse_rate", "perf/tokens_per_s",
         "exact/score_mean", "exact/kl_ref_tok", "exact/objective", "exact/opt_objective", "exact/objective_gap",
         "exact/correct_effective_answers", "exact/opt_correct_effective_answers",

@@ -247,11 +247,17 @@ class GuardMonitor:
 
         ``auto`` takes ``exact/score_mean`` (E_π[r] by enumeration, no sampling noise: standard
         error 0) when the embedded task's exact evaluation ran, else the sampled ``val/score_mean``
-        with its standard error ``val/score_sem``.
+        with its standard error ``val/score_sem``. ``gold`` takes the gold reward's ``val/gold_mean``
+        with ``val/gold_sem``; a validation whose every gold sample was unscored (the gold reward failed
+        throughout: ``val/gold_unscored_frac`` = 1) has no score, so a failing gold never rolls back.
         """
         key = self.cfg.rollback_metric
         if key == "auto":
             key = "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
+        elif key == "gold":
+            key = "val/gold_mean"
+            if last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
+                return None, 0.0
         score = last_val.get(key)
         sem = 0.0 if key.startswith("exact/") else float(last_val.get(key.replace("_mean", "_sem"), 0.0) or 0.0)
         return score, sem

@@ -40,6 +40,7 @@ class Roles:
     #: {config key: model directory} of the models that run over whole sequences (the actor, and a separate
     #: ref.model / critic.model where one is used), for the start-up context-length check
     model_paths: dict = field(default_factory=dict)
+    gold: Any = None  # GoldReward: validation's gold reward (reward.val_function / val_model, else built-in by data_source)
 
     def close(self) -> None:
         """Stop the Ray worker groups (and a Ray this run started); nothing for the local backend."""
@@ -212,12 +213,24 @@ def build_roles(cfg: TetherConfig) -> Roles:
             function=cfg.reward.function, reward_model=reward_model, clip=cfg.reward.clip, normalize=cfg.reward.normalize,
             model_batch_size=cfg.reward.model_batch_size, device=str(device), timeout_s=cfg.reward.timeout_s,
         )  # fmt: skip
-    roles = Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward, model_paths=model_paths)
+    gold = build_gold(cfg, device)
+    roles = Roles(tok, actor, ref, critic, runner, reward, device, actor_path, val_reward, model_paths=model_paths, gold=gold)
     if cfg.trainer.backend == "ray":
         from tether.distributed.ray_backend import build_ray_roles
 
         return build_ray_roles(cfg, roles)  # actor, ref, critic run on Ray worker groups; the rest stays here
     return roles
+
+
+def build_gold(cfg: TetherConfig, device) -> Any:
+    """Validation's gold reward (:class:`tether.rewards.GoldReward`): ``reward.val_function`` or ``reward.val_model``,
+    else the built-in gold of each row's data source (where one is registered). Loaded at start-up, so a bad
+    function or model fails before training (naming its key)."""
+    from tether.rewards import GoldReward
+
+    model = str(resolve_model_path(cfg.reward.val_model, "reward.val_model")) if cfg.reward.val_model else None
+    return GoldReward(cfg.reward.val_function, model, timeout_s=cfg.reward.timeout_s, device=str(device),
+                      model_batch_size=cfg.reward.model_batch_size)  # fmt: skip
 
 
 def policy_as_is(actor):

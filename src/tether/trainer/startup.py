@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from tether.config import ConfigError, TetherConfig
+from tether.config import ConfigError, TetherConfig, no_gold_message
 
 log = logging.getLogger("tether")
 
@@ -170,3 +170,36 @@ def log_reuse_logprobs(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool
         msg = "actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"
     log.info("%s", msg)
     return msg
+
+
+
+def check_gold(cfg: TetherConfig, val_rows) -> None:
+    """Validation's gold reward, named once at start-up (which data sources it covers), and ``guard.rollback_metric=gold``
+    refused before any model loads when no validation row has one (the config could not tell: the data sources are
+    known only once the data is read).
+
+    Args:
+        val_rows: the validation rows.
+    Raises:
+        ConfigError: ``guard.rollback_metric=gold`` with no gold for any validation data source (naming them and the
+            keys to set); a built-in gold (``GOLD_FUNCTIONS``) that cannot be imported.
+    """
+    from tether.rewards import GOLD_FUNCTIONS, get_gold_function
+
+    r = cfg.reward
+    user = f"reward.val_function {r.val_function}" if r.val_function else f"reward.val_model {r.val_model}" if r.val_model else None
+    sources = list(dict.fromkeys(row.data_source for row in val_rows))
+    covered = sources if user else [ds for ds in sources if ds in GOLD_FUNCTIONS]
+    for ds in covered if not user else ():
+        try:
+            get_gold_function(ds)
+        except ValueError as e:
+            raise ConfigError(f"the built-in gold reward of data_source {ds!r} (tether.rewards.GOLD_FUNCTIONS): {e}") from None
+    if cfg.guard.rollback_metric == "gold" and sources and not covered:
+        raise ConfigError(no_gold_message(sources))
+    if not covered:
+        return
+    log.info("validation's gold reward (val/gold_mean): %s", user or "; ".join(f"built-in gold {GOLD_FUNCTIONS[ds]} for {ds}" for ds in covered))
+    if missing := [ds for ds in sources if ds not in covered]:
+        log.warning("validation's gold reward covers data source(s) %s but not %s: val/gold_mean and val/gold_gap are over the "
+                    "covered sources' samples only", ", ".join(covered), ", ".join(missing))  # fmt: skip

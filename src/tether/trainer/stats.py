@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -199,7 +200,7 @@ def _progress(total: int, desc: str, enabled: bool):
 def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_size: int, ks: list[int] | None = None,
                      indices: list[int] | None = None, samples: list[dict] | None = None, by_source: dict | None = None,
                      kl_probe: KLProbe | None = None, progress: bool = False, desc: str = "eval", k: int | None = None,
-                     **gen_overrides) -> dict[str, float]:  # fmt: skip
+                     gold=None, **gen_overrides) -> dict[str, float]:  # fmt: skip
     """Sample ``n`` responses per prompt, score them, and summarise: the evaluation shared by the
     trainer's validation (every ``trainer.val_freq`` steps) and ``tether eval``.
 
@@ -223,13 +224,18 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
         kl_probe: a :class:`KLProbe`: adds ``kl_ref_mean`` / ``kl_ref_k3_mean`` (nats per token, mean
             over responses) and ``kl_ref_seq_mean`` (nats per response).
         progress: show a progress bar (prompts done / total, ETA) on stderr, titled ``desc``.
+        gold: a :class:`~tether.rewards.GoldReward` that also scores the same responses (no extra
+            generation): each covered sample's record gets ``gold`` (its score, 0 where unscored) and
+            ``gold_scored``, and the metrics the ``gold_*`` of :func:`summarize_samples`; samples it could
+            not score are counted and warned about, never raised.
         gen_overrides: passed to the engine (e.g. ``do_sample=False``, ``temperature=0.6``).
 
     Returns:
         Unprefixed metrics: those of :func:`summarize_samples` over all prompts (``pass@k``,
         ``maj@k``, ``mean@n``, ``score_mean``, ``score_sem``, lengths, ``truncated_frac``, ...) plus
         the diversity metrics of :func:`tether.metrics.diversity.diversity_metrics` over each
-        prompt's n samples (``distinct_1``, ...).
+        prompt's n samples (``distinct_1``, ...); with a ``gold`` that covers some samples, ``gold_mean``,
+        ``gold_gap``, ``gold_sem``, ``gold_unscored_frac`` and ``gold_pass@k``.
 
     Raises:
         ValueError: no prompt to evaluate, or a k > n.
@@ -250,12 +256,16 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
     eos = runner.tok.eos_token_id
     records: list[dict] = []
     tokens, groups = [], []
+    gold_errors: list[str] = []
     bar = _progress(len(idx_all), desc, progress)
     try:
         for start in range(0, len(idx_all), batch_size):
             idx = idx_all[start : start + batch_size]
             batch = runner.rollout(prompts, idx, n, mode="online", **gen_overrides)
             res = reward(batch.rows, batch.prompts, batch.responses)
+            g = gold(batch.rows, batch.prompts, batch.responses) if gold is not None else None  # the same responses
+            if g is not None and len(gold_errors) < 3:
+                gold_errors += g.errors[: 3 - len(gold_errors)]
             s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
             ended = torch.isin(batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)).any(-1)
             lengths = batch.response_mask.sum(-1).tolist()
@@ -268,6 +278,8 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
                        "answer": extract_answer(row.data_source, batch.responses[j], row.extra_info),
                        "score": sc, "correct": sc >= CORRECT_THRESHOLD, "scored": bool(res.valid[j]), "length": int(lengths[j]),
                        "truncated": not bool(ended[j])}  # fmt: skip
+                if g is not None and g.covered[j]:
+                    rec["gold"], rec["gold_scored"] = g.scores[j], g.scored[j]
                 if kl is not None:
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
@@ -280,6 +292,13 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
         if bar is not None:
             bar.close()
     out = summarize_samples(records, n, ks)
+    if out.get("gold_unscored_frac"):
+        covered = [r for r in records if "gold" in r]
+        logging.getLogger("tether").warning(
+            "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): gold_mean counts them 0 "
+            "(gold_unscored_frac); first: %s", desc, sum(not r["gold_scored"] for r in covered), len(covered),
+            gold.name(covered[0]["data_source"]) if hasattr(gold, "name") else "gold", "; ".join(gold_errors) or "?",
+        )  # fmt: skip
     out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
     if by_source is not None:
         sources = list(dict.fromkeys(r["data_source"] for r in records))
@@ -301,7 +320,8 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         records without ``scored`` count as scored), ``length_mean`` / ``length_max`` (response tokens, EOS included),
         ``truncated_frac`` (responses that hit the length limit), ``prompts``, ``samples``; with KL in
         the records, ``kl_ref_mean``, ``kl_ref_k3_mean`` (nats per token) and ``kl_ref_seq_mean`` (nats
-        per response). See :mod:`tether.metrics.accuracy`.
+        per response); with gold scores in some records, :func:`gold_metrics` of those. See
+        :mod:`tether.metrics.accuracy`.
     """
     from tether.metrics.accuracy import accuracy_metrics
 
@@ -324,6 +344,37 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         out["kl_ref_mean"] = float(k1.mean())
         out["kl_ref_k3_mean"] = float(torch.tensor([r["kl_ref_k3"] for r in records], dtype=torch.float64).mean())
         out["kl_ref_seq_mean"] = float((k1 * L.double()).mean())
+    covered = [r for r in records if "gold" in r]
+    if covered:
+        out |= gold_metrics(covered, n, ks, score_mean=out["score_mean"] if len(covered) == len(records) else None)
+    return out
+
+
+def gold_metrics(records: list[dict], n: int, ks: list[int], *, score_mean: float | None = None) -> dict[str, float]:
+    """The gold reward's metrics over the records that carry a gold score (whole prompts, n each, prompt-major).
+
+    Returns:
+        ``gold_mean`` (mean gold score; a sample the gold could not score counts 0, as in ``score_mean``),
+        ``gold_gap`` (the training reward's mean over the same samples minus ``gold_mean``: ``score_mean −
+        gold_mean`` when every sample has a gold; ``score_mean`` is passed then, so the difference is exact),
+        ``gold_sem`` (:func:`score_sem` of the gold scores), ``gold_unscored_frac`` (samples the gold could
+        not score) and ``gold_pass@k`` (unbiased pass@k, a sample correct when its gold score is at least
+        :data:`CORRECT_THRESHOLD`) for every k in ``ks`` and 1.
+    """
+    from tether.metrics.accuracy import pass_at_k
+
+    P = len(records) // n
+    if P == 0 or P * n != len(records):
+        raise ValueError(f"need a positive multiple of n={n} gold records, got {len(records)}")
+    G = [[float(r["gold"]) for r in records[i * n : (i + 1) * n]] for i in range(P)]  # (P, n)
+    mean = lambda rows: math.fsum(math.fsum(g) / n for g in rows) / P  # noqa: E731 - as accuracy_metrics' mean@n
+    gold_mean = mean(G)
+    if score_mean is None:
+        score_mean = mean([[float(r["score"]) for r in records[i * n : (i + 1) * n]] for i in range(P)])
+    out = {"gold_mean": gold_mean, "gold_gap": score_mean - gold_mean, "gold_sem": score_sem(torch.tensor(G, dtype=torch.float64)),
+           "gold_unscored_frac": sum(not r.get("gold_scored", True) for r in records) / len(records)}  # fmt: skip
+    for k in sorted({1, *ks}):
+        out[f"gold_pass@{k}"] = math.fsum(pass_at_k(n, sum(x >= CORRECT_THRESHOLD for x in g), k) for g in G) / P
     return out
 
 
@@ -344,12 +395,15 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
     with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
     fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
-    ``exact/*`` on the embedded task. In an offline run the policy generates (each distinct prompt
+    ``exact/*`` on the embedded task. With a gold reward (``roles.gold``, a
+    :class:`~tether.rewards.GoldReward` covering some of the val rows), the same responses are scored by
+    it too: ``val/gold_mean``, ``val/gold_gap``, ``val/gold_sem``, ``val/gold_unscored_frac``,
+    ``val/gold_pass@k`` (and per source). In an offline run the policy generates (each distinct prompt
     once) and generated responses are scored by the reward function (``roles.val_reward``), not by
     the dataset's score column.
 
     Args:
-        cfg: the run's config; roles: its ``Roles`` (engine, reward, val_reward; for exact/* the
+        cfg: the run's config; roles: its ``Roles`` (engine, reward, val_reward, gold; for exact/* the
             actor's model, the reference and the tokenizer); val_set: the prepared held-out prompts.
         beta: the current β (exact/*'s optimum π* ∝ π_ref·exp(r/β)).
         exact_cache: what exact/* keeps between validations (a fresh one when None).
@@ -358,8 +412,8 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     indices = distinct_prompt_indices(val_set) if cfg.rollout.mode == "offline" else list(range(len(val_set)))
     indices = capped_indices(indices, cfg.trainer.val_max_prompts, cfg.trainer.seed)
     per_source: dict[str, dict] = {}
-    m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size,
-                         indices=indices, by_source=per_source, progress=cfg.trainer.progress, desc="validation")  # fmt: skip
+    m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size, indices=indices,
+                         by_source=per_source, progress=cfg.trainer.progress, desc="validation", gold=getattr(roles, "gold", None))  # fmt: skip
     out = {f"val/{key}": v for key, v in m.items()}
     if m.get("unscored_frac"):
         logging.getLogger("tether").warning("validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): val/score_mean "

@@ -177,6 +177,7 @@ class Trainer:
     def _setup(self, cfg: TetherConfig) -> None:
         """Load models, data and state; resume. Raises ConfigError/DataError/CheckpointError before training."""
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
+        startup.check_gold(cfg, val_rows)  # guard.rollback_metric=gold without a gold reward fails here, before any model loads
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
         if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
