@@ -237,6 +237,10 @@ def _add_eval_parser(sub) -> None:
                    "built-in verifier by data_source, else the run's reward.function)")
     v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory, scoring every row "
                    "(default: as --reward-function)")
+    v.add_argument("--val-function", default=None, help="gold reward, file.py:name or module:name (reward.val_function), scoring the same "
+                   "samples: gold_mean, gold_gap (default: the run's reward.val_function / val_model, else each row's built-in gold)")
+    v.add_argument("--val-model", default=None, help="gold reward, a local sequence-classification reward model directory "
+                   "(reward.val_model; default: as --val-function)")
     v.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto", help="rollout engine (default: the run's rollout.engine, else hf)")
     v.add_argument("--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)")
     v.add_argument("--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)")

@@ -15,6 +15,9 @@ runs every ``trainer.val_freq`` steps; this module only loads what it needs (:cl
   trained with its own ``reward.function`` or ``reward.model``), else the run's reward; a reward
   given to ``tether eval`` scores every row. Rows whose verifier cannot use their ground truth are
   left out and counted (``no_ground_truth``);
+* the gold reward (:class:`tether.rewards.GoldReward`), as in training's validation: ``--val-function`` /
+  ``--val-model`` (default the run's ``reward.val_function`` / ``reward.val_model``), else each row's
+  built-in gold (``GOLD_FUNCTIONS``); it scores the same samples (``gold_mean``, ``gold_gap``, ...);
 * the rollout engine of the run (``rollout.engine``: HF generate or vLLM), built once, each policy's
   weights pushed with ``sync_weights``;
 * the reference (the run's ``ref.model`` / ``actor.model``), for the KL of the eval samples.
@@ -61,6 +64,10 @@ class EvalSettings:
         limit: evaluate only the first N distinct prompts.
         reward_function, reward_model: as ``reward.function`` / ``reward.model``, for every row
             (default: each row's built-in verifier by ``data_source``, else the run's reward).
+        val_function, val_model: the gold reward, as ``reward.val_function`` / ``reward.val_model`` (default:
+            the run's; one given here replaces both of the run's), else each row's built-in gold
+            (``tether.rewards.GOLD_FUNCTIONS``), else none: the same samples scored by it give ``gold_mean``,
+            ``gold_gap`` (``score_mean − gold_mean``), ``gold_sem``, ``gold_unscored_frac`` and ``gold_pass@k``.
         prompt_key, apply_chat_template, instruction_suffix, max_prompt_length: as ``data.*``.
         engine: ``auto`` (the run's ``rollout.engine``; hf without a run, and hf with a warning when
             the run used vllm and vLLM is not usable here), ``hf`` or ``vllm``.
@@ -82,6 +89,8 @@ class EvalSettings:
     limit: int | None = None
     reward_function: str | None = None
     reward_model: str | None = None
+    val_function: str | None = None
+    val_model: str | None = None
     prompt_key: str | None = None
     apply_chat_template: bool | None = None
     instruction_suffix: str | None = None
@@ -190,6 +199,7 @@ def _run_defaults(cfg) -> dict[str, Any]:
     return {
         "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "max_new_tokens": cfg.rollout.max_new_tokens,
         "n": cfg.trainer.val_n, "reward_function": cfg.reward.function, "reward_model": cfg.reward.model,
+        "val_function": cfg.reward.val_function, "val_model": cfg.reward.val_model,
         "prompt_key": cfg.data.prompt_key, "apply_chat_template": cfg.data.apply_chat_template,
         "instruction_suffix": cfg.data.instruction_suffix, "max_prompt_length": cfg.data.max_prompt_length,
         "engine": cfg.rollout.engine, "beta": cfg.kl.coef,
@@ -401,10 +411,12 @@ class Evaluator:
 
             base["max_new_tokens"] = MAX_NEW_TOKENS  # the task's own response length: k digits + EOS
         r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
-             ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "prompt_key",
-              "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
+             ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "val_function", "val_model",
+              "prompt_key", "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
         if s.reward_function or s.reward_model:  # a reward given here replaces the run's (function or model)
             r["reward_function"], r["reward_model"] = s.reward_function, s.reward_model
+        if s.val_function or s.val_model:  # so does a gold reward
+            r["val_function"], r["val_model"] = s.val_function, s.val_model
         if s.ks and s.n is None:
             r["n"] = max(s.ks)
         if s.greedy:
@@ -437,6 +449,10 @@ class Evaluator:
         timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
         self.reward = EvalReward(r["reward_function"], r["reward_model"], given=bool(s.reward_function or s.reward_model),
                                  device=str(device), timeout_s=timeout)  # fmt: skip
+        from tether.rewards import GoldReward
+
+        self.gold = GoldReward(r["val_function"], str(Path(r["val_model"]).expanduser()) if r["val_model"] else None, timeout_s=timeout,
+                               device=str(device))  # fmt: skip
         rows = self._scorable_rows(rows, s.limit)
         data_cfg = DataConfig(
             train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
@@ -449,6 +465,7 @@ class Evaluator:
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
         self.resolved["scorers"] = self.scorers = {ds: self.reward.scorer(ds) for ds in dict.fromkeys(
             [self.prompts.rows[i].data_source for i in self.indices] + list(self.no_ground_truth))}  # fmt: skip
+        self.resolved["gold"] = {ds: self.gold.name(ds) for ds in self.gold.check_rows([self.prompts.rows[i] for i in self.indices])}
         if (run_reward := self.reward.fallback_name()) and (mine := sorted(ds for ds in self.scorers if self.reward.uses_builtin(ds))):
             log.info("tether eval: data_source %s scored by the built-in verifier, not by the run's training reward %s",
                      ", ".join(mine), run_reward)  # fmt: skip
@@ -592,7 +609,7 @@ class Evaluator:
         torch.manual_seed(self.settings.seed)
         m = evaluate_prompts(runner, self.reward, self.prompts, n=r["n"], ks=r["ks"], batch_size=self.settings.batch_size,
                              indices=self.indices, samples=samples, by_source=by_source, kl_probe=probe,
-                             progress=self.settings.progress, do_sample=not r["greedy"])  # fmt: skip
+                             progress=self.settings.progress, do_sample=not r["greedy"], gold=self.gold)  # fmt: skip
         if is_reference and self.settings.kl and not r["greedy"]:
             m |= {"kl_ref_mean": 0.0, "kl_ref_k3_mean": 0.0, "kl_ref_seq_mean": 0.0}
         if self.no_ground_truth:
@@ -761,16 +778,18 @@ def load_policy_tokenizer(where: Path):
     return load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
 
 
-def _curve_keys(settings: dict) -> list[str]:
+def _curve_keys(settings: dict, results: list[dict] | None = None) -> list[str]:
     kmax = max(settings["ks"])
     keys = ["pass@1"] + ([f"maj@{kmax}", f"pass@{kmax}"] if kmax > 1 else [])
+    if results and all("gold_mean" in r["metrics"] for r in results):  # a gold reward: its mean beside the accuracy
+        keys.append("gold_mean")
     return keys
 
 
 def curve_table(results: list[dict], settings: dict) -> str:
     """A markdown table, one row per policy: step, accuracy, KL to the reference (nats per token, k1
     and k3 on the eval samples), response length and truncation rate."""
-    keys = _curve_keys(settings) + [f"mean@{settings['n']}"]
+    keys = _curve_keys(settings, results) + [f"mean@{settings['n']}"]
     exact = all("exact/score_mean" in r["metrics"] for r in results)
     head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"] + (["exact pass@1", "exact kl_ref (nats/tok)"] if exact else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -796,7 +815,7 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = _curve_keys(settings)
+    keys = _curve_keys(settings, results)
     steps = [r["step"] for r in results]
     kl = [r["metrics"].get("kl_ref_mean", float("nan")) for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -831,7 +850,7 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
 
 def _first_rows(settings: dict) -> list[str]:
     n, ks = settings.get("n", 1), settings.get("ks", [1])
-    return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}"]
+    return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}", "gold_mean", "gold_gap"]
             + ["answered_frac", "unscored_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
                "score_sem", "prompts", "samples", "no_ground_truth"])  # fmt: skip
 
@@ -868,6 +887,11 @@ def describe_scorers(scorers: dict[str, str]) -> str:
     return "; ".join(f"{scorer} ({', '.join(sources)})" for scorer, sources in by_scorer.items()) or "nothing"
 
 
+def _gold_words(settings: dict) -> str:
+    """``"; gold reward: reward.val_function SPEC (sources)"`` for the header line, or ``""`` without a gold."""
+    return f"; gold reward: {describe_scorers(settings['gold'])}" if settings.get("gold") else ""
+
+
 _TEXT_KEYS = ("prompt", "response")
 
 
@@ -901,6 +925,7 @@ def _settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         n=args.n, ks=ks, greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, reward_function=args.reward_function, reward_model=args.reward_model,
+        val_function=args.val_function, val_model=args.val_model,
         engine=args.engine, ref=args.ref, kl=not args.no_kl, device=args.device, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
     )  # fmt: skip
 
@@ -924,7 +949,7 @@ def main_eval(args) -> int:
                 raise ConfigError(problem)
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
             print(curve_table(results, s.resolved))
-            print(f"scored by {describe_scorers(s.resolved.get('scorers', {}))}")
+            print(f"scored by {describe_scorers(s.resolved.get('scorers', {}))}{_gold_words(s.resolved)}")
             print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
             return 0
         if args.out and (problem := output_problem(args.out, "file", "--out") or output_problem(Path(args.out).with_suffix(".txt"), "file", "--out's table")):
@@ -943,7 +968,7 @@ def main_eval(args) -> int:
     mode = "greedy" if r["greedy"] else f"sampled, temperature {r['temperature']}, top_p {r['top_p']}"
     left_out = f"; {metrics['no_ground_truth']:.0f} row(s) without a usable ground truth left out" if metrics.get("no_ground_truth") else ""
     text = (f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
-            f"engine {r['engine']}), {seconds:.1f}s; scored by {describe_scorers(r.get('scorers', {}))}{left_out}\n"
+            f"engine {r['engine']}), {seconds:.1f}s; scored by {describe_scorers(r.get('scorers', {}))}{_gold_words(r)}{left_out}\n"
             + format_table(metrics, r, by_source))  # fmt: skip
     print(text)
     if args.out:

@@ -599,6 +599,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("beta", "final β (kl/coef)"),
     ("reward", "reward/score_mean, mean of the last `tail` steps (train prompts, sampled)"),
     ("val_score", "val/score_mean at the last validation"),
+    ("val_gold", "val/gold_mean at the last validation (the gold reward's score of the same samples; – without a gold reward)"),
+    ("val_gold_gap", "val/gold_gap at the last validation (val/score_mean − val/gold_mean)"),
     ("kl_tok", "kl/ref_mean, mean of the last `tail` steps (nats/token, the configured estimator)"),
     ("kl_k1_tok", "kl/ref_mean_unclamped (k1), mean of the last `tail` steps"),
     ("entropy", "policy/entropy, mean of the last `tail` steps (nats/token)"),
@@ -647,6 +649,8 @@ def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exa
                      ("unique_frac", "diversity/unique_frac"), ("collapse_rate", "diversity/collapse_rate")]:  # fmt: skip
         row[col] = _tail_mean(history, key, tail)
     row["val_score"] = _last(history, "val/score_mean")
+    row["val_gold"] = _last(history, "val/gold_mean")
+    row["val_gold_gap"] = _last(history, "val/gold_gap")
     row["val_collapse_rate"] = _last(history, "val/collapse_rate")
     if exact is not None:
         ex, row["exact_source"] = dict(exact), exact.get("_prompts", "final")
@@ -696,6 +700,8 @@ MD_COLUMNS = [
     ("unique_frac", "unique frac (tail)"), ("correct_eff_answers", "correct answers (eff.)"), ("opt_correct_eff_answers", "π*: correct (eff.)"),
     ("collapse_rate", "collapse (sampled, tail)"), ("exact_collapse", "collapse@n exact"),
 ]  # fmt: skip
+#: Shown in table.md after MD_COLUMNS when some run has a gold reward (reward.val_function / val_model, or a built-in gold).
+MD_GOLD_COLUMNS = [("val_score", "val score"), ("val_gold", "val gold"), ("val_gold_gap", "val gap (score − gold)")]
 
 
 def write_table(rows: Sequence[Mapping[str, Any]], out: Path, varying: Sequence[str] = ()) -> tuple[Path, Path]:
@@ -708,10 +714,12 @@ def write_table(rows: Sequence[Mapping[str, Any]], out: Path, varying: Sequence[
         w.writeheader()
         for r in rows:
             w.writerow({c: r.get(c, "") for c in cols})
-    head = ["run", *[h for _, h in MD_COLUMNS]]
+    gold = any(isinstance(r.get("val_gold"), float) and math.isfinite(r["val_gold"]) for r in rows)
+    md_cols = MD_COLUMNS + (MD_GOLD_COLUMNS if gold else [])
+    head = ["run", *[h for _, h in md_cols]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([f"`{r['name']}`", *[_fmt(r.get(c, float("nan"))) for c, _ in MD_COLUMNS]]) + " |")
+        lines.append("| " + " | ".join([f"`{r['name']}`", *[_fmt(r.get(c, float("nan"))) for c, _ in md_cols]]) + " |")
     src = sorted({str(r.get("exact_source")) for r in rows if r.get("exact_source")})
     notes = [
         "",
@@ -720,6 +728,9 @@ def write_table(rows: Sequence[Mapping[str, Any]], out: Path, varying: Sequence[
         "collapse: share of prompts whose n samples are all identical; collapse@n exact = Σ_y π(y)^n.",
         "",
     ]
+    if gold:
+        notes[-1:] = ["val score / val gold: the training reward's and the gold reward's mean on the same validation samples at the "
+                      "last validation (val/score_mean, val/gold_mean); gap = score − gold (docs/rewards.md#gold-reward-for-validation).", ""]  # fmt: skip
     (out / "table.md").write_text("\n".join(lines + notes))
     return out / "table.csv", out / "table.md"
 

@@ -1,0 +1,68 @@
+"""tether eval reports the gold reward too (issue 23 item 1): --val-function / --val-model, or the run's
+reward.val_function / reward.val_model, scoring the same samples (gold_mean, gold_gap, ...)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tether.cli import main
+from tether.config import config_to_yaml, load_config
+from tether.evaluate import EvalSettings, evaluate
+
+CONST = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.25] * len(solution_strs)\n"
+HALF = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.5] * len(solution_strs)\n"
+
+
+def _fn(tmp_path, body, name="gold"):
+    f = tmp_path / f"{name}.py"
+    f.write_text(body)
+    return f"{f}:{name}"
+
+
+def test_cli_reports_the_gold_beside_the_score(tmp_path, capsys):
+    spec = _fn(tmp_path, CONST)
+    out = tmp_path / "eval.json"
+    assert main(["eval", "embedded", "embedded", "--n", "2", "--val-function", spec, "--no-progress", "--out", str(out), "--samples"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"; gold reward: reward.val_function {spec} (tether/digitsum)")
+    table = {ln.split()[0]: ln.split()[1] for ln in lines[3:] if len(ln.split()) == 2 and not ln.startswith("written")}
+    assert list(table)[:5] == ["pass@1", "pass@2", "maj@2", "mean@2", "gold_mean"] and list(table)[5] == "gold_gap"
+    doc = json.loads(out.read_text())
+    m = doc["metrics"]
+    assert m["gold_mean"] == 0.25 and m["gold_gap"] == m["score_mean"] - 0.25 and m["gold_unscored_frac"] == 0.0 and m["gold_pass@1"] == 0.0
+    assert all(s["gold"] == 0.25 and s["gold_scored"] for s in doc["samples"])
+    assert doc["settings"]["gold"] == {"tether/digitsum": f"reward.val_function {spec}"}
+
+
+def test_without_a_gold_nothing_is_added(capsys):
+    s = EvalSettings(n=2, kl=False)
+    m = evaluate("embedded", "embedded", s)
+    assert not [k for k in m if k.startswith("gold")] and s.resolved["gold"] == {}
+    assert main(["eval", "embedded", "embedded", "--n", "2", "--no-progress", "--no-kl"]) == 0
+    assert "gold" not in capsys.readouterr().out
+
+
+def test_a_runs_gold_is_the_default_and_a_given_one_replaces_it(tmp_path):
+    from tether.models import resolve_model_path
+    from tether.trainer.checkpoint import write_checkpoint
+
+    run_spec, given = _fn(tmp_path, CONST), _fn(tmp_path, HALF, "half")
+    given = given.rsplit(":", 1)[0] + ":gold"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(load_config(None, [f"reward.val_function={run_spec}", "trainer.val_n=2"])))
+    write_checkpoint(run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")})
+    s = EvalSettings(kl=False)
+    assert evaluate(run, "embedded", s)["gold_mean"] == 0.25 and s.resolved["val_function"] == run_spec
+    s = EvalSettings(kl=False, val_function=given)
+    assert evaluate(run, "embedded", s)["gold_mean"] == 0.5 and s.resolved["gold"] == {"tether/digitsum": f"reward.val_function {given}"}
+
+
+def test_a_bad_gold_is_a_clear_error(tmp_path, capsys):
+    assert main(["eval", "embedded", "embedded", "--val-function", f"{tmp_path}/nope.py:gold"]) == 2
+    assert "from reward.val_function=" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reward.val_function=.* and reward.val_model=.* are both set"):
+        evaluate("embedded", "embedded", EvalSettings(val_function="a.py:f", val_model=str(tmp_path)))
