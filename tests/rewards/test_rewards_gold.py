@@ -86,3 +86,27 @@ def test_loading_errors_name_the_gold_keys(tmp_path):
         GoldReward(_fn(tmp_path, CONST).rsplit(":", 1)[0] + ":nope")
     with pytest.raises(ValueError, match=r"^reward.val_model="):
         GoldReward(reward_model=str(tmp_path))
+
+
+def test_a_reward_model_gold_scores_raw_logits(tmp_path):
+    """reward.val_model: the gold is the reward model's logit on prompt + response, as returned (the gold is not
+    clipped: val/gold_mean reads raw scores, as val/score_mean reads the training reward's)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tether.testing import build_gsm8k_tokenizer, build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm", build_gsm8k_tokenizer(tmp_path / "tok"))
+    model = AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    with torch.no_grad():
+        model.score.weight.mul_(1000.0)  # logits far outside reward.model's default clip [-2, 2]
+    model.save_pretrained(tmp_path / "big")
+    AutoTokenizer.from_pretrained(rm).save_pretrained(tmp_path / "big")
+    gold = GoldReward(reward_model=str(tmp_path / "big"))
+    assert gold.name() == f"reward.val_model {tmp_path / 'big'}" and gold.covers("any/source")
+    prompts, responses = ["3,6=", "3,11="], ["123", "911"]
+    res = gold(_rows(2), prompts, responses)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "big")
+    with torch.no_grad():
+        want = [model(**tok(p + r, return_tensors="pt")).logits[0, 0].item() for p, r in zip(prompts, responses, strict=True)]
+    assert res.scored == [True, True] and res.scores == pytest.approx(want, rel=1e-5) and max(map(abs, want)) > 2

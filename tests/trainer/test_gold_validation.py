@@ -175,3 +175,20 @@ def test_a_short_run_logs_the_gold_and_its_report_draws_it(small_cfg, tmp_path):
 
     for f in figs.values():
         plt.close(f)
+
+
+def test_a_reward_model_gold_on_the_embedded_task(small_cfg, tmp_path):
+    """reward.val_model: each sample's gold is the reward model's logit on its prompt + response (float32, as returned)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tether.testing import build_gsm8k_tokenizer, build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm", build_gsm8k_tokenizer(tmp_path / "tok"))
+    t = _trainer(small_cfg, f"reward.val_model={rm}")
+    m, samples = _samples(t)
+    model, tok = AutoModelForSequenceClassification.from_pretrained(rm).eval(), AutoTokenizer.from_pretrained(rm)
+    with torch.no_grad():
+        want = [model(**tok(s["prompt"] + s["response"], return_tensors="pt")).logits[0, 0].item() for s in samples]
+    assert [s["gold"] for s in samples] == pytest.approx(want, abs=1e-5) and all(s["gold_scored"] for s in samples)
+    assert m["gold_mean"] == pytest.approx(sum(want) / len(want), abs=1e-5) and m["gold_gap"] == pytest.approx(m["score_mean"] - m["gold_mean"], abs=1e-12)
