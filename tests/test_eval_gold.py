@@ -66,3 +66,16 @@ def test_a_bad_gold_is_a_clear_error(tmp_path, capsys):
     assert "from reward.val_function=" in capsys.readouterr().err
     with pytest.raises(ValueError, match="reward.val_function=.* and reward.val_model=.* are both set"):
         evaluate("embedded", "embedded", EvalSettings(val_function="a.py:f", val_model=str(tmp_path)))
+
+
+def test_the_checkpoint_curve_shows_the_gold_when_every_policy_has_one(tmp_path):
+    from tether.evaluate import curve_table, plot_curve
+
+    settings = {"n": 2, "ks": [1, 2], "temperature": 1.0}
+    base = {"pass@1": 0.5, "pass@2": 0.75, "maj@2": 0.5, "mean@2": 0.5, "length_mean": 3.0, "truncated_frac": 0.0}
+    results = [{"step": s, "metrics": base | {"gold_mean": g}} for s, g in ((0, 0.5), (10, 0.25))]
+    table = curve_table(results, settings).splitlines()
+    assert "gold_mean" in table[0].split(" | ") and table[3].split(" | ")[4] == "0.2500"
+    assert plot_curve(results, settings, tmp_path / "curve.png").is_file()
+    results[0]["metrics"].pop("gold_mean")  # not every policy has one: no column
+    assert "gold_mean" not in curve_table(results, settings)
