@@ -192,3 +192,19 @@ def test_a_reward_model_gold_on_the_embedded_task(small_cfg, tmp_path):
         want = [model(**tok(s["prompt"] + s["response"], return_tensors="pt")).logits[0, 0].item() for s in samples]
     assert [s["gold"] for s in samples] == pytest.approx(want, abs=1e-5) and all(s["gold_scored"] for s in samples)
     assert m["gold_mean"] == pytest.approx(sum(want) / len(want), abs=1e-5) and m["gold_gap"] == pytest.approx(m["score_mean"] - m["gold_mean"], abs=1e-12)
+
+
+def test_a_relative_gold_path_is_saved_absolute_in_the_runs_config(tmp_path, monkeypatch):
+    """As reward.function's: tether eval RUN (which reads reward.val_function from config.yaml) works from any directory."""
+    import yaml
+
+    from tether.config import config_to_yaml
+
+    (tmp_path / "gold.py").write_text(CONST)
+    (tmp_path / "rm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    saved = yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_function=gold.py:gold"])))["reward"]
+    assert saved["val_function"] == f"{tmp_path / 'gold.py'}:gold"
+    assert yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_model=rm"])))["reward"]["val_model"] == str(tmp_path / "rm")
+    module = yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_function=my.module:gold"])))["reward"]["val_function"]
+    assert module == "my.module:gold"  # a module: kept as written
