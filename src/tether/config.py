@@ -296,6 +296,10 @@ class DataConfig(_Section):
     score_key: str | None = Field(None, description="Column holding a fixed reward for offline responses.")
     apply_chat_template: bool = Field(True, description="Render chat-message prompts with the tokenizer's chat template.")
     instruction_suffix: str = Field("", description="Text appended to every prompt's last user message.")
+    embedded_task: Literal["digitsum", "digitsum_hack"] = Field(
+        "digitsum", description="data.train_files=embedded: digitsum (exact correctness), or digitsum_hack (the same prompts trained on a "
+        "flawed proxy reward that pays short answers a bonus, with exact correctness as the gold reward; docs/task.md, docs/hacking.md)."
+    )
     embedded_train_size: int = Field(2000, ge=1, description="Prompts in the embedded task's train split.")
     embedded_val_size: int = Field(32, ge=1, description="Prompts in the embedded task's val split.")
 

@@ -212,8 +212,8 @@ DEFAULTS = {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "pr
 EMBEDDED_DATA = ("embedded", "embedded:val", "embedded:train")
 
 #: exact/* values shown in the table for the embedded task (all of them go to the JSON)
-EXACT_SHOWN = ("exact/score_mean", "exact/ref_score_mean", "exact/opt_score_mean", "exact/kl_ref_tok", "exact/kl_ref_seq",
-               "exact/objective", "exact/opt_objective", "exact/correct_effective_answers", "exact/n_prompts")  # fmt: skip
+EXACT_SHOWN = ("exact/score_mean", "exact/ref_score_mean", "exact/opt_score_mean", "exact/gold_mean", "exact/ref_gold_mean", "exact/kl_ref_tok",
+               "exact/kl_ref_seq", "exact/objective", "exact/opt_objective", "exact/correct_effective_answers", "exact/n_prompts")  # fmt: skip
 
 
 def _adapter_base(where: Path) -> Path | None:
@@ -440,10 +440,11 @@ class Evaluator:
                                           "seed": s.seed, "run": str(run) if run else None}  # fmt: skip
         if self.data in EMBEDDED_DATA:  # the embedded task's prompts, no file needed
             from tether.data import rows_from_records
-            from tether.tasks.digitsum import make_dataset
+            from tether.tasks import embedded_task
 
             split = self.data.partition(":")[2] or "val"
-            rows = rows_from_records(make_dataset(split), source=f"embedded:{split}")
+            task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # a run's data.embedded_task
+            rows = rows_from_records(task.make_dataset(split), source=f"embedded:{split}")
         else:
             rows = load_rows(data, prompt_key=r["prompt_key"])
         timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
@@ -632,8 +633,12 @@ class Evaluator:
         if problem := exact_space_problem(model, prompts):
             log.warning("%s", problem)
             return {}
+        from tether.tasks import embedded_task
+
+        task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # its proxy reward and gold
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
-                               n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None)  # fmt: skip
+                               n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None,
+                               reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None))  # fmt: skip
 
 
 def _same_vocab(tok, path: Path) -> bool:

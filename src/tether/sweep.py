@@ -561,9 +561,12 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     policy.eval()
     beta = _final_beta(read_metrics(run_dir))
     beta = max(beta if beta is not None else cfg.get("kl", {}).get("coef", 0.0), 1e-6)
+    from tether.tasks import embedded_task
+
+    task = embedded_task(data_cfg.get("embedded_task", "digitsum"))  # the run's training reward (a proxy has a gold_score too)
     metrics = evaluate_policy(
         policy, ref, tok, exact_prompts(which), beta, temperature=float(rollout.get("temperature", 1.0)),
-        n_samples=int(rollout.get("n", 8)), ref_cache=ref_cache,
+        n_samples=int(rollout.get("n", 8)), ref_cache=ref_cache, reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None),
     )  # fmt: skip
     metrics["exact/beta"] = beta
     cache.write_text(json.dumps({"checkpoint": ckpt.name, "prompts": which, "metrics": metrics}, indent=1))

@@ -61,6 +61,7 @@ _MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Huggin
 #: ``data_source`` → ``"module:function"`` of a per-sample reward function (imported on first use).
 REWARD_FUNCTIONS: dict[str, str] = {
     "tether/digitsum": "tether.tasks.digitsum:compute_score",
+    "tether/digitsum_hack": "tether.tasks.digitsum_hack:compute_score",  # the proxy; gold = tether/digitsum's
     "openai/gsm8k": _GSM8K,
     "gsm8k": _GSM8K,
     "lighteval/MATH": _MATH,
@@ -76,6 +77,7 @@ REWARD_FUNCTIONS: dict[str, str] = {
 #: answer). Sources not listed vote with their whitespace-normalised response text.
 ANSWER_EXTRACTORS: dict[str, str] = {
     "tether/digitsum": "tether.rewards.registry:response_text_answer",
+    "tether/digitsum_hack": "tether.rewards.registry:response_text_answer",
     "openai/gsm8k": "tether.rewards.registry:gsm8k_answer",
     "gsm8k": "tether.rewards.registry:gsm8k_answer",
     **{ds: "tether.rewards.registry:math_answer" for ds in _MATH_SOURCES},
@@ -91,6 +93,7 @@ ANSWER_EXTRACTORS: dict[str, str] = {
 #: and no gold metric is logged for it). docs/rewards.md#gold-reward-for-validation.
 GOLD_FUNCTIONS: dict[str, str] = {
     # a hackable task's source maps to its exact verifier here, e.g. "my/proxy-task": "my.module:exact_score"
+    "tether/digitsum_hack": "tether.tasks.digitsum_hack:gold_score",  # exact correctness (the digit-sum task's reward)
 }
 
 _cache: dict[str, Callable] = {}

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.tasks import digitsum
+from tether.tasks import digitsum, digitsum_hack
 
 #: Refuse to enumerate spaces larger than this many responses unless asked to.
 MAX_RESPONSES = 2_000_000
@@ -493,6 +493,7 @@ def evaluate_prompt(
     beta: float,
     *,
     n_samples: int | None = None,
+    gold=None,
 ) -> dict[str, float]:
     """Exact numbers for one prompt: the policy against π_ref and against π* at ``beta``.
 
@@ -511,6 +512,10 @@ def evaluate_prompt(
         samples are all the same response, and ``unique_frac@n`` = Σ_y (1 − (1 − π(y))^n) / n, the
         expected share of distinct responses among n samples.
 
+    With ``gold`` (N,), the gold reward of each response when ``rewards`` is a proxy (the hackable task,
+    :mod:`tether.tasks.digitsum_hack`): ``gold_mean`` E_π[gold], ``ref_gold_mean``, ``opt_gold_mean`` (π* of the
+    proxy), and "correct" (``correct_mass``, ``*correct_effective_answers``) means gold-correct.
+
     ``policy`` and ``reference`` must list the same responses; ``rewards`` is (N,).
     Raises ValueError on misaligned spaces, bad rewards or β.
     """
@@ -521,7 +526,8 @@ def evaluate_prompt(
     _same(policy.logprobs, r, "policy.logprobs", "rewards")
     lp, lref = policy.logprobs, reference.logprobs
     opt = exact_optimum(lref, r, beta)
-    best = r >= float(np.max(r)) - 1e-12 * max(1.0, abs(float(np.max(r))))
+    g = r if gold is None else _finite_rewards(gold, "gold")
+    best = g >= float(np.max(g)) - 1e-12 * max(1.0, abs(float(np.max(g))))
     out = {
         "score_mean": expected_reward(lp, r),
         "ref_score_mean": expected_reward(lref, r),
@@ -538,6 +544,9 @@ def evaluate_prompt(
         "correct_mass": float(np.sum(np.exp(lp[best]))),
     }
     out["objective_gap"] = out["opt_objective"] - out["objective"]
+    if gold is not None:
+        _same(lp, g, "policy.logprobs", "gold")
+        out |= {"gold_mean": expected_reward(lp, g), "ref_gold_mean": expected_reward(lref, g), "opt_gold_mean": expected_reward(opt.logprobs, g)}
     for prefix, logq in (("", lp), ("ref_", lref), ("opt_", opt.logprobs)):
         out[f"{prefix}effective_answers"] = math.exp(entropy(logq))
         sub = logq[best]
@@ -590,7 +599,7 @@ def _prompt_spec(item, max_new_tokens, reward_fn):
     else:
         raise ValueError(f"prompts must be dataset rows (dicts) or prompt strings, got {type(item).__name__}")
     if max_new_tokens is None:
-        if reward_fn is digitsum.compute_score:
+        if reward_fn in (digitsum.compute_score, digitsum_hack.compute_score):
             max_new_tokens = digitsum.max_new_tokens_for(digitsum.parse_ground_truth(gt)[0])
         else:
             max_new_tokens = digitsum.MAX_NEW_TOKENS
@@ -609,6 +618,7 @@ def evaluate_prompts(
     reward_fn: Callable[..., float] = digitsum.compute_score,
     n_samples: int | None = None,
     ref_cache: dict | None = None,
+    gold_fn: Callable[..., float] | None = None,
 ) -> list[dict[str, float]]:
     """:func:`evaluate_prompt` for each prompt; returns one dict per prompt (keys as there, plus
     ``s``/``k`` where the prompt is a digit-sum prompt).
@@ -617,7 +627,8 @@ def evaluate_prompts(
     prompt strings. ``max_new_tokens=None``: k + 1 for digit-sum prompts. Both models are enumerated
     at the same ``temperature``. ``ref_cache``: an optional dict, filled and reused, mapping
     ``(prompt, max_new_tokens, temperature)`` to the reference's :class:`ResponseSpace` (the reference
-    is frozen, so sweeps need to enumerate it once).
+    is frozen, so sweeps need to enumerate it once). ``gold_fn``: a gold reward of the same signature when
+    ``reward_fn`` is a proxy (adds the ``gold_*`` keys of :func:`evaluate_prompt`).
     """
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
@@ -632,7 +643,8 @@ def evaluate_prompts(
                 ref_cache[key] = ref_space
         pi_space = enumerate_policy(policy, tokenizer, text, T, temperature)
         rewards = ref_space.rewards(reward_fn, gt, extra)
-        res = evaluate_prompt(pi_space, ref_space, rewards, beta, n_samples=n_samples)
+        gold = ref_space.rewards(gold_fn, gt, extra) if gold_fn is not None else None
+        res = evaluate_prompt(pi_space, ref_space, rewards, beta, n_samples=n_samples, gold=gold)
         try:
             res["k"], res["s"] = map(float, digitsum.parse_prompt(text))
         except ValueError:
@@ -654,6 +666,7 @@ def evaluate_policy(
     n_samples: int | None = None,
     ref_cache: dict | None = None,
     prefix: str = "exact/",
+    gold_fn: Callable[..., float] | None = None,
 ) -> dict[str, float]:
     """Evaluate a trained policy against π_ref and the exact optimum π* over a list of prompts.
 
@@ -674,6 +687,7 @@ def evaluate_policy(
         reward_fn=reward_fn,
         n_samples=n_samples,
         ref_cache=ref_cache,
+        gold_fn=gold_fn,
     )
     keys = [k for k in per[0] if k not in ("k", "s")]
     out = {f"{prefix}{k}": float(np.mean([d[k] for d in per])) for k in keys}

@@ -247,16 +247,16 @@ class GuardMonitor:
 
         ``auto`` takes ``exact/score_mean`` (E_π[r] by enumeration, no sampling noise: standard
         error 0) when the embedded task's exact evaluation ran, else the sampled ``val/score_mean``
-        with its standard error ``val/score_sem``. ``gold`` takes the gold reward's ``val/gold_mean``
-        with ``val/gold_sem``; a validation whose every gold sample was unscored (the gold reward failed
+        with its standard error ``val/score_sem``. ``gold`` takes ``exact/gold_mean`` where the hackable embedded task
+        logs it, else the gold reward's ``val/gold_mean`` with ``val/gold_sem``; a validation whose every gold sample was unscored (the gold reward failed
         throughout: ``val/gold_unscored_frac`` = 1) has no score, so a failing gold never rolls back.
         """
         key = self.cfg.rollback_metric
         if key == "auto":
             key = "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
-        elif key == "gold":
-            key = "val/gold_mean"
-            if last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
+        elif key == "gold":  # exact/gold_mean on the hackable embedded task (no sampling noise), else the sampled val/gold_mean
+            key = "exact/gold_mean" if "exact/gold_mean" in last_val else "val/gold_mean"
+            if key == "val/gold_mean" and last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
                 return None, 0.0
         score = last_val.get(key)
         sem = 0.0 if key.startswith("exact/") else float(last_val.get(key.replace("_mean", "_sem"), 0.0) or 0.0)

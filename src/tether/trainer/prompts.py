@@ -34,21 +34,21 @@ class PromptSet:
         return len(self.rows)
 
 
-def _embedded_rows(split: str, n: int, seed: int) -> list[PromptRow]:
-    from tether.tasks.digitsum import make_dataset
+def _embedded_rows(split: str, n: int, seed: int, task: str = "digitsum") -> list[PromptRow]:
+    from tether.tasks import embedded_task
 
-    return rows_from_records(make_dataset(split, n, seed=seed), source=f"embedded:{split}")
+    return rows_from_records(embedded_task(task).make_dataset(split, n, seed=seed), source=f"embedded:{split}")
 
 
 def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """(train rows, val rows) from the data config. Raises DataError/ConfigError before training."""
     kwargs = dict(prompt_key=cfg.prompt_key, response_key=cfg.response_key, score_key=cfg.score_key, skip_invalid=cfg.skip_invalid)
     if cfg.train_files == EMBEDDED:
-        train = _embedded_rows("train", cfg.embedded_train_size, seed)
+        train = _embedded_rows("train", cfg.embedded_train_size, seed, cfg.embedded_task)
     else:
         train = load_rows(cfg.train_files, **kwargs)
     if cfg.val_files == EMBEDDED or (cfg.val_files is None and cfg.train_files == EMBEDDED):
-        val = _embedded_rows("val", cfg.embedded_val_size, seed)
+        val = _embedded_rows("val", cfg.embedded_val_size, seed, cfg.embedded_task)
     elif cfg.val_files is not None:
         val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key, skip_invalid=cfg.skip_invalid)  # validation generates: no response/score columns
     elif cfg.val_fraction > 0:

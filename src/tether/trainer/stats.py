@@ -423,7 +423,8 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     if exact_evaluation_applies(cfg):
         prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
         out |= exact_metrics(roles.actor.model, roles.ref, roles.tokenizer, prompts, beta=beta, temperature=cfg.rollout.temperature,
-                             n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache())  # fmt: skip
+                             n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache(),
+                             task=cfg.data.embedded_task)  # fmt: skip
     return out
 
 
@@ -447,7 +448,8 @@ class ExactCache:
         self.ref.clear()
 
 
-def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperature: float, n_samples: int, cache: ExactCache) -> dict[str, float]:
+def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperature: float, n_samples: int, cache: ExactCache,
+                  task: str = "digitsum") -> dict[str, float]:  # fmt: skip
     """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on ``prompts`` (the
     distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
 
@@ -455,9 +457,12 @@ def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperat
         policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``_context()``: a LoRA
             reference is the policy with its adapters disabled); tok: the tokenizer.
         n_samples: rollout.n (pass@k and the like); cache: see :class:`ExactCache`.
+        task: data.embedded_task: its training reward is exact/*'s reward; a task whose reward is a proxy
+            (digitsum_hack) adds exact/gold_mean, exact/ref_gold_mean and exact/opt_gold_mean.
     Returns:
         {} when the response space is too large (one warning, the first time).
     """
+    from tether.tasks import embedded_task
     from tether.tasks.exact import evaluate_policy, exact_space_problem
 
     if not cache.checked:
@@ -469,8 +474,10 @@ def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperat
     was_training = policy.training
     policy.eval()
     with ref._context():
+        mod = embedded_task(task)
         out = evaluate_policy(
             policy, ref.module, tok, prompts, max(beta, 1e-6), temperature=temperature, n_samples=n_samples, ref_cache=cache.ref,
+            reward_fn=mod.compute_score, gold_fn=getattr(mod, "gold_score", None),
         )  # fmt: skip
     policy.train(was_training)
     return out
