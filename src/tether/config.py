@@ -667,8 +667,21 @@ class GuardConfig(_Section):
     rollback_z: float = Field(2.0, ge=0, description="A drop must also exceed this many standard errors of the difference of two validations (val/score_sem), so sampling noise alone never rolls back; 0 = off.")
     rollback_lr_factor: float = Field(0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback.")
     max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
+    on_hacking: Literal["warn", "rollback", "stop"] = Field(
+        "warn", description="What a live reward-hacking warning (the doctor's hacking_gold or hacking_proxy check, docs/hacking.md) does: "
+        "warn = log it; rollback = restore the last stable checkpoint (stable by guard.rollback_metric: gold with a gold reward) and "
+        "multiply β by guard.coef_factor and the learning rates by guard.rollback_lr_factor, counted against guard.max_rollbacks; "
+        "stop = checkpoint and stop (exit 3)."
+    )
+    hacking_coef: float = Field(0.05, gt=0, description="guard.on_hacking=rollback: β is at least this after a hacking rollback (multiplying a β of 0 by guard.coef_factor leaves it 0).")
 
     _rollback_metric = field_validator("rollback_metric")(classmethod(lambda cls, v: _check_rollback_metric(v)))
+
+    @model_validator(mode="after")
+    def _hacking_coef_used(self):
+        if self.hacking_coef != 0.05 and self.on_hacking != "rollback":
+            raise ValueError(f"guard.hacking_coef={self.hacking_coef} has no effect with guard.on_hacking={self.on_hacking}: set guard.on_hacking=rollback or leave it at 0.05")
+        return self
 
 
 def _check_rollback_metric(v: str) -> str:

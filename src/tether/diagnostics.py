@@ -31,6 +31,12 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
   ``policy/grad_norm``): over the last ``window`` [10] points (at least ``min_points`` [5]) the
   fraction of prompts whose samples all got the same reward averages ≥ ``max_flat_frac`` [0.9],
   or |advantage| or the gradient norm stayed ≤ ``tol`` [1e-8].
+* ``hacking_gold`` (``exact/gold_mean`` or ``val/gold_mean`` with the training reward): the gold fell more than
+  ``min_rel_drop`` [10 %] (and ``z`` [2] standard errors) below its best earlier validation while the training reward
+  held or rose.
+* ``hacking_proxy`` (``kl/ref_mean`` with ``response/length_mean``): the KL's slope jumped ``kl_accel`` [3]× within the
+  last ``lookback`` [20] points (windows of ``window`` [10], at least ``min_kl_slope`` [0.005]/step) and the length's
+  median drifted ≥ ``min_len_drift`` [5 %].
 
 Each :class:`Finding` names the metric, carries the evidence (``steps`` and ``values`` of the
 points the check looked at, plus the statistics it computed) and a concrete suggestion naming the
@@ -55,12 +61,15 @@ from typing import Any, Literal, TextIO
 
 __all__ = [
     "CHECKS",
+    "HACKING_CHECKS",
     "LIVE_EVERY",
     "Finding",
     "LiveDiagnostics",
     "check_clipfrac_high",
     "check_collapse_rising",
     "check_entropy_collapse",
+    "check_hacking_gold",
+    "check_hacking_proxy",
     "check_kl_rising",
     "check_length_shrinking",
     "check_no_learning_signal",
@@ -591,6 +600,123 @@ def check_no_learning_signal(
     return [Finding("no_learning_signal", metric, msg, evidence, suggestion)]
 
 
+def _gold_keys(history: History) -> tuple[str, str, bool]:
+    """(gold key, training-reward key, exact) of the validations: the noise-free ``exact/*`` of the hackable embedded
+    task when logged, else the sampled ``val/*``."""
+    if any(_number(r.get("exact/gold_mean")) is not None for r in history):
+        return "exact/gold_mean", "exact/score_mean", True
+    return "val/gold_mean", "val/score_mean", False
+
+
+def check_hacking_gold(
+    history: History,
+    *,
+    min_rel_drop: float = 0.1,
+    z: float = 2.0,
+    config: Any = None,
+) -> list[Finding]:
+    """Reward hacking seen by a gold reward: the gold score fell while the training (proxy) reward held or rose.
+
+    Reads the validations' gold and training-reward means: ``exact/gold_mean`` and ``exact/score_mean`` (exact, the
+    hackable embedded task) when logged, else ``val/gold_mean`` and ``val/score_mean`` (``reward.val_function`` /
+    ``reward.val_model`` or a built-in gold) with their standard errors ``val/*_sem``. Fires when the last
+    validation's gold is below the best gold so far (at an earlier validation) by more than ``min_rel_drop`` of it
+    and by more than ``z`` standard errors of the difference, while the training reward at the last validation is
+    not below its value at the best gold's by more than ``z`` standard errors: the gap between what is optimized
+    and what is wanted widened. Needs two validations with both metrics.
+
+    Suggests raising ``kl.coef``, ``guard.on_hacking=rollback``, and fixing the reward's flaw.
+    """
+    g_key, p_key, exact = _gold_keys(history)
+    g_steps, g_vals = _series(history, g_key)
+    p_by = dict(zip(*_series(history, p_key), strict=True))
+    steps = [s for s in g_steps if s in p_by]
+    if len(steps) < 2:
+        return []
+    gold = dict(zip(g_steps, g_vals, strict=True))
+    g_sem = dict(zip(*_series(history, "val/gold_sem"), strict=True)) if not exact else {}
+    p_sem = dict(zip(*_series(history, "val/score_sem"), strict=True)) if not exact else {}
+    last = steps[-1]
+    peak = max(steps[:-1], key=lambda s: (gold[s], -s))
+    drop = gold[peak] - gold[last]
+    noise_g = z * math.hypot(g_sem.get(peak, 0.0), g_sem.get(last, 0.0))
+    noise_p = z * math.hypot(p_sem.get(peak, 0.0), p_sem.get(last, 0.0))
+    proxy_change = p_by[last] - p_by[peak]
+    if not (drop > min_rel_drop * abs(gold[peak]) and drop > noise_g and proxy_change >= -noise_p):
+        return []
+    msg = (
+        f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to {_fmt(gold[last])} at "
+        f"step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training reward {p_key} went from "
+        f"{_fmt(p_by[peak])} to {_fmt(p_by[last])}: the policy gains on the reward's flaw, not on the task"
+    )
+    evidence = {"steps": steps, "values": [gold[s] for s in steps], "proxy_values": [p_by[s] for s in steps], "peak_step": peak,
+                "drop": drop, "proxy_change": proxy_change, "gold_key": g_key, "proxy_key": p_key}  # fmt: skip
+    suggestion = (
+        f"{_raise_kl_coef(history, config)}, or let the guard act ({_now(config, 'guard.on_hacking')}: rollback restores the last "
+        "checkpoint whose gold was stable and raises β); fix the training reward's flaw if you can name it"
+    )
+    return [Finding("hacking_gold", g_key, msg, evidence, suggestion)]
+
+
+def check_hacking_proxy(
+    history: History,
+    *,
+    window: int = 10,
+    lookback: int = 20,
+    kl_accel: float = 3.0,
+    min_kl_slope: float = 0.005,
+    min_len_drift: float = 0.05,
+    config: Any = None,
+) -> list[Finding]:
+    """Reward hacking seen without a gold reward: the KL to the reference accelerated and the response length drifted.
+
+    Two signals, both required (either alone is ordinary training):
+
+    * **KL acceleration** (``kl/ref_mean``): at some point of the last ``lookback`` points, the Theil–Sen slope of the
+      ``window`` points before it was at least ``kl_accel`` times the slope of the ``window`` points before those,
+      and at least ``min_kl_slope`` nats/token per step: the policy suddenly leaves the reference faster (a new
+      behaviour spreading), where ordinary training's KL rises fastest at the start and slows;
+    * **length drift** (``response/length_mean``): the median of the last ``window`` points differs from the median of
+      the first ``window`` by at least ``min_len_drift`` (a fraction).
+
+    Needs ``2·window + 1`` KL points and ``2·window`` length points. This is tuned on the embedded tasks
+    (``docs/hacking.md``: its lag behind the exact onset and its false alarms are measured there); a hack that leaves
+    the length alone is not seen by it, and tasks whose length drifts by design need ``min_len_drift`` raised.
+    """
+    k_steps, k_vals = _series(history, "kl/ref_mean")
+    l_steps, l_vals = _series(history, "response/length_mean")
+    if len(k_steps) < 2 * window + 1 or len(l_steps) < 2 * window:
+        return []
+    best = None
+    for end in range(max(2 * window, len(k_steps) - lookback), len(k_steps) + 1):
+        s_prev = _theil_sen(k_steps[end - 2 * window : end - window], k_vals[end - 2 * window : end - window])[0]
+        s_now = _theil_sen(k_steps[end - window : end], k_vals[end - window : end])[0]
+        if s_now >= min_kl_slope and s_now >= kl_accel * max(s_prev, 0.0):
+            ratio = s_now / s_prev if s_prev > 0 else math.inf
+            if best is None or ratio > best[0]:
+                best = (ratio, k_steps[end - 1], s_prev, s_now)
+    if best is None:
+        return []
+    early, recent = statistics.median(l_vals[:window]), statistics.median(l_vals[-window:])
+    drift = (recent - early) / early if early > 0 else 0.0
+    if abs(drift) < min_len_drift:
+        return []
+    ratio, at, s_prev, s_now = best
+    msg = (
+        f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the last "
+        f"{window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while response/length_mean drifted "
+        f"{100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new behaviour is spreading fast; without a gold "
+        "reward this is a warning sign, not proof"
+    )
+    evidence = {"steps": k_steps[-(2 * window + lookback):], "values": k_vals[-(2 * window + lookback):], "accel_step": at,
+                "kl_slope_before": s_prev, "kl_slope_after": s_now, "length_early": early, "length_recent": recent, "length_drift": drift}  # fmt: skip
+    suggestion = (
+        "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
+        f"{_raise_kl_coef(history, config)}; guard.on_hacking=rollback acts on this"
+    )
+    return [Finding("hacking_proxy", "kl/ref_mean", msg, evidence, suggestion)]
+
+
 #: The checks :func:`diagnose` runs, in report order.
 CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "kl_rising": check_kl_rising,
@@ -600,7 +726,12 @@ CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "clipfrac_high": check_clipfrac_high,
     "collapse_rising": check_collapse_rising,
     "no_learning_signal": check_no_learning_signal,
+    "hacking_gold": check_hacking_gold,
+    "hacking_proxy": check_hacking_proxy,
 }
+
+#: The checks that signal reward hacking (guard.on_hacking acts on their live findings).
+HACKING_CHECKS = ("hacking_gold", "hacking_proxy")
 
 #: Every metric some check reads (LiveDiagnostics stores only these).
 WATCHED = (
@@ -614,6 +745,12 @@ WATCHED = (
     "rollout/zero_var_group_frac",
     "advantages/abs_mean",
     "policy/grad_norm",
+    "exact/gold_mean",
+    "exact/score_mean",
+    "val/gold_mean",
+    "val/score_mean",
+    "val/gold_sem",
+    "val/score_sem",
 )
 
 
@@ -906,6 +1043,8 @@ class LiveDiagnostics:
             defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
             defaults.update(resolved[name] or {})
             keep = max([keep] + [v for k, v in defaults.items() if k != "config" and isinstance(v, int)])
+            if name == "hacking_proxy":  # two windows before each of the last `lookback` points
+                keep = max(keep, 2 * defaults["window"] + defaults["lookback"])
         self._keep = keep
         self._head: dict[str, list[tuple[int, float]]] = {k: [] for k in WATCHED}
         self._tail: dict[str, list[tuple[int, float]]] = {k: [] for k in WATCHED}
@@ -926,8 +1065,9 @@ class LiveDiagnostics:
                 del tail[0]
 
     def load(self, history: History) -> None:
-        """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating."""
-        for rec in sorted((r for r in history if isinstance(r.get("step"), int)), key=lambda r: r["step"]):
+        """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating; step 0 (the reference's
+        validation, never fed live) is left out, so a resumed run sees what the uninterrupted one saw."""
+        for rec in sorted((r for r in history if isinstance(r.get("step"), int) and r["step"] >= 1), key=lambda r: r["step"]):
             self._store(rec["step"], rec)
 
     def _store(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -30,7 +30,8 @@ class TrainingStopped(RuntimeError):
 class GuardMonitor:
     """Watches each step before its update, after it, and each validation.
 
-    State (checkpointed): ``coef_scale`` (β multiplier raised after KL explosions and rollbacks),
+    State (checkpointed): ``coef_scale`` (β multiplier raised after KL explosions and rollbacks), ``coef_floor`` (β's
+    floor after a hacking rollback),
     ``rollbacks``, the last stable checkpoint's step and validation score, and the step and score of
     the last validation (a checkpoint is labelled with a score only when it was validated at its step).
     """
@@ -39,6 +40,7 @@ class GuardMonitor:
         self.cfg = cfg
         self.max_failed_steps = max_failed_steps  # reward.max_failed_steps: this many steps in a row with no valid sample stop the run
         self.coef_scale = 1.0
+        self.coef_floor = 0.0  # β at least this after a hacking rollback (guard.hacking_coef): a β of 0 scaled stays 0
         self.rollbacks = 0
         self.stable_step: int | None = None
         self.stable_score: float | None = None
@@ -87,6 +89,8 @@ class GuardMonitor:
     def pop_metrics(self) -> dict[str, float]:
         """``guard/coef_scale``, ``guard/rollbacks`` and the events since the last call."""
         out = {"guard/coef_scale": self.coef_scale, "guard/rollbacks": float(self.rollbacks), **self._events}
+        if self.coef_floor:
+            out["guard/coef_floor"] = self.coef_floor
         self._events = {}
         return out
 
@@ -219,6 +223,27 @@ class GuardMonitor:
             f"validation score {score:.4f} at step {step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
             f"below the stable checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
         )
+        self.roll_back(drop, ckpt, roles, controller_beta)
+
+    def on_hacking(self, step: int, finding, ckpt, roles, controller_beta: float) -> None:
+        """A live reward-hacking finding (``tether.diagnostics.HACKING_CHECKS``) under ``guard.on_hacking``: ``warn`` does
+        nothing more (the trainer logs it), ``stop`` checkpoints and stops, ``rollback`` rolls back to the last stable
+        checkpoint as a validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``)."""
+        why = f"step {step}: {finding.message}"
+        if self.cfg.on_hacking == "stop":
+            raise self._stop("hacking", f"{why} (guard.on_hacking=stop)")
+        if self.cfg.on_hacking != "rollback":
+            return
+        if self.stable_step is None:
+            self._event("hacking_no_rollback", f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a "
+                        "checkpoint is stable once a validation of its weights is not a drop: trainer.save_freq)")  # fmt: skip
+            return
+        self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
+        self.roll_back(why, ckpt, roles, controller_beta, event="hacking_rollback")
+
+    def roll_back(self, drop: str, ckpt, roles, controller_beta: float, *, event: str = "rollback") -> None:
+        """Restore the stable checkpoint's weights and optimizer moments, raise β and lower the learning rates (``drop``:
+        why, for the message); stop after ``max_rollbacks``."""
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise self._stop(
                 "rollback_limit",
@@ -237,10 +262,14 @@ class GuardMonitor:
             roles.critic.scale_lr(self.cfg.rollback_lr_factor)
         self.val_score = None  # the weights are no longer the ones that scored it
         self._event(
-            "rollback",
+            event,
             f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β ×{self.cfg.coef_factor:g} "
-            f"→ {controller_beta * self.coef_scale:.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
+            f"→ {self.beta(controller_beta):.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
+
+    def beta(self, controller_beta: float) -> float:
+        """The run's β: the controller's times ``coef_scale``, at least ``coef_floor``."""
+        return max(controller_beta * self.coef_scale, self.coef_floor)
 
     def validation_score(self, last_val: dict) -> tuple[float | None, float]:
         """(score, standard error) of a validation by ``guard.rollback_metric``.
@@ -286,13 +315,14 @@ class GuardMonitor:
 
     def state_dict(self) -> dict:
         return {
-            "coef_scale": self.coef_scale, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
+            "coef_scale": self.coef_scale, "coef_floor": self.coef_floor, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
             "val_step": self.val_step, "val_score": self.val_score, "stable_sem": self.stable_sem, "val_sem": self.val_sem,
             "empty_streak": self.empty_streak, "nonfinite_streak": self.nonfinite_streak,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.coef_scale = float(state["coef_scale"])
+        self.coef_floor = float(state.get("coef_floor", 0.0))  # checkpoints before guard.on_hacking have none
         self.rollbacks = int(state["rollbacks"])
         self.stable_step = state["stable_step"]
         self.stable_score = state["stable_score"]

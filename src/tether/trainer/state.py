@@ -357,16 +357,18 @@ class CheckpointManager:
             log.warning("resume: checkpoint %s was saved when a guard stopped the run (see metrics.jsonl, guard/stop)", path.name)
         return self.step, last_val
 
-    def restore_diagnostics(self, diagnostics) -> None:
+    def restore_diagnostics(self, diagnostics) -> list:
         """Give a resumed run's LiveDiagnostics its evaluation counter and reported findings back
         (its history comes from metrics.jsonl). The checkpoint is written before the step's own
-        diagnostics update, so that update is replayed here (its findings were reported already)."""
+        diagnostics update, so that update is replayed here; its findings (reported already) are returned,
+        for the trainer to re-apply what guard.on_hacking did with them."""
         s = self._diagnostics_state
         if s:
             diagnostics._calls = int(s["calls"])
             diagnostics._active = {tuple(a) for a in s["active"]}
             if self._step_record is not None:
-                diagnostics.update(self.step, self._step_record)
+                return diagnostics.update(self.step, self._step_record)
+        return []
 
     def _restore_metrics_line(self, record: dict | None) -> None:
         """Make metrics.jsonl hold the checkpoint's step exactly once: a crash after the checkpoint but

@@ -172,7 +172,8 @@ class Trainer:
         self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
-            self.ckpt.restore_diagnostics(self.diagnostics)
+            replayed = self.ckpt.restore_diagnostics(self.diagnostics)
+            self.react(replayed, log_them=False, resumed=True)  # a rollback the step's warning caused happens again
 
     def _setup(self, cfg: TetherConfig) -> None:
         """Load models, data and state; resume. Raises ConfigError/DataError/CheckpointError before training."""
@@ -310,9 +311,20 @@ class Trainer:
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
         self.logger.log(self.step, metrics)
-        for finding in self.diagnostics.update(self.step, metrics):
-            log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
+        self.react(self.diagnostics.update(self.step, metrics))  # the doctor's live checks; guard.on_hacking
         return metrics
+
+    def react(self, findings, *, log_them: bool = True, resumed: bool = False) -> None:
+        """Log the doctor's new live findings; a reward-hacking one (``tether.diagnostics.HACKING_CHECKS``) goes to the
+        guard (``guard.on_hacking``: warn, rollback or stop), whose rollback shows in the next step's ``guard/*``. On
+        resume the checkpointed step's findings are replayed: a rollback is applied again, a stop is not."""
+        from tether.diagnostics import HACKING_CHECKS
+
+        for finding in findings:
+            if log_them:
+                log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
+            if finding.check in HACKING_CHECKS and not (resumed and self.cfg.guard.on_hacking == "stop"):
+                self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
 
     @property
     def stop_requested(self) -> bool:
@@ -323,8 +335,9 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     @property
     def beta(self) -> float:
-        """β in use: the controller's value times the guard's scale (raised after KL explosions)."""
-        return self.controller.value * self.guard.coef_scale
+        """β in use: the controller's value times the guard's scale (raised after KL explosions), at least the guard's floor
+        (set by a hacking rollback)."""
+        return self.guard.beta(self.controller.value)
 
     @property
     def entropy_coef(self) -> float:

@@ -1,0 +1,32 @@
+"""guard.on_hacking on the hackable embedded task at β = 0: a rollback that raises β from 0, and a stop."""
+
+import json
+
+import pytest
+
+from tether.config import load_config
+from tether.trainer import Trainer
+from tether.trainer.guards import TrainingStopped
+
+pytestmark = pytest.mark.slow
+
+# the default run on the hackable task, validated and checkpointed every 10 steps: its gold peaks near step 20 and
+# the gold check fires at step 30 (docs/hacking.md)
+COMMON = ["data.embedded_task=digitsum_hack", "kl.coef=0", "trainer.total_steps=40", "trainer.val_freq=10", "trainer.save_freq=10",
+          "guard.rollback_drop=0", "guard.rollback_metric=gold", "trainer.report=false", "trainer.progress=false", "trainer.threads=1"]  # fmt: skip
+
+
+def test_rollback_restores_a_stable_checkpoint_and_raises_beta_from_zero(tmp_path):
+    Trainer(load_config(None, [*COMMON, "guard.on_hacking=rollback", f"trainer.output_dir={tmp_path / 'rb'}"])).fit()
+    rows = [json.loads(x) for x in (tmp_path / "rb" / "metrics.jsonl").read_text().splitlines()]
+    hits = [r["step"] - 1 for r in rows if r.get("guard/hacking_rollback")]  # the warning's step; its guard/* show in the next
+    assert hits, "the guard never acted"
+    after = [r for r in rows if r["step"] > hits[0]]
+    assert after and all(r["kl/coef"] >= 0.05 for r in after) and all(r["guard/coef_floor"] == 0.05 for r in after)
+    assert all(r["kl/coef"] == 0.0 for r in rows if 0 < r["step"] <= hits[0])
+
+
+def test_stop_ends_the_run_at_the_warning(tmp_path):
+    with pytest.raises(TrainingStopped, match=r"guard.on_hacking=stop"):
+        Trainer(load_config(None, [*COMMON, "guard.on_hacking=stop", f"trainer.output_dir={tmp_path / 'st'}"])).fit()
+    assert (tmp_path / "st" / "checkpoints").is_dir()
