@@ -1,0 +1,129 @@
+"""The hacking monitor against the exact onset (docs/hacking.md): per run, the step at which hacking began, the
+monitor's first warning with and without the gold reward, and its lag; false alarms on runs that do not hack.
+
+    python scripts/hacking_monitor.py RUN_DIR... [--figure docs/figures/hacking.png --figure-run RUN_DIR]
+
+The exact onset of a run on the hackable task (data.embedded_task=digitsum_hack, exact proxy and gold at every
+validation): the validation step of the best exact gold E_π[gold] before the first validation whose gold is below
+the reference's (exact/ref_gold_mean); a run whose gold never falls below the reference's did not hack (onset
+"none"). The monitor is replayed on each run's metrics.jsonl on the trainer's live schedule
+(tether.diagnostics.LiveDiagnostics, every 10 steps): "with gold" sees every metric; "without gold" has the gold
+metrics (val/gold_*, exact/gold_*) removed, as a run with no gold reward would log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from tether.diagnostics import HACKING_CHECKS, LIVE_EVERY, LiveDiagnostics, read_metrics
+
+GOLD_KEYS = ("val/gold_", "exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
+
+
+def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | None]:
+    """(onset step or None, gold at the onset, the reference's gold)."""
+    vals = [(r["step"], r["exact/gold_mean"], r.get("exact/ref_gold_mean")) for r in history if isinstance(r.get("exact/gold_mean"), float)]
+    if not vals:
+        return None, None, None
+    ref = next((g for _, _, g in vals if g is not None), None)
+    fall = next((s for s, g, _ in vals if ref is not None and g < ref), None)
+    if fall is None:
+        return None, None, ref
+    before = [(g, -s) for s, g, _ in vals if s < fall]
+    if not before:
+        return fall, None, ref
+    g, neg = max(before)
+    return -neg, g, ref
+
+
+def first_warnings(history: list[dict], *, gold: bool) -> dict[str, int | None]:
+    """The first step each hacking check fired at on the live schedule (None: never)."""
+    live = LiveDiagnostics(LIVE_EVERY)
+    first: dict[str, int | None] = dict.fromkeys(HACKING_CHECKS)
+    for rec in sorted((r for r in history if r.get("step", 0) >= 1), key=lambda r: r["step"]):
+        if not gold:
+            rec = {k: v for k, v in rec.items() if not k.startswith(GOLD_KEYS)}
+        for f in live.update(rec["step"], rec):
+            if f.check in first and first[f.check] is None:
+                first[f.check] = rec["step"]
+    return first
+
+
+def analyse(run: Path) -> dict:
+    h = read_metrics(run)
+    onset, g_onset, ref = exact_onset(h)
+    with_gold, without = first_warnings(h, gold=True), first_warnings(h, gold=False)
+    cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
+    final = next((r for r in reversed(h) if isinstance(r.get("exact/gold_mean"), float)), {})
+    return {"run": run.name, "onset": onset, "gold_at_onset": g_onset, "ref_gold": ref, "final_gold": final.get("exact/gold_mean"),
+            "final_proxy": final.get("exact/score_mean"), "gold_warn": with_gold["hacking_gold"], "proxy_warn_gold_run": with_gold["hacking_proxy"],
+            "proxy_warn": without["hacking_proxy"], "hackable": "digitsum_hack" in cfg}  # fmt: skip
+
+
+def lag(warn: int | None, onset: int | None) -> str:
+    if warn is None:
+        return "never"
+    if onset is None:
+        return f"{warn} (false alarm)"
+    return f"{warn} ({warn - onset:+d})"
+
+
+def figure(run: Path, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = read_metrics(run)
+    a = analyse(run)
+    ex = [r for r in h if isinstance(r.get("exact/gold_mean"), float)]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax.plot([r["step"] for r in ex], [r["exact/score_mean"] for r in ex], "C0-o", ms=3, label="proxy E_π[r] (exact; trained on)")
+    ax.plot([r["step"] for r in ex], [r["exact/gold_mean"] for r in ex], "C3-o", ms=3, label="gold E_π[gold] (exact)")
+    if a["ref_gold"] is not None:
+        ax.axhline(a["ref_gold"], color="C3", ls=":", lw=1, label="reference's gold")
+    kl = [(r["step"], r["kl/ref_mean"]) for r in h if isinstance(r.get("kl/ref_mean"), float) and r["step"] > 0]
+    ax2 = ax.twinx()
+    ax2.plot(*zip(*kl, strict=True), "C7-", lw=0.8, alpha=0.6, label="KL/token (sampled)")
+    ax2.set_ylabel("KL(π‖π_ref) per token (nats)")
+    for key, style, text in (("onset", "k--", "exact onset"), ("gold_warn", "C3-", "monitor (gold)"), ("proxy_warn", "C0-", "monitor (no gold)")):
+        if a[key] is not None:
+            ax.axvline(a[key], color=style[:-1] if style[0] == "C" else "k", ls="--" if key == "onset" else "-", lw=1.2, label=f"{text}: step {a[key]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expected reward")
+    ax.set_title(f"{run.name}: proxy up, gold down")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="center right")
+    ax.set_xlim(0, max(r["step"] for r in h))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--figure", type=Path)
+    ap.add_argument("--figure-run", type=Path)
+    args = ap.parse_args()
+    rows = [analyse(r) for r in args.runs if (r / "metrics.jsonl").is_file()]
+    print("| run | exact onset | gold at onset → final (ref) | monitor with gold | monitor without gold |")
+    print("|---|---|---|---|---|")
+    for a in rows:
+        g = "–" if a["final_gold"] is None else f"{a['gold_at_onset'] or float('nan'):.3f} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
+        gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
+        print(f"| `{a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | {gold_warn} | {lag(a['proxy_warn'], a['onset'])} |")
+    lags = [a["proxy_warn"] - a["onset"] for a in rows if a["onset"] is not None and a["proxy_warn"] is not None]
+    if lags:
+        print(f"\nwithout gold: median lag {statistics.median(lags):+.0f} steps over {len(lags)} hacked runs that warned")
+    if args.figure and args.figure_run:
+        figure(args.figure_run, args.figure)
+        print(f"figure: {args.figure}")
+
+
+if __name__ == "__main__":
+    main()
