@@ -14,6 +14,7 @@ metrics (val/gold_*, exact/gold_*) removed, as a run with no gold reward would l
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -57,9 +58,16 @@ def analyse(run: Path) -> dict:
     with_gold, without = first_warnings(h, gold=True), first_warnings(h, gold=False)
     cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
     final = next((r for r in reversed(h) if isinstance(r.get("exact/gold_mean"), float)), {})
+    whole = {}  # the sweep's final exact evaluation on all 20 prompts (exact_final.json), when there is one
+    if (run / "exact_final.json").is_file():
+        whole = json.loads((run / "exact_final.json").read_text()).get("metrics", {})
+    beta = next((r["kl/coef"] for r in h if isinstance(r.get("kl/coef"), float)), None)
     return {"run": run.name, "onset": onset, "gold_at_onset": g_onset, "ref_gold": ref, "final_gold": final.get("exact/gold_mean"),
             "final_proxy": final.get("exact/score_mean"), "gold_warn": with_gold["hacking_gold"], "proxy_warn_gold_run": with_gold["hacking_proxy"],
-            "proxy_warn": without["hacking_proxy"], "hackable": "digitsum_hack" in cfg}  # fmt: skip
+            "proxy_warn": without["hacking_proxy"], "hackable": "digitsum_hack" in cfg, "beta": beta,
+            "guard": "on_hacking: rollback" in cfg,
+            "all_gold": whole.get("exact/gold_mean"), "all_proxy": whole.get("exact/score_mean"), "all_ref_gold": whole.get("exact/ref_gold_mean"),
+            "all_kl_tok": whole.get("exact/kl_ref_tok")}  # fmt: skip
 
 
 def lag(warn: int | None, onset: int | None) -> str:
@@ -79,7 +87,7 @@ def figure(run: Path, path: Path) -> None:
     h = read_metrics(run)
     a = analyse(run)
     ex = [r for r in h if isinstance(r.get("exact/gold_mean"), float)]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     ax.plot([r["step"] for r in ex], [r["exact/score_mean"] for r in ex], "C0-o", ms=3, label="proxy E_π[r] (exact; trained on)")
     ax.plot([r["step"] for r in ex], [r["exact/gold_mean"] for r in ex], "C3-o", ms=3, label="gold E_π[gold] (exact)")
     if a["ref_gold"] is not None:
@@ -93,12 +101,12 @@ def figure(run: Path, path: Path) -> None:
             ax.axvline(a[key], color=style[:-1] if style[0] == "C" else "k", ls="--" if key == "onset" else "-", lw=1.2, label=f"{text}: step {a[key]}")
     ax.set_xlabel("step")
     ax.set_ylabel("expected reward")
-    ax.set_title(f"{run.name}: proxy up, gold down")
+    ax.set_title(f"{run.name}: exact proxy and gold on the 4 validation prompts")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="center right")
+    fig.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="lower center", ncol=4, frameon=False)
     ax.set_xlim(0, max(r["step"] for r in h))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -114,9 +122,40 @@ def main() -> None:
     print("| run | exact onset | gold at onset → final (ref) | monitor with gold | monitor without gold |")
     print("|---|---|---|---|---|")
     for a in rows:
-        g = "–" if a["final_gold"] is None else f"{a['gold_at_onset'] or float('nan'):.3f} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
+        at = "–" if a["gold_at_onset"] is None else f"{a['gold_at_onset']:.3f}"
+        g = "–" if a["final_gold"] is None else f"{at} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
         gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
         print(f"| `{a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | {gold_warn} | {lag(a['proxy_warn'], a['onset'])} |")
+    by_beta: dict[tuple, list[dict]] = {}
+    for a in rows:
+        if a["hackable"] and a["beta"] is not None:
+            by_beta.setdefault((a["guard"], a["beta"]), []).append(a)
+    if by_beta:
+        print("\n| β (start) | runs | hacked (gold below the reference's at a validation) | exact onset | monitor with gold: lag | "
+              "without gold: lag | final gold, 20 prompts | final proxy | KL/token |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for (guard, beta), group in sorted(by_beta.items()):
+            hacked = [a for a in group if a["onset"] is not None]
+            lg = [a["gold_warn"] - a["onset"] for a in hacked if a["gold_warn"] is not None]
+            lp = [a["proxy_warn"] - a["onset"] for a in hacked if a["proxy_warn"] is not None]
+            # a guarded run's warning is the guard's trigger, and its gold never reaches the fall that defines an onset
+            false_g = 0 if guard else sum(a["gold_warn"] is not None for a in group if a["onset"] is None)
+            false_p = 0 if guard else sum(a["proxy_warn"] is not None for a in group if a["onset"] is None)
+
+            def span(xs, fmt="{:+d}"):
+                return "–" if not xs else (fmt.format(xs[0]) if min(xs) == max(xs) else f"{fmt.format(min(xs))} … {fmt.format(max(xs))}")
+
+            def mean(key, group=group):
+                v = [a[key] for a in group if a[key] is not None]
+                return f"{statistics.fmean(v):.3f} ({min(v):.3f}–{max(v):.3f})" if v else "–"
+
+            onsets = sorted(a["onset"] for a in hacked)
+            print(f"| {beta:g}{' + guard.on_hacking=rollback' if guard else ''} | {len(group)} | {len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | "
+                  f"{span(sorted(lg))}{f', {len(hacked) - len(lg)} never' if len(lg) < len(hacked) else ''}{f', {false_g} false' if false_g else ''} | "
+                  f"{span(sorted(lp))}{f', {len(hacked) - len(lp)} never' if len(lp) < len(hacked) else ''}{f', {false_p} false' if false_p else ''} | "
+                  f"{mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |")  # fmt: skip
+        refs = {round(a["all_ref_gold"], 4) for a in rows if a["all_ref_gold"] is not None}
+        print(f"\nthe reference's gold on the 20 prompts: {', '.join(map(str, refs))}")
     lags = [a["proxy_warn"] - a["onset"] for a in rows if a["onset"] is not None and a["proxy_warn"] is not None]
     if lags:
         print(f"\nwithout gold: median lag {statistics.median(lags):+.0f} steps over {len(lags)} hacked runs that warned")

@@ -316,14 +316,16 @@ class Trainer:
 
     def react(self, findings, *, log_them: bool = True, resumed: bool = False) -> None:
         """Log the doctor's new live findings; a reward-hacking one (``tether.diagnostics.HACKING_CHECKS``) goes to the
-        guard (``guard.on_hacking``: warn, rollback or stop), whose rollback shows in the next step's ``guard/*``. On
+        guard (``guard.on_hacking``: warn, rollback or stop; once a step), whose rollback shows in the next step's ``guard/*``. On
         resume the checkpointed step's findings are replayed: a rollback is applied again, a stop is not."""
         from tether.diagnostics import HACKING_CHECKS
 
+        acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         for finding in findings:
             if log_them:
                 log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
-            if finding.check in HACKING_CHECKS and not (resumed and self.cfg.guard.on_hacking == "stop"):
+            if finding.check in HACKING_CHECKS and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
+                acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
 
     @property

@@ -1,0 +1,34 @@
+"""Trainer.react: each new live finding is logged; a hacking one goes to the guard once a step; a resumed stop is not re-applied."""
+
+from types import SimpleNamespace
+
+from tether.diagnostics import Finding
+from tether.trainer.trainer import Trainer
+
+
+def trainer_with(on_hacking: str):
+    calls = []
+    t = object.__new__(Trainer)
+    t.cfg = SimpleNamespace(guard=SimpleNamespace(on_hacking=on_hacking))
+    t.step, t.ckpt, t.roles, t.controller = 40, "ckpt", "roles", SimpleNamespace(value=0.0)
+    t.guard = SimpleNamespace(on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta)))
+    return t, calls
+
+
+FOUND = [Finding("kl_rising", "kl/ref_mean", "m"), Finding("hacking_gold", "exact/gold_mean", "g"), Finding("hacking_proxy", "kl/ref_mean", "p")]
+
+
+def test_both_hacking_checks_in_one_step_are_one_reaction(caplog):
+    t, calls = trainer_with("rollback")
+    t.react(FOUND)
+    assert calls == [(40, "hacking_gold", "ckpt", "roles", 0.0)]
+    assert sum("doctor:" in r.message for r in caplog.records) == 3  # every finding is still logged
+
+
+def test_a_resumed_stop_is_not_applied_again_but_a_rollback_is():
+    t, calls = trainer_with("stop")
+    t.react(FOUND, log_them=False, resumed=True)
+    assert calls == []
+    t, calls = trainer_with("rollback")
+    t.react(FOUND, log_them=False, resumed=True)
+    assert [c[1] for c in calls] == ["hacking_gold"]
