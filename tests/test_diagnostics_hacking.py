@@ -73,3 +73,13 @@ def test_live_schedule_reports_once_and_diagnose_includes_both():
         for step in range(rec["step"] - 9, rec["step"] + 1):
             fired += [(step, f.check) for f in live.update(step, rec if step == rec["step"] else {})]
     assert fired == [(30, "hacking_gold")]  # reported once while it keeps firing
+
+
+def test_a_failing_gold_is_not_a_falling_one():
+    """A validation where the gold could not score some samples (counted 0) is left out: a broken gold never reads as
+    hacking, and never makes guard.on_hacking act."""
+    h = vals([0.54, 0.0], [0.55, 0.6], exact=False, sem=0.01)
+    h[1]["val/gold_unscored_frac"] = 1.0
+    assert check_hacking_gold(h) == []
+    h[1]["val/gold_unscored_frac"] = 0.0
+    assert check_hacking_gold(h)

@@ -303,6 +303,13 @@ class DataConfig(_Section):
     embedded_train_size: int = Field(2000, ge=1, description="Prompts in the embedded task's train split.")
     embedded_val_size: int = Field(32, ge=1, description="Prompts in the embedded task's val split.")
 
+    @model_validator(mode="after")
+    def _embedded_task_used(self):
+        if self.embedded_task != "digitsum" and self.train_files != EMBEDDED:
+            raise ValueError(f"data.embedded_task={self.embedded_task} has no effect with data.train_files={self.train_files}: it picks the "
+                             "embedded task's reward and rows (data.train_files=embedded); leave it at digitsum")
+        return self
+
 
 class ScheduleConfig(_Section):
     kind: Literal["piecewise", "linear", "cosine"] = Field("piecewise", description="Shape of a scheduled β.")
@@ -448,9 +455,9 @@ class KLCovConfig(_Section):
 
 
 class DPPOConfig(_Section):
-    delta_low: float = Field(0.2, gt=0, description="algo.policy_loss=dppo_tv|dppo_kl: divergence bound δ for tokens with A <= 0 whose probability fell (binary TV, or binary KL in nats).")
-    delta_high: float = Field(0.2, gt=0, description="algo.policy_loss=dppo_tv|dppo_kl: divergence bound δ for tokens with A > 0 whose probability rose.")
-    is_cap: float = Field(20.0, ge=1, description="algo.policy_loss=dppo_tv|dppo_kl: cap C of the detached importance ratio (truncated IS; the DPPO paper recommends a large one; verl's falls back to 20 but its actor config sets clip_ratio_c=3).")
+    delta_low: float = Field(0.2, gt=0, description="Divergence bound δ for tokens with A <= 0 whose probability fell: binary TV in algo.dppo_tv (default 0.2), binary KL in nats in algo.dppo_kl (default 0.05); each mode reads its own section.")
+    delta_high: float = Field(0.2, gt=0, description="Divergence bound δ for tokens with A > 0 whose probability rose (algo.dppo_tv: TV, default 0.2; algo.dppo_kl: nats, default 0.05).")
+    is_cap: float = Field(20.0, ge=1, description="Cap C of the detached importance ratio (truncated IS; the DPPO paper recommends a large one; verl's falls back to 20 but its actor config sets clip_ratio_c=3).")
 
 
 def _dppo_kl_defaults() -> DPPOConfig:
@@ -500,7 +507,7 @@ class AlgoConfig(_Section):
         "the adaptive α's starting value. actor/entropy_coef logs the α of each step."
     )
     entropy_target: float | None = Field(
-        None, ge=0, description="Adaptive entropy bonus: the entropy to hold, nats per token (policy/entropy: π_old's entropy at the "
+        None, gt=0, description="Adaptive entropy bonus: the entropy to hold, nats per token (policy/entropy: π_old's entropy at the "
         "sampled positions, averaged per response then over responses). After each step α ← clip(α + algo.entropy_coef_lr·(target − "
         "policy/entropy), 0, algo.entropy_coef_max) (dual ascent), starting at algo.entropy_coef; α is saved in checkpoints. null = "
         "α stays algo.entropy_coef. Not with actor.old_logprobs_source=rollout (no entropy measured) (docs/training.md#entropy-control)."

@@ -619,7 +619,9 @@ def check_hacking_gold(
 
     Reads the validations' gold and training-reward means: ``exact/gold_mean`` and ``exact/score_mean`` (exact, the
     hackable embedded task) when logged, else ``val/gold_mean`` and ``val/score_mean`` (``reward.val_function`` /
-    ``reward.val_model`` or a built-in gold) with their standard errors ``val/*_sem``. Fires when the last
+    ``reward.val_model`` or a built-in gold) with their standard errors ``val/*_sem``, leaving out the validations
+    where the gold could not score every sample (``val/gold_unscored_frac`` > 0: a failing gold is not a falling
+    one). Fires when the last
     validation's gold is below the best gold so far (at an earlier validation) by more than ``min_rel_drop`` of it
     and by more than ``z`` standard errors of the difference, while the training reward at the last validation is
     not below its value at the best gold's by more than ``z`` standard errors: the gap between what is optimized
@@ -629,6 +631,9 @@ def check_hacking_gold(
     """
     g_key, p_key, exact = _gold_keys(history)
     g_steps, g_vals = _series(history, g_key)
+    if not exact:  # a validation where the gold failed on some samples (counted 0) says nothing about the policy
+        failed = {s for s, v in zip(*_series(history, "val/gold_unscored_frac"), strict=True) if v > 0}
+        g_steps, g_vals = [s for s in g_steps if s not in failed], [v for s, v in zip(g_steps, g_vals, strict=True) if s not in failed]
     p_by = dict(zip(*_series(history, p_key), strict=True))
     steps = [s for s in g_steps if s in p_by]
     if len(steps) < 2:
@@ -751,6 +756,7 @@ WATCHED = (
     "val/score_mean",
     "val/gold_sem",
     "val/score_sem",
+    "val/gold_unscored_frac",
 )
 
 

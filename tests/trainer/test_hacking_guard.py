@@ -19,7 +19,7 @@ COMMON = ["data.embedded_task=digitsum_hack", "kl.coef=0", "trainer.total_steps=
 def test_rollback_restores_a_stable_checkpoint_and_raises_beta_from_zero(tmp_path):
     Trainer(load_config(None, [*COMMON, "guard.on_hacking=rollback", f"trainer.output_dir={tmp_path / 'rb'}"])).fit()
     rows = [json.loads(x) for x in (tmp_path / "rb" / "metrics.jsonl").read_text().splitlines()]
-    hits = [r["step"] - 1 for r in rows if r.get("guard/hacking_rollback")]  # the warning's step; its guard/* show in the next
+    hits = [r["step"] for r in rows if r.get("guard/hacking_rollback")]  # the warning's step
     assert hits, "the guard never acted"
     after = [r for r in rows if r["step"] > hits[0]]
     assert after and all(r["kl/coef"] >= 0.05 for r in after) and all(r["guard/coef_floor"] == 0.05 for r in after)
@@ -30,3 +30,6 @@ def test_stop_ends_the_run_at_the_warning(tmp_path):
     with pytest.raises(TrainingStopped, match=r"guard.on_hacking=stop"):
         Trainer(load_config(None, [*COMMON, "guard.on_hacking=stop", f"trainer.output_dir={tmp_path / 'st'}"])).fit()
     assert (tmp_path / "st" / "checkpoints").is_dir()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "st" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == len(set(steps))  # the stopped step's line is written once, with guard/stop
+    assert json.loads((tmp_path / "st" / "metrics.jsonl").read_text().splitlines()[-1])["guard/hacking"] == 1.0

@@ -310,14 +310,16 @@ class Trainer:
             self.ckpt.maybe_save(self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics)
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
+        self.react(self.diagnostics.update(self.step, metrics))  # the doctor's live checks; guard.on_hacking (stop raises here)
+        metrics |= self.guard.pop_metrics() | {"kl/coef_next": self.beta}  # a hacking rollback's guard/* and β, in this step's line
         self.logger.log(self.step, metrics)
-        self.react(self.diagnostics.update(self.step, metrics))  # the doctor's live checks; guard.on_hacking
         return metrics
 
     def react(self, findings, *, log_them: bool = True, resumed: bool = False) -> None:
         """Log the doctor's new live findings; a reward-hacking one (``tether.diagnostics.HACKING_CHECKS``) goes to the
-        guard (``guard.on_hacking``: warn, rollback or stop; once a step), whose rollback shows in the next step's ``guard/*``. On
-        resume the checkpointed step's findings are replayed: a rollback is applied again, a stop is not."""
+        guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
+        ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
+        rollback is applied again, a stop is not."""
         from tether.diagnostics import HACKING_CHECKS
 
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
