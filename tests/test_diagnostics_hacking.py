@@ -46,8 +46,9 @@ def test_sampled_gold_needs_the_drop_to_beat_its_noise():
     assert check_hacking_gold(h, z=0) and check_hacking_gold(h)[0:0] == []
 
 
-def proxy_history(kl, length):
-    return [{"step": i + 1, "kl/ref_mean": k, "response/length_mean": n} for i, (k, n) in enumerate(zip(kl, length, strict=True))]
+def proxy_history(kl, length, reward_slope=0.01):
+    return [{"step": i + 1, "kl/ref_mean": k, "response/length_mean": n, "reward/score_mean": 0.5 + reward_slope * i}
+            for i, (k, n) in enumerate(zip(kl, length, strict=True))]  # fmt: skip
 
 
 def test_proxy_check_needs_kl_acceleration_and_length_drift_together():
@@ -62,6 +63,7 @@ def test_proxy_check_needs_kl_acceleration_and_length_drift_together():
     assert check_hacking_proxy(proxy_history(steady, drifting)) == []  # the length alone
     slowing = [0.3 * (1 - 0.9**i) for i in range(30)]  # ordinary training: KL fastest at the start
     assert check_hacking_proxy(proxy_history(slowing, drifting)) == []
+    assert check_hacking_proxy(proxy_history(kl, drifting, reward_slope=-0.01)) == []  # the reward falls: breaking, not hacking
 
 
 def test_live_schedule_reports_once_and_diagnose_includes_both():

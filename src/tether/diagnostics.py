@@ -36,7 +36,7 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
   held or rose.
 * ``hacking_proxy`` (``kl/ref_mean`` with ``response/length_mean``): the KL's slope jumped ``kl_accel`` [3]× within the
   last ``lookback`` [20] points (windows of ``window`` [10], at least ``min_kl_slope`` [0.005]/step) and the length's
-  median drifted ≥ ``min_len_drift`` [5 %].
+  median drifted ≥ ``min_len_drift`` [5 %], while ``reward/score_mean`` is not falling (τ > ``min_reward_tau`` [0]).
 
 Each :class:`Finding` names the metric, carries the evidence (``steps`` and ``values`` of the
 points the check looked at, plus the statistics it computed) and a concrete suggestion naming the
@@ -671,11 +671,15 @@ def check_hacking_proxy(
     kl_accel: float = 3.0,
     min_kl_slope: float = 0.005,
     min_len_drift: float = 0.05,
+    min_reward_tau: float = 0.0,
     config: Any = None,
 ) -> list[Finding]:
-    """Reward hacking seen without a gold reward: the KL to the reference accelerated and the response length drifted.
+    """Reward hacking seen without a gold reward: the KL to the reference accelerated and the response length drifted
+    while the training reward rose.
 
-    Two signals, both required (either alone is ordinary training):
+    Two signals, both required (either alone is ordinary training), while the training reward (``reward/score_mean``)
+    is not falling — Kendall's τ over the last ``2·window`` points above ``min_reward_tau`` (hacking pays; a run whose
+    reward falls as its KL jumps is breaking, which other checks report):
 
     * **KL acceleration** (``kl/ref_mean``): at some point of the last ``lookback`` points, the Theil–Sen slope of the
       ``window`` points before it was at least ``kl_accel`` times the slope of the ``window`` points before those,
@@ -706,6 +710,10 @@ def check_hacking_proxy(
     drift = (recent - early) / early if early > 0 else 0.0
     if abs(drift) < min_len_drift:
         return []
+    r_steps, r_vals = _series(history, "reward/score_mean")
+    r_tau = _kendall_tau(r_steps[-2 * window :], r_vals[-2 * window :]) if len(r_steps) >= 2 else 0.0
+    if not r_tau > min_reward_tau:
+        return []
     ratio, at, s_prev, s_now = best
     msg = (
         f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the last "
@@ -714,7 +722,8 @@ def check_hacking_proxy(
         "reward this is a warning sign, not proof"
     )
     evidence = {"steps": k_steps[-(2 * window + lookback):], "values": k_vals[-(2 * window + lookback):], "accel_step": at,
-                "kl_slope_before": s_prev, "kl_slope_after": s_now, "length_early": early, "length_recent": recent, "length_drift": drift}  # fmt: skip
+                "kl_slope_before": s_prev, "kl_slope_after": s_now, "length_early": early, "length_recent": recent, "length_drift": drift,
+                "reward_kendall_tau": r_tau}  # fmt: skip
     suggestion = (
         "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
         f"{_raise_kl_coef(history, config)}; guard.on_hacking=rollback acts on this"
