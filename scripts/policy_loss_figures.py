@@ -18,19 +18,16 @@ import math
 import statistics
 from pathlib import Path
 
+from stability_tables import cell as stability_cell  # scripts/ is on sys.path when run as a script
+
 SWEEPS = ("policy_losses", "entropy_vanilla", "entropy_control")
 KEYS_NOT_A_CONFIG = ("trainer.seed",)
 SUCCESS = 0.8
 
 
 def cell(values: list[float], fmt: str) -> str:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return "–"
-    mean = statistics.fmean(values)
-    if len(values) == 1 or fmt.endswith("e}"):
-        return fmt.format(mean)
-    return f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+    """stability_tables.cell over the finite values."""
+    return stability_cell([v for v in values if v is not None and math.isfinite(v)], fmt)
 
 
 def history(run_dir: Path) -> list[dict]:
