@@ -33,9 +33,8 @@ VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-b
     "bf16": ["trainer.fsdp.param_dtype=bfloat16"],  # compute in bf16, fp32 master weights and AdamW moments
     "autocast": ["actor.compute_dtype=bfloat16"],  # torch.autocast to bf16 on both sides, fp32 LM heads
     "full-kl": ["kl.estimator=full"],
-    # sequence-level (per-response ratio and aggregation) and masked (binary-KL trust region) policy losses, off-policy
+    # a sequence-level policy loss (per-response ratio, seq-mean-token-mean), off-policy over two mini-batches
     "gspo": ["algo.policy_loss=gspo", "algo.mini_batch_size=8"],
-    "dppo": ["algo.policy_loss=dppo_kl", "algo.mini_batch_size=8"],
     # padding-free forwards and token-budget micro-batches for actor, reference and critic; every rank also runs
     # one extra empty micro-batch per pass (see _rank_main), which must change nothing
     "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",

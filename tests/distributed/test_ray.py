@@ -66,11 +66,9 @@ EQUAL_CASES = {
     "grpo": [],
     # no validation: the driver then holds neither a reference nor a critic model, only the policy
     "gae-split-ref-reset": ["algo.adv_estimator=gae", "trainer.placement=split", "ref.reset_every=2", "trainer.val_freq=0"],
-    "lora": ["actor.lora.rank=4"],
+    "lora-gspo": ["actor.lora.rank=4", "algo.policy_loss=gspo"],  # and a sequence-level policy loss on the ranks
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
-    # the driver generates the next batch (and its behaviour log-probs) while the workers train
-    "async": ["rollout.async_steps=1"],
-    # three batches ahead, each weighed against the mismatched engine (TIS), with a rejection that takes responses out
+    # the driver generates batches (and their behaviour log-probs) while the workers train: three batches ahead, each weighed against the mismatched engine (TIS), with a rejection that takes responses out
     # of the all-reduced loss counts, and an off-policy-corrected k3 KL loss over two mini-batches; the (B, T) token
     # masks and α of the entropy controls and mask_truncated travel to the ranks with the batch and the spec
     "async-3-rollout-correction": ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
