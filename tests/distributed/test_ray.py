@@ -388,7 +388,8 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_
     that tether started included. The run still finishes its step, writes that checkpoint and exits
     143 with the command that continues it: tearing the workers down one by one needed Ray's GCS,
     which was shutting down too, and hung until Ray's 60 s reconnect timeout ended the driver with
-    exit code 1."""
+    exit code 1. When the signal reaches a worker before the step's last call to it, the step is abandoned as by a
+    second signal (a race: the checkpoint and exit then name the last complete checkpoint)."""
     import signal
     import subprocess
     import sys
@@ -416,8 +417,13 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_
             os.killpg(proc.pid, signal.SIGKILL)
     done = max(r["step"] for r in _metrics(run))
     assert proc.returncode == 143, err[-3000:]
-    assert f"tether train: stopped by SIGTERM after step {done}; checkpoint step {done} written" in err
-    assert (run / "checkpoints" / f"step_{done:06d}").is_dir()
+    if "abandoning it without a new checkpoint" in err:
+        # the signal reached the workers (or Ray's raylet) before the step's last call to them: the step is abandoned
+        # as by a second signal, and the exit names the last complete checkpoint (none here: trainer.save_freq=0)
+        assert "the step in progress failed after it (WorkerDiedError" in err and "no checkpoint was written yet" in err, err[-3000:]
+    else:  # the usual case: the step finished before the workers went, and was checkpointed
+        assert f"tether train: stopped by SIGTERM after step {done}; checkpoint step {done} written" in err
+        assert (run / "checkpoints" / f"step_{done:06d}").is_dir()
     assert time.monotonic() - t0 < 45  # not Ray's 60 s GCS reconnect timeout
 
 

@@ -34,3 +34,35 @@ def test_resume_command_keeps_config_and_overrides_and_points_at_the_run():
     assert cmd == ("tether train configs/gsm8k.yaml kl.coef=0.1 'data.instruction_suffix= step by step' "
                    "trainer.output_dir=runs/20260101-000000")
     assert resume_command(None, [], "runs/x") == "tether train trainer.output_dir=runs/x"
+
+
+def test_a_worker_that_dies_after_the_signal_abandons_the_step_like_a_second_signal():
+    """A SIGTERM to the whole process group may stop the Ray workers mid-step: their error then becomes the signal's
+    stop (exit 128 + signum, the last complete checkpoint), not the worker's; before any signal it stays an error, and
+    so does an error of tether's own code after one."""
+    import signal as _signal
+    from types import SimpleNamespace
+
+    from tether.distributed.ray_backend import WorkerDiedError
+    from tether.trainer import Trainer, TrainingInterrupted
+
+    t = object.__new__(Trainer)
+
+    def boom():
+        raise WorkerDiedError("actor+ref worker group: rank 0 died during compute_logprobs")
+
+    t.train_step = boom
+    t._signals = SimpleNamespace(signum=None)
+    with pytest.raises(WorkerDiedError):
+        t.train_step_or_abandon()
+    t._signals.signum = _signal.SIGTERM
+    with pytest.raises(TrainingInterrupted) as e:
+        t.train_step_or_abandon()
+    assert e.value.exit_code == 143 and e.value.step is None
+
+    def bug():
+        raise ValueError("a bug of our own")
+
+    t.train_step = bug
+    with pytest.raises(ValueError):
+        t.train_step_or_abandon()

@@ -236,7 +236,7 @@ class Trainer:
                     log.warning("nothing to train: the run is already at step %d >= trainer.total_steps=%d "
                                 "(raise trainer.total_steps to continue it)", self.step, self.cfg.trainer.total_steps)
                 while self.step < self.cfg.trainer.total_steps:
-                    metrics = self.train_step()
+                    metrics = self.train_step_or_abandon()
                     history.append(metrics)
                     progress.update(metrics)
                     if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
@@ -267,6 +267,22 @@ class Trainer:
             except (OutputPathError, OutputWriteError) as e:  # the training is done and checkpointed: say so, do not fail it
                 log.warning("report not written (%s); make it later with: tether report %s", e, self.run_dir)
         return history
+
+    def train_step_or_abandon(self) -> dict[str, float]:
+        """:meth:`train_step`; after a SIGTERM/SIGINT to the whole process group, whose Ray workers (and local Ray) it may
+        have stopped mid-step, a worker that dies abandons the step like a second signal: the run exits with the
+        signal's code and the last complete checkpoint, not with the worker's error."""
+        try:
+            return self.train_step()
+        except Exception as e:
+            signum = getattr(getattr(self, "_signals", None), "signum", None)
+            if signum is None or not type(e).__module__.startswith(("ray", "tether.distributed")):
+                raise
+            from tether.trainer.signals import TrainingInterrupted, signal_name
+
+            log.warning("%s: the step in progress failed after it (%s: %s); abandoning it without a new checkpoint",
+                        signal_name(signum), type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
+            raise TrainingInterrupted(signum) from e
 
     def train_step(self) -> dict[str, float]:
         """One step: the algorithm, phase by phase."""
