@@ -223,13 +223,13 @@ def _dppo(divergence, lp, old, adv, m, *, log_ratio_clamp, delta_low, delta_high
     the sampled token's binary distribution (:func:`binary_tv` or :func:`binary_kl`). ℓ_t = −M_t·sg(min(r_t, C))·
     A_t·log π_θ(y_t): the ratio enters detached and capped at C (truncated IS, the paper's section 5.4)."""
     r = torch.exp(_log_ratio(lp, old, m, log_ratio_clamp))
-    lpd, oldd = lp.detach(), old
+    lpd = lp.detach()
     if divergence == "tv":
-        d = binary_tv(lpd, oldd)
+        d = binary_tv(lpd, old)
         valid = torch.where(adv > 0, d <= delta_high, d >= -delta_low)
     else:
-        d = binary_kl(lpd, oldd)  # the direction comes from the sign of the probability change
-        valid = torch.where(adv > 0, (d <= delta_high) | (lpd <= oldd), (d <= delta_low) | (lpd >= oldd))
+        d = binary_kl(lpd, old)  # the direction comes from the sign of the probability change
+        valid = torch.where(adv > 0, (d <= delta_high) | (lpd <= old), (d <= delta_low) | (lpd >= old))
     capped = r.clamp(max=is_cap)
     loss_tok = -valid.to(lp.dtype) * capped.detach() * adv * lp
     return loss_tok, {"policy/clipfrac": _frac(~valid, m), "policy/clipfrac_lower": _frac((r > is_cap) & valid, m)}
