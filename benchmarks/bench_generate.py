@@ -80,7 +80,7 @@ WORKLOADS = {  # name: (prompt lengths, max new tokens, EOS allowed, eos_logit_b
 def _prompts(tok, path: Path, device="cpu"):
     import torch
 
-    from tether.trainer.prompts import collate_prompts
+    from tether.data.loading import collate_prompts
 
     texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]

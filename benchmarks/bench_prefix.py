@@ -24,7 +24,7 @@ import time
 import torch
 
 from tether.models import response_logprobs
-from tether.workers.prefix import prompt_groups, shared_prefix_logprobs
+from tether.models.prefix import prompt_groups, shared_prefix_logprobs
 
 MODELS = {
     "small": dict(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=8),

@@ -35,11 +35,11 @@ def main() -> None:
     import torch
 
     from tether.config import load_config
+    from tether.data.loading import collate_prompts
     from tether.distributed.ray_backend import WorkerGroup
     from tether.distributed.rollout_workers import VLLMReplicaGroup
     from tether.models import load_tokenizer
     from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
-    from tether.trainer.prompts import collate_prompts
 
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=os.environ.get("TMPDIR")))
     tok_dir = build_gsm8k_tokenizer(root / "tok", texts=synthetic_math_texts(200))

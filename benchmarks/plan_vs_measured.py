@@ -125,7 +125,7 @@ def _measure(name: str) -> dict:
     if case[-1]:
         model.gradient_checkpointing_enable()
     if compute != dtype:
-        fp32_lm_head(model)  # as tether.trainer.setup does for actor.compute_dtype=bfloat16
+        fp32_lm_head(model)  # as tether.workers.build does for actor.compute_dtype=bfloat16
     actor = ActorWorker(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=case[7],
                         temperature=1.0, compute_dtype=compute)  # fmt: skip
     batch, spec = _batch(case), _spec(case[7])

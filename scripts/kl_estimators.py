@@ -24,7 +24,7 @@ import torch
 def _policy(run_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    from tether.trainer.checkpoint import latest_valid_checkpoint
+    from tether.checkpoint import latest_valid_checkpoint
 
     ckpt = latest_valid_checkpoint(run_dir / "checkpoints")
     if ckpt is None:

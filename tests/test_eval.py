@@ -90,8 +90,8 @@ def test_greedy_is_deterministic_and_matches_generate(digitsum_file):
 def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_path):
     """A trained checkpoint, evaluated by `tether eval RUN_DIR`, scores what the trainer's in-memory
     policy scores through the same function; the run's settings are the defaults."""
+    from tether.data.loading import prepare_prompts
     from tether.trainer import Trainer
-    from tether.trainer.prompts import prepare_prompts
     from tether.trainer.stats import evaluate_prompts
 
     run = tmp_path / "run"
@@ -167,11 +167,11 @@ def test_bad_inputs_are_clear(digitsum_file, tmp_path, capsys):
 def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     """Validation mid-training must not move the reward's running statistics."""
     from tether.data import load_rows
+    from tether.data.loading import prepare_prompts
     from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.rewards import RewardManager
     from tether.rollout import HFRolloutEngine
-    from tether.trainer.prompts import prepare_prompts
-    from tether.trainer.rollout import RolloutRunner
+    from tether.rollout.runner import RolloutRunner
     from tether.trainer.stats import evaluate_prompts
 
     path = resolve_model_path("embedded")
@@ -192,7 +192,7 @@ def test_embedded_data_needs_no_file():
     """DATA=embedded evaluates the digit-sum task's whole held-out split (the 4 val sums) without a
     file, with the task's own response length (4 tokens) and the exact values by enumeration."""
     from tether.tasks.digitsum import make_dataset
-    from tether.tasks.exact import reference_success_rate
+    from tether.tasks.sft import reference_success_rate
 
     samples: list[dict] = []
     s = EvalSettings(n=2, batch_size=8)
@@ -313,8 +313,8 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
 
 
 def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
+    from tether.checkpoint import write_checkpoint
     from tether.evaluate import select_checkpoints
-    from tether.trainer.checkpoint import write_checkpoint
 
     root = tmp_path / "run" / "checkpoints"
     root.mkdir(parents=True)
@@ -338,7 +338,7 @@ def test_a_model_without_a_run_on_the_embedded_task_is_measured_against_the_task
     from transformers import AutoTokenizer
 
     from tether.models import load_causal_lm, resolve_model_path
-    from tether.tasks.exact import reference_success_rate
+    from tether.tasks.sft import reference_success_rate
 
     ref_dir = resolve_model_path("embedded")
     model = load_causal_lm(ref_dir)
@@ -360,9 +360,9 @@ def _run_with_custom_reward(tmp_path, reward_py: str):
     embedded task's model."""
     import shutil
 
+    from tether.checkpoint import write_checkpoint
     from tether.config import config_to_yaml
     from tether.models import resolve_model_path
-    from tether.trainer.checkpoint import write_checkpoint
 
     fn = tmp_path / "my_reward.py"
     fn.write_text(reward_py)

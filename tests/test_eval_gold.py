@@ -46,8 +46,8 @@ def test_without_a_gold_nothing_is_added(capsys):
 
 
 def test_a_runs_gold_is_the_default_and_a_given_one_replaces_it(tmp_path):
+    from tether.checkpoint import write_checkpoint
     from tether.models import resolve_model_path
-    from tether.trainer.checkpoint import write_checkpoint
 
     run_spec, given = _fn(tmp_path, CONST), _fn(tmp_path, HALF, "half")
     given = given.rsplit(":", 1)[0] + ":gold"

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from tether import sweep as sw
+from tether.checkpoint import write_checkpoint
 from tether.cli import main as cli_main
 from tether.config import parse_override
-from tether.trainer.checkpoint import write_checkpoint
 
 # ----------------------------------------------------------------------------------------------
 # values, grid, names

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tether.checkpoint import write_checkpoint
 from tether.cli import main
 from tether.outputs import OutputWriteError, atomic_output, io_errno, output_problem
 from tether.tasks.sft import default_reference_path
-from tether.trainer.checkpoint import write_checkpoint
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 EROFS = OSError(errno.EROFS, os.strerror(errno.EROFS))

@@ -55,8 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tether train: {e}", file=sys.stderr)
         return 2
+    from tether.checkpoint import CheckpointWriteError
     from tether.trainer import Trainer, TrainingInterrupted, TrainingStopped
-    from tether.trainer.checkpoint import CheckpointWriteError
 
     try:
         trainer = Trainer(cfg)
@@ -75,10 +75,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"tether train: {e.strerror}; {last}. To continue once the disk is fixed:\n  {resume_command(config, overrides, trainer.run_dir)}",
               file=sys.stderr)  # fmt: skip
         return 4
-    except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.trainer.signals) or a bare Ctrl-C
+    except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
         if isinstance(e, TrainingInterrupted) and e.step is not None:
-            from tether.trainer.signals import signal_name
+            from tether.signals import signal_name
 
             what = f"stopped by {signal_name(e.signum)} after step {e.step}; checkpoint step {e.step} written"
         else:
@@ -159,9 +159,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Exit 0; 2 for a bad checkpoint or OUT_DIR (found before writing); 4 when a write fails (full or
     read-only disk): one line, and nothing left at or beside OUT_DIR."""
+    from tether.checkpoint import CheckpointError
     from tether.export import export_checkpoint
     from tether.outputs import OutputWriteError
-    from tether.trainer.checkpoint import CheckpointError
 
     try:
         out = export_checkpoint(args.checkpoint, args.out_dir)

@@ -717,10 +717,10 @@ def _check_gold_rollback(cfg) -> None:
     if d.train_files != EMBEDDED or d.val_files not in (None, EMBEDDED):
         return
     from tether.rewards.registry import GOLD_FUNCTIONS
-    from tether.trainer.prompts import load_prompt_rows
+    from tether.tasks import embedded_task
 
-    _, val = load_prompt_rows(d.model_copy(update={"embedded_train_size": 1}), cfg.trainer.seed)  # the val split's rows
-    sources = list(dict.fromkeys(r.data_source for r in val))
+    val = embedded_task(d.embedded_task).make_dataset("val", d.embedded_val_size, seed=cfg.trainer.seed)  # the val split's records
+    sources = list(dict.fromkeys(r.get("data_source", "unknown") for r in val))
     if not any(s in GOLD_FUNCTIONS for s in sources):
         raise ValueError(no_gold_message(sources))
 
@@ -909,6 +909,14 @@ class TetherConfig(_Section):
     @property
     def kl_loss_estimator(self) -> str:
         return self.kl.loss_estimator or self.kl.estimator
+
+    @property
+    def exact_evaluation_applies(self) -> bool:
+        """Whether exact/* metrics apply: the embedded task's data (every response can be enumerated) sampled at plain
+        temperature (no top-p / top-k, ``rollout.do_sample``). Decided here, once, for validation during training,
+        ``tether eval`` and the sweep's final exact evaluation."""
+        r = self.rollout
+        return self.data.train_files == EMBEDDED and r.top_p == 1.0 and r.top_k == 0 and r.do_sample
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")

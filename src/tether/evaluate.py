@@ -115,7 +115,7 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
     Raises:
         ConfigError: nothing loadable there (with what was looked for), or an incomplete checkpoint.
     """
-    from tether.trainer.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
+    from tether.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
 
     if str(path) == EMBEDDED:
         from tether.models import resolve_model_path
@@ -398,8 +398,8 @@ class Evaluator:
     def __init__(self, data: str | Path, settings: EvalSettings, tok, device, *, run: Path | None = None):
         from tether.config import DataConfig
         from tether.data import load_rows
+        from tether.data.loading import prepare_prompts
         from tether.metrics.accuracy import parse_ks
-        from tether.trainer.prompts import prepare_prompts
         from tether.trainer.stats import distinct_prompt_indices
 
         s = self.settings = settings
@@ -571,14 +571,14 @@ class Evaluator:
 
     def _runner(self, model, model_path: Path | None):
         """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
-        by the trainer's own builder (``tether.trainer.setup``); later policies are pushed with
+        by the trainer's own builder (``tether.workers.build``); later policies are pushed with
         ``sync_weights``, the engine interface the trainer uses after every update."""
-        from tether.trainer.rollout import RolloutRunner
-        from tether.trainer.setup import _build_engine, generation_eos_ids
+        from tether.rollout.runner import RolloutRunner
+        from tether.workers.build import build_engine, generation_eos_ids
 
         r = self.resolved
         if self.engine is None:
-            self.engine = _build_engine(self.engine_config(), model, self.tok, model_path)
+            self.engine = build_engine(self.engine_config(), model, self.tok, model_path)
             if r["engine"] == "auto":  # the run's rollout.engine=auto: what it resolved to
                 r["engine"] = "vllm" if hasattr(self.engine, "llm") else "hf"
             if r["engine"] == "vllm":  # vLLM loaded model_path (a LoRA policy's base): push the policy itself
@@ -662,7 +662,7 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
             ground truth its verifier can use.
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
-    from tether.trainer.setup import pick_device
+    from tether.workers.build import pick_device
 
     s = settings or EvalSettings()
     device = pick_device(s.device)
@@ -685,7 +685,7 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
         ConfigError: no checkpoints directory, no complete checkpoint, a bad ``which`` or a step that
             has no complete checkpoint (naming the ones there are).
     """
-    from tether.trainer.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+    from tether.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
@@ -731,7 +731,7 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         OutputWriteError: a file could not be written (no space left, a read-only file system, ...);
             the files of the policies evaluated before it are complete, none is partial.
     """
-    from tether.trainer.setup import pick_device
+    from tether.workers.build import pick_device
 
     s = settings or EvalSettings()
     run = Path(run_dir).expanduser()

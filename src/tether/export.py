@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from tether.trainer.checkpoint import MANIFEST, CheckpointError, latest_valid_checkpoint, verify_checkpoint
+from tether.checkpoint import MANIFEST, CheckpointError, latest_valid_checkpoint, verify_checkpoint
 
 log = logging.getLogger("tether")
 

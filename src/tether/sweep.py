@@ -389,7 +389,7 @@ def is_finished(run_dir: Path, run: RunSpec) -> bool:
             return json.loads(marker.read_text()).get("args") == run.args()
         except json.JSONDecodeError:
             return False
-    from tether.trainer.checkpoint import CheckpointError, step_dir_name, verify_checkpoint
+    from tether.checkpoint import CheckpointError, step_dir_name, verify_checkpoint
 
     final = run_dir / "checkpoints" / step_dir_name(_total_steps(run))
     if not final.is_dir():
@@ -529,8 +529,8 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     """
     run_dir = Path(run_dir)
     cache = run_dir / EXACT_FINAL
+    from tether.checkpoint import latest_valid_checkpoint
     from tether.diagnostics import read_metrics
-    from tether.trainer.checkpoint import latest_valid_checkpoint
 
     ckpt = latest_valid_checkpoint(run_dir / "checkpoints")
     if ckpt is None:

@@ -127,7 +127,7 @@ def test_no_template_and_multi_turn_conversations_is_an_error(plain_tokenizer_di
 
 def test_the_trainer_refuses_multi_turn_prompts_without_a_template_before_any_work(plain_tokenizer_dir):
     from tether.config import DataConfig
-    from tether.trainer.prompts import prepare_prompts
+    from tether.data.loading import prepare_prompts
 
     tok = AutoTokenizer.from_pretrained(plain_tokenizer_dir)
     with pytest.raises(DataError, match="multi-turn conversations .* the tokenizer of actor.model"):

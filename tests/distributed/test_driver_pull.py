@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tether.distributed.ray_backend import RemoteActor
-from tether.trainer.setup import policy_as_is
 
 
 class _Group:
@@ -45,7 +44,7 @@ def test_lazy_copy_is_pulled_once_per_read_after_updates(model):
     for _ in range(3):
         assert _update(actor) == {"policy/loss": 0.5}
     assert group.calls == ["update_actor"] * 3 and actor.stale and actor.pulls == 0
-    assert policy_as_is(actor) is model and actor.pulls == 0  # shapes (perf/mfu, checkpoint config): no pull
+    assert actor.model_as_is is model and actor.pulls == 0  # shapes (perf/mfu, checkpoint config): no pull
     assert not torch.equal(model.weight.detach(), torch.full((2, 3), 3.0))
     assert actor.model is model and actor.pulls == 1 and not actor.stale
     assert torch.equal(model.weight, torch.full((2, 3), 3.0)) and torch.equal(model.bias, torch.full((2,), 3.0))  # the 3rd update's
@@ -73,7 +72,7 @@ def test_stale_copy_after_the_group_closed_names_the_checkpoint(model):
     group.workers = None  # WorkerGroup.kill
     with pytest.raises(RuntimeError, match=r"actor worker group is closed.*last checkpoint \(`tether export`\)"):
         actor.model  # noqa: B018
-    assert policy_as_is(actor) is model
+    assert actor.model_as_is is model
 
 
 class _Tok:
@@ -94,7 +93,7 @@ def test_checkpoint_metadata_pulls_only_for_lora_adapters(tmp_path):
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
-    from tether.trainer.state import save_sharded_actor_meta
+    from tether.distributed.ray_backend import save_sharded_actor_meta
 
     full = _tiny_lm()
     actor = RemoteActor(_Group(full), full, lazy=True)

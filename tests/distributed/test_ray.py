@@ -100,7 +100,7 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     wl, wr = dict(local.roles.actor.model.named_parameters()), dict(remote.roles.actor.model.named_parameters())
     assert max(float((wl[k] - wr[k]).abs().max()) for k in wl) < 1e-5
     assert not remote.roles.actor.lazy and remote.roles.actor.pulls == 3 + _metrics(tmp_path / "ray")[-1]["guard/rollbacks"]
-    assert remote.roles.backend is None and ray.is_initialized()  # its groups are gone; the module's Ray is not
+    assert remote.roles.placement.groups == [] and ray.is_initialized()  # its groups are gone; the module's Ray is not
     if "trainer.val_freq=0" in extra:
         assert remote.roles.ref.local is None and not hasattr(remote.roles.critic, "model")
 
@@ -167,7 +167,7 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     trainer = Trainer(cfg)
     trainer.train_step()  # checkpoint step 1
     at_1 = _weights(trainer.roles.actor.model)
-    ray.kill(trainer.roles.backend.actor_group.workers[1])
+    ray.kill(trainer.roles.placement.actor_group.workers[1])
     with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs "
                        r"\(ActorDiedError: The actor is dead because it was killed by `ray.kill`\.\)"):
         trainer.train_step()
@@ -175,7 +175,7 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
     assert again.step == 1
     assert _max_diff(at_1, _weights(again.roles.actor.model)) == 0.0
-    pulled = again.roles.backend.actor_group.call("full_state", "actor", True)
+    pulled = again.roles.placement.actor_group.call("full_state", "actor", True)
     assert _max_diff({k: at_1[k] for k in pulled}, pulled) == 0.0  # the workers hold them too
     assert again.train_step()["policy/updates"] > 0
     again.roles.close()
@@ -281,7 +281,7 @@ def sharded_run(cluster, tmp_path_factory):
 
 def test_sharded_checkpoint_layout_and_exact_resume(sharded_run, tmp_path):
     """Resume at the same world size from the step-2 checkpoint: steps 3-4 as in the uninterrupted run."""
-    from tether.trainer.checkpoint import verify_checkpoint
+    from tether.checkpoint import verify_checkpoint
 
     root, metrics, final = sharded_run
     ckpt = root / "a" / "checkpoints" / "step_000002"
@@ -307,7 +307,7 @@ def test_resume_at_another_world_size(sharded_run, tmp_path, n_from, n_to):
         ckpt = tmp_path / "ws1" / "checkpoints" / "step_000002"
     t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", f"trainer.n_workers={n_to}", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
     loaded = _weights(t.roles.actor.model)
-    pulled = t.roles.backend.actor_group.call("full_state", "actor", True)
+    pulled = t.roles.placement.actor_group.call("full_state", "actor", True)
     assert _max_diff({k: loaded[k] for k in pulled}, pulled) == 0.0  # the driver copy is the workers' weights
     t.fit()
     _compare(metrics[-2:], _metrics(tmp_path / "b")[-2:], tol=1e-5)
@@ -331,7 +331,7 @@ def test_export_from_sharded_checkpoint(sharded_run, tmp_path):
 
 
 def test_backends_refuse_each_others_checkpoints(sharded_run, tmp_path):
-    from tether.trainer.checkpoint import CheckpointError
+    from tether.checkpoint import CheckpointError
 
     root, _, _ = sharded_run
     ckpt = root / "a" / "checkpoints" / "step_000002"
@@ -349,7 +349,7 @@ def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
     import subprocess
     import sys
 
-    from tether.trainer.checkpoint import FAULT_ENV
+    from tether.checkpoint import FAULT_ENV
 
     _, metrics, _ = sharded_run
     address = ray.get_runtime_context().gcs_address

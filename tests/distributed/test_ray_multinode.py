@@ -58,7 +58,7 @@ def two_nodes(monkeypatch):
 
 def _node_ids(trainer: Trainer) -> list[str]:
     """The Ray node id each rank of the actor group runs on, asked of the rank itself."""
-    workers = trainer.roles.backend.actor_group.workers
+    workers = trainer.roles.placement.actor_group.workers
     return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in workers])
 
 
@@ -78,7 +78,7 @@ def test_two_nodes_one_rank_each_sharded_checkpoint_and_resume_equal_the_local_r
     cfg = load_config(None, [*SMALL, f"trainer.output_dir={run}", "trainer.backend=ray", "trainer.n_workers=2", "trainer.nnodes=2",
                              f"trainer.ray_address={two_nodes.address}"])  # fmt: skip
     first = Trainer(cfg)
-    assert not first.roles.backend.cluster.started  # attached, not a local Ray
+    assert not first.roles.placement.cluster.started  # attached, not a local Ray
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(alive) == 2
     placed = _node_ids(first)
@@ -95,7 +95,7 @@ def test_two_nodes_one_rank_each_sharded_checkpoint_and_resume_equal_the_local_r
         first.fit()
     ckpt = run / "checkpoints" / "step_000002"
     assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    assert ray.is_initialized() and first.roles.backend is None  # the crash closed its groups, the cluster stays
+    assert ray.is_initialized() and first.roles.placement.groups == []  # the crash closed its groups, the cluster stays
 
     resumed = Trainer(cfg)  # trainer.resume=auto: the step-2 checkpoint
     assert resumed.step == 2

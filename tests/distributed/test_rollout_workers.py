@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tether.config import ConfigError, describe_config, load_config
-from tether.distributed.rollout_workers import iter_full_weights, merge_responses, split_rows, weight_buckets
+from tether.distributed.rollout_workers import merge_responses, split_rows
+from tether.distributed.weights import iter_full_weights, weight_buckets
 
 
 def test_split_rows_contiguous_and_balanced():

@@ -79,7 +79,7 @@ def _vocab_parallel_checks(out: dict) -> None:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from tether import algos
-    from tether.distributed import vocab_parallel as vp
+    from tether.models import vocab_parallel as vp
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(0)
@@ -126,8 +126,8 @@ def _qwen2_checks(out: dict) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tether.distributed.parallel import FSDPSettings, parallelize
-    from tether.distributed.vocab_parallel import kl_full
     from tether.models import response_logprobs
+    from tether.models.vocab_parallel import kl_full
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -66,7 +66,7 @@ def _full(t):
 
 def _train(model, opt_name: str) -> list[dict]:
     """STEPS steps; per step the loss, grad norm (before clipping), full gradients (before clipping) and full weights after."""
-    from tether.distributed.vocab_parallel import logprobs_and_entropy
+    from tether.models.vocab_parallel import logprobs_and_entropy
     from tether.workers.common import clip_grad_norm
 
     params = list(model.parameters())

@@ -168,8 +168,8 @@ def test_tether_attention_in_a_qwen2_model_equals_sdpa_in_every_layout(qwen2_f64
     """Float64 with the matmul path forced: padded, unpadded, packed (restarting positions), shared-prompt
     cache and decode-loop tokens equal sdpa's; gradients too."""
     from tether.models import response_logprobs
+    from tether.models.prefix import prompt_groups, shared_prefix_logprobs
     from tether.rollout import hf_decode
-    from tether.workers.prefix import prompt_groups, shared_prefix_logprobs
 
     _, model = qwen2_f64
     other = _pair(model)

@@ -363,7 +363,7 @@ def test_sys_exit_and_keyboard_interrupt_in_reward_code_are_that_samples_error(t
     """Issue 24, item 9: sys.exit(0) in a reward function ended a run with exit 0 and no checkpoint; a KeyboardInterrupt
     raised by the code read as the user's "interrupted". Both are the sample's error, named (during training, where
     the trainer's SIGINT handler is installed; StopSignals stands for it here)."""
-    from tether.trainer.signals import StopSignals
+    from tether.signals import StopSignals
 
     m = RewardManager(function=_user_fn(tmp_path, EXITING), timeout_s=timeout_s)
     with StopSignals():

@@ -31,9 +31,9 @@ def small_cfg(tmp_path):
 def qwen2_padded(tmp_path_factory):
     """A tiny Qwen2 (sharper logits than the digit-sum reference) and left-padded prompts of 3..15
     tokens, 4 rows each: ``(model, tokenizer, prompt_ids (16, 15), prompt_mask (16, 15))``."""
+    from tether.data.loading import collate_prompts
     from tether.models import load_causal_lm, load_tokenizer
     from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
-    from tether.trainer.prompts import collate_prompts
 
     tmp = tmp_path_factory.mktemp("qwen2")
     tok_dir = build_gsm8k_tokenizer(tmp / "tok", texts=synthetic_math_texts(100))

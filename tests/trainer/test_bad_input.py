@@ -279,8 +279,8 @@ def test_resume_off_on_a_run_dir_without_checkpoints_or_metrics_starts(tmp_path)
 
 def test_resuming_a_run_of_another_model_is_one_line(small_cfg, tmp_path):
     # the trial: a size-mismatch dump of the state_dict; the config diff names the cause
+    from tether.checkpoint import CheckpointError
     from tether.tasks.sft import build_reference
-    from tether.trainer.checkpoint import CheckpointError
 
     narrow = build_reference(tmp_path / "narrow", steps=1, batch_size=4, model_config={"hidden_size": 32, "intermediate_size": 64})
     run = tmp_path / "run"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tether.trainer.checkpoint import (
+from tether.checkpoint import (
     FAULT_ENV,
     MANIFEST,
     CheckpointError,
@@ -104,7 +104,7 @@ def test_fault_hook_kills_the_writer_mid_checkpoint(tmp_path):
         import json, pathlib, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_checkpoint import _writers
-        from tether.trainer.checkpoint import write_checkpoint
+        from tether.checkpoint import write_checkpoint
         root = pathlib.Path({str(tmp_path)!r})
         write_checkpoint(root, 1, _writers())
         write_checkpoint(root, 2, _writers())
@@ -350,7 +350,7 @@ def test_prune_does_not_count_a_corrupt_checkpoint_and_sets_it_aside(tmp_path, c
 
 
 def test_prune_cache_hashes_a_checkpoint_once_and_sees_a_rewrite(tmp_path, monkeypatch):
-    import tether.trainer.checkpoint as ck
+    import tether.checkpoint as ck
 
     verified: dict = {}
     for step in (1, 2):

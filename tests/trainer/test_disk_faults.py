@@ -8,10 +8,10 @@ from collections import namedtuple
 
 import pytest
 
+from tether import checkpoint as ckpt_mod
+from tether.checkpoint import FAULT_ENV, CheckpointWriteError
 from tether.cli import main
 from tether.trainer import Trainer
-from tether.trainer import checkpoint as ckpt_mod
-from tether.trainer.checkpoint import FAULT_ENV, CheckpointWriteError
 
 QUICK = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.val_freq=0", "trainer.report=false"]
 
@@ -60,7 +60,7 @@ def test_the_cli_says_it_in_one_line_and_how_to_continue(tmp_path, monkeypatch, 
 
 def test_a_ray_worker_groups_error_text_is_read_for_the_os_reason(tmp_path):
     """Under trainer.backend=ray the ranks' DCP errors reach the driver as text (tether.distributed.ray_backend.failure_text)."""
-    from tether.trainer.checkpoint import write_checkpoint
+    from tether.checkpoint import write_checkpoint
 
     def ranks_failed(d):
         raise RuntimeError("actor group: save failed: CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tether.checkpoint import FAULT_ENV, CheckpointError, latest_valid_checkpoint, verify_checkpoint
 from tether.config import load_config
 from tether.trainer import Trainer
-from tether.trainer.checkpoint import FAULT_ENV, CheckpointError, latest_valid_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -136,11 +136,11 @@ def test_config_refusals_name_the_keys(tmp_path, monkeypatch):
 def test_rollback_on_gold_with_data_files_and_no_gold_fails_at_start_up_before_models_load(small_cfg, tmp_path, monkeypatch):
     from tether.data import write_records
     from tether.tasks.digitsum import make_dataset
-    from tether.trainer import Trainer, setup
+    from tether.trainer import Trainer
 
     write_records(make_dataset("train", 8), tmp_path / "train.jsonl")
     write_records(make_dataset("val"), tmp_path / "val.jsonl")
-    monkeypatch.setattr(setup, "build_roles", lambda cfg: pytest.fail("models loaded before the gold check"))
+    monkeypatch.setattr("tether.trainer.trainer.build_roles", lambda cfg: pytest.fail("models loaded before the gold check"))
     cfg = small_cfg(f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "guard.rollback_metric=gold")
     with pytest.raises(ConfigError, match=r"guard.rollback_metric=gold watches val/gold_mean.*'tether/digitsum' have no built-in gold"):
         Trainer(cfg)

@@ -206,12 +206,12 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
     from pydantic import ValidationError
 
     from tether.config import load_config
-    from tether.trainer import setup
+    from tether.workers import build as setup
 
     model, tok = load_reference()
     assert load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is True
     for value in ("tether", "generate"):
-        engine = setup._build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=false"]), model, tok, None)
+        engine = setup.build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=false"]), model, tok, None)
         assert engine.hf_decode == value and engine.drop_finished is False
     with pytest.raises((ValidationError, ValueError), match="hf_decode"):
         load_config(None, ["rollout.hf_decode=fast"])
@@ -288,10 +288,10 @@ def test_inverse_cdf_sampler_in_the_engine(qwen2_padded, monkeypatch):
     ids = engine.generate(p_ids, p_mask, suppress_tokens=[common])
     assert (ids != common).all()
     from tether.config import load_config
-    from tether.trainer import setup
+    from tether.workers import build as setup
 
     assert load_config(None, []).rollout.hf_sampler == "multinomial"
     cfg = load_config(None, ["rollout.engine=hf", "rollout.hf_sampler=inverse_cdf"])
-    assert setup._build_engine(cfg, model, tok, None).sampler == "inverse_cdf"
+    assert setup.build_engine(cfg, model, tok, None).sampler == "inverse_cdf"
     with pytest.raises(ValueError, match="sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'"):
         HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, sampler="gumbel")

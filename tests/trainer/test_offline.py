@@ -10,12 +10,12 @@ import torch
 
 from tether.config import DataConfig
 from tether.data import rows_from_records
+from tether.data.loading import prepare_prompts
 from tether.models import load_causal_lm, load_tokenizer
 from tether.rollout import HFRolloutEngine
+from tether.rollout.runner import RolloutRunner
 from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
-from tether.trainer.prompts import prepare_prompts
-from tether.trainer.rollout import RolloutRunner
-from tether.trainer.setup import generation_eos_ids
+from tether.workers.build import generation_eos_ids
 
 # prompt -> responses; the rows are interleaved so that no group is contiguous in the file
 GROUPS = {
@@ -102,7 +102,7 @@ def test_extra_eos_ids_end_the_response(setup):
 
 
 def _prompt(prompts, tok, n):
-    from tether.trainer.prompts import collate_prompts
+    from tether.data.loading import collate_prompts
 
     return collate_prompts([prompts.ids[i] for i in range(n)], tok.pad_token_id, "cpu")
 
@@ -144,8 +144,8 @@ def test_filter_by_score_range_empty_and_duplicates_counts_each_reason():
 
 @pytest.mark.parametrize("mode", ["drop", "truncate"])
 def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mode):
+    from tether.data.loading import prepare_offline_rows
     from tether.data.offline import overlong_responses
-    from tether.trainer.prompts import prepare_offline_rows
 
     tok = load_tokenizer(model_dir)
     long = " ".join(["7 + 7 = 14"] * 20)
@@ -166,7 +166,7 @@ def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mod
 
 def test_overlong_responses_error_and_nothing_left(model_dir):
     from tether.config import ConfigError
-    from tether.trainer.prompts import prepare_offline_rows
+    from tether.data.loading import prepare_offline_rows
 
     tok = load_tokenizer(model_dir)
     rows = _offline_rows([("q1", "#### 7 and more words here", 1.0), ("q1", "", 0.0)])
@@ -181,7 +181,7 @@ def test_overlong_responses_error_and_nothing_left(model_dir):
 def test_a_length_limit_that_drops_most_of_the_data_is_refused(model_dir, caplog):
     """Issue 24, item 12: a rollout.max_new_tokens shorter than the responses dropped 99.96% of the rows with one warning."""
     from tether.config import ConfigError
-    from tether.trainer.prompts import prepare_offline_rows
+    from tether.data.loading import prepare_offline_rows
 
     tok = load_tokenizer(model_dir)
     long = " ".join(["7 + 7 = 14"] * 5)

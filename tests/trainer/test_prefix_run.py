@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import tether.workers.prefix as prefix
+import tether.models.prefix as prefix
 from tether.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ import shutil
 import pytest
 import torch
 
+from tether.checkpoint import CheckpointError
 from tether.config import load_config
 from tether.trainer import Trainer
-from tether.trainer.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow
 

@@ -161,10 +161,10 @@ def test_shared_prefill_with_left_padding_on_a_qwen2_model(qwen2_padded):
 
 def test_share_prefill_config_reaches_the_engine(tmp_path):
     from tether.config import load_config
-    from tether.trainer import setup
+    from tether.workers import build as setup
 
     model, tok = load_reference()
     for value in (True, False):
         cfg = load_config(None, [f"rollout.share_prefill={str(value).lower()}"])
-        assert setup._build_engine(cfg, model, tok, None).share_prefill is value
+        assert setup.build_engine(cfg, model, tok, None).share_prefill is value
     assert load_config(None, []).rollout.share_prefill is True

@@ -1,4 +1,4 @@
-"""tether.trainer.signals.StopSignals: the first SIGTERM/SIGINT is a request, the second stops at once."""
+"""tether.signals.StopSignals: the first SIGTERM/SIGINT is a request, the second stops at once."""
 
 import os
 import signal
@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from tether.cli import resume_command
-from tether.trainer.signals import StopSignals, TrainingInterrupted
+from tether.signals import StopSignals, TrainingInterrupted
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

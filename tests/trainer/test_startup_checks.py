@@ -11,9 +11,9 @@ import torch
 from tether.cli import main
 from tether.config import ConfigError, GuardConfig
 from tether.data import DataError
+from tether.data.loading import PromptSet
 from tether.trainer import Trainer, TrainingStopped
 from tether.trainer.guards import GuardMonitor
-from tether.trainer.prompts import PromptSet
 from tether.trainer.startup import check_context_length, position_limit
 
 

@@ -216,9 +216,9 @@ def test_generate_returns_the_sampled_tokens_logprobs(tiny):
 
 
 def test_rollout_runner_carries_engine_logprobs_into_the_batch(tiny):
+    from tether.data.loading import PromptSet
     from tether.models import load_tokenizer
-    from tether.trainer.prompts import PromptSet
-    from tether.trainer.rollout import RolloutRunner
+    from tether.rollout.runner import RolloutRunner
 
     tok = load_tokenizer(tiny)
     eos = tok.eos_token_id
@@ -367,13 +367,13 @@ def test_a_vllm_without_logprobs_mode_returns_no_logprobs(tiny, fake_vllm, monke
 def test_rollout_vllm_config_reaches_the_engine(tiny, monkeypatch):
     from tether.config import load_config
     from tether.models import load_causal_lm, load_tokenizer
-    from tether.trainer import setup
+    from tether.workers import build as setup
 
     made = {}
     monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: made.update(kw, path=path))
     cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.5", "rollout.vllm.max_model_len=96",
                              "rollout.vllm.gpu_memory_utilization=0.6", "rollout.temperature=0.8"])  # fmt: skip
-    setup._build_engine(cfg, load_causal_lm(tiny), load_tokenizer(tiny), tiny)
+    setup.build_engine(cfg, load_causal_lm(tiny), load_tokenizer(tiny), tiny)
     assert made["path"] == tiny and made["kv_cache_gib"] == 0.5 and made["max_model_len"] == 96 and made["gpu_memory_utilization"] == 0.6
     assert made["temperature"] == 0.8 and made["dtype"] == "float32" and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
     with pytest.raises(ConfigError, match="rollout.vllm.gpu_memory_utilization"):
@@ -401,7 +401,8 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
     from tether.config import load_config
     from tether.models import response_logprobs
     from tether.rollout import HFRolloutEngine, response_mask_from_ids
-    from tether.trainer import Trainer, setup
+    from tether.trainer import Trainer
+    from tether.workers import build as setup
 
     class ReportingHF(HFRolloutEngine):
         returns_logprobs = True
@@ -415,14 +416,14 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
             return (ids, lp + 0.01) if return_logprobs else ids
 
     def run(engine_cls, name):
-        build = setup._build_engine
+        build = setup.build_engine
 
         def patched(cfg, model, tok, path):
             e = build(cfg, model, tok, path)
             e.__class__ = engine_cls
             return e
 
-        monkeypatch.setattr(setup, "_build_engine", patched)
+        monkeypatch.setattr(setup, "build_engine", patched)
         cfg = load_config(None, ["trainer.progress=false", "trainer.val_freq=0", "trainer.report=false", "data.batch_size=4", "rollout.n=4",
                                  "rollout.temperature=0.8", "data.embedded_train_size=8", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / name}"])  # fmt: skip
         return Trainer(cfg).fit()
@@ -457,12 +458,12 @@ def test_auto_engine_builds_what_it_resolves_to(tiny, monkeypatch):
     from tether.config import load_config
     from tether.models import load_causal_lm, load_tokenizer
     from tether.rollout import HFRolloutEngine
-    from tether.trainer import setup
+    from tether.workers import build as setup
 
     monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: ("vllm", path))
     cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=auto"])
     model, tok = load_causal_lm(tiny), load_tokenizer(tiny)
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
-    assert setup._build_engine(cfg, model, tok, tiny) == ("vllm", tiny)
+    assert setup.build_engine(cfg, model, tok, tiny) == ("vllm", tiny)
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: None)
-    assert isinstance(setup._build_engine(cfg, model, tok, tiny), HFRolloutEngine)
+    assert isinstance(setup.build_engine(cfg, model, tok, tiny), HFRolloutEngine)

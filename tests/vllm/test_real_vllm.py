@@ -79,7 +79,7 @@ def engine(models, tok):
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    from tether.trainer.prompts import collate_prompts
+    from tether.data.loading import collate_prompts
 
     ids = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(synthetic_math_texts(N_PROMPTS))]
     return collate_prompts(ids, tok.pad_token_id, DEVICE)  # left-padded, lengths 4..11

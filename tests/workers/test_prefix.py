@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-import tether.workers.prefix as prefix
+import tether.models.prefix as prefix
 from tether.batch import RolloutBatch
 from tether.config import ConfigError, TetherConfig
 from tether.data import PromptRow
 from tether.models import response_logprobs
+from tether.models.prefix import micro_batch_logprobs, prompt_groups, shared_prefix_logprobs
 from tether.workers import ActorWorker, ReferenceWorker
 from tether.workers.actor import ActorUpdateSpec
 from tether.workers.common import trim
-from tether.workers.prefix import micro_batch_logprobs, prompt_groups, shared_prefix_logprobs
 
 V = 61
 

@@ -187,7 +187,7 @@ def apply_tp(model: nn.Module, tp_mesh, src_data_rank: int | None = 0) -> nn.Mod
     o and down row-wise (their outputs all-reduced), the token embedding vocabulary-parallel
     (row-wise over the vocabulary, outputs all-reduced) and the LM head vocabulary-parallel: its
     logits stay a DTensor sharded on the vocabulary, (B, T, V / tp) per rank, which the
-    vocabulary-parallel log-softmax (:mod:`tether.distributed.vocab_parallel`) consumes without
+    vocabulary-parallel log-softmax (:mod:`tether.models.vocab_parallel`) consumes without
     gathering. Norms stay replicated. Tied embeddings stay tied (both are sharded on the vocabulary).
     A value-head model (the critic) is split the same way, its value head replicated.
 

@@ -20,50 +20,20 @@ import contextlib
 import logging
 import os
 from contextlib import suppress
+from pathlib import Path
 
 import torch
 
 from tether.batch import RolloutBatch
+from tether.checkpoint import CheckpointError
 from tether.config import ConfigError
 from tether.distributed.dp import gather_rows, split_batch
+from tether.distributed.errors import WorkerDiedError, death_cause, failure_text
+from tether.distributed.rollout_workers import VLLMReplicaGroup
 from tether.distributed.worker import ALL, DP_SPLIT, RankWorker
+from tether.workers.build import generation_eos_ids
 
 log = logging.getLogger("tether")
-
-
-class WorkerDiedError(RuntimeError):
-    """A Ray worker of a role died or failed; the message names the role's worker group and the rank."""
-
-
-def death_cause(e: BaseException, limit: int = 300) -> str:
-    """What ``ray.get`` said of a dead actor, in one line: the error its ``__init__`` raised (an
-    ``ActorDiedError`` of a failed creation task carries the whole remote traceback in its message,
-    and Ray's worker logs do not reach the driver), else Ray's account of the death (killed by
-    ``ray.kill``, the worker process exited, ...) cut to ``limit`` characters, else the type."""
-    msg = str(getattr(e, "error_msg", "") or "")
-    lines = [line.strip() for line in msg.splitlines() if line.strip()]
-    if getattr(e, "actor_init_failed", False) and lines:
-        return f"its __init__ raised {lines[-1]}"  # the remote traceback's last line: 'module.Error: message'
-    fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
-    text = " ".join(line for line in lines if not line.startswith(fields) and "died unexpectedly before finishing" not in line)
-    if not text:
-        return type(e).__name__
-    return f"{type(e).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"
-
-
-def failure_text(cause: BaseException, limit: int = 500) -> str:
-    """A worker's error in one line. A ``CheckpointException`` (torch.distributed.checkpoint: a sharded
-    save or load that failed on some ranks) is given as each rank's own exception, e.g.
-    ``OSError: [Errno 28] No space left on device``, which its text buries at the end of one
-    traceback per rank."""
-    failures = getattr(cause, "failures", None)
-    if isinstance(failures, dict) and failures:
-        parts = []
-        for rank, f in sorted(failures.items()):
-            exc = f[0] if isinstance(f, tuple) else f
-            parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-        return f"{type(cause).__name__} ({'; '.join(parts)})"[:limit]
-    return f"{type(cause).__name__}: {cause}"
 
 
 def world_size(cfg) -> int:
@@ -496,6 +466,11 @@ class RemoteActor:
         self.weights_changed()
         return metrics
 
+    def refresh(self) -> None:
+        """Bring the driver's copy up to date now (a lazy copy that is stale is pulled once)."""
+        if self.stale:
+            self.pull_weights()
+
     def weights_changed(self) -> None:
         """The group's weights moved (an update, a checkpoint load): pull them now (eager) or mark the copy stale (lazy)."""
         if self.lazy:
@@ -527,7 +502,7 @@ class RemoteActor:
 class RemoteReference:
     """Stands where ``ReferenceWorker`` stands: log-probs on the actor group (the reference lives
     beside the actor there). ``local`` is the driver's own reference, kept only for the embedded
-    task's exact/* metrics (``tether.trainer.setup.driver_holds_ref``), else None."""
+    task's exact/* metrics (``tether.workers.build.driver_holds_ref``), else None."""
 
     def __init__(self, group: WorkerGroup, local, actor: RemoteActor | None = None):
         self.group, self.local, self.actor = group, local, actor
@@ -535,8 +510,8 @@ class RemoteReference:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         return self.group.call("ref_logprobs", batch)
 
-    def _context(self):
-        return self.local._context() if self.local is not None else contextlib.nullcontext()
+    def as_reference(self):
+        return self.local.as_reference() if self.local is not None else contextlib.nullcontext()
 
     @property
     def module(self):
@@ -581,9 +556,13 @@ class RemoteCritic:
 
 
 class RayBackend:
-    """The worker groups of one run and the Ray they run on; :meth:`close` ends both."""
+    """The worker groups of one run and the Ray they run on (the ``Placement`` of ``tether.workers.roles``): it
+    saves and loads the roles sharded; :meth:`close` ends the groups and Ray."""
+
+    trains_in_process = False  # the updates run on the workers
 
     def __init__(self, cfg, local_roles):
+        self.update_param_dtype = cfg.trainer.fsdp.param_dtype  # FSDP2 gathers parameters in it for the update's matmuls
         n = world_size(cfg)
         has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
@@ -608,8 +587,6 @@ class RayBackend:
             if has_critic:
                 self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
             if cfg.rollout.engine == "vllm":
-                from tether.distributed.rollout_workers import VLLMReplicaGroup
-                from tether.trainer.setup import generation_eos_ids
 
                 eos = generation_eos_ids(local_roles.actor.model)
                 self.rollout = VLLMReplicaGroup(cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group)
@@ -622,22 +599,31 @@ class RayBackend:
         self.groups.append(group)
         return group
 
-    # -------------------------------------------------------------- checkpoints
+    # -------------------------------------------------------------- checkpoints (the Placement protocol)
     def _critic_group_separate(self) -> bool:
         return self.critic_group is not None and self.critic_group is not self.actor_group
 
-    def save(self, path, with_ref: bool) -> None:
+    def save_weights(self, roles, path, *, with_ref: bool) -> None:
         """Sharded weights + optimizer states of every role under ``path/dcp`` (and ``path/dcp_critic``
-        for a split critic group), written by the workers with torch.distributed.checkpoint. The
-        path must be visible to every worker (a shared file system on several nodes)."""
+        for a split critic group), written by the workers with torch.distributed.checkpoint, and the actor's
+        config and tokenizer under ``path/actor`` (:func:`save_sharded_actor_meta`). The path must be visible
+        to every worker (a shared file system on several nodes)."""
         self.actor_group.call("save_checkpoint", str(path / "dcp"), with_ref)
         if self._critic_group_separate():
             self.critic_group.call("save_checkpoint", str(path / "dcp_critic"))
+        save_sharded_actor_meta(roles.actor, roles.tokenizer, path / "actor")
 
-    def load(self, path, with_ref: bool, schedule: bool) -> None:
-        """Load :meth:`save`'s checkpoint at this run's world size (DCP reshards)."""
-        from tether.trainer.checkpoint import CheckpointError
+    def save_optimizer(self, roles, path) -> None:
+        """Nothing: the optimizer states are in ``dcp/`` with the weights."""
 
+    def load(self, roles, path, *, with_ref: bool, schedule: bool) -> None:
+        """Load :meth:`save_weights`'s checkpoint at this run's world size (DCP reshards); the driver's copies of the
+        policy (pulled now, or when next read) and of the reference take the loaded weights, and the rollout engine
+        the policy's.
+
+        Raises:
+            CheckpointError: a checkpoint of the local backend (no ``dcp/``), or a split critic's ``dcp_critic/`` missing.
+        """
         if not (path / "dcp" / ".metadata").is_file():
             raise CheckpointError(
                 f"checkpoint {path} holds no sharded dcp/ weights: it was written by trainer.backend=local; "
@@ -648,6 +634,10 @@ class RayBackend:
         self.actor_group.call("load_checkpoint", str(path / "dcp"), with_ref, schedule)
         if self._critic_group_separate():
             self.critic_group.call("load_checkpoint", str(path / "dcp_critic"), False, schedule)
+        roles.actor.weights_changed()  # pulled now, or when the driver next reads it (vLLM replicas)
+        if with_ref:
+            roles.ref.pull_weights()
+        roles.engine.sync_weights(roles.actor.model_as_is)
 
     def close(self) -> None:
         """End the worker groups and replicas: one by one on an attached cluster; on a local Ray this
@@ -669,11 +659,11 @@ class RayBackend:
 def build_ray_roles(cfg, roles):
     """Replace the local roles' actor, reference and critic by stand-ins for Ray worker groups.
 
-    ``roles`` are the local roles (``tether.trainer.setup.build_roles``): their tokenizer, rollout
+    ``roles`` are the local roles (``tether.workers.build.build_local_roles``): their tokenizer, rollout
     engine, reward and the actor's model (the driver's copy for rollouts) are kept.
     """
     backend = RayBackend(cfg, roles)
-    roles.backend = backend
+    roles.placement = backend
     # with vLLM replicas nothing generates on the driver's copy: it is pulled only when read (RemoteActor)
     roles.actor = RemoteActor(backend.actor_group, roles.actor.model, lazy=backend.rollout is not None)
     roles.ref = RemoteReference(backend.actor_group, roles.ref, roles.actor)
@@ -682,3 +672,19 @@ def build_ray_roles(cfg, roles):
     if backend.rollout is not None:  # rollout.engine=vllm: the runner samples on the replicas
         roles.engine.engine = backend.rollout
     return roles
+
+
+def save_sharded_actor_meta(actor, tokenizer, out: Path) -> None:
+    """What a sharded (trainer.backend=ray) checkpoint keeps of the actor role besides dcp/: the
+    model's config, generation config and tokenizer (``tether export`` rebuilds the model from them);
+    with LoRA the adapters themselves, which are small (read from ``actor.model``: a lazy driver copy
+    is pulled first; the config alone needs no pull)."""
+    model = actor.model_as_is
+    if hasattr(model, "peft_config"):
+        actor.model.save_pretrained(out, safe_serialization=True)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,6 +1,6 @@
 """vLLM engine replicas as Ray actors (``trainer.backend=ray`` with ``rollout.engine=vllm``).
 
-The driver's :class:`~tether.trainer.rollout.RolloutRunner` calls :class:`VLLMReplicaGroup` exactly
+The driver's :class:`~tether.rollout.runner.RolloutRunner` calls :class:`VLLMReplicaGroup` exactly
 as it calls the local :class:`~tether.rollout.vllm.VLLMRolloutEngine` (``generate``,
 ``sync_weights``, ``returns_logprobs``): the group splits the prompts into contiguous, equal-count
 chunks, one per replica (``rollout.vllm.replicas``), and concatenates the responses in the prompts'
@@ -15,15 +15,7 @@ placement group, sharing its device (verl's hybrid engine: on GPUs the rank and 
 half of the bundle's GPU each and the engine sleeps between rollouts, ``rollout.vllm.sleep``);
 ``split`` gives the replicas a placement group of their own, one bundle per replica.
 
-Weight sync (:func:`stream_weights`, run by every rank of the actor group after each update): the
-FSDP2 parameters are all-gathered one tensor at a time (``DTensor.full_tensor``, a collective in the
-same order on every rank), LoRA adapters merged as they come (``W + scaling · B @ A``), and rank 0
-packs them into buckets of at most ``rollout.vllm.sync_bucket_mib`` (never splitting a transformer
-block, so vLLM's fused layers get all of their parts in one bucket), puts each bucket in Ray's
-object store once and sends it to every replica, waiting for the previous bucket's acknowledgement
-before sending the next: a rank holds at most one gathered tensor and one bucket, never a full copy
-of the model. The replica feeds the buckets to one ``reload_weights`` call through a queue
-(tensor-parallel replicas, whose workers are other processes, load each bucket by its own call).
+Weight sync: :mod:`tether.distributed.weights` (:func:`~tether.distributed.weights.stream_weights`).
 """
 
 from __future__ import annotations
@@ -34,17 +26,19 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
 
 import torch
 
+from tether.distributed.errors import WorkerDiedError, death_cause, failure_text
+from tether.models import load_tokenizer
+from tether.rollout.vllm import VLLMRolloutEngine, draw_seed
+
 log = logging.getLogger("tether")
 
-__all__ = ["VLLMReplica", "VLLMReplicaGroup", "iter_full_weights", "merge_responses", "split_rows", "stream_weights", "weight_buckets"]
+__all__ = ["VLLMReplica", "VLLMReplicaGroup", "merge_responses", "split_rows"]
 
 #: Environment variables a replica takes from the driver (vLLM's caches and sockets, Hugging Face's home).
 _FORWARDED_ENV = re.compile(r"^(VLLM_|TORCHINDUCTOR_|TRITON_|HF_|TMPDIR$|TETHER_|OMP_NUM_THREADS$)")
-_BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------- pure helpers
@@ -72,142 +66,6 @@ def merge_responses(parts: list[tuple[torch.Tensor, torch.Tensor | None]], pad_t
     return ids, torch.cat([torch.nn.functional.pad(lp, (0, T - lp.shape[1]), value=0.0) for _, lp in parts])
 
 
-def _block_of(name: str) -> int | None:
-    m = _BLOCK.search("." + name)
-    return int(m.group(1)) if m else None
-
-
-def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``(name, tensor)`` pairs into lists of at most ``max_bytes`` bytes, consuming the
-    iterator lazily. A bucket is closed before a tensor that would overflow it, except that the
-    tensors of one transformer block (``...layers.<i>.``) are never split across buckets (so a
-    block larger than ``max_bytes`` makes one larger bucket). Tensors outside any block (embeddings,
-    final norm, LM head) fill buckets by size alone."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size, block = 0, None
-    for name, t in weights:
-        b = _block_of(name)
-        nbytes = t.numel() * t.element_size()
-        same_block = b is not None and b == block
-        if bucket and size + nbytes > max_bytes and not same_block:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-        block = b
-    if bucket:
-        yield bucket
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (an all-gather over its mesh; every rank must call it), else ``t``."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """An FSDP2-sharded (or plain) model's weights under Hugging Face checkpoint names, gathered one
-    tensor at a time (every rank of the mesh must iterate in step: each ``full_tensor`` is a
-    collective), detached; the same names and values as
-    :func:`tether.rollout.vllm.iter_hf_named_weights` of the unsharded model.
-
-    A peft LoRA model: base names (no ``base_model.model.`` prefix, no ``.base_layer``), each adapted
-    linear weight yielded as ``W + Σ_a scaling_a · B_a @ A_a`` (peft's ``Linear.get_delta_weight``;
-    transposed for ``fan_in_fan_out``) once its adapters have been gathered; adapter tensors are not
-    yielded. At most one base weight and its adapters are held gathered at a time.
-
-    Raises:
-        ValueError: a DoRA adapter (its magnitude vector changes the merge; not supported).
-    """
-    if not hasattr(model, "peft_config"):
-        for k, v in model.state_dict().items():
-            yield k, _full(v).detach()
-        return
-    inner = model.get_base_model()
-    adapted = {}
-    for name, mod in inner.named_modules():
-        if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
-            active = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A]
-            if any(getattr(mod, "use_dora", {}).get(a) for a in active):
-                raise ValueError(f"weight sync to vLLM: {name} is a DoRA adapter, which is not supported (use plain LoRA)")
-            if active and not getattr(mod, "merged", False):
-                adapted[name] = (mod, active)
-    pending: dict[str, dict] = {}  # module -> gathered base weight and adapter tensors, until complete
-    for key, v in inner.state_dict().items():
-        t = _full(v).detach()
-        if "modules_to_save" in key:
-            continue
-        owner = key.split(".base_layer.")[0] if ".base_layer." in key else re.sub(r"\.lora_[AB]\.[^.]+\.weight$", "", key)
-        if owner in adapted and (key.endswith(".base_layer.weight") or ".lora_" in key):
-            mod, active = adapted[owner]
-            parts = pending.setdefault(owner, {})
-            parts[key] = t
-            need = {f"{owner}.base_layer.weight"} | {f"{owner}.lora_{ab}.{a}.weight" for a in active for ab in "AB"}
-            if need <= parts.keys():
-                w = parts[f"{owner}.base_layer.weight"]
-                for a in active:
-                    delta = parts[f"{owner}.lora_B.{a}.weight"].float() @ parts[f"{owner}.lora_A.{a}.weight"].float()
-                    delta = delta.T if getattr(mod, "fan_in_fan_out", False) else delta
-                    w = w + (delta * mod.scaling[a]).to(w.dtype)
-                del pending[owner]
-                yield f"{owner}.weight", w
-            continue
-        if ".lora_" in key:
-            continue
-        yield key.replace(".base_layer.", "."), t
-
-
-def stream_weights(model: torch.nn.Module, rank: int, replicas: list, bucket_bytes: int) -> dict:
-    """Send ``model``'s full weights to every replica, bucket by bucket (see the module docstring).
-
-    Every rank of the model's process group calls this (the gathers are collectives); only
-    ``rank`` 0 sends. Returns (rank 0; zeros elsewhere) ``{"bytes": bytes sent per replica,
-    "tensors": tensors sent, "buckets": buckets, "gather_s": seconds in the all-gathers,
-    "send_s": seconds waiting for the replicas, "path": the replicas' loading way}``.
-
-    Raises:
-        ray.exceptions.RayTaskError: a replica failed to load a bucket (wrapping its RuntimeError,
-            which chains vLLM's error); the driver's WorkerGroup reports it naming the rank.
-    """
-    import ray
-
-    stats = {"bytes": 0.0, "tensors": 0.0, "buckets": 0.0, "gather_s": 0.0, "send_s": 0.0}
-    if rank == 0:
-        ray.get([r.begin_sync.remote() for r in replicas])
-    in_flight: list = []
-
-    def timed_weights():
-        it = iter_full_weights(model)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                name, t = next(it)
-            except StopIteration:
-                return
-            t = t.cpu() if rank == 0 else t  # a CPU copy only where it is sent
-            stats["gather_s"] += time.perf_counter() - t0
-            yield name, t
-
-    for bucket in weight_buckets(timed_weights(), bucket_bytes):
-        if rank != 0:
-            continue
-        t0 = time.perf_counter()
-        ray.get(in_flight)  # the previous bucket is queued on every replica: its memory can go
-        ref = ray.put(bucket)
-        in_flight = [r.push.remote(ref) for r in replicas]
-        stats["send_s"] += time.perf_counter() - t0
-        stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-        stats["tensors"] += len(bucket)
-        stats["buckets"] += 1
-        del bucket, ref
-    if rank == 0:
-        t0 = time.perf_counter()
-        ray.get(in_flight)
-        paths = ray.get([r.end_sync.remote() for r in replicas])
-        stats["send_s"] += time.perf_counter() - t0
-        stats["path"] = paths[0]
-    return stats
-
-
 # ---------------------------------------------------------------------------- the replica (a Ray actor)
 class VLLMReplica:
     """One vLLM engine in its own Ray actor. A weight push runs ``load_weights`` in a thread of the
@@ -224,8 +82,6 @@ class VLLMReplica:
 
     def __init__(self, cfg, index: int, model_path: str, eos_token_ids: list[int], env: dict[str, str] | None = None):
         os.environ.update(env or {})
-        from tether.models import load_tokenizer
-        from tether.rollout.vllm import VLLMRolloutEngine
 
         r, v = cfg.rollout, cfg.rollout.vllm
         self.tp = v.tensor_parallel_size
@@ -337,7 +193,6 @@ class VLLMReplicaGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from tether.distributed.ray_backend import WorkerDiedError
 
         v = cfg.rollout.vllm
         self.n, self.tokenizer, self.actor_group = v.replicas, tokenizer, actor_group
@@ -378,7 +233,6 @@ class VLLMReplicaGroup:
     def _get(self, refs, what: str):
         import ray
 
-        from tether.distributed.ray_backend import WorkerDiedError, death_cause, failure_text
 
         out = []
         for i, ref in enumerate(refs):
@@ -399,7 +253,6 @@ class VLLMReplicaGroup:
         The sampling seeds come from the driver's torch RNG (replica i samples with seed s + i, s drawn
         once per call), which checkpoints save: a resumed run samples what the uninterrupted one did,
         and one replica samples as the local engine does from the same RNG state."""
-        from tether.rollout.vllm import draw_seed
 
         ranges = split_rows(prompt_ids.shape[0], self.n)
         p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu()

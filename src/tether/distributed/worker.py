@@ -17,10 +17,23 @@ import os
 from dataclasses import fields, replace
 
 import torch
+from peft import set_peft_model_state_dict
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tether.batch import RolloutBatch
 from tether.distributed.dp import DataParallel, real_rows
 from tether.distributed.parallel import FSDPSettings, ParallelDims, parallelize
+from tether.distributed.weights import stream_weights
+from tether.models import (
+    DTYPES,
+    ValueModel,
+    apply_lora,
+    attention,
+    load_causal_lm,
+    patch_lm_head,
+    resolve_model_path,
+)
+from tether.workers.build import actor_worker, critic_worker, head_fp32, reference_worker
 
 #: Dispatch modes. DP_SPLIT: the batch (first argument) is split across ranks by tokens and the
 #: per-row results come back in the batch's order. ALL: every rank gets the same arguments (a
@@ -102,15 +115,9 @@ class RankWorker:
         return self.rank != 0
 
     def _load_lm(self, path):
-        from tether.models import load_causal_lm
-
         trc = self.cfg.actor.trust_remote_code
         if not self._on_meta():
             return load_causal_lm(path, dtype=self.cfg.actor.dtype, trust_remote_code=trc)
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from tether.models import DTYPES
-
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype])
 
@@ -122,8 +129,6 @@ class RankWorker:
 
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
         self.dims.check_model(config, "actor")
-        from tether.models import attention
-
         attention.set_attn_implementation(model if hasattr(model, "set_attn_implementation") else model.backbone, attention.for_config(self.cfg, self.device))
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
@@ -140,74 +145,47 @@ class RankWorker:
         return model
 
     def _build_actor(self, lora_state) -> None:
-        from tether.models import apply_lora, resolve_model_path
-        from tether.workers import ActorWorker, ReferenceWorker
-
+        """The actor and reference roles of this rank, by the factory the local backend uses (``tether.workers.build``),
+        over models loaded here (rank 0) or on the meta device (the others) and then sharded (:meth:`_parallelize`)."""
         cfg = self.cfg
-        temp, mbs = cfg.rollout.temperature, cfg.actor.micro_batch_size
         # share_prompt_prefix: one rank as the local backend. Several: the ordinary pass, since FSDP2 needs the same forward calls
         # (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a mismatch aborts gloo)
-        packing = {
-            "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free,
-            "share_prompt_prefix": cfg.actor.share_prompt_prefix and self.world_size == 1,
-        }  # fmt: skip
+        share = cfg.actor.share_prompt_prefix and self.world_size == 1
         actor_path = resolve_model_path(cfg.actor.model, "actor.model")
         model = self._load_lm(actor_path)
         if cfg.actor.lora.rank > 0:
             with torch.device("meta") if self._on_meta() else contextlib.nullcontext():
                 model = apply_lora(model, cfg.actor.lora)
             if lora_state is not None and not self._on_meta():
-                from peft import set_peft_model_state_dict
-
                 set_peft_model_state_dict(model, lora_state)
             ref_model = None
         else:
             ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
             ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
-        cdt = cfg.actor.compute_dtype
-        from tether.models import patch_lm_head  # as the local backend: contiguous heads, fp32 under autocast
-
-        head_fp32 = cdt != "float32" and cfg.actor.lm_head_fp32
-        patch_lm_head(model, fp32=head_fp32)
+        patch_lm_head(model, fp32=head_fp32(cfg))  # as the local backend: contiguous heads, fp32 under autocast
         if ref_model is not None:
-            patch_lm_head(ref_model, fp32=head_fp32)
+            patch_lm_head(ref_model, fp32=head_fp32(cfg))
         model = self._parallelize(model)
         if ref_model is None:
-            self.ref = ReferenceWorker(adapter_host=model, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
+            self.ref = reference_worker(cfg, adapter_host=model, share_prompt_prefix=share)
         else:
             ref_model.requires_grad_(False)
-            self.ref = ReferenceWorker(self._parallelize(ref_model), micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing)
-        self.actor = ActorWorker(
-            model, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, betas=cfg.actor.betas, warmup_steps=cfg.actor.warmup_steps,
-            grad_clip=cfg.actor.grad_clip, micro_batch_size=mbs, temperature=temp, compute_dtype=cdt, **packing,
-        )  # fmt: skip
+            self.ref = reference_worker(cfg, self._parallelize(ref_model), share_prompt_prefix=share)
+        self.actor = actor_worker(cfg, model, share_prompt_prefix=share)
         self.actor.dp = self.ref.dp = self.dp  # equal micro-batch counts on every rank (token budgets)
 
     def _build_critic(self) -> None:
-        from tether.models import ValueModel, resolve_model_path
-        from tether.workers import CriticWorker
-
         cfg = self.cfg
         path = resolve_model_path(cfg.critic.model or cfg.actor.model, "critic.model")
         trc = cfg.actor.trust_remote_code
         if self._on_meta():
-            from transformers import AutoConfig, AutoModel
-
-            from tether.models import DTYPES
-
             with torch.device("meta"):
                 config = AutoConfig.from_pretrained(str(path), trust_remote_code=trc)
                 backbone = AutoModel.from_config(config, dtype=DTYPES[cfg.actor.dtype], trust_remote_code=trc)
                 vm = ValueModel(backbone, config.hidden_size).to(DTYPES[cfg.actor.dtype])
         else:
             vm = ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=trc)
-        vm = self._parallelize(vm)
-        self.critic = CriticWorker(
-            vm, lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip, micro_batch_size=cfg.critic.micro_batch_size,
-            value_clip=cfg.critic.value_clip, norm_constant=float(cfg.rollout.max_new_tokens),
-            max_tokens_per_micro_batch=cfg.critic.max_tokens_per_micro_batch, padding_free=cfg.critic.padding_free,
-            share_prompt_prefix=cfg.actor.share_prompt_prefix and self.world_size == 1,  # as the actor's (_build_actor)
-        )  # fmt: skip
+        self.critic = critic_worker(cfg, self._parallelize(vm), share_prompt_prefix=cfg.actor.share_prompt_prefix and self.world_size == 1)
         self.critic.dp = self.dp
 
     def _role(self, name: str):
@@ -293,9 +271,7 @@ class RankWorker:
     @register(ALL)
     def push_weights(self, replicas: list, bucket_bytes: int) -> dict:
         """Stream the actor's full weights to the vLLM replicas, one gathered tensor at a time
-        (:func:`tether.distributed.rollout_workers.stream_weights`; a collective, rank 0 sends)."""
-        from tether.distributed.rollout_workers import stream_weights
-
+        (:func:`tether.distributed.weights.stream_weights`; a collective, rank 0 sends)."""
         return stream_weights(self._role("actor").model, self.rank, replicas, bucket_bytes)
 
     # ------------------------------------------------------------------ sharded checkpoints (DCP)

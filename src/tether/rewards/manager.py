@@ -152,7 +152,7 @@ def reward_error(e: BaseException) -> Exception:
     if isinstance(e, Exception):
         return e
     if isinstance(e, KeyboardInterrupt):
-        from tether.trainer.signals import TrainingInterrupted
+        from tether.signals import TrainingInterrupted
 
         ctrl_c = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         if isinstance(e, TrainingInterrupted) or ctrl_c:

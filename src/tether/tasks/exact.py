@@ -693,32 +693,3 @@ def evaluate_policy(
     out = {f"{prefix}{k}": float(np.mean([d[k] for d in per])) for k in keys}
     out[f"{prefix}n_prompts"] = float(len(per))
     return out
-
-
-def reference_success_rate(
-    model_or_path=None,
-    prompts: Sequence[Mapping | str] | None = None,
-    temperature: float = 1.0,
-    tokenizer=None,
-) -> float:
-    """Exact mean over prompts of P(correct) when sampling the model at ``temperature``.
-
-    ``model_or_path``: a model (then ``tokenizer`` is required), a model directory, or ``None`` for
-    the shipped reference. ``prompts``: default every prompt of ``make_dataset("all")`` (k = 3,
-    s = 4..23). Computed by enumeration, not sampling.
-    """
-    if model_or_path is None or isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
-        from tether.tasks.sft import load_reference
-
-        model, tokenizer = load_reference(model_or_path)
-    else:
-        if tokenizer is None:
-            raise ValueError("tokenizer is required when model_or_path is a model")
-        model = model_or_path
-    rows = prompts if prompts is not None else digitsum.make_dataset("all")
-    rates = []
-    for item in rows:
-        text, gt, extra, T = _prompt_spec(item, None, digitsum.compute_score)
-        space = enumerate_policy(model, tokenizer, text, T, temperature)
-        rates.append(expected_reward(space.logprobs, space.rewards(digitsum.compute_score, gt, extra)))
-    return float(np.mean(rates))

@@ -19,12 +19,13 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tether.tasks import digitsum
+from tether.tasks import digitsum, exact
 from tether.tasks.digitsum import BOS_TOKEN, CHARS, EOS_TOKEN, PAD_TOKEN
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -290,11 +291,36 @@ def load_reference(path: str | Path | None = None):
     return model, AutoTokenizer.from_pretrained(p)
 
 
+def reference_success_rate(
+    model_or_path=None,
+    prompts: Sequence[Mapping | str] | None = None,
+    temperature: float = 1.0,
+    tokenizer=None,
+) -> float:
+    """Exact mean over prompts of P(correct) when sampling the model at ``temperature``.
+
+    ``model_or_path``: a model (then ``tokenizer`` is required), a model directory, or ``None`` for
+    the shipped reference. ``prompts``: default every prompt of ``make_dataset("all")`` (k = 3,
+    s = 4..23). Computed by enumeration, not sampling.
+    """
+    if model_or_path is None or isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
+        model, tokenizer = load_reference(model_or_path)
+    else:
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when model_or_path is a model")
+        model = model_or_path
+    rows = prompts if prompts is not None else digitsum.make_dataset("all")
+    rates = []
+    for item in rows:
+        text, gt, extra, T = exact._prompt_spec(item, None, digitsum.compute_score)
+        space = exact.enumerate_policy(model, tokenizer, text, T, temperature)
+        rates.append(exact.expected_reward(space.logprobs, space.rewards(digitsum.compute_score, gt, extra)))
+    return float(np.mean(rates))
+
+
 def main_sft(out_dir: str | None = None, seed: int = 0, steps: int | None = None) -> int:
     """Entry point for ``tether sft``: build the reference into ``out_dir`` (default: the shipped
     asset directory), print where it went and its exact success rate; returns the exit code 0."""
-    from tether.tasks.exact import reference_success_rate
-
     out = Path(out_dir) if out_dir is not None else default_reference_path()
     t0 = time.perf_counter()
     build_reference(out, seed=seed, steps=steps if steps is not None else DEFAULT_STEPS, log_every=250)

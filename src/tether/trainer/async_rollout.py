@@ -111,7 +111,7 @@ class AsyncRollout:
     """Produces each step's batch one step ahead, on a snapshot of the policy, in a background thread.
 
     Args:
-        runner: the trainer's :class:`~tether.trainer.rollout.RolloutRunner` (its engine must take a
+        runner: the trainer's :class:`~tether.rollout.runner.RolloutRunner` (its engine must take a
             model by ``sync_weights``: the HF engine).
         model: the policy whose weights each job copies (the local actor, or the Ray driver's copy).
         prompts: the training prompt set; sampler: its PromptSampler (drawn on the main thread).
@@ -277,7 +277,7 @@ class AsyncRollout:
         Raises:
             CheckpointError: the file does not match the training prompts (another data set).
         """
-        from tether.trainer.checkpoint import CheckpointError
+        from tether.checkpoint import CheckpointError
 
         self._ready.clear()
         self._step = step or 0
@@ -320,7 +320,7 @@ def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
     """
     if not cfg.rollout.async_steps:
         return None
-    if roles.backend is None:
+    if roles.placement.trains_in_process:
         check_no_dropout({"actor.model": roles.actor.model, "critic.model": getattr(roles.critic, "model", None)})
     return AsyncRollout(
         roles.engine, roles.actor.model, train_set, sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,

@@ -8,7 +8,7 @@ groups until the batch is full; verl's DAPO recipe does the same with a cap on g
 is reached it trains on the informative groups found (or, with none, on the last draw, whose
 rewards then carry no comparison) and says so, rather than stopping the run.
 
-Each round draws ``data.batch_size`` prompts from the same :class:`~tether.trainer.prompts.PromptSampler`,
+Each round draws ``data.batch_size`` prompts from the same :class:`~tether.data.loading.PromptSampler`,
 so the sampler's position (checkpointed) covers every prompt drawn and a resumed run draws the
 same prompts again.
 """

@@ -1,4 +1,4 @@
-"""What a checkpoint holds for the trainer, and resume / rollback (see ``tether.trainer.checkpoint``)."""
+"""What a checkpoint holds for the trainer, and resume / rollback (see ``tether.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,20 @@ import logging
 import os
 from pathlib import Path
 
-from safetensors.torch import load_file, load_model, save_file, save_model
-
-from tether.config import resolve_local_paths
-from tether.trainer.checkpoint import (
+from tether.checkpoint import (
     CheckpointError,
     latest_valid_checkpoint,
     list_checkpoints,
-    load_torch,
     prune_checkpoints,
     read_json,
     rng_state,
-    save_torch,
     set_rng_state,
     step_dir_name,
     verify_checkpoint,
     write_checkpoint,
     write_json,
 )
+from tether.config import resolve_local_paths
 from tether.trainer.logging import _flatten
 
 log = logging.getLogger("tether")
@@ -111,7 +107,7 @@ class CheckpointManager:
     # -------------------------------------------------------------- saving
     def maybe_save(self, step: int, last_val: dict, metrics: dict | None = None, *, force: bool = False, diagnostics=None) -> Path | None:
         """Save every ``trainer.save_freq`` steps, at ``trainer.total_steps``, and when ``force``d
-        (a stop signal: ``tether.trainer.signals``); arguments as :meth:`save`'s.
+        (a stop signal: ``tether.signals``); arguments as :meth:`save`'s.
         """
         freq = self.cfg.trainer.save_freq
         if force or step == self.cfg.trainer.total_steps or (freq and step % freq == 0):
@@ -138,27 +134,13 @@ class CheckpointManager:
         if score is not None and (self.best_score is None or score > self.best_score):
             self.best_step, self.best_score = step, score
         self.guard.mark_stable(step, score)
-        roles, tok = self.roles, self.roles.tokenizer
+        roles = self.roles
 
-        def weights(d: Path) -> None:
-            if roles.backend is not None:  # trainer.backend=ray: sharded (DCP) weights and optimizer states
-                roles.backend.save(d, self._saves_ref())
-                save_sharded_actor_meta(roles.actor, tok, d / "actor")
-                return
-            roles.actor.model.save_pretrained(d / "actor", safe_serialization=True)
-            tok.save_pretrained(d / "actor")
-            if roles.critic is not None:
-                save_file({k: v.contiguous() for k, v in roles.critic.model.state_dict().items()}, str(d / "critic.safetensors"))
-            if self._saves_ref():
-                save_model(roles.ref.model, str(d / "ref.safetensors"))
+        def weights(d: Path) -> None:  # each role's own files (sharded under Ray: the placement's)
+            roles.save_weights(d, with_ref=self._saves_ref())
 
         def optim(d: Path) -> None:
-            if roles.backend is not None:
-                return  # in dcp/ with the weights
-            state = {"actor": roles.actor.optimizer.state_dict(), "actor_sched": roles.actor.scheduler.state_dict()}
-            if roles.critic is not None:
-                state["critic"] = roles.critic.optimizer.state_dict()
-            save_torch(state, d / "optim.pt")
+            roles.save_optimizer(d)
 
         def trainer_state(d: Path) -> None:
             write_json(rng_state(), d / "rng.json")
@@ -250,64 +232,9 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not fit the configured models: {type(e).__name__}: {shown}") from None
 
     def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
-        roles = self.roles
-        if roles.backend is not None:
-            from tether.trainer.setup import policy_as_is
-
-            roles.backend.load(path, self._saves_ref(), schedule)  # resharded to this run's world size
-            roles.actor.weights_changed()  # pulled now, or when the driver next reads it (vLLM replicas)
-            if self._saves_ref():
-                roles.ref.pull_weights()
-                self._reference_changed()
-            roles.engine.sync_weights(policy_as_is(roles.actor))
-            return
-        actor = roles.actor.model
-        if (path / "dcp").is_dir():
-            raise CheckpointError(
-                f"checkpoint {path} holds sharded dcp/ weights written by trainer.backend=ray; resume it with "
-                "trainer.backend=ray (any trainer.n_workers), or `tether export` it to a model directory"
-            )
-        if hasattr(actor, "peft_config"):
-            from peft import set_peft_model_state_dict
-
-            files = sorted((path / "actor").glob("adapter_model.safetensors"))
-            if not files:
-                raise CheckpointError(f"checkpoint {path}: actor/adapter_model.safetensors is missing")
-            set_peft_model_state_dict(actor, load_file(str(files[0])))
-        else:
-            state = {}
-            for f in sorted((path / "actor").glob("*.safetensors")):
-                state.update(load_file(str(f)))
-            missing, unexpected = actor.load_state_dict(state, strict=False)
-            missing = [k for k in missing if not _is_tied(actor, k)]
-            if missing or unexpected:
-                raise CheckpointError(f"checkpoint {path}: actor weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        if roles.critic is not None:
-            if not (path / "critic.safetensors").is_file():
-                raise CheckpointError(f"checkpoint {path}: critic.safetensors is missing (was it saved without algo.adv_estimator=gae?)")
-            roles.critic.model.load_state_dict(load_file(str(path / "critic.safetensors")))
+        self.roles.load(path, with_ref=self._saves_ref(), schedule=schedule)  # resharded to this run's world size under Ray
         if self._saves_ref():
-            if not (path / "ref.safetensors").is_file():
-                raise CheckpointError(f"checkpoint {path}: ref.safetensors is missing (needed with ref.reset_every > 0)")
-            load_model(roles.ref.model, str(path / "ref.safetensors"))
             self._reference_changed()
-        optim = load_torch(path / "optim.pt")
-        lrs = [g["lr"] for g in roles.actor.optimizer.param_groups]
-        critic_lrs = [g["lr"] for g in roles.critic.optimizer.param_groups] if roles.critic is not None else []
-        roles.actor.optimizer.load_state_dict(optim["actor"])
-        if roles.critic is not None:
-            if "critic" not in optim:
-                raise CheckpointError(f"checkpoint {path}: optim.pt has no critic optimizer state")
-            roles.critic.optimizer.load_state_dict(optim["critic"])
-        if schedule:
-            roles.actor.scheduler.load_state_dict(optim["actor_sched"])
-        else:
-            for g, lr in zip(roles.actor.optimizer.param_groups, lrs, strict=True):
-                g["lr"] = lr
-            if roles.critic is not None:
-                for g, lr in zip(roles.critic.optimizer.param_groups, critic_lrs, strict=True):
-                    g["lr"] = lr
-        roles.engine.sync_weights(actor)
 
     def _reference_changed(self) -> None:
         if self.exact_cache is not None:
@@ -431,32 +358,7 @@ class CheckpointManager:
         return sorted(s for s, _ in list_checkpoints(self.root))
 
 
-def save_sharded_actor_meta(actor, tokenizer, out: Path) -> None:
-    """What a sharded (trainer.backend=ray) checkpoint keeps of the actor role besides dcp/: the
-    model's config, generation config and tokenizer (``tether export`` rebuilds the model from them);
-    with LoRA the adapters themselves, which are small (read from ``actor.model``: a lazy driver copy
-    is pulled first; the config alone needs no pull)."""
-    from tether.trainer.setup import policy_as_is
-
-    model = policy_as_is(actor)
-    if hasattr(model, "peft_config"):
-        actor.model.save_pretrained(out, safe_serialization=True)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(out)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
 def _clean(d: dict) -> dict:
     from tether.trainer.logging import _clean as clean_value
 
     return {k: clean_value(v) for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
-
-
-def _is_tied(model, key: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or []
-    if isinstance(tied, dict):
-        tied = list(tied.keys())
-    return key in tied or key.endswith("lm_head.weight")

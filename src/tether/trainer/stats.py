@@ -205,7 +205,7 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
     trainer's validation (every ``trainer.val_freq`` steps) and ``tether eval``.
 
     Args:
-        runner: a :class:`~tether.trainer.rollout.RolloutRunner` (always generates here, also for an
+        runner: a :class:`~tether.rollout.runner.RolloutRunner` (always generates here, also for an
             offline run) around the run's rollout engine (HF or vLLM).
         reward: a reward callable ``(rows, prompts, responses) -> RewardResult`` (a RewardManager).
             Its state (running normalisation) is restored afterwards: evaluating never changes training.
@@ -420,17 +420,12 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
                     "and val/pass@k count them 0 (val/unscored_frac)", m["unscored_frac"] * m["samples"], m["samples"])  # fmt: skip
     if len(per_source) > 1:
         out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
-    if exact_evaluation_applies(cfg):
+    if cfg.exact_evaluation_applies:
         prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
         out |= exact_metrics(roles.actor.model, roles.ref, roles.tokenizer, prompts, beta=beta, temperature=cfg.rollout.temperature,
                              n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache(),
                              task=cfg.data.embedded_task)  # fmt: skip
     return out
-
-
-def exact_evaluation_applies(cfg) -> bool:
-    """Exact enumeration needs the embedded task and plain temperature sampling (no top-p/top-k)."""
-    return cfg.data.train_files == "embedded" and cfg.rollout.top_p == 1.0 and cfg.rollout.top_k == 0 and cfg.rollout.do_sample
 
 
 @dataclass
@@ -454,7 +449,7 @@ def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperat
     distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
 
     Args:
-        policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``_context()``: a LoRA
+        policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``as_reference()``: a LoRA
             reference is the policy with its adapters disabled); tok: the tokenizer.
         n_samples: rollout.n (pass@k and the like); cache: see :class:`ExactCache`.
         task: data.embedded_task: its training reward is exact/*'s reward; a task whose reward is a proxy
@@ -473,7 +468,7 @@ def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperat
         return {}
     was_training = policy.training
     policy.eval()
-    with ref._context():
+    with ref.as_reference():
         mod = embedded_task(task)
         out = evaluate_policy(
             policy, ref.module, tok, prompts, max(beta, 1e-6), temperature=temperature, n_samples=n_samples, ref_cache=cache.ref,

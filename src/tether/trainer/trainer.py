@@ -31,12 +31,13 @@ from tether.algos import (
 )
 from tether.batch import RolloutBatch
 from tether.config import EMBEDDED, TetherConfig, config_to_yaml
+from tether.data.loading import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
+from tether.placement import build_roles
 from tether.rollout import truncated_rows
+from tether.signals import StopSignals, TrainingInterrupted
 from tether.trainer import startup
 from tether.trainer.guards import GuardMonitor, TrainingStopped
-from tether.trainer.prompts import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
-from tether.trainer.setup import build_roles, correction_kwargs, policy_as_is
-from tether.trainer.signals import StopSignals, TrainingInterrupted
+from tether.workers.build import actor_spec, correction_kwargs
 
 log = logging.getLogger("tether")
 
@@ -231,7 +232,9 @@ class Trainer:
         try:
             with StopSignals(self.cfg.trainer.stop_grace_s) as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
                 if self.step == 0 and self.cfg.trainer.val_freq:
-                    self.logger.log(0, self.maybe_validate(force=True))  # the reference's scores, as step 0
+                    val = self.maybe_validate(force=True)  # the reference's scores, as step 0
+                    self.guard_validation(val)
+                    self.logger.log(0, val)
                 if self.step >= self.cfg.trainer.total_steps:
                     log.warning("nothing to train: the run is already at step %d >= trainer.total_steps=%d "
                                 "(raise trainer.total_steps to continue it)", self.step, self.cfg.trainer.total_steps)
@@ -241,7 +244,7 @@ class Trainer:
                     progress.update(metrics)
                     if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
                         raise TrainingInterrupted(self._signals.signum, self.step)
-                self.roles.actor.model  # noqa: B018 - a lazy driver copy (Ray + vLLM) is pulled once: trained when fit returns
+                self.roles.actor.refresh()  # this process's copy of the policy is the trained one when fit returns
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
             if stop.save:
@@ -278,7 +281,7 @@ class Trainer:
             signum = getattr(getattr(self, "_signals", None), "signum", None)
             if signum is None or not type(e).__module__.startswith(("ray", "tether.distributed")):
                 raise
-            from tether.trainer.signals import TrainingInterrupted, signal_name
+            from tether.signals import TrainingInterrupted, signal_name
 
             log.warning("%s: the step in progress failed after it (%s: %s); abandoning it without a new checkpoint",
                         signal_name(signum), type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
@@ -318,7 +321,9 @@ class Trainer:
             self.update_controller(batch)
         metrics = self.step_metrics(batch) | update_metrics
         with timer("validate"):
-            metrics |= self.maybe_validate()
+            val = self.maybe_validate()
+            self.guard_validation(val)  # guard.rollback_*: a validation that fell rolls back (a state change)
+        metrics |= val
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
@@ -561,14 +566,14 @@ class Trainer:
         if self.cfg.kl.placement == "loss":
             batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
-        spec = self.roles.actor_spec(self.cfg, beta, self.guard, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
+        spec = actor_spec(self.cfg, beta, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
         self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)  # broken weights stop here, before anything samples them
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
             batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
-        self.roles.engine.sync_weights(policy_as_is(self.roles.actor))  # vLLM replicas take the group's weights, not the driver's
+        self.roles.engine.sync_weights(self.roles.actor.model_as_is)  # vLLM replicas take the group's weights, not the driver's
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
-            self.roles.ref.reset_to(policy_as_is(self.roles.actor))  # a Ray reference pulls the driver's copy only if it needs it
+            self.roles.ref.reset_to(self.roles.actor.model_as_is)  # a Ray reference pulls the driver's copy only if it needs it
             self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
@@ -615,15 +620,14 @@ class Trainer:
             "perf/train_tokens_per_s": tokens / max(train_s - wait_s - times.get("timing/reward_s", 0.0), 1e-9),
         }
         update_s = times.get("timing/update_actor_s", 0.0)
-        if update_s > 0 and hasattr(policy_as_is(self.roles.actor), "get_input_embeddings"):  # shapes only: no weight pull
+        if update_s > 0 and hasattr(self.roles.actor.model_as_is, "get_input_embeddings"):  # shapes only: no weight pull
             if not hasattr(self, "_matmul_ceiling"):
                 from tether.models import DTYPES
 
                 a = self.cfg.actor  # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
-                fsdp = self.cfg.trainer.fsdp.param_dtype if self.cfg.trainer.backend == "ray" else None
-                dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (fsdp or a.dtype)]
+                dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (self.roles.placement.update_param_dtype or a.dtype)]
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
-                self._matmul_params = matmul_params(policy_as_is(self.roles.actor))
+                self._matmul_params = matmul_params(self.roles.actor.model_as_is)
                 log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
             context = float(batch.prompt_mask.sum()) + tokens - self.n_valid(batch)  # each response's last token is never fed
             flops = update_flops(*self._matmul_params, context, tokens) * self.cfg.algo.ppo_epochs
@@ -644,8 +648,13 @@ class Trainer:
         from tether.trainer.stats import validate
 
         self.last_val = validate(self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache)
-        self.guard.after_validation(self.step, self.last_val, self.ckpt, self.roles, self.controller.value)
         return self.last_val
+
+    def guard_validation(self, val: dict[str, float]) -> None:
+        """The guard reads a validation's score (``guard.rollback_metric``); one more than ``guard.rollback_drop`` below
+        the stable checkpoint's rolls back: weights and optimizer moments restored, β and learning rates scaled."""
+        if val:
+            self.guard.after_validation(self.step, val, self.ckpt, self.roles, self.controller.value)
 
 
 def drop_reasons(batch: RolloutBatch) -> str:

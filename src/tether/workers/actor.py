@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from tether.workers.common import (
     optimizer_step,
 )
 from tether.workers.packing import MicroBatching, check_padding_free
+from tether.workers.persist import keep_lrs, load_module, load_policy, save_module, save_policy
 
 
 @dataclass(frozen=True)
@@ -116,27 +118,29 @@ class ReferenceWorker:
             model.eval()
             model.requires_grad_(False)
 
-    def _context(self):
+    def as_reference(self):
+        """The context in which :attr:`module` is π_ref: the LoRA policy's adapters disabled (a separate copy needs none)."""
         if self.adapter_host is not None:
             return self.adapter_host.disable_adapter()
         return contextlib.nullcontext()
 
     @property
     def module(self):
+        """The module whose forward (inside :meth:`as_reference`) is π_ref."""
         return self.model if self.model is not None else self.adapter_host
 
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (B, T), nats."""
-        with self._context():
+        with self.as_reference():
             return _forward_logprobs(self.module, batch, self.micro, self.temperature, False, compute_dtype=self.compute_dtype, dp=self.dp)[0]
 
     def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
-        with torch.no_grad(), self._context():
+        with torch.no_grad(), self.as_reference():
             return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
 
     def layout_logits(self, lay) -> torch.Tensor:
         """The reference's logits for a micro-batch layout (``tether.workers.packing``): (b, t, V) padded, (N, V) packed."""
-        with torch.no_grad(), self._context():
+        with torch.no_grad(), self.as_reference():
             return lay.logprobs(self.module, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
 
     def reset_to(self, actor_model) -> None:
@@ -144,6 +148,18 @@ class ReferenceWorker:
         if self.model is None:
             raise ValueError("ref.reset_every is not supported with a LoRA adapter-disabled reference")
         self.model.load_state_dict(actor_model.state_dict())
+
+    def save(self, path: Path) -> None:
+        """The reference's weights as ``ref.safetensors`` (``ref.reset_every`` moves them; a LoRA reference has none of its own)."""
+        save_module(self.model, path, shared_tensors=True)
+
+    def load(self, path: Path) -> None:
+        """:meth:`save`'s file.
+
+        Raises:
+            CheckpointError: the file is missing.
+        """
+        load_module(self.model, path, "needed with ref.reset_every > 0", shared_tensors=True)
 
 
 class ActorWorker:
@@ -180,6 +196,37 @@ class ActorWorker:
         for g in self.optimizer.param_groups:
             g["lr"] *= factor
         self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
+    @property
+    def model_as_is(self):
+        """The policy module (here the same as ``model``: nothing to pull)."""
+        return self.model
+
+    def refresh(self) -> None:
+        """Nothing: ``model`` is the trained policy itself."""
+
+    def save(self, out: Path, tokenizer) -> None:
+        """The policy as a ``save_pretrained`` directory with the tokenizer (LoRA: the adapters)."""
+        save_policy(self.model, tokenizer, out)
+
+    def load(self, directory: Path, checkpoint: Path) -> None:
+        """:meth:`save`'s directory into the policy.
+
+        Raises:
+            CheckpointError: a missing file or weights that do not match, naming ``checkpoint``.
+        """
+        load_policy(self.model, directory, checkpoint)
+
+    def optimizer_state(self) -> dict:
+        """``{"actor": AdamW state, "actor_sched": LR-schedule state}`` (a part of the checkpoint's optim.pt)."""
+        return {"actor": self.optimizer.state_dict(), "actor_sched": self.scheduler.state_dict()}
+
+    def load_optimizer_state(self, state: dict, *, schedule: bool = True) -> None:
+        """:meth:`optimizer_state`'s; ``schedule=False`` keeps the current learning rates and LR schedule (a rollback)."""
+        with contextlib.nullcontext() if schedule else keep_lrs(self.optimizer):
+            self.optimizer.load_state_dict(state["actor"])
+        if schedule:
+            self.scheduler.load_state_dict(state["actor_sched"])
 
     def update(self, batch: RolloutBatch, spec: ActorUpdateSpec, step: int, ref: ReferenceWorker | None = None) -> dict[str, float]:
         """PPO epochs × mini-batches of the clipped surrogate (+ β·KL loss − entropy bonus).

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,7 @@ from tether.workers.common import (
     optimizer_step,
 )
 from tether.workers.packing import MicroBatching, check_padding_free
+from tether.workers.persist import keep_lrs, load_module, save_module
 
 
 class CriticWorker:
@@ -52,6 +55,27 @@ class CriticWorker:
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] *= factor
+
+    def save(self, path: Path) -> None:
+        """The value model's weights as ``critic.safetensors``."""
+        save_module(self.model, path)
+
+    def load(self, path: Path) -> None:
+        """:meth:`save`'s file.
+
+        Raises:
+            CheckpointError: the file is missing.
+        """
+        load_module(self.model, path, "was it saved without algo.adv_estimator=gae?")
+
+    def optimizer_state(self) -> dict:
+        """``{"critic": AdamW state}`` (a part of the checkpoint's optim.pt)."""
+        return {"critic": self.optimizer.state_dict()}
+
+    def load_optimizer_state(self, state: dict, *, schedule: bool = True) -> None:
+        """:meth:`optimizer_state`'s; ``schedule=False`` keeps the current learning rate (a rollback)."""
+        with contextlib.nullcontext() if schedule else keep_lrs(self.optimizer):
+            self.optimizer.load_state_dict(state["critic"])
 
     def update(self, batch: RolloutBatch, *, ppo_epochs: int, mini_batch_size: int, agg_mode: str, seed: int, step: int) -> dict[str, float]:
         """Clipped value-loss regression of V onto the GAE returns; non-finite updates are dropped."""

@@ -20,7 +20,7 @@ Two independent choices (``actor.*`` / ``critic.*`` keys of the same names):
   score a response token (``logits_to_keep`` as a boolean (R, L) mask). Log-probs, entropy, KL and
   values come back in the (B, T) layout, 0 where ``response_mask`` is 0.
 
-``actor.share_prompt_prefix`` (:mod:`tether.workers.prefix`) is what the padded layout's forward does
+``actor.share_prompt_prefix`` (:mod:`tether.models.prefix`) is what the padded layout's forward does
 when it is on: each distinct prompt of the micro-batch runs once, whichever way the rows were grouped
 (so it composes with a token budget; a budget's length-sorted groups keep fewer of a prompt's
 responses together than consecutive rows do). It is not combined with ``padding_free`` (refused at
@@ -188,7 +188,7 @@ class PaddedLayout:
     """A micro-batch as (b, P'+t) rows: prompt left-padded, response right-padded (today's layout).
 
     Attributes: ids, mask (b, P'+t); t, the response columns kept (the longest response, >= 1);
-    mb, the micro-batch, set when its forwards share each distinct prompt (:mod:`tether.workers.prefix`).
+    mb, the micro-batch, set when its forwards share each distinct prompt (:mod:`tether.models.prefix`).
     """
 
     ids: torch.Tensor
@@ -208,9 +208,9 @@ class PaddedLayout:
 
     def logprobs(self, model, *, temperature: float, with_entropy: bool = False, return_logits: bool = False, compute_dtype: str = "float32"):
         """(logprobs (b, t), entropy (b, t) or None, logits (b, t, V) or None); see ``tether.models.response_logprobs``
-        (``tether.workers.prefix.micro_batch_logprobs`` when the layout shares prompts)."""
+        (``tether.models.prefix.micro_batch_logprobs`` when the layout shares prompts)."""
         if self.mb is not None:
-            from tether.workers.prefix import micro_batch_logprobs
+            from tether.models.prefix import micro_batch_logprobs
 
             return micro_batch_logprobs(
                 model, self.mb, self.ids, self.mask, self.t, share_prefix=True, temperature=temperature, with_entropy=with_entropy,
@@ -220,20 +220,20 @@ class PaddedLayout:
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) log-probs of the response tokens from this layout's (b, t, V) logits, nats."""
-        from tether.distributed.vocab_parallel import logprobs_from_logits
+        from tether.models.vocab_parallel import logprobs_from_logits
 
         return logprobs_from_logits(logits, self.ids[:, -self.t :], temperature)
 
     def kl_full(self, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) exact KL(π‖π_ref) per token from two (b, t, V) logits, nats."""
-        from tether.distributed.vocab_parallel import kl_full
+        from tether.models.vocab_parallel import kl_full
 
         return kl_full(logits, ref_logits, temperature=temperature)
 
     def values(self, model) -> torch.Tensor:
-        """(b, t) V(s_t) from a ``ValueModel`` (``tether.workers.prefix.micro_batch_values`` when the layout shares prompts)."""
+        """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares prompts)."""
         if self.mb is not None:
-            from tether.workers.prefix import micro_batch_values
+            from tether.models.prefix import micro_batch_values
 
             return micro_batch_values(model, self.mb, self.ids, self.mask, self.t, share_prefix=True)
         return model(self.ids, self.mask, self.t)
@@ -317,7 +317,7 @@ class PackedLayout:
 
     def _logits(self, model, compute_dtype: str) -> torch.Tensor:
         """(N, V) logits at the kept positions."""
-        from tether.models import _forward_params, autocast
+        from tether.models.forward import _forward_params, autocast
 
         kwargs = {"logits_to_keep": self.keep} if "logits_to_keep" in _forward_params(model) else {}
         with autocast(self.input_ids.device, compute_dtype):

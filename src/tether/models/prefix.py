@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tether.algos import logprobs_and_entropy_from_logits
-from tether.models import _forward_params, autocast, position_ids_from_mask, response_logprobs
+from tether.models.forward import _forward_params, autocast, position_ids_from_mask, response_logprobs
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tether.batch import RolloutBatch
+from tether.data.loading import PromptSet, collate_prompts
 from tether.rollout import response_mask_from_ids, truncated_rows
-from tether.trainer.prompts import PromptSet, collate_prompts
 
 
 class RolloutRunner:

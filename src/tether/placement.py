@@ -1,0 +1,58 @@
+"""Placement: where a run's roles live, chosen once from ``trainer.backend``.
+
+``local``: every role in this process (:func:`tether.workers.build.build_local_roles`). ``ray``: the same
+factory builds the driver's share (tokenizer, its copy of the policy, rollout engine, reward), then
+:func:`tether.distributed.ray_backend.build_ray_roles` puts actor, reference and critic on Ray worker groups
+whose ranks build their roles with the same factory (:class:`tether.distributed.worker.RankWorker`). The loop
+sees one :class:`~tether.workers.roles.Roles` either way; this module and the factory are the only places that
+read ``trainer.backend``.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+from tether.config import ConfigError, TetherConfig
+from tether.distributed.parallel import ParallelDims
+from tether.distributed.ray_backend import build_ray_roles, check_ray_installed, probe_ray_address
+from tether.models import resolve_model_path
+from tether.workers.build import build_local_roles
+from tether.workers.roles import Roles
+
+
+def build_roles(cfg: TetherConfig) -> Roles:
+    """Load every model once and place the roles as ``trainer.backend`` says.
+
+    Raises:
+        ConfigError: Ray missing or not answering at ``trainer.ray_address``, an ``actor.tp_size`` that does not
+            split a model's heads, or a bad model directory: each before any model loads where it can be.
+    """
+    if cfg.trainer.backend == "ray":
+        check_ray_installed()  # a one-line error naming the extra, before any model loads
+        if cfg.trainer.ray_address:  # a cluster that does not answer: one line in seconds, not Ray's 14 minutes of retries
+            probe_ray_address(cfg.trainer.ray_address)
+        if cfg.actor.tp_size > 1:
+            check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model"))  # before any model loads or Ray starts
+    roles = build_local_roles(cfg)
+    if cfg.trainer.backend == "ray":
+        return build_ray_roles(cfg, roles)  # actor, ref and critic run on Ray worker groups; the rest stays here
+    return roles
+
+
+def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
+    """``actor.tp_size`` must split the attention and KV heads of every model the worker groups shard (the actor,
+    and a separate ``ref.model`` / ``critic.model``), read from their config.json before anything loads.
+
+    Raises:
+        ConfigError: naming ``actor.tp_size``, the model's key and the count it does not divide.
+    """
+    dims = ParallelDims.from_world(cfg.actor.tp_size, cfg.actor.tp_size)
+    models = {"actor.model": actor_path}
+    for key, value in (("ref.model", cfg.ref.model), ("critic.model", cfg.critic.model if cfg.algo.adv_estimator == "gae" else None)):
+        if value is not None:
+            models[key] = resolve_model_path(value, key)
+    for key, path in models.items():
+        try:
+            dims.check_model(AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor.trust_remote_code))
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({key}={path})") from None
