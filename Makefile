@@ -32,7 +32,7 @@ VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf RAY_AUTH_MODE=disabled
 
-.PHONY: install install-ray demo test test-fast bench bench-peer lint clean install-vllm test-vllm
+.PHONY: install install-ray demo test test-fast bench bench-peer lint lint-imports clean install-vllm test-vllm
 
 install: $(VENV)/.installed
 
@@ -106,6 +106,10 @@ test-vllm: install-vllm
 
 lint: install
 	$(BIN)/ruff check .
+
+# the layers of docs/architecture.md (pyproject.toml [tool.importlinter]): every import points down, no circles
+lint-imports: install
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

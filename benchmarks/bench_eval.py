@@ -2,7 +2,7 @@
 
 A tiny Qwen2-architecture model with a GSM8K-like tokenizer (built locally by ``tether.testing``,
 nothing downloaded) answers P synthetic GSM8K-style prompts with n samples each, through the same
-:class:`tether.evaluate.Evaluator` as ``tether eval`` (reward: the GSM8K verifier; each response runs
+:class:`tether.evaluation.evaluate.Evaluator` as ``tether eval`` (reward: the GSM8K verifier; each response runs
 to ``--max-new-tokens`` unless it samples EOS), one engine for all rows, started by an untimed
 warm-up. One row per ``--batch-sizes`` value: wall seconds,
 prompts/s, samples/s, generated tokens/s. With ``--engine vllm`` (a GPU with vLLM) the same sweep runs
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch  # noqa: E402
 
 from tether.data import write_records  # noqa: E402
-from tether.evaluate import EvalSettings, Evaluator  # noqa: E402
+from tether.evaluation.evaluate import EvalSettings, Evaluator  # noqa: E402
 from tether.models import load_causal_lm, load_tokenizer  # noqa: E402
 from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""tether eval: the trainer's evaluation (tether.trainer.stats.evaluate_prompts) on a model, a
+"""tether eval: the trainer's evaluation (tether.evaluation.sampled.evaluate_prompts) on a model, a
 checkpoint or a run directory; table and JSON output."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from tether.cli import main
 from tether.config import ConfigError, load_config
 from tether.data import write_records
-from tether.evaluate import EvalSettings, evaluate, resolve_policy
+from tether.evaluation.evaluate import EvalSettings, evaluate, resolve_policy
 from tether.tasks.digitsum import make_dataset
 
 
@@ -91,8 +91,8 @@ def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_p
     """A trained checkpoint, evaluated by `tether eval RUN_DIR`, scores what the trainer's in-memory
     policy scores through the same function; the run's settings are the defaults."""
     from tether.data.loading import prepare_prompts
+    from tether.evaluation.sampled import evaluate_prompts
     from tether.trainer import Trainer
-    from tether.trainer.stats import evaluate_prompts
 
     run = tmp_path / "run"
     cfg = load_config(None, [
@@ -168,11 +168,11 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     """Validation mid-training must not move the reward's running statistics."""
     from tether.data import load_rows
     from tether.data.loading import prepare_prompts
+    from tether.evaluation.sampled import evaluate_prompts
     from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.rewards import RewardManager
     from tether.rollout import HFRolloutEngine
     from tether.rollout.runner import RolloutRunner
-    from tether.trainer.stats import evaluate_prompts
 
     path = resolve_model_path("embedded")
     tok, model = load_tokenizer(path), load_causal_lm(path)
@@ -272,7 +272,7 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     policy's weights with sync_weights, the interface the trainer uses; engine=auto falls back to hf
     with a warning when the run used vllm and vLLM is not usable."""
     import tether.rollout.vllm as vllm_mod
-    from tether.evaluate import Evaluator
+    from tether.evaluation.evaluate import Evaluator
     from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.rollout import HFRolloutEngine
 
@@ -314,7 +314,7 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
 
 def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
     from tether.checkpoint import write_checkpoint
-    from tether.evaluate import select_checkpoints
+    from tether.evaluation.evaluate import select_checkpoints
 
     root = tmp_path / "run" / "checkpoints"
     root.mkdir(parents=True)
@@ -425,7 +425,7 @@ def test_eval_reward_routes_each_row_and_merges_the_scores(tmp_path):
     right answer, 0 for a wrong one), the others by the run's function, each score in its place;
     an error of the run's function names the sample's index in the whole batch."""
     from tether.data import rows_from_records
-    from tether.evaluate import EvalReward
+    from tether.evaluation.evaluate import EvalReward
 
     fn = tmp_path / "r.py"
     fn.write_text("def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n"

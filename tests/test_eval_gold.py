@@ -10,7 +10,7 @@ import pytest
 
 from tether.cli import main
 from tether.config import config_to_yaml, load_config
-from tether.evaluate import EvalSettings, evaluate
+from tether.evaluation.evaluate import EvalSettings, evaluate
 
 CONST = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.25] * len(solution_strs)\n"
 HALF = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.5] * len(solution_strs)\n"
@@ -69,7 +69,7 @@ def test_a_bad_gold_is_a_clear_error(tmp_path, capsys):
 
 
 def test_the_checkpoint_curve_shows_the_gold_when_every_policy_has_one(tmp_path):
-    from tether.evaluate import curve_table, plot_curve
+    from tether.evaluation.evaluate import curve_table, plot_curve
 
     settings = {"n": 2, "ks": [1, 2], "temperature": 1.0}
     base = {"pass@1": 0.5, "pass@2": 0.75, "maj@2": 0.5, "mean@2": 0.5, "length_mean": 3.0, "truncated_frac": 0.0}

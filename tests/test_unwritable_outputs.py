@@ -326,6 +326,6 @@ def test_eval_out_rename_failure_and_read_only_target(tmp_path, monkeypatch, cap
     assert _tree(tmp_path) == {}  # not even sub/
     monkeypatch.undo()
     _read_only(monkeypatch, tmp_path)
-    monkeypatch.setattr("tether.evaluate.evaluate", lambda *a, **kw: pytest.fail("evaluated with a read-only --out"))
+    monkeypatch.setattr("tether.evaluation.evaluate.evaluate", lambda *a, **kw: pytest.fail("evaluated with a read-only --out"))
     assert main([*EVAL, "--out", str(out)]) == 2
     assert _one_line(capsys.readouterr().err) == f"tether eval: --out {out} cannot be written: {tmp_path} is on a read-only file system"

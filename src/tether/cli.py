@@ -213,8 +213,8 @@ def _add_sweep_parser(sub) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0; 2 on bad input (an unwritable --out among it, found before evaluating); 4 when writing
-    --out fails (full or read-only disk): see :func:`tether.evaluate.main_eval`."""
-    from tether.evaluate import main_eval
+    --out fails (full or read-only disk): see :func:`tether.evaluation.evaluate.main_eval`."""
+    from tether.evaluation.evaluate import main_eval
 
     return main_eval(args)
 

@@ -21,6 +21,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tether.algos import KL_ESTIMATORS, POLICY_LOSS_AGG
+from tether.rewards.registry import GOLD_FUNCTIONS
+from tether.tasks import embedded_task
+
 EMBEDDED = "embedded"
 
 
@@ -352,7 +356,6 @@ class KLConfig(_Section):
     def _known_estimator(cls, v):
         if v is None:
             return v
-        from tether.algos import KL_ESTIMATORS
 
         if v not in KL_ESTIMATORS:
             raise ValueError(f"unknown KL estimator {v!r}; valid: {', '.join(KL_ESTIMATORS)}")
@@ -578,7 +581,6 @@ class AlgoConfig(_Section):
     @property
     def agg_mode(self) -> str:
         """``loss_agg_mode``, or the policy loss's own aggregation when it is null."""
-        from tether.algos import POLICY_LOSS_AGG
 
         return self.loss_agg_mode or POLICY_LOSS_AGG[self.policy_loss]
 
@@ -716,8 +718,6 @@ def _check_gold_rollback(cfg) -> None:
     d = cfg.data
     if d.train_files != EMBEDDED or d.val_files not in (None, EMBEDDED):
         return
-    from tether.rewards.registry import GOLD_FUNCTIONS
-    from tether.tasks import embedded_task
 
     val = embedded_task(d.embedded_task).make_dataset("val", d.embedded_val_size, seed=cfg.trainer.seed)  # the val split's records
     sources = list(dict.fromkeys(r.get("data_source", "unknown") for r in val))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from tether.checkpoint import MANIFEST, CheckpointError, latest_valid_checkpoint, verify_checkpoint
+from tether.outputs import atomic_output, check_free_space, output_problem
 
 log = logging.getLogger("tether")
 
@@ -69,7 +70,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         OutputWriteError: less free space than the weights need (found before writing), or a write
             failed (no space left, a read-only file system, ...): nothing was left at or beside ``out_dir``.
     """
-    from tether.outputs import output_problem
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -94,7 +94,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {ckpt}: file actor/config.json is missing")
     if not any(src.glob("*.safetensors")):
         raise CheckpointError(f"checkpoint {ckpt}: no actor/*.safetensors weights")
-    from tether.outputs import atomic_output, check_free_space
 
     files = [f for f in sorted(src.iterdir()) if f.is_file()]
     check_free_space(out, sum(f.stat().st_size for f in files))
@@ -110,7 +109,6 @@ def _save_model(model, tokenizer, out: Path) -> Path:
     Raises:
         OutputWriteError: see :func:`export_checkpoint`.
     """
-    from tether.outputs import atomic_output, check_free_space
 
     seen, need = set(), 0
     for t in model.state_dict().values():  # tied weights once

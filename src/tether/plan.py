@@ -39,6 +39,11 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
+from tether.config import EMBEDDED, ConfigError, load_config
+from tether.models import resolve_model_path
+from tether.plan_shapes import SHAPES
+
 __all__ = [
     "DTYPE_BYTES",
     "ModelShape",
@@ -339,7 +344,6 @@ def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, acce
     the two. Vocabulary-parallel (tp) splits V. Measured on CPU against ``MemTracker``
     (``benchmarks/plan_vs_measured.py``).
     """
-    from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
 
     v = math.ceil(shape.vocab / tp)
     chunk = min(DEFAULT_CHUNK_ELEMENTS["accelerator" if accelerator else "cpu"], b * t * v) * 4  # float32 bytes
@@ -764,8 +768,6 @@ def format_plan(plan: Plan) -> str:
 
 def _named_shape(name: str) -> dict | None:
     """The :mod:`tether.plan_shapes` entry ``name`` stands for (any case), unless a path of that name exists."""
-    from tether.config import EMBEDDED
-    from tether.plan_shapes import SHAPES
 
     if name == EMBEDDED or Path(name).expanduser().exists():
         return None
@@ -785,9 +787,6 @@ def resolve_shape(name: str | None, key: str) -> ModelShape | None:
     """
     import difflib
 
-    from tether.config import EMBEDDED
-    from tether.models import resolve_model_path
-    from tether.plan_shapes import SHAPES
 
     if name is None:
         return None
@@ -845,7 +844,6 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
     ``tether plan: ...``, naming it)."""
     import sys
 
-    from tether.config import ConfigError, load_config
 
     try:
         cfg = load_config(config, overrides)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.diagnostics import read_metrics
+from tether.outputs import OutputPathError, atomic_output, output_problem
 
 PANELS = [
     ("reward", ["reward/score_mean", "val/score_mean", "val/gold_mean"], "score"),  # val/gold_mean: the gold reward's, when a run has one
@@ -138,7 +139,6 @@ def write_report(run_dir: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tether.outputs import OutputPathError, atomic_output, output_problem
 
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():

@@ -42,11 +42,18 @@ from typing import Any
 
 import yaml
 
+from tether.checkpoint import CheckpointError, step_dir_name, verify_checkpoint
+from tether.config import ConfigError, TrainerConfig, load_config, parse_override
+from tether.diagnostics import read_metrics
+from tether.evaluation.exact import EXACT_FINAL, evaluate_final, exact_prompts
+from tether.outputs import output_problem
+from tether.tasks import digitsum
+from tether.tasks.exact import _prompt_spec, entropy, enumerate_policy, exact_kl_per_token, exact_optimum
+from tether.tasks.sft import load_reference
+
 DONE_MARKER = "sweep_done.json"
 """Written into a run directory when its ``tether train`` exited with status 0."""
 
-EXACT_FINAL = "exact_final.json"
-"""Exact evaluation of a run's final checkpoint (see :func:`evaluate_final`)."""
 
 SPEC_KEYS = {"grid", "fixed", "configs", "out", "workers", "tail", "exact_final"}
 
@@ -223,7 +230,6 @@ def _as_pairs(obj: Any, where: str) -> list[tuple[str, Any]]:
     if isinstance(obj, Mapping):
         return [(str(k), v) for k, v in obj.items()]
     if isinstance(obj, (list, tuple)):
-        from tether.config import ConfigError, parse_override
 
         pairs = []
         for item in obj:
@@ -371,7 +377,6 @@ def available_cores() -> int:
 
 
 def _total_steps(run: RunSpec) -> int:
-    from tether.config import TrainerConfig
 
     return int(run.all_overrides.get("trainer.total_steps", TrainerConfig().total_steps))
 
@@ -389,7 +394,6 @@ def is_finished(run_dir: Path, run: RunSpec) -> bool:
             return json.loads(marker.read_text()).get("args") == run.args()
         except json.JSONDecodeError:
             return False
-    from tether.checkpoint import CheckpointError, step_dir_name, verify_checkpoint
 
     final = run_dir / "checkpoints" / step_dir_name(_total_steps(run))
     if not final.is_dir():
@@ -499,78 +503,11 @@ def run_sweep(
 # exact evaluation of a finished run
 
 
-def exact_prompts(which: str) -> list[str]:
-    """Distinct prompts of the embedded task's ``val``, ``train`` or ``all`` split."""
-    from tether.tasks import digitsum
-
-    return list(dict.fromkeys(r["prompt"] for r in digitsum.make_dataset(which)))
-
-
 def _read_yaml(path: Path) -> dict:
     try:
         return yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
-
-
-def _final_beta(history: list[dict]) -> float | None:
-    for rec in reversed(history):
-        v = rec.get("kl/coef")
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            return float(v)
-    return None
-
-
-def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = None) -> dict[str, float] | None:
-    """Exact numbers (``exact/*`` of :func:`tether.tasks.exact.evaluate_policy`) of a run's latest complete
-    checkpoint on the embedded task's ``which`` prompts, at the run's final β (floored at 1e-6, as the
-    trainer does); cached in ``<run_dir>/exact_final.json``. None when the run is not on the embedded
-    task with plain sampling, or has no checkpoint.
-    """
-    run_dir = Path(run_dir)
-    cache = run_dir / EXACT_FINAL
-    from tether.checkpoint import latest_valid_checkpoint
-    from tether.diagnostics import read_metrics
-
-    ckpt = latest_valid_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        return None
-    if cache.is_file():
-        try:
-            data = json.loads(cache.read_text())
-            if data.get("checkpoint") == ckpt.name and data.get("prompts") == which:
-                return data["metrics"]
-        except (json.JSONDecodeError, KeyError):
-            pass
-    cfg = _read_yaml(run_dir / "config.yaml")
-    rollout, data_cfg = cfg.get("rollout", {}), cfg.get("data", {})
-    embedded = cfg.get("actor", {}).get("model") == "embedded" and data_cfg.get("train_files") == "embedded" and not cfg.get("ref", {}).get("model")
-    plain = rollout.get("top_p", 1.0) == 1.0 and rollout.get("top_k", 0) == 0 and rollout.get("do_sample", True)
-    if not (embedded and plain) or cfg.get("actor", {}).get("lora", {}).get("rank", 0):
-        return None
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from tether.tasks.exact import evaluate_policy
-
-    hf_logging.disable_progress_bar()
-    from tether.tasks.sft import load_reference
-
-    ref, tok = load_reference()
-    policy = AutoModelForCausalLM.from_pretrained(ckpt / "actor")
-    policy.eval()
-    beta = _final_beta(read_metrics(run_dir))
-    beta = max(beta if beta is not None else cfg.get("kl", {}).get("coef", 0.0), 1e-6)
-    from tether.tasks import embedded_task
-
-    task = embedded_task(data_cfg.get("embedded_task", "digitsum"))  # the run's training reward (a proxy has a gold_score too)
-    metrics = evaluate_policy(
-        policy, ref, tok, exact_prompts(which), beta, temperature=float(rollout.get("temperature", 1.0)),
-        n_samples=int(rollout.get("n", 8)), ref_cache=ref_cache, reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None),
-    )  # fmt: skip
-    metrics["exact/beta"] = beta
-    cache.write_text(json.dumps({"checkpoint": ckpt.name, "prompts": which, "metrics": metrics}, indent=1))
-    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,7 +571,6 @@ def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exa
     ``exact``: metrics of :func:`evaluate_final` (preferred); otherwise the last logged ``exact/*``.
     Missing values are NaN; ``status`` is ``finished`` (done marker), ``incomplete`` or ``missing``.
     """
-    from tether.diagnostics import read_metrics
 
     run_dir = Path(run_dir)
     row: dict[str, Any] = {"name": run.name if run else run_dir.name}
@@ -748,9 +684,6 @@ def optimum_curve(prompts: Sequence[str], betas: Iterable[float], *, temperature
     """
     import numpy as np
 
-    from tether.tasks import digitsum
-    from tether.tasks.exact import _prompt_spec, entropy, enumerate_policy, exact_kl_per_token, exact_optimum
-    from tether.tasks.sft import load_reference
 
     ref, tok = load_reference()
     spaces = []
@@ -993,13 +926,9 @@ def main_sweep(
     """Entry point of ``tether sweep``: 0 when every run finished, 1 when some failed, 2 on a bad spec."""
     try:
         spec = load_spec(spec_path, grid=grid, fixed=fixed, out=out, workers=workers, tail=tail, exact_final=exact_final)
-        from tether.outputs import output_problem
-
         if problem := output_problem(spec.out, "dir", "the sweep's out"):
             raise SweepError(problem)
         runs = spec.runs()
-        from tether.config import ConfigError, load_config
-
         for run in runs:  # validate every config before starting anything
             try:
                 load_config(None, run.args())

@@ -324,7 +324,7 @@ def test_export_from_sharded_checkpoint(sharded_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert _max_diff(final, _weights(model)) == 0.0
     assert (out / "tokenizer_config.json").is_file()
-    from tether.evaluate import load_policy
+    from tether.evaluation.evaluate import load_policy
 
     policy, _, run = load_policy(root / "a")  # tether eval on the run directory: the sharded step-4 checkpoint
     assert run == root / "a" and _max_diff(final, _weights(policy)) == 0.0

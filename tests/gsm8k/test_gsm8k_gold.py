@@ -24,8 +24,8 @@ DIGITS = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n  
 
 
 def test_gsm8k_validation_reports_the_gold(qwen2_dir, gsm8k_files, tmp_path):
+    from tether.evaluation.sampled import evaluate_prompts
     from tether.rewards import gsm8k_compute_score
-    from tether.trainer.stats import evaluate_prompts
 
     (tmp_path / "gold.py").write_text(DIGITS)
     cfg = load_config(CONFIG, [f"actor.model={qwen2_dir}", f"trainer.output_dir={tmp_path / 'run'}", *TINY, f"data.train_files={gsm8k_files['train']}",

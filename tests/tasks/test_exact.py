@@ -253,7 +253,7 @@ def test_exact_metrics_are_skipped_with_one_warning_for_a_big_vocabulary(caplog)
     from types import SimpleNamespace
 
     from tether.data import PromptRow
-    from tether.trainer.stats import ExactCache, exact_metrics
+    from tether.evaluation.exact import ExactCache, exact_metrics
 
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=512))
     prompts = [PromptRow("3,13=", "tether/digitsum", "3,13", {}, 0).prompt]

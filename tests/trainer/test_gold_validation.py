@@ -41,7 +41,7 @@ def _trainer(small_cfg, *overrides, out=None):
 
 def _samples(t, n=2):
     """The validation prompts' greedy samples with their records (score, gold, ...), and the metrics."""
-    from tether.trainer.stats import evaluate_prompts
+    from tether.evaluation.sampled import evaluate_prompts
 
     samples: list[dict] = []
     m = evaluate_prompts(t.roles.engine, t.roles.reward, t.val_set, n=n, batch_size=8, samples=samples, gold=t.roles.gold, do_sample=False)

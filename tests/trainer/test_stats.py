@@ -48,7 +48,8 @@ def test_learning_signal_metrics():
 
 
 def test_response_and_prompt_tokens_by_hand():
-    from tether.trainer.stats import _response_tokens, _rows_where
+    from tether.evaluation.sampled import response_tokens as _response_tokens
+    from tether.evaluation.sampled import rows_where as _rows_where
 
     b = _batch()  # responses [7, 2 (EOS)] and [8, pad]; prompts [5, 6] twice
     assert _response_tokens(b, eos_id=2) == [[7], [8]]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tether.config import ConfigError, load_config
-from tether.trainer.stats import capped_indices
+from tether.evaluation.sampled import capped_indices
 
 
 def test_capped_indices_is_a_fixed_seeded_subset_in_order():
@@ -80,7 +80,7 @@ def test_samples_the_reward_could_not_score_are_counted_and_warned(small_cfg, tm
     )
     t = Trainer(small_cfg(f"reward.function={fn}:compute_score", "trainer.report=false"))
     samples: list[dict] = []
-    from tether.trainer.stats import evaluate_prompts
+    from tether.evaluation.sampled import evaluate_prompts
 
     with caplog.at_level(logging.WARNING, logger="tether"):
         m = evaluate_prompts(t.roles.engine, t.roles.reward, t.val_set, n=2, batch_size=8, samples=samples, do_sample=False)

@@ -223,7 +223,7 @@ def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
     sync_weights; greedy responses equal the HF engine's for both weight sets, and the KL to the
     reference on sampled responses is exactly 0 for the reference itself and positive for the other model."""
     from tether.data import write_records
-    from tether.evaluate import EvalSettings, Evaluator
+    from tether.evaluation.evaluate import EvalSettings, Evaluator
 
     rows = [{"data_source": "openai/gsm8k", "prompt": t.split("####")[0][:120], "reward_model": {"ground_truth": "7"}}
             for t in synthetic_math_texts(N_PROMPTS)]  # fmt: skip

@@ -42,6 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tether.rewards.benchmarks import parse_aime_ground_truth
+from tether.rewards.math import extract_last_boxed
+
 from .rows import MAX_REPORTED_ERRORS, DataError, not_an_object, read_records, write_records
 
 __all__ = ["AIME_DATA_SOURCE", "CONVERTERS", "GPQA_DATA_SOURCE", "MATH500_DATA_SOURCE", "TEMPLATES", "convert_aime", "convert_gpqa",
@@ -147,7 +150,6 @@ def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
             row without a problem or with an answer that is not an integer in 0..999 (file and line
             named), a template without ``{problem}``, an unsupported output extension.
     """
-    from tether.rewards.benchmarks import parse_aime_ground_truth
 
     _check_template(template, "aime")
 
@@ -181,7 +183,6 @@ def convert_math500(src: str | Path, out: str | Path, *, template: str = TEMPLAT
             row without a problem or an answer, a template without ``{problem}``, an unsupported
             output extension.
     """
-    from tether.rewards.math import extract_last_boxed
 
     _check_template(template, "math500")
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tether.outputs import output_problem
+
 __all__ = [
     "MAX_REPORTED_ERRORS",
     "VALID_ROLES",
@@ -263,7 +265,6 @@ def write_records(records: Sequence[dict], path: str | Path) -> int:
     Raises:
         DataError: unsupported extension; a path that is a directory or lies under a file.
     """
-    from tether.outputs import output_problem
 
     p = Path(path)
     suffix = p.suffix.lower()

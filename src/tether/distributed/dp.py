@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tether.algos import loss_normalizers
 from tether.batch import RolloutBatch
 
 PAD_KEY = "dp_padding"  # RolloutBatch.extra: how many trailing rows of a shard are padding
@@ -114,7 +115,6 @@ class DataParallel:
     def loss_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[float, float]:
         import torch.distributed as dist
 
-        from tether.algos import loss_normalizers
 
         tokens, seqs = loss_normalizers((mini.response_mask if mask is None else mask)[: real_rows(mini)])
         t = torch.tensor([float(tokens), float(seqs)], dtype=torch.float64)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tether.config import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,7 +71,6 @@ class ParallelDims:
         """
         if self.tp == 1:
             return
-        from tether.config import ConfigError
 
         counts = {"num_attention_heads": config.num_attention_heads,
                   "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from tether.config import ConfigError
+
 NAME = "tether"
 #: longest key sequence the matmul path takes for queries of more than one token (between 128 and 256
 #: the two trade places from run to run; flash wins from 256 on).
@@ -143,7 +145,6 @@ def set_attn_implementation(model, name: str | None, key: str = "actor.attn_impl
     """
     if name is None:
         return model
-    from tether.config import ConfigError
 
     if name == NAME:
         register()
@@ -169,7 +170,6 @@ def for_config(cfg, device: torch.device | str) -> str | None:
 
     known = ["eager", *AttentionInterface._global_mapping]
     if name not in known:
-        from tether.config import ConfigError
 
         raise ConfigError(f"actor.attn_implementation={name!r} is not an attention implementation transformers knows; "
                           f"use auto, model, {NAME} or one of {sorted(known)}")  # fmt: skip

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from tether.config import ConfigError
+from tether.models import prefix
 from tether.models.forward import position_ids_from_mask
 from tether.models.loading import _LOAD_ERRORS, DTYPES
-from tether.models import prefix
 
 
 class ValueModel(nn.Module):

@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tether.signals import TrainingInterrupted
+
+from .model import RewardModelScorer
 from .normalize import NORMALIZE_MODES, RunningMeanStd, clip_values, whiten
 from .registry import get_reward_function, load_user_function
 
@@ -152,7 +155,6 @@ def reward_error(e: BaseException) -> Exception:
     if isinstance(e, Exception):
         return e
     if isinstance(e, KeyboardInterrupt):
-        from tether.signals import TrainingInterrupted
 
         ctrl_c = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         if isinstance(e, TrainingInterrupted) or ctrl_c:
@@ -233,8 +235,6 @@ class RewardManager:
         self._builtin = builtin  # None: get_reward_function, and dataset scores where a row has one
         self.scorer = None
         if reward_model:
-            from .model import RewardModelScorer
-
             self.scorer = RewardModelScorer(reward_model, device=device, batch_size=model_batch_size,
                                             max_length=max_length, use_chat_template=reward_model_chat_template)
         self.running = RunningMeanStd()

@@ -26,6 +26,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .benchmarks import extract_aime_answer, extract_choice_letter
+from .math import extract_gsm8k_answer, extract_math_answer
+
 __all__ = [
     "ANSWER_EXTRACTORS",
     "GOLD_FUNCTIONS",
@@ -308,31 +311,23 @@ def response_text_answer(solution_str: str, extra_info: dict | None = None) -> s
 
 def gsm8k_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
     """GSM8K's final answer (flexible mode) as an exact number string (``"1000"``, ``"1/2"``)."""
-    from .math import extract_gsm8k_answer
-
     v = extract_gsm8k_answer(solution_str, "flexible")
     return None if v is None else str(v)
 
 
 def math_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
     """MATH's final answer in math-verify's parsed form (:func:`tether.rewards.math.extract_math_answer`)."""
-    from .math import extract_math_answer
-
     return extract_math_answer(solution_str)
 
 
 def aime_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
     """AIME's integer answer (:func:`tether.rewards.benchmarks.extract_aime_answer`) as a string."""
-    from .benchmarks import extract_aime_answer
-
     v = extract_aime_answer(solution_str)
     return None if v is None else str(v)
 
 
 def gpqa_answer(solution_str: str, extra_info: dict | None = None) -> str | None:
     """GPQA's option letter (:func:`tether.rewards.benchmarks.extract_choice_letter`)."""
-    from .benchmarks import extract_choice_letter
-
     choices = (extra_info or {}).get("choices") if isinstance(extra_info, dict) else None
     return extract_choice_letter(solution_str, choices if isinstance(choices, dict) else None)
 

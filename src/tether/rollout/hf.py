@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tether.models import autocast
+from tether.rollout.hf_decode import cache_keyword
+
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """(B, T) 1 for response tokens up to and including the first EOS, 0 after it.
@@ -139,7 +142,6 @@ class HFRolloutEngine:
 
             recorder = SampledLogprobs(float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0)
             kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
-        from tether.models import autocast
 
         inference = self.grad_mode == "inference" and self.compute_dtype == "float32"
         mode = torch.inference_mode() if inference else torch.no_grad()
@@ -191,7 +193,6 @@ class HFRolloutEngine:
         position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # pad positions are masked out
         given = {}
         if cache is not None:
-            from tether.rollout.hf_decode import cache_keyword
 
             given = {cache_keyword(self.model): cache}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **given)

@@ -58,6 +58,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tether.batch import RolloutBatch
+from tether.checkpoint import CheckpointError
+from tether.config import ConfigError
+from tether.models import patch_lm_head, unpatch_lm_head
 from tether.workers.actor import _forward_logprobs
 
 log = logging.getLogger("tether")
@@ -75,7 +78,6 @@ def snapshot_model(model: torch.nn.Module) -> torch.nn.Module:
     under ``no_grad``): torch's autocast caches the bf16 cast of a weight for a whole ``generate`` call
     only when the weight requires grad, so a frozen copy recast every weight at every decode step
     (+8% of the small bench model's bf16 generation, the same tokens)."""
-    from tether.models import patch_lm_head, unpatch_lm_head
 
     snap = copy.deepcopy(model)
     flags = unpatch_lm_head(snap) if hasattr(snap, "get_output_embeddings") else None
@@ -96,7 +98,6 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
     Raises:
         ConfigError: naming the role whose model has dropout.
     """
-    from tether.config import ConfigError
 
     for role, model in models.items():
         if model is not None and has_dropout(model):
@@ -277,7 +278,6 @@ class AsyncRollout:
         Raises:
             CheckpointError: the file does not match the training prompts (another data set).
         """
-        from tether.checkpoint import CheckpointError
 
         self._ready.clear()
         self._step = step or 0

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, no_gold_message
+from tether.plan import ModelShape
+from tether.rewards import GOLD_FUNCTIONS, get_gold_function
 
 log = logging.getLogger("tether")
 
@@ -94,7 +96,6 @@ def check_rollout_memory(cfg: TetherConfig, actor_path, device, *prompt_sets) ->
     """
     if cfg.rollout.mode == "offline" or cfg.rollout.engine == "vllm":
         return None
-    from tether.plan import ModelShape
 
     try:
         shape = ModelShape.from_config(actor_path)
@@ -184,7 +185,6 @@ def check_gold(cfg: TetherConfig, val_rows) -> None:
         ConfigError: ``guard.rollback_metric=gold`` with no gold for any validation data source (naming them and the
             keys to set); a built-in gold (``GOLD_FUNCTIONS``) that cannot be imported.
     """
-    from tether.rewards import GOLD_FUNCTIONS, get_gold_function
 
     r = cfg.reward
     user = f"reward.val_function {r.val_function}" if r.val_function else f"reward.val_model {r.val_model}" if r.val_model else None

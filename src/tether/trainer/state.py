@@ -20,7 +20,8 @@ from tether.checkpoint import (
     write_checkpoint,
     write_json,
 )
-from tether.config import resolve_local_paths
+from tether.config import ConfigError, resolve_local_paths
+from tether.trainer.logging import _clean as clean_value
 from tether.trainer.logging import _flatten
 
 log = logging.getLogger("tether")
@@ -45,7 +46,6 @@ def check_fresh_start(run_dir: Path, resume: str) -> None:
     Raises:
         ConfigError: one line naming the directory, what it holds, and the ways out.
     """
-    from tether.config import ConfigError
 
     if resume != "off":
         return
@@ -359,6 +359,5 @@ class CheckpointManager:
 
 
 def _clean(d: dict) -> dict:
-    from tether.trainer.logging import _clean as clean_value
 
     return {k: clean_value(v) for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}

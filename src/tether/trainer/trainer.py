@@ -30,13 +30,26 @@ from tether.algos import (
     top_entropy_mask,
 )
 from tether.batch import RolloutBatch
-from tether.config import EMBEDDED, TetherConfig, config_to_yaml
+from tether.config import EMBEDDED, ConfigError, TetherConfig, config_to_yaml
 from tether.data.loading import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
+from tether.diagnostics import HACKING_CHECKS, LiveDiagnostics, read_metrics
+from tether.evaluation.exact import ExactCache
+from tether.evaluation.validation import validate
+from tether.models import DTYPES
+from tether.outputs import OutputPathError, OutputWriteError
 from tether.placement import build_roles
+from tether.report import write_report
 from tether.rollout import truncated_rows
-from tether.signals import StopSignals, TrainingInterrupted
-from tether.trainer import startup
+from tether.signals import StopSignals, TrainingInterrupted, signal_name
+from tether.trainer import lock, startup
+from tether.trainer.async_rollout import build_async_rollout
 from tether.trainer.guards import GuardMonitor, TrainingStopped
+from tether.trainer.logging import MetricsLogger
+from tether.trainer.perf import matmul_ceiling_flops, matmul_params, update_flops
+from tether.trainer.progress import Progress
+from tether.trainer.sampling import dynamic_sample
+from tether.trainer.state import CheckpointManager, check_fresh_start
+from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
 from tether.workers.build import actor_spec, correction_kwargs
 
 log = logging.getLogger("tether")
@@ -84,7 +97,6 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
         ConfigError: the path exists and is not a directory, is a non-empty directory that is not a
             run (naming its files), or cannot be created or written into.
     """
-    from tether.config import ConfigError
 
     if run_dir is None and "{time}" in output_dir:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -123,7 +135,6 @@ def _check_writable(path: Path, output_dir: str) -> None:
     Raises:
         ConfigError: naming the key, the directory and the OS's reason.
     """
-    from tether.config import ConfigError
 
     probe = path / ".tether-write-probe"
     try:
@@ -148,8 +159,6 @@ class Trainer:
             torch.set_num_threads(threads)
         seed_everything(cfg.trainer.seed)
         self.run_dir, claimed = claim_run_dir(run_dir, cfg.trainer.output_dir)
-        from tether.trainer import lock
-        from tether.trainer.state import check_fresh_start
 
         self._lock = lock.acquire(self.run_dir)  # one run per directory (RunDirLocked names the holder)
         try:
@@ -165,10 +174,8 @@ class Trainer:
             raise
         # only a start that got this far writes its config (a failed one never overwrites a run's)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        from tether.trainer.logging import MetricsLogger
 
         self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
-        from tether.diagnostics import LiveDiagnostics, read_metrics
 
         self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
@@ -183,7 +190,6 @@ class Trainer:
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
         if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
-            from tether.config import ConfigError
 
             raise ConfigError("algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a vLLM "
                               "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set algo.rollout_correction.level=none "
@@ -206,12 +212,9 @@ class Trainer:
         self.guard = GuardMonitor(cfg.guard, max_failed_steps=cfg.reward.max_failed_steps)
         self.step = 0
         self.last_val: dict[str, float] = {}
-        from tether.trainer.async_rollout import build_async_rollout
 
         # rollout.async_steps=k: batches are generated k steps ahead, the next one during each update
         self.async_rollout = build_async_rollout(cfg, self.roles, self.train_set, self.sampler)
-        from tether.trainer.state import CheckpointManager
-        from tether.trainer.stats import ExactCache
 
         self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
         self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
@@ -224,7 +227,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
         """Train for ``trainer.total_steps`` steps (continuing a resumed run); returns the step metrics."""
-        from tether.trainer.progress import Progress
 
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
@@ -256,14 +258,10 @@ class Trainer:
             if self.async_rollout is not None:
                 self.async_rollout.close()
             self.roles.close()
-            from tether.trainer import lock
-
             lock.release(self._lock)  # the directory is free for the next command (resume, extend)
         if (failed := self.guard.all_steps_failed(self.step - first_step)) is not None:
             raise failed  # every step was empty: an error exit, its checkpoint (at total_steps) already written
         if self.cfg.trainer.report:
-            from tether.outputs import OutputPathError, OutputWriteError
-            from tether.report import write_report
 
             try:
                 write_report(self.run_dir)
@@ -281,8 +279,6 @@ class Trainer:
             signum = getattr(getattr(self, "_signals", None), "signum", None)
             if signum is None or not type(e).__module__.startswith(("ray", "tether.distributed")):
                 raise
-            from tether.signals import TrainingInterrupted, signal_name
-
             log.warning("%s: the step in progress failed after it (%s: %s); abandoning it without a new checkpoint",
                         signal_name(signum), type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
             raise TrainingInterrupted(signum) from e
@@ -341,7 +337,6 @@ class Trainer:
         guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
         ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
         rollback is applied again, a stop is not."""
-        from tether.diagnostics import HACKING_CHECKS
 
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         for finding in findings:
@@ -372,7 +367,6 @@ class Trainer:
     def sample(self, timer: PhaseTimer) -> RolloutBatch:
         """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
         if self.cfg.algo.filter_groups:
-            from tether.trainer.sampling import dynamic_sample
 
             return dynamic_sample(self.rollout, self.score, timer, batch_size=self.cfg.data.batch_size,
                                   max_draws=self.cfg.algo.filter_groups_max_draws, pad_id=self.tok.pad_token_id, step=self.step)  # fmt: skip
@@ -607,7 +601,6 @@ class Trainer:
         """perf/tokens_per_s (response tokens over the training phases: all but validation and
         checkpointing), split into perf/generate_tokens_per_s (rollout) and perf/train_tokens_per_s
         (the phases after reward), and perf/mfu of the actor update (``tether.trainer.perf``)."""
-        from tether.trainer.perf import matmul_ceiling_flops, matmul_params, update_flops
 
         tokens = float(batch.response_mask.sum())
         train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
@@ -622,7 +615,6 @@ class Trainer:
         update_s = times.get("timing/update_actor_s", 0.0)
         if update_s > 0 and hasattr(self.roles.actor.model_as_is, "get_input_embeddings"):  # shapes only: no weight pull
             if not hasattr(self, "_matmul_ceiling"):
-                from tether.models import DTYPES
 
                 a = self.cfg.actor  # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
                 dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (self.roles.placement.update_param_dtype or a.dtype)]
@@ -635,8 +627,6 @@ class Trainer:
         return out
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
-        from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
-
         grouped = self.cfg.algo.adv_estimator in GROUP_ESTIMATORS
         return rollout_metrics(batch, beta=self.beta, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, grouped=grouped)
 
@@ -645,8 +635,6 @@ class Trainer:
         due = force or (freq and (self.step % freq == 0 or self.step == self.cfg.trainer.total_steps))
         if not due or len(self.val_set) == 0:
             return {}
-        from tether.trainer.stats import validate
-
         self.last_val = validate(self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache)
         return self.last_val
 

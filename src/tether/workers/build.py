@@ -29,8 +29,8 @@ from tether.models import (
 )
 from tether.rewards import GoldReward, RewardManager, RewardResult
 from tether.rollout import HFRolloutEngine
-from tether.rollout.runner import RolloutRunner
 from tether.rollout import vllm as vllm_engine
+from tether.rollout.runner import RolloutRunner
 from tether.workers.actor import ActorUpdateSpec, ActorWorker, ReferenceWorker
 from tether.workers.critic import CriticWorker
 from tether.workers.roles import Roles

@@ -41,6 +41,10 @@ import torch
 from tether.algos import kl_full as _kl_full
 from tether.algos import logprobs_and_entropy_from_logits
 from tether.batch import RolloutBatch
+from tether.models import response_logprobs
+from tether.models.forward import _forward_params, autocast
+from tether.models.prefix import micro_batch_logprobs, micro_batch_values
+from tether.models.vocab_parallel import kl_full, logprobs_from_logits
 from tether.workers.common import trim
 
 
@@ -178,7 +182,6 @@ def empty_micro_batch(batch: RolloutBatch) -> RolloutBatch:
 
 
 def _lm_outputs(model, ids, mask, t, temperature, with_entropy, return_logits, compute_dtype):
-    from tether.models import response_logprobs
 
     return response_logprobs(model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype)
 
@@ -210,7 +213,6 @@ class PaddedLayout:
         """(logprobs (b, t), entropy (b, t) or None, logits (b, t, V) or None); see ``tether.models.response_logprobs``
         (``tether.models.prefix.micro_batch_logprobs`` when the layout shares prompts)."""
         if self.mb is not None:
-            from tether.models.prefix import micro_batch_logprobs
 
             return micro_batch_logprobs(
                 model, self.mb, self.ids, self.mask, self.t, share_prefix=True, temperature=temperature, with_entropy=with_entropy,
@@ -220,20 +222,17 @@ class PaddedLayout:
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) log-probs of the response tokens from this layout's (b, t, V) logits, nats."""
-        from tether.models.vocab_parallel import logprobs_from_logits
 
         return logprobs_from_logits(logits, self.ids[:, -self.t :], temperature)
 
     def kl_full(self, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) exact KL(π‖π_ref) per token from two (b, t, V) logits, nats."""
-        from tether.models.vocab_parallel import kl_full
 
         return kl_full(logits, ref_logits, temperature=temperature)
 
     def values(self, model) -> torch.Tensor:
         """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares prompts)."""
         if self.mb is not None:
-            from tether.models.prefix import micro_batch_values
 
             return micro_batch_values(model, self.mb, self.ids, self.mask, self.t, share_prefix=True)
         return model(self.ids, self.mask, self.t)
@@ -317,7 +316,6 @@ class PackedLayout:
 
     def _logits(self, model, compute_dtype: str) -> torch.Tensor:
         """(N, V) logits at the kept positions."""
-        from tether.models.forward import _forward_params, autocast
 
         kwargs = {"logits_to_keep": self.keep} if "logits_to_keep" in _forward_params(model) else {}
         with autocast(self.input_ids.device, compute_dtype):

@@ -1,7 +1,7 @@
 """``tether eval MODEL_OR_CHECKPOINT DATA``: accuracy (unbiased pass@k, maj@k, mean@n), KL to the
 reference, response length and diversity of a policy, or of every checkpoint of a run.
 
-The evaluation itself is :func:`tether.trainer.stats.evaluate_prompts`, the function the trainer
+The evaluation itself is :func:`tether.evaluation.sampled.evaluate_prompts`, the function the trainer
 runs every ``trainer.val_freq`` steps; this module only loads what it needs (:class:`Evaluator`):
 
 * the policy: a Hugging Face model directory, a tether checkpoint (``.../checkpoints/step_N``; a
@@ -42,8 +42,24 @@ from typing import Any
 
 import torch
 
-from tether.config import EMBEDDED, ConfigError
-from tether.outputs import atomic_output, write_text
+from tether.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
+from tether.config import EMBEDDED, ConfigError, DataConfig, load_config
+from tether.data import DataError, load_rows, rows_from_records
+from tether.data.loading import prepare_prompts
+from tether.evaluation.sampled import KLProbe, distinct_prompt_indices, evaluate_prompts
+from tether.export import load_sharded_actor
+from tether.metrics.accuracy import parse_ks
+from tether.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
+from tether.outputs import OutputWriteError, atomic_output, output_problem, write_text
+from tether.rewards import REWARD_FUNCTIONS, GoldReward, RewardManager, RewardResult, get_reward_function
+from tether.rewards.manager import MAX_ERRORS
+from tether.rollout import vllm as vllm_engine
+from tether.rollout.runner import RolloutRunner
+from tether.tasks import embedded_task
+from tether.tasks.digitsum import MAX_NEW_TOKENS
+from tether.tasks.exact import evaluate_policy, exact_space_problem
+from tether.workers.actor import ReferenceWorker
+from tether.workers.build import build_engine, generation_eos_ids, pick_device
 
 log = logging.getLogger("tether")
 
@@ -115,10 +131,8 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
     Raises:
         ConfigError: nothing loadable there (with what was looked for), or an incomplete checkpoint.
     """
-    from tether.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
 
     if str(path) == EMBEDDED:
-        from tether.models import resolve_model_path
 
         return resolve_model_path(EMBEDDED), "embedded", None
     p = Path(path).expanduser()
@@ -154,7 +168,6 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
     Raises:
         ConfigError: see :func:`resolve_policy`; a tokenizer or base model that cannot be loaded.
     """
-    from tether.models import load_tokenizer
 
     where, kind, run = resolve_policy(path)
     return _load_resolved(where, kind, dtype, device), load_tokenizer(where, key="MODEL_OR_CHECKPOINT"), run
@@ -162,7 +175,6 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
 
 def _load_resolved(where: Path, kind: str, dtype: str, device: str):
     """The model at a :func:`resolve_policy` result (checkpoint already verified), in eval mode on ``device``."""
-    from tether.models import DTYPES, load_causal_lm
 
     if kind == "adapter":
         from peft import AutoPeftModelForCausalLM
@@ -173,7 +185,6 @@ def _load_resolved(where: Path, kind: str, dtype: str, device: str):
             base = json.loads((where / "adapter_config.json").read_text()).get("base_model_name_or_path")
             raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
     elif (where.parent / "dcp").is_dir() and not any(where.glob("*.safetensors")):  # trainer.backend=ray: sharded
-        from tether.export import load_sharded_actor
 
         model = load_sharded_actor(where.parent).to(DTYPES[dtype])
     else:
@@ -184,7 +195,6 @@ def _load_resolved(where: Path, kind: str, dtype: str, device: str):
 def _run_config(run: Path | None):
     if run is None or not (run / "config.yaml").is_file():
         return None
-    from tether.config import load_config
 
     try:
         return load_config(run / "config.yaml")
@@ -223,7 +233,7 @@ def _adapter_base(where: Path) -> Path | None:
 
 class EvalReward:
     """The reward of an evaluation: which scorer scores each row, and the scoring itself (a reward
-    callable for :func:`tether.trainer.stats.evaluate_prompts`, as a RewardManager).
+    callable for :func:`tether.evaluation.sampled.evaluate_prompts`, as a RewardManager).
 
     * a reward given for the evaluation (``EvalSettings.reward_function`` / ``reward_model``,
       ``given=True``) scores every row;
@@ -247,7 +257,6 @@ class EvalReward:
 
     def __init__(self, function: str | None, reward_model: str | None, *, given: bool = False, device: str = "cpu",
                  timeout_s: float | None = None):  # fmt: skip
-        from tether.rewards import RewardManager
 
         self.function = function or None
         self.reward_model = str(Path(reward_model).expanduser()) if reward_model else None
@@ -261,7 +270,6 @@ class EvalReward:
     def uses_builtin(self, data_source: str) -> bool:
         """Whether rows of ``data_source`` go to the built-in dispatch (its verifier, or an error
         when it has none and no other reward is known)."""
-        from tether.rewards import REWARD_FUNCTIONS
 
         if self.given:
             return False
@@ -276,7 +284,6 @@ class EvalReward:
     def scorer(self, data_source: str) -> str:
         """What scores rows of ``data_source``: ``"built-in verifier MODULE:FUNCTION"``, ``"the run's
         reward.function SPEC"`` (or ``reward.model DIR``), or ``"reward.function SPEC (given)"``."""
-        from tether.rewards import REWARD_FUNCTIONS
 
         if self.uses_builtin(data_source):
             return f"built-in verifier {REWARD_FUNCTIONS.get(data_source, '(none registered)')}"
@@ -285,7 +292,6 @@ class EvalReward:
 
     def _fallback(self):
         if self._other is None:
-            from tether.rewards import RewardManager
 
             self._other = RewardManager(function=self.function, reward_model=self.reward_model, **self._kw)
         return self._other
@@ -301,7 +307,6 @@ class EvalReward:
         answer that is not an integer in 0..999, a GPQA answer that is not a letter A-D, an empty
         MATH answer, a GSM8K answer that is not a number), tried with an empty response. Rows scored
         by a user function or reward model are not checked (those decide what they need)."""
-        from tether.rewards import REWARD_FUNCTIONS, get_reward_function
 
         if not self.uses_builtin(row.data_source) or row.data_source not in REWARD_FUNCTIONS:
             return None
@@ -336,8 +341,6 @@ class EvalReward:
         (``reward/*_count`` metrics summed over the scorers, ``errors`` naming the batch's sample index)."""
         import torch
 
-        from tether.rewards import RewardResult
-        from tether.rewards.manager import MAX_ERRORS
 
         parts: dict = {}
         for i, row in enumerate(rows):
@@ -396,18 +399,12 @@ class Evaluator:
     """
 
     def __init__(self, data: str | Path, settings: EvalSettings, tok, device, *, run: Path | None = None):
-        from tether.config import DataConfig
-        from tether.data import load_rows
-        from tether.data.loading import prepare_prompts
-        from tether.metrics.accuracy import parse_ks
-        from tether.trainer.stats import distinct_prompt_indices
 
         s = self.settings = settings
         self.tok, self.device, self.run, self.data = tok, device, run, str(data)
         self.cfg = _run_config(run)
         base = DEFAULTS | {k: v for k, v in _run_defaults(self.cfg).items() if v is not None}
         if self.data in EMBEDDED_DATA and self.cfg is None:
-            from tether.tasks.digitsum import MAX_NEW_TOKENS
 
             base["max_new_tokens"] = MAX_NEW_TOKENS  # the task's own response length: k digits + EOS
         r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
@@ -439,8 +436,6 @@ class Evaluator:
         s.resolved = self.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype,
                                           "seed": s.seed, "run": str(run) if run else None}  # fmt: skip
         if self.data in EMBEDDED_DATA:  # the embedded task's prompts, no file needed
-            from tether.data import rows_from_records
-            from tether.tasks import embedded_task
 
             split = self.data.partition(":")[2] or "val"
             task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # a run's data.embedded_task
@@ -450,7 +445,6 @@ class Evaluator:
         timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
         self.reward = EvalReward(r["reward_function"], r["reward_model"], given=bool(s.reward_function or s.reward_model),
                                  device=str(device), timeout_s=timeout)  # fmt: skip
-        from tether.rewards import GoldReward
 
         self.gold = GoldReward(r["val_function"], str(Path(r["val_model"]).expanduser()) if r["val_model"] else None, timeout_s=timeout,
                                device=str(device))  # fmt: skip
@@ -485,7 +479,6 @@ class Evaluator:
         Raises:
             DataError: no row is left (naming the first rows left out and why).
         """
-        from tether.data import DataError
 
         seen: set[str] = set()
         kept, skipped = [], {}
@@ -514,10 +507,9 @@ class Evaluator:
             raise ConfigError(f"engine must be auto, hf or vllm, got {asked!r}")
         want = run_engine if asked == "auto" else asked
         if want == "vllm":
-            from tether.rollout.vllm import check_vllm_available
 
             try:
-                check_vllm_available()
+                vllm_engine.check_vllm_available()
             except ConfigError as e:
                 if asked == "vllm":
                     raise
@@ -532,7 +524,6 @@ class Evaluator:
         ``actor.model`` (a LoRA run's reference is its base model), else, without a run, the embedded
         task's shipped reference on ``DATA=embedded`` (the reference its exact numbers are defined
         against), else None."""
-        from tether.models import resolve_model_path
 
         if self.settings.ref:
             return resolve_model_path(self.settings.ref, "--ref")
@@ -548,7 +539,6 @@ class Evaluator:
             if path is None:
                 self._no_ref = True
                 return None
-            from tether.models import load_causal_lm
 
             if not self.settings.ref and self.cfg is None and not _same_vocab(self.tok, path):
                 log.warning("eval: the policy's tokenizer is not the embedded task's, so its shipped reference %s cannot be "
@@ -561,7 +551,6 @@ class Evaluator:
     def engine_config(self):
         """The run's config (or the defaults) with this evaluation's sampling settings and engine: what
         the trainer's engine builder reads (``rollout.*``, ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``)."""
-        from tether.config import load_config
 
         r, s = self.resolved, self.settings
         overrides = [f"rollout.engine={r['engine']}", f"rollout.temperature={r['temperature']}", f"rollout.top_p={r['top_p']}", "rollout.top_k=0",
@@ -573,8 +562,6 @@ class Evaluator:
         """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
         by the trainer's own builder (``tether.workers.build``); later policies are pushed with
         ``sync_weights``, the engine interface the trainer uses after every update."""
-        from tether.rollout.runner import RolloutRunner
-        from tether.workers.build import build_engine, generation_eos_ids
 
         r = self.resolved
         if self.engine is None:
@@ -592,14 +579,12 @@ class Evaluator:
     def __call__(self, model, *, model_path: Path | None = None, samples: list[dict] | None = None,
                  by_source: dict | None = None, is_reference: bool = False) -> dict[str, float]:  # fmt: skip
         """Evaluate ``model`` (an HF causal LM); returns the metrics of
-        :func:`tether.trainer.stats.evaluate_prompts`, with ``kl_ref_*`` when a reference is known
+        :func:`tether.evaluation.sampled.evaluate_prompts`, with ``kl_ref_*`` when a reference is known
         and decoding samples (``is_reference``: the model is the reference, KL 0 without a forward),
         ``exact/*`` on the embedded task, and ``no_ground_truth`` (rows left out, see the class
         docstring) when there were any. ``by_source`` gets, for every data source, ``scorer`` (a
         string: what scored it, :meth:`EvalReward.scorer`) and ``no_ground_truth`` besides its
         metrics; a source all of whose rows were left out gets ``prompts = samples = 0``."""
-        from tether.trainer.stats import KLProbe, evaluate_prompts
-        from tether.workers.actor import ReferenceWorker
 
         r = self.resolved
         runner = self._runner(model, model_path)
@@ -626,14 +611,12 @@ class Evaluator:
     def _exact(self, model) -> dict[str, float]:
         """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
         the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
-        from tether.tasks.exact import evaluate_policy, exact_space_problem
 
         ref = self.reference() if self.reference() is not None else model
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
         if problem := exact_space_problem(model, prompts):
             log.warning("%s", problem)
             return {}
-        from tether.tasks import embedded_task
 
         task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # its proxy reward and gold
         return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
@@ -642,7 +625,6 @@ class Evaluator:
 
 
 def _same_vocab(tok, path: Path) -> bool:
-    from tether.models import load_tokenizer
 
     return tok.get_vocab() == load_tokenizer(path).get_vocab()
 
@@ -650,7 +632,7 @@ def _same_vocab(tok, path: Path) -> bool:
 def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,
              samples: list[dict] | None = None, by_source: dict | None = None) -> dict[str, float]:
     """Evaluate a policy on a dataset; returns the metrics of
-    :func:`tether.trainer.stats.evaluate_prompts` (``pass@k``, ``maj@k``, ``mean@n``,
+    :func:`tether.evaluation.sampled.evaluate_prompts` (``pass@k``, ``maj@k``, ``mean@n``,
     ``length_mean``, diversity, ``kl_ref_mean`` when the run's reference is known, ``exact/*`` on the
     embedded task, ``no_ground_truth`` when rows were left out for want of a usable ground truth;
     see :meth:`Evaluator.__call__`). ``settings.resolved`` is filled with the settings used (its
@@ -662,7 +644,6 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
             ground truth its verifier can use.
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
-    from tether.workers.build import pick_device
 
     s = settings or EvalSettings()
     device = pick_device(s.device)
@@ -685,7 +666,6 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
         ConfigError: no checkpoints directory, no complete checkpoint, a bad ``which`` or a step that
             has no complete checkpoint (naming the ones there are).
     """
-    from tether.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
@@ -731,7 +711,6 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         OutputWriteError: a file could not be written (no space left, a read-only file system, ...);
             the files of the policies evaluated before it are complete, none is partial.
     """
-    from tether.workers.build import pick_device
 
     s = settings or EvalSettings()
     run = Path(run_dir).expanduser()
@@ -778,7 +757,6 @@ def _checkpoint_actor(ckpt: Path) -> tuple[Path, str]:
 
 
 def load_policy_tokenizer(where: Path):
-    from tether.models import load_tokenizer
 
     return load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
 
@@ -919,7 +897,6 @@ def write_json(path: str | Path, model: str, data: str, metrics: dict, settings:
 
 
 def _settings_from_args(args) -> EvalSettings:
-    from tether.metrics.accuracy import parse_ks
 
     ks = None
     if args.k is not None:
@@ -942,8 +919,6 @@ def main_eval(args) -> int:
     the OS's reason, and no partial file (each is written beside, then renamed)."""
     import sys
 
-    from tether.data import DataError
-    from tether.outputs import OutputWriteError, output_problem
 
     t0 = time.perf_counter()
     try:

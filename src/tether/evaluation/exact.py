@@ -1,0 +1,130 @@
+"""Exact evaluation on the embedded task: every response enumerated, the policy against π_ref and the optimum
+π* ∝ π_ref·exp(r/β) (``tether.tasks.exact``). :func:`exact_metrics` for validation during training (``exact/*``),
+:func:`evaluate_final` for a finished run's checkpoint (``tether sweep``). Whether it applies is
+``TetherConfig.exact_evaluation_applies``, decided once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from tether.checkpoint import latest_valid_checkpoint
+from tether.config import EMBEDDED, ConfigError, load_config
+from tether.diagnostics import read_metrics
+from tether.tasks import digitsum, embedded_task
+from tether.tasks.exact import evaluate_policy, exact_space_problem
+from tether.tasks.sft import load_reference
+
+EXACT_FINAL = "exact_final.json"
+"""Exact evaluation of a run's final checkpoint (see :func:`evaluate_final`)."""
+
+
+@dataclass
+class ExactCache:
+    """What exact/* keeps between validations: the reference's enumerated responses (``ref``, emptied by
+    :meth:`reset_ref` when the reference's weights change: ``ref.reset_every``, a checkpoint that loads
+    them) and whether the response space is too large to enumerate (``skipped``, decided and warned
+    about once; ``checked`` once decided)."""
+
+    ref: dict = field(default_factory=dict)
+    skipped: str | None = None
+    checked: bool = False
+
+    def reset_ref(self) -> None:
+        self.ref.clear()
+
+
+def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperature: float, n_samples: int, cache: ExactCache,
+                  task: str = "digitsum") -> dict[str, float]:  # fmt: skip
+    """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on ``prompts`` (the
+    distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
+
+    Args:
+        policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``as_reference()``: a LoRA
+            reference is the policy with its adapters disabled); tok: the tokenizer.
+        n_samples: rollout.n (pass@k and the like); cache: see :class:`ExactCache`.
+        task: data.embedded_task: its training reward is exact/*'s reward; a task whose reward is a proxy
+            (digitsum_hack) adds exact/gold_mean, exact/ref_gold_mean and exact/opt_gold_mean.
+    Returns:
+        {} when the response space is too large (one warning, the first time).
+    """
+    if not cache.checked:
+        cache.checked, cache.skipped = True, exact_space_problem(policy, prompts)
+        if cache.skipped:
+            logging.getLogger("tether").warning("%s", cache.skipped)
+    if cache.skipped:
+        return {}
+    was_training = policy.training
+    policy.eval()
+    with ref.as_reference():
+        mod = embedded_task(task)
+        out = evaluate_policy(
+            policy, ref.module, tok, prompts, max(beta, 1e-6), temperature=temperature, n_samples=n_samples, ref_cache=cache.ref,
+            reward_fn=mod.compute_score, gold_fn=getattr(mod, "gold_score", None),
+        )  # fmt: skip
+    policy.train(was_training)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- a finished run
+
+
+def exact_prompts(which: str) -> list[str]:
+    """Distinct prompts of the embedded task's ``val``, ``train`` or ``all`` split."""
+    return list(dict.fromkeys(r["prompt"] for r in digitsum.make_dataset(which)))
+
+
+def _final_beta(history: list[dict]) -> float | None:
+    for rec in reversed(history):
+        v = rec.get("kl/coef")
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = None) -> dict[str, float] | None:
+    """Exact numbers (``exact/*`` of :func:`tether.tasks.exact.evaluate_policy`) of a run's latest complete
+    checkpoint on the embedded task's ``which`` prompts, at the run's final β (floored at 1e-6, as the
+    trainer does); cached in ``<run_dir>/exact_final.json``. None when exact evaluation does not apply to the
+    run's config (``TetherConfig.exact_evaluation_applies``), when the run's policy is not the shipped
+    reference's fine-tune (``actor.model`` other than embedded, a ``ref.model``, LoRA adapters: the shipped
+    reference is what this loads), when its config.yaml does not load, or when it has no checkpoint.
+    """
+    run_dir = Path(run_dir)
+    cache = run_dir / EXACT_FINAL
+    ckpt = latest_valid_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        return None
+    if cache.is_file():
+        try:
+            data = json.loads(cache.read_text())
+            if data.get("checkpoint") == ckpt.name and data.get("prompts") == which:
+                return data["metrics"]
+        except (json.JSONDecodeError, KeyError):
+            pass
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError:
+        return None
+    if not cfg.exact_evaluation_applies or cfg.actor.model != EMBEDDED or cfg.ref.model or cfg.actor.lora.rank:
+        return None
+    hf_logging.disable_progress_bar()
+    ref, tok = load_reference()
+    policy = AutoModelForCausalLM.from_pretrained(ckpt / "actor")
+    policy.eval()
+    beta = _final_beta(read_metrics(run_dir))
+    beta = max(beta if beta is not None else cfg.kl.coef, 1e-6)
+    task = embedded_task(cfg.data.embedded_task)  # the run's training reward (a proxy has a gold_score too)
+    metrics = evaluate_policy(
+        policy, ref, tok, exact_prompts(which), beta, temperature=cfg.rollout.temperature, n_samples=cfg.rollout.n,
+        ref_cache=ref_cache, reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None),
+    )  # fmt: skip
+    metrics["exact/beta"] = beta
+    cache.write_text(json.dumps({"checkpoint": ckpt.name, "prompts": which, "metrics": metrics}, indent=1))
+    return metrics

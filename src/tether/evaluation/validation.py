@@ -1,0 +1,45 @@
+"""Validation during training: ``val/*`` from sampled responses on the held-out prompts, ``exact/*`` on the embedded task."""
+
+from __future__ import annotations
+
+import logging
+
+from tether.evaluation.exact import ExactCache, exact_metrics
+from tether.evaluation.sampled import capped_indices, distinct_prompt_indices, evaluate_prompts
+
+
+def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None = None) -> dict[str, float]:
+    """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
+    with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
+    fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
+    ``exact/*`` on the embedded task. With a gold reward (``roles.gold``, a
+    :class:`~tether.rewards.GoldReward` covering some of the val rows), the same responses are scored by
+    it too: ``val/gold_mean``, ``val/gold_gap``, ``val/gold_sem``, ``val/gold_unscored_frac``,
+    ``val/gold_pass@k`` (and per source). In an offline run the policy generates (each distinct prompt
+    once) and generated responses are scored by the reward function (``roles.val_reward``), not by
+    the dataset's score column.
+
+    Args:
+        cfg: the run's config; roles: its ``Roles`` (engine, reward, val_reward, gold; for exact/* the
+            actor's model, the reference and the tokenizer); val_set: the prepared held-out prompts.
+        beta: the current β (exact/*'s optimum π* ∝ π_ref·exp(r/β)).
+        exact_cache: what exact/* keeps between validations (a fresh one when None).
+    """
+    reward = getattr(roles, "val_reward", None) or roles.reward
+    indices = distinct_prompt_indices(val_set) if cfg.rollout.mode == "offline" else list(range(len(val_set)))
+    indices = capped_indices(indices, cfg.trainer.val_max_prompts, cfg.trainer.seed)
+    per_source: dict[str, dict] = {}
+    m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size, indices=indices,
+                         by_source=per_source, progress=cfg.trainer.progress, desc="validation", gold=getattr(roles, "gold", None))  # fmt: skip
+    out = {f"val/{key}": v for key, v in m.items()}
+    if m.get("unscored_frac"):
+        logging.getLogger("tether").warning("validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): val/score_mean "
+                    "and val/pass@k count them 0 (val/unscored_frac)", m["unscored_frac"] * m["samples"], m["samples"])  # fmt: skip
+    if len(per_source) > 1:
+        out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
+    if cfg.exact_evaluation_applies:
+        prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
+        out |= exact_metrics(roles.actor.model, roles.ref, roles.tokenizer, prompts, beta=beta, temperature=cfg.rollout.temperature,
+                             n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache(),
+                             task=cfg.data.embedded_task)  # fmt: skip
+    return out
