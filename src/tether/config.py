@@ -581,7 +581,6 @@ class AlgoConfig(_Section):
     @property
     def agg_mode(self) -> str:
         """``loss_agg_mode``, or the policy loss's own aggregation when it is null."""
-
         return self.loss_agg_mode or POLICY_LOSS_AGG[self.policy_loss]
 
     def policy_loss_hyper(self) -> dict:
@@ -643,7 +642,6 @@ class TrainerConfig(_Section):
     n_gpus_per_node: int = Field(0, ge=0, description="trainer.backend=ray: GPUs per node for the workers; 0 = CPU workers (gloo).")
     placement: Literal["colocate", "split"] = Field("colocate", description="trainer.backend=ray: colocate = actor, reference, critic and vLLM replicas share each worker's device; split = the critic gets its own worker group and devices, and vLLM replicas their own bundles.")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="FSDP2 sharding of the Ray backend's workers.")
-
 
     @field_validator("output_dir")
     @classmethod

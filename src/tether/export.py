@@ -70,7 +70,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         OutputWriteError: less free space than the weights need (found before writing), or a write
             failed (no space left, a read-only file system, ...): nothing was left at or beside ``out_dir``.
     """
-
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists and is not an empty directory; choose a new OUT_DIR")
@@ -109,7 +108,6 @@ def _save_model(model, tokenizer, out: Path) -> Path:
     Raises:
         OutputWriteError: see :func:`export_checkpoint`.
     """
-
     seen, need = set(), 0
     for t in model.state_dict().values():  # tied weights once
         if t.data_ptr() not in seen:

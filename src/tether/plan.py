@@ -344,7 +344,6 @@ def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, acce
     the two. Vocabulary-parallel (tp) splits V. Measured on CPU against ``MemTracker``
     (``benchmarks/plan_vs_measured.py``).
     """
-
     v = math.ceil(shape.vocab / tp)
     chunk = min(DEFAULT_CHUNK_ELEMENTS["accelerator" if accelerator else "cpu"], b * t * v) * 4  # float32 bytes
     logits = b * t * v * e
@@ -768,7 +767,6 @@ def format_plan(plan: Plan) -> str:
 
 def _named_shape(name: str) -> dict | None:
     """The :mod:`tether.plan_shapes` entry ``name`` stands for (any case), unless a path of that name exists."""
-
     if name == EMBEDDED or Path(name).expanduser().exists():
         return None
     return SHAPES.get(name.lower())
@@ -786,7 +784,6 @@ def resolve_shape(name: str | None, key: str) -> ModelShape | None:
             that is missing or not a positive integer / true or false (naming the file and field).
     """
     import difflib
-
 
     if name is None:
         return None
@@ -843,7 +840,6 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
     2 for a bad config, model directory or name, config.json field or flag (one line on stderr,
     ``tether plan: ...``, naming it)."""
     import sys
-
 
     try:
         cfg = load_config(config, overrides)

@@ -139,7 +139,6 @@ def write_report(run_dir: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a tether run directory")

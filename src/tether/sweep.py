@@ -377,7 +377,6 @@ def available_cores() -> int:
 
 
 def _total_steps(run: RunSpec) -> int:
-
     return int(run.all_overrides.get("trainer.total_steps", TrainerConfig().total_steps))
 
 
@@ -571,7 +570,6 @@ def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exa
     ``exact``: metrics of :func:`evaluate_final` (preferred); otherwise the last logged ``exact/*``.
     Missing values are NaN; ``status`` is ``finished`` (done marker), ``incomplete`` or ``missing``.
     """
-
     run_dir = Path(run_dir)
     row: dict[str, Any] = {"name": run.name if run else run_dir.name}
     if run is not None:
@@ -683,7 +681,6 @@ def optimum_curve(prompts: Sequence[str], betas: Iterable[float], *, temperature
     ``collapse`` (Σ π*(y)^n).
     """
     import numpy as np
-
 
     ref, tok = load_reference()
     spaces = []

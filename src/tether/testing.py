@@ -344,6 +344,5 @@ def build_tiny_digitsum_lm(out_dir: str | Path, *, heads: int = 2, steps: int = 
         ``Path(out_dir)``, a ``save_pretrained`` directory usable as ``actor.model`` with the
         embedded data (``data.train_files=embedded``).
     """
-
     return build_reference(out_dir, seed=seed, steps=steps, batch_size=batch_size,
                            model_config={"num_attention_heads": heads, "num_key_value_heads": heads})

@@ -150,7 +150,6 @@ def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
             row without a problem or with an answer that is not an integer in 0..999 (file and line
             named), a template without ``{problem}``, an unsupported output extension.
     """
-
     _check_template(template, "aime")
 
     def row(i: int, rec: dict) -> dict | str:
@@ -183,7 +182,6 @@ def convert_math500(src: str | Path, out: str | Path, *, template: str = TEMPLAT
             row without a problem or an answer, a template without ``{problem}``, an unsupported
             output extension.
     """
-
     _check_template(template, "math500")
 
     def row(i: int, rec: dict) -> dict | str:

@@ -37,7 +37,6 @@ class PromptSet:
 
 
 def _embedded_rows(split: str, n: int, seed: int, task: str = "digitsum") -> list[PromptRow]:
-
     return rows_from_records(embedded_task(task).make_dataset(split, n, seed=seed), source=f"embedded:{split}")
 
 
@@ -67,7 +66,6 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
         ConfigError: an overlong response with ``data.overlong_responses=error`` (naming the rows), more
             than ``data.max_dropped_frac`` of the rows overlong with ``drop``, or no row left.
     """
-
     f = cfg.filter
     kept, counts = filter_offline_rows(rows, score_min=f.score_min, score_max=f.score_max, drop_empty=f.drop_empty, drop_duplicates=f.drop_duplicates)
     if counts.dropped:

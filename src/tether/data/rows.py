@@ -265,7 +265,6 @@ def write_records(records: Sequence[dict], path: str | Path) -> int:
     Raises:
         DataError: unsupported extension; a path that is a directory or lies under a file.
     """
-
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in _SUFFIXES:

@@ -115,7 +115,6 @@ class DataParallel:
     def loss_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[float, float]:
         import torch.distributed as dist
 
-
         tokens, seqs = loss_normalizers((mini.response_mask if mask is None else mask)[: real_rows(mini)])
         t = torch.tensor([float(tokens), float(seqs)], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)

@@ -193,7 +193,6 @@ class VLLMReplicaGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-
         v = cfg.rollout.vllm
         self.n, self.tokenizer, self.actor_group = v.replicas, tokenizer, actor_group
         self.bucket_bytes = int(v.sync_bucket_mib * 2**20)
@@ -233,7 +232,6 @@ class VLLMReplicaGroup:
     def _get(self, refs, what: str):
         import ray
 
-
         out = []
         for i, ref in enumerate(refs):
             try:
@@ -253,7 +251,6 @@ class VLLMReplicaGroup:
         The sampling seeds come from the driver's torch RNG (replica i samples with seed s + i, s drawn
         once per call), which checkpoints save: a resumed run samples what the uninterrupted one did,
         and one replica samples as the local engine does from the same RNG state."""
-
         ranges = split_rows(prompt_ids.shape[0], self.n)
         p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu()
         base = draw_seed()

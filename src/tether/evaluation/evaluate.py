@@ -131,7 +131,6 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
     Raises:
         ConfigError: nothing loadable there (with what was looked for), or an incomplete checkpoint.
     """
-
     if str(path) == EMBEDDED:
 
         return resolve_model_path(EMBEDDED), "embedded", None
@@ -168,14 +167,12 @@ def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"
     Raises:
         ConfigError: see :func:`resolve_policy`; a tokenizer or base model that cannot be loaded.
     """
-
     where, kind, run = resolve_policy(path)
     return _load_resolved(where, kind, dtype, device), load_tokenizer(where, key="MODEL_OR_CHECKPOINT"), run
 
 
 def _load_resolved(where: Path, kind: str, dtype: str, device: str):
     """The model at a :func:`resolve_policy` result (checkpoint already verified), in eval mode on ``device``."""
-
     if kind == "adapter":
         from peft import AutoPeftModelForCausalLM
 
@@ -257,7 +254,6 @@ class EvalReward:
 
     def __init__(self, function: str | None, reward_model: str | None, *, given: bool = False, device: str = "cpu",
                  timeout_s: float | None = None):  # fmt: skip
-
         self.function = function or None
         self.reward_model = str(Path(reward_model).expanduser()) if reward_model else None
         self.given = given and bool(self.function or self.reward_model)
@@ -270,7 +266,6 @@ class EvalReward:
     def uses_builtin(self, data_source: str) -> bool:
         """Whether rows of ``data_source`` go to the built-in dispatch (its verifier, or an error
         when it has none and no other reward is known)."""
-
         if self.given:
             return False
         return data_source in REWARD_FUNCTIONS or not (self.function or self.reward_model)
@@ -284,7 +279,6 @@ class EvalReward:
     def scorer(self, data_source: str) -> str:
         """What scores rows of ``data_source``: ``"built-in verifier MODULE:FUNCTION"``, ``"the run's
         reward.function SPEC"`` (or ``reward.model DIR``), or ``"reward.function SPEC (given)"``."""
-
         if self.uses_builtin(data_source):
             return f"built-in verifier {REWARD_FUNCTIONS.get(data_source, '(none registered)')}"
         what = f"reward.function {self.function}" if self.function else f"reward.model {self.reward_model}"
@@ -307,7 +301,6 @@ class EvalReward:
         answer that is not an integer in 0..999, a GPQA answer that is not a letter A-D, an empty
         MATH answer, a GSM8K answer that is not a number), tried with an empty response. Rows scored
         by a user function or reward model are not checked (those decide what they need)."""
-
         if not self.uses_builtin(row.data_source) or row.data_source not in REWARD_FUNCTIONS:
             return None
         try:
@@ -339,9 +332,6 @@ class EvalReward:
     def __call__(self, rows, prompts, responses):
         """Score B responses, each with its row's scorer; a :class:`tether.rewards.RewardResult`
         (``reward/*_count`` metrics summed over the scorers, ``errors`` naming the batch's sample index)."""
-        import torch
-
-
         parts: dict = {}
         for i, row in enumerate(rows):
             parts.setdefault(self._manager(row.data_source), []).append(i)
@@ -399,7 +389,6 @@ class Evaluator:
     """
 
     def __init__(self, data: str | Path, settings: EvalSettings, tok, device, *, run: Path | None = None):
-
         s = self.settings = settings
         self.tok, self.device, self.run, self.data = tok, device, run, str(data)
         self.cfg = _run_config(run)
@@ -479,7 +468,6 @@ class Evaluator:
         Raises:
             DataError: no row is left (naming the first rows left out and why).
         """
-
         seen: set[str] = set()
         kept, skipped = [], {}
         for row in rows:
@@ -524,7 +512,6 @@ class Evaluator:
         ``actor.model`` (a LoRA run's reference is its base model), else, without a run, the embedded
         task's shipped reference on ``DATA=embedded`` (the reference its exact numbers are defined
         against), else None."""
-
         if self.settings.ref:
             return resolve_model_path(self.settings.ref, "--ref")
         if self.cfg is None:
@@ -551,7 +538,6 @@ class Evaluator:
     def engine_config(self):
         """The run's config (or the defaults) with this evaluation's sampling settings and engine: what
         the trainer's engine builder reads (``rollout.*``, ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``)."""
-
         r, s = self.resolved, self.settings
         overrides = [f"rollout.engine={r['engine']}", f"rollout.temperature={r['temperature']}", f"rollout.top_p={r['top_p']}", "rollout.top_k=0",
                      f"rollout.max_new_tokens={r['max_new_tokens']}", f"rollout.do_sample={str(not r['greedy']).lower()}",
@@ -562,7 +548,6 @@ class Evaluator:
         """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
         by the trainer's own builder (``tether.workers.build``); later policies are pushed with
         ``sync_weights``, the engine interface the trainer uses after every update."""
-
         r = self.resolved
         if self.engine is None:
             self.engine = build_engine(self.engine_config(), model, self.tok, model_path)
@@ -585,7 +570,6 @@ class Evaluator:
         docstring) when there were any. ``by_source`` gets, for every data source, ``scorer`` (a
         string: what scored it, :meth:`EvalReward.scorer`) and ``no_ground_truth`` besides its
         metrics; a source all of whose rows were left out gets ``prompts = samples = 0``."""
-
         r = self.resolved
         runner = self._runner(model, model_path)
         probe = None
@@ -611,7 +595,6 @@ class Evaluator:
     def _exact(self, model) -> dict[str, float]:
         """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
         the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
-
         ref = self.reference() if self.reference() is not None else model
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
         if problem := exact_space_problem(model, prompts):
@@ -625,7 +608,6 @@ class Evaluator:
 
 
 def _same_vocab(tok, path: Path) -> bool:
-
     return tok.get_vocab() == load_tokenizer(path).get_vocab()
 
 
@@ -644,7 +626,6 @@ def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSe
             ground truth its verifier can use.
         ValueError: rows whose ``data_source`` has no reward function (and none was given).
     """
-
     s = settings or EvalSettings()
     device = pick_device(s.device)
     where, kind, run = resolve_policy(model_or_checkpoint)
@@ -666,7 +647,6 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
         ConfigError: no checkpoints directory, no complete checkpoint, a bad ``which`` or a step that
             has no complete checkpoint (naming the ones there are).
     """
-
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         raise ConfigError(f"--checkpoints needs a run directory (with checkpoints/); {run_dir} has none")
@@ -711,7 +691,6 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         OutputWriteError: a file could not be written (no space left, a read-only file system, ...);
             the files of the policies evaluated before it are complete, none is partial.
     """
-
     s = settings or EvalSettings()
     run = Path(run_dir).expanduser()
     chosen = select_checkpoints(run, which)
@@ -757,7 +736,6 @@ def _checkpoint_actor(ckpt: Path) -> tuple[Path, str]:
 
 
 def load_policy_tokenizer(where: Path):
-
     return load_tokenizer(where, key="MODEL_OR_CHECKPOINT")
 
 
@@ -897,7 +875,6 @@ def write_json(path: str | Path, model: str, data: str, metrics: dict, settings:
 
 
 def _settings_from_args(args) -> EvalSettings:
-
     ks = None
     if args.k is not None:
         try:
@@ -918,7 +895,6 @@ def main_eval(args) -> int:
     4 when writing ``--out`` fails all the same (a full or read-only disk): one line naming the path and
     the OS's reason, and no partial file (each is written beside, then renamed)."""
     import sys
-
 
     t0 = time.perf_counter()
     try:

@@ -78,7 +78,6 @@ def snapshot_model(model: torch.nn.Module) -> torch.nn.Module:
     under ``no_grad``): torch's autocast caches the bf16 cast of a weight for a whole ``generate`` call
     only when the weight requires grad, so a frozen copy recast every weight at every decode step
     (+8% of the small bench model's bf16 generation, the same tokens)."""
-
     snap = copy.deepcopy(model)
     flags = unpatch_lm_head(snap) if hasattr(snap, "get_output_embeddings") else None
     if flags is not None:
@@ -98,7 +97,6 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
     Raises:
         ConfigError: naming the role whose model has dropout.
     """
-
     for role, model in models.items():
         if model is not None and has_dropout(model):
             raise ConfigError(
@@ -278,7 +276,6 @@ class AsyncRollout:
         Raises:
             CheckpointError: the file does not match the training prompts (another data set).
         """
-
         self._ready.clear()
         self._step = step or 0
         path = Path(directory) / PENDING_FILE

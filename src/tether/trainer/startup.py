@@ -185,7 +185,6 @@ def check_gold(cfg: TetherConfig, val_rows) -> None:
         ConfigError: ``guard.rollback_metric=gold`` with no gold for any validation data source (naming them and the
             keys to set); a built-in gold (``GOLD_FUNCTIONS``) that cannot be imported.
     """
-
     r = cfg.reward
     user = f"reward.val_function {r.val_function}" if r.val_function else f"reward.val_model {r.val_model}" if r.val_model else None
     sources = list(dict.fromkeys(row.data_source for row in val_rows))

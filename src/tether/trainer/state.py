@@ -46,7 +46,6 @@ def check_fresh_start(run_dir: Path, resume: str) -> None:
     Raises:
         ConfigError: one line naming the directory, what it holds, and the ways out.
     """
-
     if resume != "off":
         return
     run_dir = Path(run_dir)
@@ -359,5 +358,4 @@ class CheckpointManager:
 
 
 def _clean(d: dict) -> dict:
-
     return {k: clean_value(v) for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}

@@ -97,7 +97,6 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
         ConfigError: the path exists and is not a directory, is a non-empty directory that is not a
             run (naming its files), or cannot be created or written into.
     """
-
     if run_dir is None and "{time}" in output_dir:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for i in range(1000):
@@ -135,7 +134,6 @@ def _check_writable(path: Path, output_dir: str) -> None:
     Raises:
         ConfigError: naming the key, the directory and the OS's reason.
     """
-
     probe = path / ".tether-write-probe"
     try:
         probe.write_bytes(b"tether")
@@ -227,7 +225,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
         """Train for ``trainer.total_steps`` steps (continuing a resumed run); returns the step metrics."""
-
         history = []
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
         first_step = self.step
@@ -337,7 +334,6 @@ class Trainer:
         guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
         ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
         rollback is applied again, a stop is not."""
-
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         for finding in findings:
             if log_them:
@@ -601,7 +597,6 @@ class Trainer:
         """perf/tokens_per_s (response tokens over the training phases: all but validation and
         checkpointing), split into perf/generate_tokens_per_s (rollout) and perf/train_tokens_per_s
         (the phases after reward), and perf/mfu of the actor update (``tether.trainer.perf``)."""
-
         tokens = float(batch.response_mask.sum())
         train_s = sum(v for k, v in times.items() if k not in ("timing/validate_s", "timing/checkpoint_s"))
         wait_s = times.get("timing/rollout_s", 0.0) + times.get("timing/rollout_join_s", 0.0)  # the main thread's

@@ -121,7 +121,6 @@ class LocalDataParallel:
     def loss_counts(self, mini: RolloutBatch, mask: torch.Tensor | None = None) -> tuple[float, float]:
         """(total_tokens, total_seqs) of the mini-batch for ``agg_loss``, tokens and responses, counted on ``mask``
         (B, T) (default ``mini.response_mask``; the actor passes ``mini.update_mask``, less rejected tokens)."""
-
         tokens, seqs = loss_normalizers(mini.response_mask if mask is None else mask)
         return float(tokens), float(seqs)
 

@@ -182,7 +182,6 @@ def empty_micro_batch(batch: RolloutBatch) -> RolloutBatch:
 
 
 def _lm_outputs(model, ids, mask, t, temperature, with_entropy, return_logits, compute_dtype):
-
     return response_logprobs(model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype)
 
 
@@ -222,12 +221,10 @@ class PaddedLayout:
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) log-probs of the response tokens from this layout's (b, t, V) logits, nats."""
-
         return logprobs_from_logits(logits, self.ids[:, -self.t :], temperature)
 
     def kl_full(self, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) exact KL(π‖π_ref) per token from two (b, t, V) logits, nats."""
-
         return kl_full(logits, ref_logits, temperature=temperature)
 
     def values(self, model) -> torch.Tensor:
@@ -316,7 +313,6 @@ class PackedLayout:
 
     def _logits(self, model, compute_dtype: str) -> torch.Tensor:
         """(N, V) logits at the kept positions."""
-
         kwargs = {"logits_to_keep": self.keep} if "logits_to_keep" in _forward_params(model) else {}
         with autocast(self.input_ids.device, compute_dtype):
             out = model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None, use_cache=False, **kwargs)

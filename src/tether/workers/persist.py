@@ -64,7 +64,6 @@ def load_module(model, path: Path, why: str, *, shared_tensors: bool = False) ->
 
 def keep_lrs(optimizer):
     """A context that restores ``optimizer``'s learning rates on exit (a rollback keeps the current ones)."""
-
     @contextlib.contextmanager
     def kept():
         lrs = [g["lr"] for g in optimizer.param_groups]
