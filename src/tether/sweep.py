@@ -230,7 +230,6 @@ def _as_pairs(obj: Any, where: str) -> list[tuple[str, Any]]:
     if isinstance(obj, Mapping):
         return [(str(k), v) for k, v in obj.items()]
     if isinstance(obj, (list, tuple)):
-
         pairs = []
         for item in obj:
             if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):

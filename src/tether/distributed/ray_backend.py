@@ -587,7 +587,6 @@ class RayBackend:
             if has_critic:
                 self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
             if cfg.rollout.engine == "vllm":
-
                 eos = generation_eos_ids(local_roles.actor.model)
                 self.rollout = VLLMReplicaGroup(cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group)
         except BaseException:

@@ -132,7 +132,6 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
         ConfigError: nothing loadable there (with what was looked for), or an incomplete checkpoint.
     """
     if str(path) == EMBEDDED:
-
         return resolve_model_path(EMBEDDED), "embedded", None
     p = Path(path).expanduser()
     if not p.exists():
@@ -286,7 +285,6 @@ class EvalReward:
 
     def _fallback(self):
         if self._other is None:
-
             self._other = RewardManager(function=self.function, reward_model=self.reward_model, **self._kw)
         return self._other
 
@@ -394,7 +392,6 @@ class Evaluator:
         self.cfg = _run_config(run)
         base = DEFAULTS | {k: v for k, v in _run_defaults(self.cfg).items() if v is not None}
         if self.data in EMBEDDED_DATA and self.cfg is None:
-
             base["max_new_tokens"] = MAX_NEW_TOKENS  # the task's own response length: k digits + EOS
         r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
              ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "val_function", "val_model",
@@ -495,7 +492,6 @@ class Evaluator:
             raise ConfigError(f"engine must be auto, hf or vllm, got {asked!r}")
         want = run_engine if asked == "auto" else asked
         if want == "vllm":
-
             try:
                 vllm_engine.check_vllm_available()
             except ConfigError as e:

@@ -48,13 +48,11 @@ def patch_lm_head(model: nn.Module, *, fp32: bool = False) -> nn.Module:
     inner = head.forward
 
     if fp32:
-
         def forward(x, *args, **kwargs):
             with torch.autocast(x.device.type, enabled=False):
                 return inner(x.to(head.weight.dtype).contiguous(), *args, **kwargs)
 
     else:
-
         def forward(x, *args, **kwargs):
             return inner(x.contiguous(), *args, **kwargs)
 

@@ -155,7 +155,6 @@ def reward_error(e: BaseException) -> Exception:
     if isinstance(e, Exception):
         return e
     if isinstance(e, KeyboardInterrupt):
-
         ctrl_c = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         if isinstance(e, TrainingInterrupted) or ctrl_c:
             raise e

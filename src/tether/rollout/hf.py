@@ -193,7 +193,6 @@ class HFRolloutEngine:
         position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # pad positions are masked out
         given = {}
         if cache is not None:
-
             given = {cache_keyword(self.model): cache}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **given)
         name = "cache" if "cache" in out else "past_key_values"

@@ -188,7 +188,6 @@ class Trainer:
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
         if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
-
             raise ConfigError("algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a vLLM "
                               "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set algo.rollout_correction.level=none "
                               "and algo.rollout_correction.reject=none")
@@ -259,7 +258,6 @@ class Trainer:
         if (failed := self.guard.all_steps_failed(self.step - first_step)) is not None:
             raise failed  # every step was empty: an error exit, its checkpoint (at total_steps) already written
         if self.cfg.trainer.report:
-
             try:
                 write_report(self.run_dir)
             except (OutputPathError, OutputWriteError) as e:  # the training is done and checkpointed: say so, do not fail it
@@ -363,7 +361,6 @@ class Trainer:
     def sample(self, timer: PhaseTimer) -> RolloutBatch:
         """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
         if self.cfg.algo.filter_groups:
-
             return dynamic_sample(self.rollout, self.score, timer, batch_size=self.cfg.data.batch_size,
                                   max_draws=self.cfg.algo.filter_groups_max_draws, pad_id=self.tok.pad_token_id, step=self.step)  # fmt: skip
         with timer("rollout"):
@@ -610,7 +607,6 @@ class Trainer:
         update_s = times.get("timing/update_actor_s", 0.0)
         if update_s > 0 and hasattr(self.roles.actor.model_as_is, "get_input_embeddings"):  # shapes only: no weight pull
             if not hasattr(self, "_matmul_ceiling"):
-
                 a = self.cfg.actor  # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
                 dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (self.roles.placement.update_param_dtype or a.dtype)]
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)

@@ -212,7 +212,6 @@ class PaddedLayout:
         """(logprobs (b, t), entropy (b, t) or None, logits (b, t, V) or None); see ``tether.models.response_logprobs``
         (``tether.models.prefix.micro_batch_logprobs`` when the layout shares prompts)."""
         if self.mb is not None:
-
             return micro_batch_logprobs(
                 model, self.mb, self.ids, self.mask, self.t, share_prefix=True, temperature=temperature, with_entropy=with_entropy,
                 return_logits=return_logits, compute_dtype=compute_dtype,
@@ -230,7 +229,6 @@ class PaddedLayout:
     def values(self, model) -> torch.Tensor:
         """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares prompts)."""
         if self.mb is not None:
-
             return micro_batch_values(model, self.mb, self.ids, self.mask, self.t, share_prefix=True)
         return model(self.ids, self.mask, self.t)
 
