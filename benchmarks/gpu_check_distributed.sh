@@ -32,7 +32,7 @@ for label, extra in [("bf16 compute, fp32 master", []), ("+ cpu_offload", ["trai
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     rows = [trainer.train_step() for _ in range(3)]
-    mem = trainer.roles.backend.actor_group.call("memory_stats")
+    mem = trainer.roles.placement.actor_group.call("memory_stats")
     trainer.roles.close()
     print(f"== {label}: {time.perf_counter() - t0:.1f} s with start-up; memory of rank 0: {mem}")
     for r in rows:

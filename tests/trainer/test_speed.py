@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tether.trainer import Trainer
+from tether.workers.build import actor_spec
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def test_reuse_spec_rejects_two_mini_batches(small_cfg, tmp_path):
     t.compute_logprobs(batch)
     t.apply_kl(batch)
     t.compute_advantages(batch)
-    spec = replace(t.roles.actor_spec(t.cfg, 0.05, t.guard, reuse_logprobs=True), mini_batch_size=8)
+    spec = replace(actor_spec(t.cfg, 0.05, reuse_logprobs=True), mini_batch_size=8)
     with pytest.raises(ValueError, match="one mini-batch"):
         t.roles.actor.update(batch, spec, 1, ref=t.roles.ref)
 
