@@ -239,11 +239,12 @@ def test_export_cli_names_the_corrupt_file(trained, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path, monkeypatch):
+    import tether.trainer.trainer as trainer_module  # the loop calls validate through its module
     from tether.config import load_config
-    from tether.trainer import Trainer, stats
+    from tether.trainer import Trainer
 
     scores = iter([0.5, 0.9, 0.88, 0.87])  # steps 0, 2, 4, 5: validation every 2 steps and at the end
-    monkeypatch.setattr(stats, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
+    monkeypatch.setattr(trainer_module, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
     overrides = ["trainer.total_steps=5", "trainer.save_freq=1", "trainer.val_freq=2", "trainer.keep_last=1", "guard.rollback_drop=0.05"]
     t = Trainer(load_config(None, [*TINY, f"trainer.output_dir={run}", *overrides]))

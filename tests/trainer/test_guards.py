@@ -375,11 +375,11 @@ def test_target_kl_early_stop(tmp_path, caplog):
 @pytest.mark.slow
 def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, caplog, capsys, monkeypatch):
     """A scripted validation drop, through the command line."""
-    import tether.trainer.trainer as stats  # the loop calls validate through its module
+    import tether.trainer.trainer as trainer_module  # the loop calls validate through its module
     from tether.cli import main
 
     scores = iter([0.5, 0.6, 0.3, 0.2])  # steps 0, 2, 4, 6
-    monkeypatch.setattr(stats, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
+    monkeypatch.setattr(trainer_module, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
     args = [*BASE, f"trainer.output_dir={run}", "trainer.total_steps=8", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.keep_last=2", "actor.lr=1e-3"]
     args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05", "guard.target_kl=null"]

@@ -185,12 +185,12 @@ def test_resume_past_total_steps_says_nothing_was_trained(tmp_path, caplog):
 
 
 def test_crash_before_the_first_checkpoint_starts_over_cleanly(tmp_path, monkeypatch):
-    import tether.trainer.trainer as stats  # the loop calls validate through its module
+    import tether.trainer.trainer as trainer_module  # the loop calls validate through its module
 
     def validate(cfg, roles, val_set, **kw):  # cheap, and tagged by the weights it validates
         return {"val/score_mean": float(sum(p.double().sum() for p in roles.actor.model.parameters()))}
 
-    monkeypatch.setattr(stats, "validate", validate)
+    monkeypatch.setattr(trainer_module, "validate", validate)
     extra = ["data.embedded_train_size=8", "trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=1"]
     Trainer(cfg(tmp_path / "full", *extra)).fit()
     crash_after(Trainer(cfg(tmp_path / "run", *extra)), 2)

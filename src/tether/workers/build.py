@@ -72,6 +72,11 @@ def correction_kwargs(cfg: TetherConfig) -> dict:
 
 
 def pick_device(name: str) -> torch.device:
+    """``trainer.device``: ``auto`` is CUDA when a device is visible, else the CPU.
+
+    Raises:
+        ConfigError: ``cuda`` without a CUDA device.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
