@@ -253,9 +253,16 @@ def verify_checkpoint(path: Path, only: str | None = None) -> dict:
         CheckpointError: naming the checkpoint and the missing, truncated or altered file.
     """
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError(f"checkpoint {path} is a file, not a checkpoint directory (a checkpoints/step_NNNNNN directory of a run)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     mpath = path / MANIFEST
+    if not mpath.is_file() and (path / "checkpoints").is_dir():
+        steps = [p.name for _, p in list_checkpoints(path / "checkpoints")]
+        raise CheckpointError(f"checkpoint {path} is a run directory, not one of its checkpoints: give {path / 'checkpoints'}/<step> "
+                              f"({', '.join(steps[-3:]) or 'none written yet'}), or set trainer.output_dir={str(path)!r} with "
+                              "trainer.resume=auto to continue the run")  # fmt: skip
     if not mpath.is_file():
         raise CheckpointError(f"checkpoint {path}: incomplete (no {MANIFEST}: the write did not finish)")
     try:
@@ -307,7 +314,7 @@ def latest_valid_checkpoint(ckpt_root: Path, errors: list[str] | None = None, on
             verify_checkpoint(p, only=only)
             return p
         except CheckpointError as e:
-            log.warning("resume: skipping %s", e)
+            log.warning("skipping %s", e)
             if errors is not None:
                 errors.append(str(e))
     return None

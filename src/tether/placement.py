@@ -4,8 +4,8 @@
 factory builds the driver's share (tokenizer, its copy of the policy, rollout engine, reward), then
 :func:`tether.distributed.ray_backend.build_ray_roles` puts actor, reference and critic on Ray worker groups
 whose ranks build their roles with the same factory (:class:`tether.distributed.worker.RankWorker`). The loop
-sees one :class:`~tether.workers.roles.Roles` either way; this module and the factory are the only places that
-read ``trainer.backend``.
+sees one :class:`~tether.workers.roles.Roles` either way; besides the config's validation and the memory planner's
+notes, this module and the factory are the only places that read ``trainer.backend`` (``tests/test_architecture.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def load_policy(model, directory: Path, checkpoint: Path) -> None:
 
         files = sorted(directory.glob("adapter_model.safetensors"))
         if not files:
-            raise CheckpointError(f"checkpoint {checkpoint}: actor/adapter_model.safetensors is missing")
+            full = " (it holds a full model: it was saved without actor.lora; resume it with actor.lora.rank=0)" if any(directory.glob("model*.safetensors")) else ""
+            raise CheckpointError(f"checkpoint {checkpoint}: actor/adapter_model.safetensors is missing{full}")
         set_peft_model_state_dict(model, load_file(str(files[0])))
         return
     state = {}
@@ -35,6 +36,9 @@ def load_policy(model, directory: Path, checkpoint: Path) -> None:
         state.update(load_file(str(f)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not _is_tied(model, k)]
+    if any("lora_" in k for k in unexpected) or (directory / "adapter_config.json").is_file():
+        raise CheckpointError(f"checkpoint {checkpoint}: actor/ holds LoRA adapters (saved with actor.lora.rank > 0), not a full model: "
+                              "resume it with its actor.lora settings")  # fmt: skip
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {checkpoint}: actor weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 

@@ -27,7 +27,9 @@ class Policy(Protocol):
     """The actor role: π_θ and its optimizer (``tether.workers.ActorWorker``; ``RemoteActor`` under Ray)."""
 
     def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref=None) -> tuple:
-        """(old_logprobs (B, T), entropy (B, T) or None, exact KL to ``full_kl_ref`` (B, T) or None, ref_logprobs or None), nats."""
+        """(old_logprobs (B, T), entropy (B, T) or None, exact KL to ``full_kl_ref`` (B, T) or None, ref_logprobs or None), nats.
+        ``full_kl_ref`` is the run's reference role (``kl.estimator=full``): where the actor runs it computes the
+        reference's logits itself (``ReferenceWorker.layout_logits``, on a Ray rank the rank's own reference)."""
 
     def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
         """PPO epochs over the batch (``ActorUpdateSpec``); the update's metrics."""
@@ -45,6 +47,10 @@ class Policy(Protocol):
 
     def refresh(self) -> None:
         """Make ``model`` in this process the trained policy now (a lazy copy is pulled)."""
+
+    @property
+    def optimizer(self):
+        """The optimizer, or a view of it: ``param_groups[0]["lr"]`` is the learning rate now (the guard's messages)."""
 
 
 @runtime_checkable
@@ -82,6 +88,8 @@ class Critic(Protocol):
 @runtime_checkable
 class Rollout(Protocol):
     """The rollout role (``tether.rollout.runner.RolloutRunner`` over an HF or vLLM engine)."""
+
+    engine: Any  # the generation engine (HF, vLLM, or vLLM replicas): ``returns_logprobs`` says whether sampled tokens' log-probs come back
 
     def rollout(self, prompts, indices, n: int) -> RolloutBatch:
         """``n`` responses for each prompt of ``prompts`` at ``indices``."""

@@ -1,0 +1,56 @@
+"""What a local role writes into a checkpoint and reads back, and the one-line errors when the files do not fit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tether.checkpoint import CheckpointError, verify_checkpoint
+from tether.models import apply_lora, load_causal_lm, load_tokenizer, resolve_model_path
+from tether.workers.persist import load_policy, save_policy
+
+LORA = SimpleNamespace(rank=4, alpha=8, dropout=0.0, target_modules="all-linear")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    path = resolve_model_path("embedded")
+    return path, load_tokenizer(path)
+
+
+def test_a_policy_round_trips_full_and_lora(ref, tmp_path):
+    path, tok = ref
+    for name, make in {"full": lambda: load_causal_lm(path), "lora": lambda: apply_lora(load_causal_lm(path), LORA)}.items():
+        a, b = make(), make()
+        with torch.no_grad():
+            for p in a.parameters():
+                if p.requires_grad:
+                    p.add_(0.01)
+        save_policy(a, tok, tmp_path / name)
+        load_policy(b, tmp_path / name, tmp_path)
+        for (k, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            torch.testing.assert_close(pb, pa, rtol=0, atol=0, msg=k)
+
+
+def test_lora_and_full_checkpoints_say_which_they_are(ref, tmp_path):
+    path, tok = ref
+    save_policy(load_causal_lm(path), tok, tmp_path / "full")
+    save_policy(apply_lora(load_causal_lm(path), LORA), tok, tmp_path / "lora")
+    with pytest.raises(CheckpointError, match=r"actor/adapter_model.safetensors is missing \(it holds a full model: it was saved without "
+                       r"actor.lora; resume it with actor.lora.rank=0\)$"):
+        load_policy(apply_lora(load_causal_lm(path), LORA), tmp_path / "full", tmp_path)
+    with pytest.raises(CheckpointError, match=r"actor/ holds LoRA adapters \(saved with actor.lora.rank > 0\), not a full model: resume it "
+                       r"with its actor.lora settings$"):
+        load_policy(load_causal_lm(path), tmp_path / "lora", tmp_path)
+
+
+def test_a_file_or_a_run_directory_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "optim.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"optim.pt is a file, not a checkpoint directory"):
+        verify_checkpoint(tmp_path / "optim.pt")
+    with pytest.raises(CheckpointError, match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), "
+                       r"or set trainer.output_dir='.*run' with trainer.resume=auto to continue the run$"):
+        verify_checkpoint(tmp_path / "run")
