@@ -322,7 +322,7 @@ def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         select_checkpoints(tmp_path / "run", "all")
     for step in (1, 2):
-        write_checkpoint(root, step, {"state": lambda d: (d / "state.json").write_text("{}")})
+        write_checkpoint(root, step, {"weights": lambda d: (d / "actor").mkdir() or (d / "actor" / "config.json").write_text("{}")})
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "all")] == [1, 2]
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "latest")] == [2]
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "2,1")] == [1, 2]

@@ -54,3 +54,23 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), "
                        r"or set trainer.output_dir='.*run' with trainer.resume=auto to continue the run$"):
         verify_checkpoint(tmp_path / "run")
+
+
+def test_eval_reads_a_checkpoint_whose_actor_verifies_as_export_does(ref, tmp_path, caplog):
+    """tether eval needs only the actor's files: an optim.pt that fails its checksum is a warning (as for tether export), a
+    damaged actor file is the error."""
+    from tether.checkpoint import write_checkpoint
+    from tether.config import ConfigError
+    from tether.evaluation.evaluate import resolve_policy
+    from tether.export import resolve_checkpoint
+
+    path, tok = ref
+    ckpt = write_checkpoint(tmp_path / "run" / "checkpoints", 2, {
+        "weights": lambda d: save_policy(load_causal_lm(path), tok, d / "actor"), "optim": lambda d: (d / "optim.pt").write_bytes(b"0" * 8)})  # fmt: skip
+    (ckpt / "optim.pt").write_bytes(b"1" * 8)  # same size, another checksum
+    assert resolve_policy(ckpt)[:2] == (ckpt / "actor", "model") and resolve_checkpoint(ckpt) == ckpt
+    assert resolve_policy(tmp_path / "run")[:2] == (ckpt / "actor", "model")
+    assert "optim.pt fails its sha256 check" in caplog.text and "all an evaluation reads" in caplog.text
+    (ckpt / "actor" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"actor/config.json"):
+        resolve_policy(ckpt)

@@ -47,7 +47,7 @@ from tether.config import EMBEDDED, ConfigError, DataConfig, load_config
 from tether.data import DataError, load_rows, rows_from_records
 from tether.data.loading import prepare_prompts
 from tether.evaluation.sampled import KLProbe, distinct_prompt_indices, evaluate_prompts
-from tether.export import load_sharded_actor
+from tether.export import ACTOR, load_sharded_actor
 from tether.metrics.accuracy import parse_ks
 from tether.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
 from tether.outputs import OutputWriteError, atomic_output, output_problem, write_text
@@ -137,17 +137,21 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
     if not p.exists():
         raise ConfigError(f"{p} does not exist (a model directory, a checkpoint or a run directory)")
     run = None
-    if (p / "checkpoints").is_dir():  # a run directory: its latest complete checkpoint
+    if (p / "checkpoints").is_dir():  # a run directory: its latest checkpoint whose actor verifies
         run = p
-        ckpt = latest_valid_checkpoint(p / "checkpoints")
+        ckpt = latest_valid_checkpoint(p / "checkpoints", only=ACTOR)
         if ckpt is None:
-            raise ConfigError(f"run directory {p} holds no complete checkpoint")
+            raise ConfigError(f"run directory {p} holds no checkpoint with complete actor weights")
         p = ckpt
-    if (p / "actor").is_dir():  # a checkpoint
+    if (p / "actor").is_dir():  # a checkpoint: the actor's files must verify, the rest is not read (as tether export)
+        try:
+            verify_checkpoint(p, only=ACTOR)
+        except CheckpointError as e:
+            raise ConfigError(f"{e}") from None
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
-            raise ConfigError(f"{e}") from None
+            log.warning("tether eval: %s; the actor's files verify, which is all an evaluation reads", e)
         if run is None and p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
             run = p.parent.parent
         p = p / "actor"
@@ -649,7 +653,7 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
     ok = []
     for step, p in sorted(list_checkpoints(root)):
         try:
-            verify_checkpoint(p)
+            verify_checkpoint(p, only=ACTOR)  # what an evaluation reads
             ok.append((step, p))
         except CheckpointError as e:
             log.warning("tether eval: skipping %s", e)
