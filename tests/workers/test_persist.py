@@ -74,3 +74,18 @@ def test_eval_reads_a_checkpoint_whose_actor_verifies_as_export_does(ref, tmp_pa
     (ckpt / "actor" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"actor/config.json"):
         resolve_policy(ckpt)
+
+
+def test_a_critic_the_run_does_not_use_is_named_when_a_checkpoint_loads(tmp_path, caplog):
+    """A GAE checkpoint resumed by a run without a critic: its critic is left out, with a warning (later checkpoints lack it)."""
+    from tether.workers.roles import LocalPlacement, Roles
+
+    loaded = []
+    actor = SimpleNamespace(load=lambda d, c: loaded.append("actor"), load_optimizer_state=lambda s, schedule: loaded.append("optim"), model="m")
+    engine = SimpleNamespace(sync_weights=lambda m: loaded.append(("sync", m)))
+    roles = Roles(None, actor, None, None, engine, None, torch.device("cpu"), None)
+    (tmp_path / "critic.safetensors").write_bytes(b"x")
+    torch.save({"actor": {}, "actor_sched": {}, "critic": {}}, tmp_path / "optim.pt")
+    LocalPlacement().load(roles, tmp_path, with_ref=False, schedule=True)
+    assert loaded == ["actor", "optim", ("sync", "m")]
+    assert "holds a critic (algo.adv_estimator=gae) that this run does not use" in caplog.text

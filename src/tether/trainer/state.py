@@ -315,7 +315,10 @@ class CheckpointManager:
                     seen.add(rec["step"])
         if self.step in seen:
             return
-        log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.step)
+        if self.resumed_from is not None and self.resumed_from.resolve() != self.root.resolve():
+            log.info("resume: metrics.jsonl starts with step %d's line, from checkpoint %s of another run directory", self.step, self.resumed_from)
+        else:
+            log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.step)
         kept.append(json.dumps({"step": self.step, **{k: v for k, v in sorted(record.items()) if k != "step"}}))
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))

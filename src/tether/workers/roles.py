@@ -12,6 +12,7 @@ Units: log-probs in nats, (B, T) over a batch's response tokens; values V(s_t), 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -20,6 +21,8 @@ import torch
 
 from tether.batch import RolloutBatch
 from tether.checkpoint import CheckpointError, load_torch, save_torch
+
+log = logging.getLogger("tether")
 
 
 @runtime_checkable
@@ -205,6 +208,9 @@ class LocalPlacement:
         roles.actor.load(path / "actor", path)
         if roles.critic is not None:
             roles.critic.load(path / "critic.safetensors")
+        elif (path / "critic.safetensors").is_file():
+            log.warning("checkpoint %s holds a critic (algo.adv_estimator=gae) that this run does not use: it is not loaded, and this "
+                        "run's checkpoints will not hold it", path)  # fmt: skip
         if with_ref:
             roles.ref.load(path / "ref.safetensors")
         optim = load_torch(path / "optim.pt")
