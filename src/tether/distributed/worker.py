@@ -144,13 +144,18 @@ class RankWorker:
                 dist.broadcast(buf, src=0)
         return model
 
+    @property
+    def _share_prefix(self) -> bool:
+        """actor.share_prompt_prefix on one rank, as the local backend. On several: the ordinary pass, since FSDP2 needs the
+        same forward calls (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a
+        mismatch aborts gloo)."""
+        return self.cfg.actor.share_prompt_prefix and self.world_size == 1
+
     def _build_actor(self, lora_state) -> None:
         """The actor and reference roles of this rank, by the factory the local backend uses (``tether.workers.build``),
         over models loaded here (rank 0) or on the meta device (the others) and then sharded (:meth:`_parallelize`)."""
         cfg = self.cfg
-        # share_prompt_prefix: one rank as the local backend. Several: the ordinary pass, since FSDP2 needs the same forward calls
-        # (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a mismatch aborts gloo)
-        share = cfg.actor.share_prompt_prefix and self.world_size == 1
+        share = self._share_prefix
         actor_path = resolve_model_path(cfg.actor.model, "actor.model")
         model = self._load_lm(actor_path)
         if cfg.actor.lora.rank > 0:
@@ -185,7 +190,7 @@ class RankWorker:
                 vm = ValueModel(backbone, config.hidden_size).to(DTYPES[cfg.actor.dtype])
         else:
             vm = ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=trc)
-        self.critic = critic_worker(cfg, self._parallelize(vm), share_prompt_prefix=cfg.actor.share_prompt_prefix and self.world_size == 1)
+        self.critic = critic_worker(cfg, self._parallelize(vm), share_prompt_prefix=self._share_prefix)
         self.critic.dp = self.dp
 
     def _role(self, name: str):

@@ -145,12 +145,12 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
         p = ckpt
     if (p / "actor").is_dir():  # a checkpoint: the actor's files must verify, the rest is not read (as tether export)
         try:
-            verify_checkpoint(p, only=ACTOR)
+            verify_checkpoint(p)  # one pass over every file; the actor's alone again only when something failed
         except CheckpointError as e:
-            raise ConfigError(f"{e}") from None
-        try:
-            verify_checkpoint(p)
-        except CheckpointError as e:
+            try:
+                verify_checkpoint(p, only=ACTOR)
+            except CheckpointError as actor_error:
+                raise ConfigError(f"{actor_error}") from None
             log.warning("tether eval: %s; the actor's files verify, which is all an evaluation reads", e)
         if run is None and p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
             run = p.parent.parent

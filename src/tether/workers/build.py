@@ -105,11 +105,16 @@ class OfflineScores:
         pass
 
 
+def _share_prefix(cfg: TetherConfig, override: bool | None) -> bool:
+    """``actor.share_prompt_prefix``, unless ``override`` says otherwise (a Ray group of several ranks turns it off)."""
+    return cfg.actor.share_prompt_prefix if override is None else override
+
+
 def packing(cfg: TetherConfig, *, share_prompt_prefix: bool | None = None) -> dict:
     """The actor's and reference's micro-batching keywords (``actor.max_tokens_per_micro_batch``, ``actor.padding_free``,
-    ``actor.share_prompt_prefix``, the last overridable: a Ray group of several ranks turns it off)."""
-    share = cfg.actor.share_prompt_prefix if share_prompt_prefix is None else share_prompt_prefix
-    return {"max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free, "share_prompt_prefix": share}
+    ``actor.share_prompt_prefix``, the last overridable: :func:`_share_prefix`)."""
+    return {"max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "padding_free": cfg.actor.padding_free,
+            "share_prompt_prefix": _share_prefix(cfg, share_prompt_prefix)}  # fmt: skip
 
 
 def actor_worker(cfg: TetherConfig, model, *, share_prompt_prefix: bool | None = None) -> ActorWorker:
@@ -131,11 +136,10 @@ def reference_worker(cfg: TetherConfig, model=None, *, adapter_host=None, share_
 def critic_worker(cfg: TetherConfig, value_model: ValueModel, *, share_prompt_prefix: bool | None = None) -> CriticWorker:
     """The critic role over a loaded (and, on a rank, sharded) value model, from the ``critic`` section."""
     c = cfg.critic
-    share = cfg.actor.share_prompt_prefix if share_prompt_prefix is None else share_prompt_prefix
     return CriticWorker(
         value_model, lr=c.lr, grad_clip=c.grad_clip, micro_batch_size=c.micro_batch_size, value_clip=c.value_clip,
         norm_constant=float(cfg.rollout.max_new_tokens), max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
-        padding_free=c.padding_free, share_prompt_prefix=share,
+        padding_free=c.padding_free, share_prompt_prefix=_share_prefix(cfg, share_prompt_prefix),
     )  # fmt: skip
 
 
