@@ -104,8 +104,10 @@ test-vllm: install-vllm
 	mkdir -p $(TEST_TMP)
 	$(VLLM_TEST_ENV) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
 
+# ruff's lint rules (E501 on: line-length 120, pyproject.toml) and its formatter, checked (.ci/run runs it)
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # the layers of docs/architecture.md (pyproject.toml [tool.importlinter]): every import points down, no circles
 lint-imports: install

@@ -1,6 +1,7 @@
 """Wall time and CPU time per step of ``rollout.async_steps=1`` (one-step off-policy overlap) against 0.
 
-    python benchmarks/bench_async.py [--steps 5] [--warmup 1] [--repeats 2] [--cases small-local,small-ray1,embedded-local]
+    python benchmarks/bench_async.py [--steps 5] [--warmup 1] [--repeats 2] [--cases
+    small-local,small-ray1,embedded-local]
 
 Each case runs ``async_steps=0`` and ``=1`` in alternating fresh processes (0 1 0 1 ...), one torch
 thread per Python thread (``trainer.threads=1``). A process builds the trainer, runs ``--warmup``
@@ -43,8 +44,15 @@ CASES = {
     "small-ray2": ("small", ["trainer.backend=ray", "trainer.n_workers=2"]),
     "embedded-local": ("embedded", []),
 }
-PHASES = ("timing/rollout_s", "timing/reward_s", "timing/logprobs_s", "timing/update_actor_s", "timing/rollout_join_s",
-          "timing/async_generate_s", "timing/async_logprobs_s")  # fmt: skip
+PHASES = (
+    "timing/rollout_s",
+    "timing/reward_s",
+    "timing/logprobs_s",
+    "timing/update_actor_s",
+    "timing/rollout_join_s",
+    "timing/async_generate_s",
+    "timing/async_logprobs_s",
+)
 
 
 def _peer():
@@ -61,24 +69,40 @@ def worker(args) -> dict:
     from tether.config import load_config
     from tether.trainer import Trainer
 
-    common = ["trainer.val_freq=0", "trainer.save_freq=0", "trainer.loggers=[jsonl]", "trainer.progress=false", "trainer.report=false",
-              "trainer.threads=1", "trainer.device=cpu", f"trainer.output_dir={args.run_dir}", "trainer.resume=off",
-              "trainer.total_steps=100000"]  # fmt: skip
+    common = [
+        "trainer.val_freq=0",
+        "trainer.save_freq=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress=false",
+        "trainer.report=false",
+        "trainer.threads=1",
+        "trainer.device=cpu",
+        f"trainer.output_dir={args.run_dir}",
+        "trainer.resume=off",
+        "trainer.total_steps=100000",
+    ]
     if args.workload == "embedded":
         overrides = common
     else:
         peer = _peer()
-        overrides = peer.tether_overrides(Path(args.model), Path(args.prompts), args.steps, peer.NEW_TOKENS, Path(args.run_dir))
+        overrides = peer.tether_overrides(
+            Path(args.model), Path(args.prompts), args.steps, peer.NEW_TOKENS, Path(args.run_dir)
+        )
     cfg = load_config(None, overrides + [f"rollout.async_steps={args.async_steps}", *args.extra])
     trainer = Trainer(cfg)
-    if args.workload != "embedded":  # EOS blocked: every response is 32 tokens (the snapshot's engine shares these kwargs)
+    # EOS blocked: every response is 32 tokens (the snapshot's engine shares these kwargs)
+    if args.workload != "embedded":
         trainer.roles.engine.engine.kwargs["suppress_tokens"] = list(trainer.roles.engine.eos_token_ids)
     out = []
     for i in range(args.warmup + args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         m = trainer.train_step()
-        rec = {"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "approx_kl": m.get("policy/approx_kl"),
-               "reward": m.get("reward/score_mean")} | {k: m.get(k, 0.0) for k in PHASES}  # fmt: skip
+        rec = {
+            "s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0,
+            "approx_kl": m.get("policy/approx_kl"),
+            "reward": m.get("reward/score_mean"),
+        } | {k: m.get(k, 0.0) for k in PHASES}
         if i >= args.warmup:
             out.append(rec)
     if trainer.async_rollout is not None:
@@ -90,10 +114,29 @@ def worker(args) -> dict:
 def run_worker(case: str, async_steps: int, model: Path | None, prompts: Path | None, work: Path, args) -> dict:
     workload, extra = CASES[case]
     run_dir = work / f"{case}-{async_steps}-{time.time_ns()}"
-    cmd = [sys.executable, str(HERE), "--worker", "--workload", workload, "--async-steps", str(async_steps), "--run-dir", str(run_dir),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", str(model or ""), "--prompts", str(prompts or "")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        "--workload",
+        workload,
+        "--async-steps",
+        str(async_steps),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--model",
+        str(model or ""),
+        "--prompts",
+        str(prompts or ""),
+    ]
     cmd += [f"--extra={e}" for e in extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"
+    )
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"{case} async_steps={async_steps} failed:\n{res.stderr[-3000:]}")
@@ -108,13 +151,25 @@ def report(case: str, runs: dict[int, list[dict]]) -> list[str]:
     sync = [med(r["steps"], "s") for r in runs[0]]
     asyn = [med(r["steps"], "s") for r in runs[1]]
     ratios = [a / b for a, b in zip(sync, asyn, strict=True)]
-    lines = [f"\n### {case}\n", "| async_steps | s/step (median of runs) | CPU s/step | " + " | ".join(p.removeprefix("timing/") for p in PHASES) + " |",
-             "| --- | ---: | ---: |" + " ---: |" * len(PHASES)]  # fmt: skip
+    lines = [
+        f"\n### {case}\n",
+        "| async_steps | s/step (median of runs) | CPU s/step | "
+        + " | ".join(p.removeprefix("timing/") for p in PHASES)
+        + " |",
+        "| --- | ---: | ---: |" + " ---: |" * len(PHASES),
+    ]
     for a in (0, 1):
         all_steps = [s for r in runs[a] for s in r["steps"]]
         cells = [f"{med(all_steps, p):.3f}" for p in PHASES]
-        lines.append(f"| {a} | {statistics.median(sync if a == 0 else asyn):.3f} | {med(all_steps, 'cpu_s'):.3f} | " + " | ".join(cells) + " |")
-    lines.append(f"\nspeed-up (sync s/step / async s/step): {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} pairs")
+        lines.append(
+            f"| {a} | {statistics.median(sync if a == 0 else asyn):.3f} | {med(all_steps, 'cpu_s'):.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines.append(
+        f"\nspeed-up (sync s/step / async s/step): {statistics.median(ratios):.2f}x, range "
+        f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} pairs"
+    )
     return lines
 
 
@@ -139,7 +194,10 @@ def main() -> None:
     peer = _peer()
     model = peer.build_model(work / "small", "small")
     prompts = peer.build_prompts(work / "prompts.jsonl", 64, (peer.PROMPT_TOKENS, peer.PROMPT_TOKENS))
-    print(f"# bench_async: {args.steps} timed steps after {args.warmup} warm-up, {args.repeats} repeats, os.cpu_count()={os.cpu_count()}")
+    print(
+        f"# bench_async: {args.steps} timed steps after {args.warmup} warm-up, {args.repeats} repeats, "
+        f"os.cpu_count()={os.cpu_count()}"
+    )
     for case in args.cases.split(","):
         runs: dict[int, list[dict]] = {0: [], 1: []}
         for _ in range(args.repeats):

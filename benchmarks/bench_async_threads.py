@@ -54,9 +54,17 @@ def threads_row(name: str, work: Path, steps: int, mode: str) -> dict:
             job.append((time.thread_time() - c0, time.perf_counter() - t0))
 
     ar.AsyncRollout._produce = produce
-    extra = {"sync": [], "async": ["rollout.async_steps=1"], "async-rlp": ["rollout.async_steps=1", "actor.old_logprobs_source=rollout"]}[mode]
+    extra = {
+        "sync": [],
+        "async": ["rollout.async_steps=1"],
+        "async-rlp": ["rollout.async_steps=1", "actor.old_logprobs_source=rollout"],
+    }[mode]
     out = work / "runs" / f"threads-{mode}-{name}-{time.time_ns()}"
-    cfg = load_config(None, peer.tether_overrides(work / f"qwen2-{name}", work / f"prompts-{name}.jsonl", steps, peer.NEW_TOKENS, out) + extra)
+    cfg = load_config(
+        None,
+        peer.tether_overrides(work / f"qwen2-{name}", work / f"prompts-{name}.jsonl", steps, peer.NEW_TOKENS, out)
+        + extra,
+    )
     trainer = Trainer(cfg)
     trainer.roles.engine.engine.kwargs["suppress_tokens"] = list(trainer.roles.engine.eos_token_ids)
     rows = []
@@ -71,8 +79,13 @@ def threads_row(name: str, work: Path, steps: int, mode: str) -> dict:
             trainer.async_rollout.close()
     med = [statistics.median(r[i] for r in rows[1:]) for i in range(3)]
     jobs = job[1:] or [(0.0, 0.0)]
-    return {"wall": med[0], "cpu": med[1], "main_cpu": med[2], "job_cpu": statistics.median(c for c, _ in jobs),
-            "job_wall": statistics.median(w for _, w in jobs)}  # fmt: skip
+    return {
+        "wall": med[0],
+        "cpu": med[1],
+        "main_cpu": med[2],
+        "job_cpu": statistics.median(c for c, _ in jobs),
+        "job_wall": statistics.median(w for _, w in jobs),
+    }
 
 
 def gil_share(name: str, work: Path) -> tuple[float, float]:
@@ -82,8 +95,15 @@ def gil_share(name: str, work: Path) -> tuple[float, float]:
     model = AutoModelForCausalLM.from_pretrained(work / f"qwen2-{name}", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 90, (peer.N_PROMPTS * peer.GROUP, peer.PROMPT_TOKENS), generator=g)
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=peer.NEW_TOKENS, suppress_tokens=[2], pad_token_id=0,
-              eos_token_id=[2], top_k=0)  # fmt: skip
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        max_new_tokens=peer.NEW_TOKENS,
+        suppress_tokens=[2],
+        pad_token_id=0,
+        eos_token_id=[2],
+        top_k=0,
+    )
     with torch.no_grad():
         model.generate(input_ids=ids, **kw)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -133,7 +153,8 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--workdir", default=str(HERE.parent / ".tmp" / "bench_peer"))
-    ap.add_argument("--two-threads", type=int, default=None, help=argparse.SUPPRESS)  # internal: item 4 in a fresh process
+    # internal: item 4 in a fresh process
+    ap.add_argument("--two-threads", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.two_threads is not None:
@@ -141,7 +162,10 @@ def main() -> None:
         return
     work = Path(args.workdir)
     (work / "runs").mkdir(parents=True, exist_ok=True)
-    print(f"# load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n")
+    print(
+        f"# load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}\n"
+    )
     print("| model | variant | wall s/step | process CPU s/step | CPU / wall | main thread CPU | job CPU | job wall |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.models.split(","):
@@ -150,18 +174,35 @@ def main() -> None:
         for mode in ("sync", "async", "async-rlp"):
             r = threads_row(name, work, args.steps, mode)
             job = (f"{r['job_cpu']:.3f} | {r['job_wall']:.3f}") if mode != "sync" else " | "
-            print(f"| {name} | {mode} | {r['wall']:.3f} | {r['cpu']:.3f} | {r['cpu'] / r['wall']:.2f} | {r['main_cpu']:.3f} | {job} |", flush=True)
+            print(
+                f"| {name} | {mode} | {r['wall']:.3f} | {r['cpu']:.3f} | {r['cpu'] / r['wall']:.2f} | "
+                f"{r['main_cpu']:.3f} | {job} |",
+                flush=True,
+            )
     print()
     for name in args.models.split(","):
         wall, share = gil_share(name, work)
-        print(f"* {name}: generate {wall:.3f} s (profiled); inside aten ops {share:.0%}, Python (GIL held) ~{1 - share:.0%}; "
-              f"snapshot copy {snapshot_copy_ms(name, work):.2f} ms")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # the pools' own defaults
+        print(
+            f"* {name}: generate {wall:.3f} s (profiled); inside aten ops {share:.0%}, Python (GIL held) "
+            f"~{1 - share:.0%}; "
+            f"snapshot copy {snapshot_copy_ms(name, work):.2f} ms"
+        )
+    # the pools' own defaults
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     for first in (False, True):
-        out = subprocess.run([sys.executable, __file__, "--two-threads", str(int(first))], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--two-threads", str(int(first))],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         w, c = map(float, out.stdout.split())
-        print(f"* two threads x 300 matmuls 512² (no OMP/MKL_NUM_THREADS), second thread's first op {'elementwise' if first else 'a matmul'}: "
-              f"{w:.2f} s wall, {c:.2f} s CPU")  # fmt: skip
+        print(
+            "* two threads x 300 matmuls 512² (no OMP/MKL_NUM_THREADS), second thread's first op "
+            f"{'elementwise' if first else 'a matmul'}: "
+            f"{w:.2f} s wall, {c:.2f} s CPU"
+        )
 
 
 if __name__ == "__main__":

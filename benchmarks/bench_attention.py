@@ -8,7 +8,8 @@ D) it times, in one process, alternating, median of ``--reps``: transformers' ``
 shapes (L = 1) and forward + backward for the others, and prints whether ``tether`` attention takes
 the matmul path there (:func:`tether.models.attention.use_matmul`) and the largest difference of the
 two outputs. The shapes: the peer bench's small model (4/2 heads of 64; decode over 48 and 300 keys,
-64 rows of 48 tokens), a 16/2-head decode over 400 keys, 16 rows of 128, 192 and 256 tokens (and 8 rows of 128 of a 16/4-head, 128-dim model), and 4 rows of 1024
+64 rows of 48 tokens), a 16/2-head decode over 400 keys, 16 rows of 128, 192 and 256 tokens (and 8 rows of 128 of a
+16/4-head, 128-dim model), and 4 rows of 1024
 tokens of a 16/4-head, 128-dim model (where flash wins and ``tether`` hands the call to sdpa).
 """
 
@@ -71,8 +72,14 @@ def main() -> None:
     from tether.models import attention
 
     dtype = getattr(torch, args.dtype)
-    print(f"# {args.dtype}, {args.threads} thread(s), median of {args.reps}; ms per call (decode: forward; else forward + backward)\n")
-    print("| B | H / H_kv | L | S | D | sdpa (flash) ms | matmul path ms | sdpa / matmul | `tether` takes | max abs diff |")
+    print(
+        f"# {args.dtype}, {args.threads} thread(s), median of {args.reps}; ms per call (decode: forward; else forward "
+        "+ backward)\n"
+    )
+    print(
+        "| B | H / H_kv | L | S | D | sdpa (flash) ms | matmul path ms | sdpa / matmul | `tether` takes | max abs diff "
+        "|"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for B, H, H_kv, L, S, D in SHAPES:
         g = torch.Generator().manual_seed(0)
@@ -86,7 +93,10 @@ def main() -> None:
                 times[which].append(median_ms(lambda w=which, t=(q, k, v, module): run(w, *t), max(1, args.reps // 3)))
         a, b = (sorted(t)[1] for t in times.values())
         takes = "matmul" if attention.use_matmul(module, q, k, None, 0.0, {}) else "sdpa"
-        print(f"| {B} | {H} / {H_kv} | {L} | {S} | {D} | {a:.2f} | {b:.2f} | {a / b:.2f} | {takes} | {diff:.1e} |", flush=True)
+        print(
+            f"| {B} | {H} / {H_kv} | {L} | {S} | {D} | {a:.2f} | {b:.2f} | {a / b:.2f} | {takes} | {diff:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

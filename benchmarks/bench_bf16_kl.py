@@ -80,7 +80,10 @@ def main() -> None:
     k3_32 = float(masked_mean(kl_penalty(lp32, lr32, "k3"), rmask))
     k1_32 = float(masked_mean(kl_penalty(lp32, lr32, "k1", log_ratio_clamp=None), rmask))
     print(f"# fp32: k3 kl/ref_mean {k3_32:.4e}, k1 {k1_32:.4e} nats/token; {int(rmask.sum())} tokens\n")
-    print("| compute | mean abs Δ log π (nats) | max abs Δ log π | approx_kl from the mismatch (nats/token) | k3 KL (nats/token) | k3 − fp32 | k1 KL | k1 − fp32 |")
+    print(
+        "| compute | mean abs Δ log π (nats) | max abs Δ log π | approx_kl from the mismatch (nats/token) | k3 KL "
+        "(nats/token) | k3 − fp32 | k1 KL | k1 − fp32 |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     ways = (
         ("fp32 (control)", "float32", True, "sdpa"),
@@ -95,7 +98,10 @@ def main() -> None:
         approx = float(masked_mean(0.5 * (lp - lp32) ** 2, rmask))
         k3 = float(masked_mean(kl_penalty(lp, lr, "k3"), rmask))
         k1 = float(masked_mean(kl_penalty(lp, lr, "k1", log_ratio_clamp=None), rmask))
-        print(f"| {label} | {float(d.mean()):.2e} | {float(d.max()):.2e} | {approx:.2e} | {k3:.4e} | {k3 - k3_32:+.1e} | {k1:.4e} | {k1 - k1_32:+.1e} |")
+        print(
+            f"| {label} | {float(d.mean()):.2e} | {float(d.max()):.2e} | {approx:.2e} | {k3:.4e} | {k3 - k3_32:+.1e} | "
+            f"{k1:.4e} | {k1 - k1_32:+.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,19 @@ def run(label: str, overrides: list[str], steps: int, root: Path) -> dict:
     from tether.config import load_config
     from tether.trainer.trainer import Trainer
 
-    cfg = load_config(None, [*overrides, f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.save_freq=0",
-                             "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.progress=false",
-                             f"trainer.output_dir={root / label}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *overrides,
+            f"trainer.total_steps={steps}",
+            "trainer.val_freq=0",
+            "trainer.save_freq=0",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=false",
+            f"trainer.output_dir={root / label}",
+        ],
+    )
     trainer = Trainer(cfg)
     rows = [trainer.train_step() for _ in range(steps)][1:]  # the first step warms up
     trainer.roles.close()
@@ -37,8 +47,14 @@ def run(label: str, overrides: list[str], steps: int, root: Path) -> dict:
         return statistics.mean(r.get(key, 0.0) for r in rows)
 
     step_s = statistics.mean(sum(r.get(f"timing/{p}_s", 0.0) for p in PHASES) for r in rows)
-    return {"label": label, "step_s": step_s, "tok_s": mean("perf/tokens_per_s"), "update_s": mean("timing/update_actor_s"),
-            "logprobs_s": mean("timing/logprobs_s"), "rollout_s": mean("timing/rollout_s")}  # fmt: skip
+    return {
+        "label": label,
+        "step_s": step_s,
+        "tok_s": mean("perf/tokens_per_s"),
+        "update_s": mean("timing/update_actor_s"),
+        "logprobs_s": mean("timing/logprobs_s"),
+        "rollout_s": mean("timing/rollout_s"),
+    }
 
 
 def main() -> None:
@@ -60,12 +76,18 @@ def main() -> None:
     ]
     ray.shutdown()
     local = results[0]["step_s"]
-    print(f"embedded task, {args.batch_size} prompts x {args.n} responses per step, {args.steps - 1} timed steps, {os.cpu_count()} CPU cores\n")
+    print(
+        f"embedded task, {args.batch_size} prompts x {args.n} responses per step, {args.steps - 1} timed steps, "
+        f"{os.cpu_count()} CPU cores\n"
+    )
     print("| backend | step s | tokens/s | rollout s | log-probs s | update s | step time vs local s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         over = "-" if r["label"] == "local" else f"{r['step_s'] - local:+.3f}"
-        print(f"| {r['label']} | {r['step_s']:.3f} | {r['tok_s']:.0f} | {r['rollout_s']:.3f} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | {over} |")
+        print(
+            f"| {r['label']} | {r['step_s']:.3f} | {r['tok_s']:.0f} | {r['rollout_s']:.3f} | {r['logprobs_s']:.3f} | "
+            f"{r['update_s']:.3f} | {over} |"
+        )
 
 
 if __name__ == "__main__":

@@ -46,16 +46,30 @@ def main(argv: list[str] | None = None) -> int:
         texts = synthetic_math_texts(max(a.prompts, 200))
         tok_dir = build_gsm8k_tokenizer(root / "tok", texts=texts)
         model_dir = build_tiny_causal_lm(root / "model", tok_dir, arch="qwen2", hidden=128, layers=2, heads=2, seed=0)
-        rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": t.split("####")[0][:300] + f" (#{i})"}],
-                 "reward_model": {"ground_truth": "7"}} for i, t in enumerate(texts[: a.prompts])]  # fmt: skip
+        rows = [
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": t.split("####")[0][:300] + f" (#{i})"}],
+                "reward_model": {"ground_truth": "7"},
+            }
+            for i, t in enumerate(texts[: a.prompts])
+        ]
         data = root / "prompts.jsonl"
         write_records(rows, data)
         tok = load_tokenizer(model_dir)
         model = load_causal_lm(model_dir).to(a.device).eval()
-        print(f"| batch size (prompts) | sequences / call | seconds | prompts/s | samples/s | tokens/s |   ({a.prompts} prompts x n={a.n}, "
-              f"<= {a.max_new_tokens} tokens, {a.engine} on {a.device})")  # fmt: skip
+        print(
+            f"| batch size (prompts) | sequences / call | seconds | prompts/s | samples/s | tokens/s |   ({a.prompts} "
+            f"prompts x n={a.n}, "
+            f"<= {a.max_new_tokens} tokens, {a.engine} on {a.device})"
+        )
         print("|---|---|---|---|---|---|")
-        ev = Evaluator(data, EvalSettings(n=a.n, max_new_tokens=a.max_new_tokens, device=a.device, engine=a.engine), tok, torch.device(a.device))
+        ev = Evaluator(
+            data,
+            EvalSettings(n=a.n, max_new_tokens=a.max_new_tokens, device=a.device, engine=a.engine),
+            tok,
+            torch.device(a.device),
+        )
         everything = ev.indices
         ev.indices = everything[:4]
         ev(model, model_path=model_dir)  # warm-up, untimed: builds the engine (vLLM's start-up and compilation)
@@ -67,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             m = ev(model, model_path=model_dir, samples=samples)
             dt = time.perf_counter() - t0
             toks = sum(r["length"] for r in samples)
-            print(f"| {bs} | {bs * a.n} | {dt:.1f} | {m['prompts'] / dt:.1f} | {len(samples) / dt:.0f} | {toks / dt:.0f} |")
+            print(
+                f"| {bs} | {bs * a.n} | {dt:.1f} | {m['prompts'] / dt:.1f} | {len(samples) / dt:.0f} | {toks / dt:.0f} "
+                "|"
+            )
     return 0
 
 

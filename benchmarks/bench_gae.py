@@ -67,9 +67,7 @@ def main() -> None:
             vec_t = _times(lambda r=r, v=v, m=m: compute_gae(r, v, m, args.gamma, args.lam), args.repeats)
             adv, ret = compute_gae(r, v, m, args.gamma, args.lam, whiten=False)
             adv_ref, ret_ref = gae_reference_loop(r, v, m, args.gamma, args.lam, whiten=False)
-            err = max(
-                (adv.double() - adv_ref).abs().max().item(), (ret.double() - ret_ref).abs().max().item()
-            )
+            err = max((adv.double() - adv_ref).abs().max().item(), (ret.double() - ret_ref).abs().max().item())
             scale = ret_ref.abs().max().item()
             rows.append(
                 (
@@ -88,7 +86,8 @@ def main() -> None:
         f"{torch.get_num_threads()} thread(s)"
     )
     print(
-        "| B x T | mask | loop (ms) | vectorized min (ms) | vectorized median (ms) | speed-up (min/min) | max abs err | rel err |"
+        "| B x T | mask | loop (ms) | vectorized min (ms) | vectorized median (ms) | speed-up (min/min) | max abs err "
+        "| rel err |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for shape, layout, lt, vt, vm, sp, err, rel in rows:

@@ -157,14 +157,42 @@ def worker(args) -> dict:
 
 def run_worker(engine: str, variant: str, model: Path, prompts: Path, workload: str, batches: int, work: Path) -> dict:
     result = work / f"result-{engine}-{variant}-{model.name}-{workload}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     tmp = Path(env.get("TMPDIR") or ROOT / ".tmp")
-    for key, sub in (("VLLM_CACHE_ROOT", "vllm/cache"), ("VLLM_CONFIG_ROOT", "vllm/config"), ("TORCHINDUCTOR_CACHE_DIR", "vllm/inductor")):
+    for key, sub in (
+        ("VLLM_CACHE_ROOT", "vllm/cache"),
+        ("VLLM_CONFIG_ROOT", "vllm/config"),
+        ("TORCHINDUCTOR_CACHE_DIR", "vllm/inductor"),
+    ):
         env.setdefault(key, str(tmp / sub))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(HERE), "--worker", engine, "--variant", variant, "--model", str(model), "--prompts", str(prompts),
-           "--workload", workload, "--batches", str(batches), "--result", str(result)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        engine,
+        "--variant",
+        variant,
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--workload",
+        workload,
+        "--batches",
+        str(batches),
+        "--result",
+        str(result),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]}
@@ -179,12 +207,18 @@ def _med(runs: list[dict], key: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (one fresh process per engine per round)")
-    ap.add_argument("--batches", type=int, default=3, help="timed rollout batches per process (after one warm-up batch)")
+    ap.add_argument(
+        "--batches", type=int, default=3, help="timed rollout batches per process (after one warm-up batch)"
+    )
     ap.add_argument("--models", default="tiny,tiny-hd32,small")
     ap.add_argument("--workloads", default="peer,gsm8k")
     ap.add_argument("--gsm8k-models", default="small")
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--hf-variants", default="base,generate", help="comma-separated: base, generate, prealloc, drop, icdf, plain, noshare, nograd, static")
+    ap.add_argument(
+        "--hf-variants",
+        default="base,generate",
+        help="comma-separated: base, generate, prealloc, drop, icdf, plain, noshare, nograd, static",
+    )
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_generate"))
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--worker", choices=["hf", "vllm"])
@@ -201,9 +235,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     kinds = [("hf", v) for v in args.hf_variants.split(",") if "hf" in args.engines.split(",")]
     kinds += [("vllm", "base")] if "vllm" in args.engines.split(",") else []
-    print(f"# generation: {args.rounds} rounds × {args.batches} batches, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
-    lines = ["| model | workload | engine | wall s/batch | CPU s/batch | weight push s | tokens/batch | tokens/s (wall) | tokens/CPU-s | start-up s |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    print(
+        f"# generation: {args.rounds} rounds × {args.batches} batches, load average {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs\n"
+    )
+    lines = [
+        "| model | workload | engine | wall s/batch | CPU s/batch | weight push s | tokens/batch | tokens/s (wall) | "
+        "tokens/CPU-s | start-up s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     everything: dict = {}
     for wl in args.workloads.split(","):
         lengths, _, _, boost = WORKLOADS[wl]
@@ -215,7 +255,11 @@ def main() -> None:
                 for e, v in kinds:
                     r = run_worker(e, v, model, prompts, wl, args.batches, work)
                     runs[f"{e}:{v}"].append(r)
-                    shown = r["error"] if "error" in r else f"{statistics.median(b['wall_s'] for b in r['batches']):.3f} s/batch"
+                    shown = (
+                        r["error"]
+                        if "error" in r
+                        else f"{statistics.median(b['wall_s'] for b in r['batches']):.3f} s/batch"
+                    )
                     print(f"  {name:9s} {wl:5s} {e}:{v:6s} {shown}", flush=True)
             everything[f"{name}/{wl}"] = runs
             for label, rs in runs.items():
@@ -229,8 +273,11 @@ def main() -> None:
                 wall, cpu, tokens = _med(ok, "wall_s"), _med(ok, "cpu_s"), _med(ok, "tokens")
                 push = f"{_med(ok, 'sync_s'):.4f}" if label.startswith("vllm") else "-"
                 start = statistics.median(r["startup_s"] for r in ok)
-                lines.append(f"| {name} | {wl} | {label} | {wall:.3f} | {cpu:.3f} | {push} | {tokens:.0f} | {tokens / wall:.0f} | "
-                             f"{tokens / cpu:.0f} | {start:.1f} |")  # fmt: skip
+                lines.append(
+                    f"| {name} | {wl} | {label} | {wall:.3f} | {cpu:.3f} | {push} | {tokens:.0f} | {tokens / wall:.0f} "
+                    "| "
+                    f"{tokens / cpu:.0f} | {start:.1f} |"
+                )
     print("\n" + "\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))

@@ -57,7 +57,9 @@ def run(name: str, workload: str, variants: list[str], rounds: int, work: Path) 
     for r in range(rounds + 1):
         ref = None
         for v in variants:
-            engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, **VARIANTS[v])
+            engine = HFRolloutEngine(
+                model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, **VARIANTS[v]
+            )
             torch.manual_seed(r)
             c0 = time.process_time()
             ids = engine.generate(prompt_ids, prompt_mask, **overrides)
@@ -68,13 +70,17 @@ def run(name: str, workload: str, variants: list[str], rounds: int, work: Path) 
                 cpu[v].append(c)
             if v == variants[0]:
                 tokens = int(response_mask_from_ids(ids, [tok.eos_token_id]).sum()) if eos_allowed else ids.numel()
-        print(f"  {name} {workload} round {r}: " + ", ".join(f"{v} {cpu[v][-1]:.3f}" for v in variants if r), flush=True)
+        print(
+            f"  {name} {workload} round {r}: " + ", ".join(f"{v} {cpu[v][-1]:.3f}" for v in variants if r), flush=True
+        )
     base = variants[0]
     lines = []
     for v in variants:
         ratio = statistics.median(x / b for x, b in zip(cpu[v], cpu[base], strict=True))
-        lines.append(f"| {name} | {workload} | {v} | {statistics.median(cpu[v]):.4f} | {ratio:.3f} | "
-                     f"{'yes' if same[v] else 'no'} | {tokens} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {workload} | {v} | {statistics.median(cpu[v]):.4f} | {ratio:.3f} | "
+            f"{'yes' if same[v] else 'no'} | {tokens} |"
+        )
     return lines
 
 
@@ -99,8 +105,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(VARIANTS)}")
     print(f"# HF decode: {args.rounds} rounds, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
-    lines = [f"| model | workload | variant | median CPU s/batch | CPU / {variants[0]} (median of rounds) | tokens equal {variants[0]}'s | response tokens ({variants[0]}, last round) |",
-             "| --- | --- | --- | ---: | ---: | --- | ---: |"]  # fmt: skip
+    lines = [
+        f"| model | workload | variant | median CPU s/batch | CPU / {variants[0]} (median of rounds) | tokens equal "
+        f"{variants[0]}'s | response tokens ({variants[0]}, last round) |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: |",
+    ]
     for wl in args.workloads.split(","):
         for name in (args.gsm8k_models if wl == "gsm8k" else args.models).split(","):
             lines += run(name, wl, variants, args.rounds, work)

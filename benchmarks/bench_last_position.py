@@ -18,8 +18,22 @@ import statistics
 import time
 
 MODELS = {
-    "tiny": dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        vocab_size=2000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 
 
@@ -28,7 +42,13 @@ def full_input_logprobs(model, ids, mask, t):
     from tether.algos import logprobs_and_entropy_from_logits
     from tether.models import position_ids_from_mask
 
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False, logits_to_keep=t + 1)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
+        logits_to_keep=t + 1,
+    )
     return logprobs_and_entropy_from_logits(out.logits[:, -t - 1 : -1, :], ids[:, -t:], 1.0)[0]
 
 
@@ -77,8 +97,11 @@ def main() -> None:
                 cpu = {k: statistics.median(v[0]) for k, v in times.items()}
                 wall = {k: statistics.median(v[1]) for k, v in times.items()}
                 saved = 1 - cpu["now"] / cpu["before"]
-                print(f"| {name} | {shape} | {label} | {cpu['before']:.4f} ({wall['before']:.4f}) | {cpu['now']:.4f} ({wall['now']:.4f}) | {saved:.1%} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {name} | {shape} | {label} | {cpu['before']:.4f} ({wall['before']:.4f}) | {cpu['now']:.4f} "
+                    f"({wall['now']:.4f}) | {saved:.1%} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

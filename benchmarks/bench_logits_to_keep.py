@@ -35,8 +35,15 @@ def main() -> None:
     print("| ---: | --- | ---: | ---: |")
     for V in (int(v) for v in args.vocabs.split(",")):
         torch.manual_seed(0)
-        cfg = Qwen2Config(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+        cfg = Qwen2Config(
+            vocab_size=V,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         model = Qwen2ForCausalLM(cfg)
         ids = torch.randint(0, V, (B, P + T))
         mask = torch.ones_like(ids)

@@ -23,7 +23,8 @@ How memory is measured:
         pages are resident), resets the kernel's high-water mark of its resident set (writes 5 to
         /proc/self/clear_refs, Linux >= 4.0), reads its resident set size (baseline), runs the method,
         then reads the high-water mark (VmHWM in /proc/self/status; getrusage's ru_maxrss if the reset
-        is not permitted). extra = high-water mark - baseline. PyTorch's CPU allocator has no peak counter and tracemalloc
+        is not permitted). extra = high-water mark - baseline. PyTorch's CPU allocator has no peak counter and
+        tracemalloc
         does not see it, but the kernel counts every page touched. Children run with
         MALLOC_MMAP_THRESHOLD_=1048576, so glibc serves every block >= 1 MiB with mmap and unmaps it when
         freed: the high-water mark is then the peak of live allocations. With glibc's default dynamic
@@ -186,9 +187,7 @@ def main() -> None:
         action="store_true",
         help="CPU: keep glibc's dynamic mmap threshold (RSS over-counts)",
     )
-    ap.add_argument(
-        "--chunk-size", type=int, default=None, help="token positions per chunk (default: library's)"
-    )
+    ap.add_argument("--chunk-size", type=int, default=None, help="token positions per chunk (default: library's)")
     ap.add_argument("--methods", default="naive,chunked", help="comma-separated subset of naive,chunked")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -213,15 +212,9 @@ def main() -> None:
             cases += [(4, 2048, "float32", False, ("chunked",)), (4, 2048, "bfloat16", False, ("chunked",))]
 
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
-    chunk = (
-        f"chunk_size={args.chunk_size}"
-        if args.chunk_size
-        else "default chunk (2**22 logits on CPU, 2**24 on GPU)"
-    )
+    chunk = f"chunk_size={args.chunk_size}" if args.chunk_size else "default chunk (2**22 logits on CPU, 2**24 on GPU)"
     print(f"log-probs + entropy, V={v}, temperature {TEMPERATURE}, {chunk}, torch {torch.__version__}, {dev}")
-    print(
-        "| B x T | logits dtype | logits size | pass | method | extra peak memory | extra / logits | time (s) |"
-    )
+    print("| B x T | logits dtype | logits size | pass | method | extra peak memory | extra / logits | time (s) |")
     print("|---|---|---:|---|---|---:|---:|---:|")
     results = {}
     for b, t, dtype, backward, methods in cases:
@@ -245,7 +238,8 @@ def main() -> None:
             results.setdefault(key, {})[method] = r
             print(
                 f"| {b}x{t} | {dtype} | {r['logits_bytes'] / 2**30:.2f} GiB | {'fwd+bwd' if backward else 'fwd'} | "
-                f"{method} | {r['extra'] / 2**20:.0f} MiB | {r['extra'] / r['logits_bytes']:.1%} | {r['seconds']:.2f} |",
+                f"{method} | {r['extra'] / 2**20:.0f} MiB | {r['extra'] / r['logits_bytes']:.1%} | {r['seconds']:.2f} "
+                "|",
                 flush=True,
             )
     for key, res in results.items():

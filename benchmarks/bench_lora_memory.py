@@ -30,10 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REWARD = '''
+REWARD = """
 def digits(data_sources, solution_strs, ground_truths, extra_infos):
     return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in solution_strs]
-'''
+"""
 
 
 def _status_mb(field: str) -> float:
@@ -63,17 +63,33 @@ def child(variant: str, model_dir: str, data: str, reward: str, out_dir: str, ra
 
     torch.set_num_threads(1)
     overrides = [
-        f"actor.model={model_dir}", f"data.train_files={data}", f"reward.function={reward}:digits", f"trainer.output_dir={out_dir}",
-        "trainer.total_steps=1", "trainer.save_freq=0", "trainer.val_freq=0", "trainer.report=false", "trainer.progress=false",
-        "trainer.loggers=[jsonl]", "trainer.threads=1", "data.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=16",
-        "algo.mini_batch_size=4", "actor.micro_batch_size=4", f"actor.lora.rank={0 if variant == 'full+copy' else rank}",
-        "actor.lora.alpha=16", "trainer.resume=off",
-    ]  # fmt: skip
+        f"actor.model={model_dir}",
+        f"data.train_files={data}",
+        f"reward.function={reward}:digits",
+        f"trainer.output_dir={out_dir}",
+        "trainer.total_steps=1",
+        "trainer.save_freq=0",
+        "trainer.val_freq=0",
+        "trainer.report=false",
+        "trainer.progress=false",
+        "trainer.loggers=[jsonl]",
+        "trainer.threads=1",
+        "data.batch_size=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=16",
+        "algo.mini_batch_size=4",
+        "actor.micro_batch_size=4",
+        f"actor.lora.rank={0 if variant == 'full+copy' else rank}",
+        "actor.lora.alpha=16",
+        "trainer.resume=off",
+    ]
     cfg = load_config(None, overrides)
     base_rss = _status_mb("VmRSS")
     t = Trainer(cfg)
     if variant == "lora+copy":  # the alternative tether avoids: a second, frozen copy of the base model
-        t.roles.ref = ReferenceWorker(load_causal_lm(t.roles.actor_path), micro_batch_size=4, temperature=cfg.rollout.temperature)
+        t.roles.ref = ReferenceWorker(
+            load_causal_lm(t.roles.actor_path), micro_batch_size=4, temperature=cfg.rollout.temperature
+        )
     t.ckpt.maybe_save = lambda *a, **k: None  # measure the models, not checkpoint writing
     t.fit()
     roles = t.roles
@@ -115,26 +131,51 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         tok = build_gsm8k_tokenizer(root / "tok", texts=synthetic_math_texts())
         model = build_tiny_causal_lm(root / "model", tok, arch="qwen2", hidden=a.hidden, layers=a.layers, heads=a.heads)
-        write_records([{"prompt": [{"role": "user", "content": t.split("\n")[0]}], "data_source": "x"} for t in synthetic_math_texts(8)], root / "data.jsonl")
+        write_records(
+            [
+                {"prompt": [{"role": "user", "content": t.split("\n")[0]}], "data_source": "x"}
+                for t in synthetic_math_texts(8)
+            ],
+            root / "data.jsonl",
+        )
         (root / "reward.py").write_text(REWARD)
         rows = []
         for variant in ("full+copy", "lora+copy", "lora"):
-            cmd = [sys.executable, __file__, "--child", variant, str(model), str(root / "data.jsonl"), str(root / "reward.py"), str(root / variant), str(a.rank)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                str(model),
+                str(root / "data.jsonl"),
+                str(root / "reward.py"),
+                str(root / variant),
+                str(a.rank),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
     n = rows[0]["total_params"]
-    print(f"tiny Qwen2: hidden {a.hidden}, {a.layers} layers, {n / 1e6:.1f}M parameters, float32; LoRA rank {a.rank} on all linear layers; one GRPO step")
+    print(
+        f"tiny Qwen2: hidden {a.hidden}, {a.layers} layers, {n / 1e6:.1f}M parameters, float32; LoRA rank {a.rank} on "
+        "all linear layers; one GRPO step"
+    )
     print()
     print("| variant | trainable params | weights MB (actor+ref) | Adam MB | RSS MB after step | peak RSS MB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['variant']} | {r['trainable'] / 1e6:.2f}M | {r['weights_mb']:.1f} | {r['adam_mb']:.1f} | {r['rss_mb']:.0f} | {r['peak_mb']:.0f} |")
+        print(
+            f"| {r['variant']} | {r['trainable'] / 1e6:.2f}M | {r['weights_mb']:.1f} | {r['adam_mb']:.1f} | "
+            f"{r['rss_mb']:.0f} | {r['peak_mb']:.0f} |"
+        )
     lora, copy_ = rows[2], rows[1]
     print()
-    print(f"adapter-disabled reference saves {copy_['weights_mb'] - lora['weights_mb']:.1f} MB of weights "
-          f"({(copy_['weights_mb'] - lora['weights_mb']) / copy_['weights_mb']:.0%} of lora+copy) and "
-          f"{copy_['rss_mb'] - lora['rss_mb']:.0f} MB RSS; vs full fine-tuning with a copy: "
-          f"{rows[0]['weights_mb'] + rows[0]['adam_mb'] - lora['weights_mb'] - lora['adam_mb']:.1f} MB of weights + Adam state")
+    print(
+        f"adapter-disabled reference saves {copy_['weights_mb'] - lora['weights_mb']:.1f} MB of weights "
+        f"({(copy_['weights_mb'] - lora['weights_mb']) / copy_['weights_mb']:.0%} of lora+copy) and "
+        f"{copy_['rss_mb'] - lora['rss_mb']:.0f} MB RSS; vs full fine-tuning with a copy: "
+        f"{rows[0]['weights_mb'] + rows[0]['adam_mb'] - lora['weights_mb'] - lora['adam_mb']:.1f} MB of weights + Adam "
+        "state"
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return 0

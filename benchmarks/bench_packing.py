@@ -51,18 +51,23 @@ def make_batch(vocab: int, seed: int = 0):
     from tether.data import PromptRow
 
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(P_RANGE[0], P_RANGE[1] + 1, (N_ROWS // 8,), generator=g).repeat_interleave(8)  # a group shares its prompt
+    # a group shares its prompt
+    plen = torch.randint(P_RANGE[0], P_RANGE[1] + 1, (N_ROWS // 8,), generator=g).repeat_interleave(8)
     u = torch.rand(N_ROWS, generator=g)
     rlen = (torch.log1p(-u) / torch.log1p(torch.tensor(-1.0 / MEAN_LEN))).ceil().clamp(1, T_MAX).long()
     P, T = int(plen.max()), int(rlen.max())
     pm = (torch.arange(P)[None] >= P - plen[:, None]).long()
     rm = (torch.arange(T)[None] < rlen[:, None]).long()
     b = RolloutBatch(
-        prompt_ids=torch.randint(3, vocab, (N_ROWS, P), generator=g) * pm, prompt_mask=pm,
-        response_ids=torch.randint(3, vocab, (N_ROWS, T), generator=g) * rm, response_mask=rm,
-        group_ids=torch.arange(N_ROWS) // 8, rows=[PromptRow("p", "bench", None, {}, 0)] * N_ROWS,
-        prompts=[""] * N_ROWS, responses=[""] * N_ROWS,
-    )  # fmt: skip
+        prompt_ids=torch.randint(3, vocab, (N_ROWS, P), generator=g) * pm,
+        prompt_mask=pm,
+        response_ids=torch.randint(3, vocab, (N_ROWS, T), generator=g) * rm,
+        response_mask=rm,
+        group_ids=torch.arange(N_ROWS) // 8,
+        rows=[PromptRow("p", "bench", None, {}, 0)] * N_ROWS,
+        prompts=[""] * N_ROWS,
+        responses=[""] * N_ROWS,
+    )
     b.advantages = torch.randn(N_ROWS, T, generator=g) * rm
     return b
 
@@ -93,14 +98,34 @@ def worker(args) -> dict:
     batch = make_batch(model.config.vocab_size)
     micro = MicroBatching(64, int(opts["max_tokens"]) if "max_tokens" in opts else None, "padding_free" in opts)
     actor = ActorWorker(
-        model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=micro.size,
-        temperature=1.0, max_tokens_per_micro_batch=micro.max_tokens, padding_free=micro.padding_free,
-    )  # fmt: skip
+        model,
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1.0,
+        micro_batch_size=micro.size,
+        temperature=1.0,
+        max_tokens_per_micro_batch=micro.max_tokens,
+        padding_free=micro.padding_free,
+    )
     spec = ActorUpdateSpec(
-        ppo_epochs=1, mini_batch_size=N_ROWS, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, loss_agg_mode="token-mean",
-        entropy_coef=0.0, kl_loss_coef=0.04, kl_loss_estimator="k3", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0,
-        value_clamp=10.0, target_kl=None, seed=0, norm_constant=float(T_MAX),
-    )  # fmt: skip
+        ppo_epochs=1,
+        mini_batch_size=N_ROWS,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coef=0.0,
+        kl_loss_coef=0.04,
+        kl_loss_estimator="k3",
+        kl_loss_agg_mode="token-mean",
+        log_ratio_clamp=20.0,
+        value_clamp=10.0,
+        target_kl=None,
+        seed=0,
+        norm_constant=float(T_MAX),
+    )
     lp = actor.compute_logprobs(batch.select(list(range(4))), with_entropy=False)[0]  # warm-up
     lp = actor.compute_logprobs(batch, with_entropy=False)[0]
     mask = batch.response_mask
@@ -128,9 +153,13 @@ def worker(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes, one per variant each, alternating")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds of fresh processes, one per variant each, alternating"
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed passes per process")
-    ap.add_argument("--budget", type=int, default=8192, help="max_tokens_per_micro_batch of the budget variants, tokens")
+    ap.add_argument(
+        "--budget", type=int, default=8192, help="max_tokens_per_micro_batch of the budget variants, tokens"
+    )
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_peer"))
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--opts", nargs="*", default=[])
@@ -143,29 +172,66 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in vs}
     res = Path(args.workdir) / "bench_packing_result.json"
     res.parent.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    print(f"# load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.rounds} rounds x {args.repeats} repeats", flush=True)
+    env = os.environ | {
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
+    print(
+        f"# load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.rounds} rounds x {args.repeats} "
+        "repeats",
+        flush=True,
+    )
     for _ in range(args.rounds):
         for name, opts in vs.items():
-            cmd = [sys.executable, str(HERE), "--worker", "--workdir", args.workdir, "--repeats", str(args.repeats), "--result", str(res), "--opts", *opts]
+            cmd = [
+                sys.executable,
+                str(HERE),
+                "--worker",
+                "--workdir",
+                args.workdir,
+                "--repeats",
+                str(args.repeats),
+                "--result",
+                str(res),
+                "--opts",
+                *opts,
+            ]
             subprocess.run(cmd, check=True, env=env)
             runs[name].append(json.loads(res.read_text()))
             r = runs[name][-1]
-            print(f"  {name:28s} no-grad {statistics.median(r['nograd_cpu']):.2f} CPU s, update {statistics.median(r['update_cpu']):.2f} CPU s", flush=True)
-    med = {n: {k: statistics.median([x for r in rs for x in r[k]]) for k in ("nograd_s", "nograd_cpu", "update_s", "update_cpu")} for n, rs in runs.items()}
+            print(
+                f"  {name:28s} no-grad {statistics.median(r['nograd_cpu']):.2f} CPU s, update "
+                f"{statistics.median(r['update_cpu']):.2f} CPU s",
+                flush=True,
+            )
+    med = {
+        n: {
+            k: statistics.median([x for r in rs for x in r[k]])
+            for k in ("nograd_s", "nograd_cpu", "update_s", "update_cpu")
+        }
+        for n, rs in runs.items()
+    }
     base = med[next(iter(vs))]
     first = runs[next(iter(vs))][0]
-    print(f"\n{N_ROWS} rows, prompts {P_RANGE[0]}-{P_RANGE[1]} tokens, responses 1-{T_MAX} (mean {first['mean_response']:.0f}); "
-          f"{first['valid']} valid tokens\n")  # fmt: skip
-    print("| variant | micro-batches | positions computed (padding) | no-grad pass CPU s (wall) | update CPU s (wall) | "
-          "no-grad speed-up (CPU) | update speed-up (CPU) | mean log-prob | loss |")  # fmt: skip
+    print(
+        f"\n{N_ROWS} rows, prompts {P_RANGE[0]}-{P_RANGE[1]} tokens, responses 1-{T_MAX} (mean "
+        f"{first['mean_response']:.0f}); "
+        f"{first['valid']} valid tokens\n"
+    )
+    print(
+        "| variant | micro-batches | positions computed (padding) | no-grad pass CPU s (wall) | update CPU s (wall) | "
+        "no-grad speed-up (CPU) | update speed-up (CPU) | mean log-prob | loss |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n, rs in runs.items():
         r, m = rs[0], med[n]
         pad = 1 - r["valid"] / r["positions"]
-        print(f"| {n} | {r['micro_batches']} | {r['positions']} ({pad:.0%}) | {m['nograd_cpu']:.2f} ({m['nograd_s']:.2f}) | "
-              f"{m['update_cpu']:.2f} ({m['update_s']:.2f}) | {base['nograd_cpu'] / m['nograd_cpu']:.2f}x | "
-              f"{base['update_cpu'] / m['update_cpu']:.2f}x | {r['mean_lp']:.6f} | {r['loss']:.7f} |")  # fmt: skip
+        print(
+            f"| {n} | {r['micro_batches']} | {r['positions']} ({pad:.0%}) | {m['nograd_cpu']:.2f} "
+            f"({m['nograd_s']:.2f}) | "
+            f"{m['update_cpu']:.2f} ({m['update_s']:.2f}) | {base['nograd_cpu'] / m['nograd_cpu']:.2f}x | "
+            f"{base['update_cpu'] / m['update_cpu']:.2f}x | {r['mean_lp']:.6f} | {r['loss']:.7f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -128,10 +128,18 @@ def build_model(out: Path, name: str, *, eos_logit_boost: float = 0.0) -> Path:
     tok_dir = build_tokenizer(out.parent / f"tok{vocab}", vocab)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(cfg)
@@ -140,7 +148,9 @@ def build_model(out: Path, name: str, *, eos_logit_boost: float = 0.0) -> Path:
             emb = model.get_input_embeddings().weight  # (V, H)
             emb[:, 0] = 1.0
             emb[tok.eos_token_id, 0] = 1.0 + eos_logit_boost
-    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None
+    )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -154,7 +164,10 @@ def build_prompts(out: Path, n: int, lengths: tuple[int, int], seed: int = 0) ->
     with open(out, "w") as f:
         for i in range(n):
             text = "".join(chr(rng.randrange(33, 127)) for _ in range(rng.randint(*lengths)))
-            f.write(json.dumps({"prompt": text, "data_source": "bench", "reward_model": {"ground_truth": ""}, "index": i}) + "\n")
+            f.write(
+                json.dumps({"prompt": text, "data_source": "bench", "reward_model": {"ground_truth": ""}, "index": i})
+                + "\n"
+            )
     return out
 
 
@@ -220,18 +233,46 @@ def bench_threads() -> int:
     return int(os.environ.get("BENCH_THREADS", "1"))
 
 
-def tether_overrides(model_dir: Path, prompts: Path, steps: int, new_tokens: int, out: Path, *, lr: float = 1e-5, seed: int = 0) -> list[str]:
+def tether_overrides(
+    model_dir: Path, prompts: Path, steps: int, new_tokens: int, out: Path, *, lr: float = 1e-5, seed: int = 0
+) -> list[str]:
     return [
-        f"actor.model={model_dir}", f"actor.lr={lr}", f"trainer.seed={seed}", "actor.micro_batch_size=64", "actor.grad_clip=1.0", "actor.dtype=float32",
-        f"data.train_files={prompts}", f"data.batch_size={N_PROMPTS}", "data.apply_chat_template=false", "data.max_prompt_length=512",
-        f"rollout.n={GROUP}", f"rollout.max_new_tokens={new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
+        f"actor.model={model_dir}",
+        f"actor.lr={lr}",
+        f"trainer.seed={seed}",
+        "actor.micro_batch_size=64",
+        "actor.grad_clip=1.0",
+        "actor.dtype=float32",
+        f"data.train_files={prompts}",
+        f"data.batch_size={N_PROMPTS}",
+        "data.apply_chat_template=false",
+        "data.max_prompt_length=512",
+        f"rollout.n={GROUP}",
+        f"rollout.max_new_tokens={new_tokens}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
         f"reward.function={HERE}:tether_reward",
-        "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.04", "kl.controller=fixed",
-        "algo.adv_estimator=grpo", f"algo.mini_batch_size={N_PROMPTS * GROUP}", "algo.ppo_epochs=1", "algo.loss_agg_mode=token-mean",
-        "guard.target_kl=null", f"trainer.total_steps={steps + 1000}", "trainer.val_freq=0", "trainer.save_freq=0",
-        "trainer.loggers=[jsonl]", "trainer.progress=false", "trainer.report=false", f"trainer.threads={bench_threads()}", "trainer.device=cpu",
-        f"trainer.output_dir={out}", "trainer.resume=off",
-    ]  # fmt: skip
+        "kl.placement=loss",
+        "kl.estimator=k3",
+        "kl.coef=0.04",
+        "kl.controller=fixed",
+        "algo.adv_estimator=grpo",
+        f"algo.mini_batch_size={N_PROMPTS * GROUP}",
+        "algo.ppo_epochs=1",
+        "algo.loss_agg_mode=token-mean",
+        "guard.target_kl=null",
+        f"trainer.total_steps={steps + 1000}",
+        "trainer.val_freq=0",
+        "trainer.save_freq=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.progress=false",
+        "trainer.report=false",
+        f"trainer.threads={bench_threads()}",
+        "trainer.device=cpu",
+        f"trainer.output_dir={out}",
+        "trainer.resume=off",
+    ]
 
 
 def block_eos(trainer) -> None:
@@ -248,12 +289,23 @@ def worker_tether(args) -> dict:
     from tether.trainer import Trainer
 
     if args.workload == "embedded":
-        overrides = ["trainer.val_freq=0", "trainer.save_freq=0", "trainer.loggers=[jsonl]", "trainer.progress=false",
-                     "trainer.report=false", f"trainer.threads={bench_threads()}", "trainer.device=cpu", f"trainer.output_dir={args.run_dir}",
-                     "trainer.resume=off", "trainer.total_steps=100000"]  # fmt: skip
+        overrides = [
+            "trainer.val_freq=0",
+            "trainer.save_freq=0",
+            "trainer.loggers=[jsonl]",
+            "trainer.progress=false",
+            "trainer.report=false",
+            f"trainer.threads={bench_threads()}",
+            "trainer.device=cpu",
+            f"trainer.output_dir={args.run_dir}",
+            "trainer.resume=off",
+            "trainer.total_steps=100000",
+        ]
     else:
         new = GSM_NEW_TOKENS if args.workload == "gsm8k" else NEW_TOKENS
-        overrides = tether_overrides(Path(args.model), Path(args.prompts), args.steps, new, Path(args.run_dir), lr=args.lr, seed=args.seed)
+        overrides = tether_overrides(
+            Path(args.model), Path(args.prompts), args.steps, new, Path(args.run_dir), lr=args.lr, seed=args.seed
+        )
     cfg = load_config(None, overrides + list(args.tether_args))
     trainer = Trainer(cfg)
     if args.workload == "peer":
@@ -275,15 +327,25 @@ def worker_tether(args) -> dict:
             "optimizer": opt,
         }
         ph["other"] = wall - sum(ph.values())
-        steps.append({
-            "s": wall, "cpu_s": cpu, "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
-            "reward": m.get("reward/score_mean"), "kl": m.get("kl/ref_mean"), "approx_kl": m.get("policy/approx_kl"), "clipfrac": m.get("policy/clipfrac"),
-            "phases": ph, "mfu": m.get("perf/mfu"),
-        })  # fmt: skip
+        steps.append(
+            {
+                "s": wall,
+                "cpu_s": cpu,
+                "tokens": m["response/length_mean"] * cfg.data.batch_size * cfg.rollout.n,
+                "reward": m.get("reward/score_mean"),
+                "kl": m.get("kl/ref_mean"),
+                "approx_kl": m.get("policy/approx_kl"),
+                "clipfrac": m.get("policy/clipfrac"),
+                "phases": ph,
+                "mfu": m.get("perf/mfu"),
+            }
+        )
     return {"lib": "tether", "steps": steps}
 
 
-def trl_trainer(model: Path, prompts: Path, run_dir: Path, steps: int, *, lr: float = 1e-5, seed: int = 0, bf16: bool = False):
+def trl_trainer(
+    model: Path, prompts: Path, run_dir: Path, steps: int, *, lr: float = 1e-5, seed: int = 0, bf16: bool = False
+):
     """TRL 1.16's ``GRPOTrainer`` on the peer workload (the module doc), ``steps`` optimizer steps."""
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -295,13 +357,39 @@ def trl_trainer(model: Path, prompts: Path, run_dir: Path, steps: int, *, lr: fl
     ds = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
     eos = [tok.eos_token_id]
     cfg = GRPOConfig(
-        output_dir=str(run_dir), per_device_train_batch_size=N_PROMPTS * GROUP, num_generations=GROUP, steps_per_generation=1,
-        gradient_accumulation_steps=1, num_iterations=1, max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"suppress_tokens": eos}, beta=0.04, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, fp16=False,
-        seed=seed, dataloader_num_workers=0, disable_tqdm=True, log_completions=False, model_init_kwargs={"dtype": "float32"},
-    )  # fmt: skip
+        output_dir=str(run_dir),
+        per_device_train_batch_size=N_PROMPTS * GROUP,
+        num_generations=GROUP,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs={"suppress_tokens": eos},
+        beta=0.04,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=bf16,
+        fp16=False,
+        seed=seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_completions=False,
+        model_init_kwargs={"dtype": "float32"},
+    )
     return GRPOTrainer(model=str(model), reward_funcs=trl_reward, args=cfg, train_dataset=ds, processing_class=tok)
 
 
@@ -312,11 +400,21 @@ def worker_trl(args) -> dict:
     phases = Phases()
     from transformers import TrainerCallback
 
-    trainer = trl_trainer(Path(args.model), Path(args.prompts), Path(args.run_dir), args.steps, lr=args.lr, seed=args.seed, bf16=args.trl_bf16)
+    trainer = trl_trainer(
+        Path(args.model),
+        Path(args.prompts),
+        Path(args.run_dir),
+        args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        bf16=args.trl_bf16,
+    )
     trainer._generate = timed(phases, trainer._generate, "generate")
     trainer._calculate_rewards = timed(phases, trainer._calculate_rewards, "reward")
     trainer._get_per_token_logps_and_entropies = timed(
-        phases, trainer._get_per_token_logps_and_entropies, lambda: "update forward" if torch.is_grad_enabled() else "logprobs (no grad)"
+        phases,
+        trainer._get_per_token_logps_and_entropies,
+        lambda: "update forward" if torch.is_grad_enabled() else "logprobs (no grad)",
     )
     marks: list[float] = []
     cpu_marks: list[float] = []
@@ -339,28 +437,80 @@ def worker_trl(args) -> dict:
     steps = []
     for i, ph in enumerate(per_step):
         wall = marks[i + 1] - marks[i]
-        ph = {k: ph.get(k, 0.0) for k in ("generate", "reward", "logprobs (no grad)", "update forward", "backward", "optimizer")}
+        ph = {
+            k: ph.get(k, 0.0)
+            for k in ("generate", "reward", "logprobs (no grad)", "update forward", "backward", "optimizer")
+        }
         ph["other"] = wall - sum(ph.values())
         log = logs[i] if i < len(logs) else {}
-        steps.append({"s": wall, "cpu_s": cpu_marks[i + 1] - cpu_marks[i], "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
-                      "reward": log.get("reward"), "kl": log.get("kl"), "approx_kl": None, "clipfrac": log.get("clip_ratio/region_mean"),
-                      "phases": ph, "mfu": None})  # fmt: skip
+        steps.append(
+            {
+                "s": wall,
+                "cpu_s": cpu_marks[i + 1] - cpu_marks[i],
+                "tokens": float(N_PROMPTS * GROUP * log.get("completions/mean_length", NEW_TOKENS)),
+                "reward": log.get("reward"),
+                "kl": log.get("kl"),
+                "approx_kl": None,
+                "clipfrac": log.get("clip_ratio/region_mean"),
+                "phases": ph,
+                "mfu": None,
+            }
+        )
     return {"lib": "trl", "steps": steps}
 
 
 # ---------------------------------------------------------------- driver
-def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, tag: str, extra: list[str], workload: str = "peer",
-               trl_bf16: bool = False, src: Path = ROOT / "src", lr: float = 1e-5, seed: int = 0) -> dict:  # fmt: skip
+def run_worker(
+    lib: str,
+    model: Path,
+    prompts: Path,
+    steps: int,
+    workdir: Path,
+    tag: str,
+    extra: list[str],
+    workload: str = "peer",
+    trl_bf16: bool = False,
+    src: Path = ROOT / "src",
+    lr: float = 1e-5,
+    seed: int = 0,
+) -> dict:
     out = workdir / "runs" / f"{tag}-{time.strftime('%H%M%S')}-{random.randrange(10**6)}"
     res = out.with_suffix(".json")
-    cmd = [sys.executable, str(HERE), "--worker", lib, "--model", str(model), "--prompts", str(prompts), "--steps", str(steps),
-           "--run-dir", str(out), "--result", str(res), "--workload", workload, "--lr", repr(lr), "--seed", str(seed)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--worker",
+        lib,
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(steps),
+        "--run-dir",
+        str(out),
+        "--result",
+        str(res),
+        "--workload",
+        workload,
+        "--lr",
+        repr(lr),
+        "--seed",
+        str(seed),
+    ]
     if trl_bf16:
         cmd.append("--trl-bf16")
     for a in extra:
         cmd += ["--tether-arg", a]
     n = str(bench_threads())
-    env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(src))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=n,
+        MKL_NUM_THREADS=n,
+        BENCH_THREADS=n,
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(src),
+    )
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -373,15 +523,21 @@ def run_worker(lib: str, model: Path, prompts: Path, steps: int, workdir: Path, 
 
 def peer_inputs(work: Path, name: str) -> tuple[Path, Path]:
     """The bench model ``name`` (``tiny``/``small``) and its prompt file, built under ``work`` (or reused)."""
-    return build_model(work / f"qwen2-{name}", name), build_prompts(work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS))
+    return build_model(work / f"qwen2-{name}", name), build_prompts(
+        work / f"prompts-{name}.jsonl", N_PROMPTS, (PROMPT_TOKENS, PROMPT_TOKENS)
+    )
 
 
-def run_variant(args, work: Path, model: Path, prompts: Path, variant: tuple[str, Path, list[str]], tag: str, seed: int) -> dict:
+def run_variant(
+    args, work: Path, model: Path, prompts: Path, variant: tuple[str, Path, list[str]], tag: str, seed: int
+) -> dict:
     """One fresh worker process of ``variant`` (label, tether source tree, overrides; label ``trl`` is TRL)
     on the peer workload, ``args.steps`` steps at ``args.lr``."""
     lab, src, extra = variant
     lib = "trl" if lab == "trl" else "tether"
-    return run_worker(lib, model, prompts, args.steps, work, tag, extra, trl_bf16=args.trl_bf16, src=src, lr=args.lr, seed=seed)
+    return run_worker(
+        lib, model, prompts, args.steps, work, tag, extra, trl_bf16=args.trl_bf16, src=src, lr=args.lr, seed=seed
+    )
 
 
 def median_step(r: dict, key: str = "s") -> float:
@@ -409,20 +565,29 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
     lines = [f"### {name} ({params / 1e3:.0f}k parameters)", ""]
     med = {lib: statistics.median(median_step(r) for r in rs) for lib, rs in runs.items()}
     cpu = {lib: statistics.median(median_step(r, "cpu_s") for r in rs) for lib, rs in runs.items()}
-    lines.append("| library | median s/step (wall) | median CPU s/step | CPU / wall (> 1: threads in parallel) | tokens/s (wall) | runs (wall s/step each) |")
+    lines.append(
+        "| library | median s/step (wall) | median CPU s/step | CPU / wall (> 1: threads in parallel) | tokens/s "
+        "(wall) | runs (wall s/step each) |"
+    )
     lines.append("| --- | ---: | ---: | ---: | ---: | --- |")
     for lib, rs in runs.items():
         tps = statistics.median(tokens_per_step(r) / median_step(r) for r in rs)
         par = statistics.median(median_step(r, "cpu_s") / median_step(r) for r in rs)
-        lines.append(f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {par:.2f} | {tps:.0f} | {', '.join(f'{median_step(r):.3f}' for r in rs)} |")
+        lines.append(
+            f"| {lib} | {med[lib]:.3f} | {cpu[lib]:.3f} | {par:.2f} | {tps:.0f} | "
+            f"{', '.join(f'{median_step(r):.3f}' for r in rs)} |"
+        )
     lines.append("")
 
     def ratio_line(num: str, den: str, bold: bool) -> str:
         w = [median_step(b) / median_step(a) for a, b in zip(runs[den], runs[num], strict=False)]
         c = [median_step(b, "cpu_s") / median_step(a, "cpu_s") for a, b in zip(runs[den], runs[num], strict=False)]
         mark = "**" if bold else ""
-        return (f"* {num} / {den} s/step: wall {mark}{med[num] / med[den]:.2f}{mark} (per round {min(w):.2f}–{max(w):.2f}), "
-                f"CPU {mark}{cpu[num] / cpu[den]:.2f}{mark} (per round {min(c):.2f}–{max(c):.2f})")  # fmt: skip
+        return (
+            f"* {num} / {den} s/step: wall {mark}{med[num] / med[den]:.2f}{mark} (per round "
+            f"{min(w):.2f}–{max(w):.2f}), "
+            f"CPU {mark}{cpu[num] / cpu[den]:.2f}{mark} (per round {min(c):.2f}–{max(c):.2f})"
+        )
 
     for lab in runs:
         if lab != "trl" and "trl" in runs:
@@ -439,7 +604,10 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
         lines.append(f"* {lib}: reward [{rw}]; KL [{kl}]")
     mfu = [s["mfu"] for s in runs.get("tether", [{}])[0].get("steps", [])[1:] if s.get("mfu") is not None]
     if mfu:
-        lines.append(f"* tether perf/mfu (update FLOP/s over the measured matmul ceiling in the compute dtype): median {statistics.median(mfu):.2f}")
+        lines.append(
+            "* tether perf/mfu (update FLOP/s over the measured matmul ceiling in the compute dtype): median "
+            f"{statistics.median(mfu):.2f}"
+        )
     return lines + [""]
 
 
@@ -453,7 +621,9 @@ def curve_mean_std(curves: list[list[float]]) -> list[tuple[float, float]]:
     return out
 
 
-def within_noise(a: list[list[float]], b: list[list[float]], k: float = 2.0, atol: float = 0.0) -> list[tuple[float, float, bool]]:
+def within_noise(
+    a: list[list[float]], b: list[list[float]], k: float = 2.0, atol: float = 0.0
+) -> list[tuple[float, float, bool]]:
     """Per step, whether two libraries' mean curves agree within their seeds' noise.
 
     ``a``, ``b``: per-seed curves (n_a and n_b lists of per-step values). A step passes when
@@ -480,7 +650,9 @@ def curves_of(runs: list[dict], key: str) -> list[list[float]]:
     return [[s[key] or 0.0 for s in r["steps"]] for r in runs]
 
 
-def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str = "trl", lags: dict[str, int] | None = None) -> list[str]:
+def report_curve(
+    name: str, runs: dict[str, list[dict]], lr: float, against: str = "trl", lags: dict[str, int] | None = None
+) -> list[str]:
     """Markdown: per step, mean ± std over seeds of reward and KL for each variant, and which steps of
     each variant lie within noise of ``against``'s (and of ``tether``'s, for other tether variants).
 
@@ -491,7 +663,10 @@ def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str
     n = len(runs[labs[0]][0]["steps"])
     stats = {lab: {key: curve_mean_std(curves_of(rs, key)) for key in ("reward", "kl")} for lab, rs in runs.items()}
     seeds = {lab: len(rs) for lab, rs in runs.items()}
-    lines = [f"### learning curves, {name} model, lr {lr:g} ({', '.join(f'{lab}: {k} seeds' for lab, k in seeds.items())})", ""]
+    lines = [
+        f"### learning curves, {name} model, lr {lr:g} ({', '.join(f'{lab}: {k} seeds' for lab, k in seeds.items())})",
+        "",
+    ]
     head = " | ".join(f"{lab} reward" for lab in labs) + " | " + " | ".join(f"{lab} KL" for lab in labs)
     lines += [f"| step | {head} |", "| ---: |" + " ---: |" * (2 * len(labs))]
     for i in range(n):
@@ -511,16 +686,35 @@ def report_curve(name: str, runs: dict[str, list[dict]], lr: float, against: str
             theirs = [c[: len(c) - lag] for c in curves_of(runs[ref], key)]
             w = within_noise(mine, theirs, atol=KL_ATOL if key == "kl" else 0.0)
             bad = [i + 1 for i, (_, _, ok) in enumerate(w) if not ok]
-            worst = max(range(n), key=lambda i: w[i][0] / w[i][1] if w[i][1] > 0 else (0.0 if w[i][0] == 0 else float("inf")))
-            parts.append(f"{key} {n - len(bad)}/{n} steps (outside: {bad or 'none'}; largest |Δ|/bound {_ratio(w[worst])} at step {worst + 1})")
-        what = f"{lab} against {ref}" if not lag else f"{lab} step t + {lag} against {ref} step t (its {lag} step(s) of staleness)"
+            worst = max(
+                range(n), key=lambda i: w[i][0] / w[i][1] if w[i][1] > 0 else (0.0 if w[i][0] == 0 else float("inf"))
+            )
+            parts.append(
+                f"{key} {n - len(bad)}/{n} steps (outside: {bad or 'none'}; largest |Δ|/bound {_ratio(w[worst])} at "
+                f"step {worst + 1})"
+            )
+        what = (
+            f"{lab} against {ref}"
+            if not lag
+            else f"{lab} step t + {lag} against {ref} step t (its {lag} step(s) of staleness)"
+        )
         lines.append(f"* {what}, |Δ mean| within 2 × SE of the difference (KL: or {KL_ATOL:g}): " + "; ".join(parts))
-    clip = {lab: [s["clipfrac"] for r in rs for s in r["steps"][1:] if s.get("clipfrac") is not None] for lab, rs in runs.items()}
+    clip = {
+        lab: [s["clipfrac"] for r in rs for s in r["steps"][1:] if s.get("clipfrac") is not None]
+        for lab, rs in runs.items()
+    }
     if any(clip.values()):
-        lines.append("* policy/clipfrac, mean over steps 2.. and seeds: " + ", ".join(f"{lab} {statistics.fmean(c):.4f}" for lab, c in clip.items() if c))
+        lines.append(
+            "* policy/clipfrac, mean over steps 2.. and seeds: "
+            + ", ".join(f"{lab} {statistics.fmean(c):.4f}" for lab, c in clip.items() if c)
+        )
     final = {lab: stats[lab]["reward"][-1] for lab in labs}
     first = ", ".join(f"{lab} {stats[lab]['reward'][0][0]:.3f}" for lab in labs)
-    lines.append("* final-step reward: " + ", ".join(f"{lab} {m:.3f} ± {s:.3f}" for lab, (m, s) in final.items()) + f" (step 1: {first})")
+    lines.append(
+        "* final-step reward: "
+        + ", ".join(f"{lab} {m:.3f} ± {s:.3f}" for lab, (m, s) in final.items())
+        + f" (step 1: {first})"
+    )
     return lines + [""]
 
 
@@ -540,7 +734,9 @@ def plot_curves(path: Path, name: str, runs: dict[str, list[dict]], lr: float) -
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, label in zip(axes, ("reward", "kl"), ("reward (fraction of even code points)", "KL to π_ref (k3, nats/token)"), strict=True):
+    for ax, key, label in zip(
+        axes, ("reward", "kl"), ("reward (fraction of even code points)", "KL to π_ref (k3, nats/token)"), strict=True
+    ):
         for lab, rs in runs.items():
             ms = curve_mean_std(curves_of(rs, key))
             x = list(range(1, len(ms) + 1))
@@ -563,24 +759,45 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is left out of medians)")
     ap.add_argument("--pairs", type=int, default=3, help="alternating tether/TRL process pairs per model")
-    ap.add_argument("--models", default="tiny,small", help="comma-separated; empty (or --pairs 0) for the --extra rows only")
+    ap.add_argument(
+        "--models", default="tiny,small", help="comma-separated; empty (or --pairs 0) for the --extra rows only"
+    )
     ap.add_argument("--workdir", default=str(ROOT / ".tmp" / "bench_peer"))
-    ap.add_argument("--tether-args", nargs="*", default=[], help="extra tether overrides of every tether variant (each --variant's own follow), e.g. actor.compute_dtype=bfloat16")
+    ap.add_argument(
+        "--tether-args",
+        nargs="*",
+        default=[],
+        help="extra tether overrides of every tether variant (each --variant's own follow), e.g. "
+        "actor.compute_dtype=bfloat16",
+    )
     ap.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its default setting)")
     ap.add_argument("--skip-trl", action="store_true", help="tether runs only (no TRL needed)")
-    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=SRC|ARGS",
-                    help="another tether variant in the rotation: a source tree (empty: this one) and overrides, "
-                         "e.g. 'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=SRC|ARGS",
+        help="another tether variant in the rotation: a source tree (empty: this one) and overrides, "
+        "e.g. 'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'",
+    )
     ap.add_argument("--extra", action="store_true", help="add tether-alone rows: embedded default, GSM8K-shaped")
     ap.add_argument("--extra-rounds", type=int, default=1, help="--extra: alternating rounds of the tether variants")
     ap.add_argument("--json", default=None, help="write all runs here")
-    ap.add_argument("--curve", action="store_true",
-                    help="learning curves instead of throughput: --seeds seeds per variant at --lr over --steps steps, alternating; "
-                         "prints mean ± std per step and which steps agree within noise, and plots them (--pairs and --extra "
-                         "do not apply). At the defaults nothing learns: the docs use --lr 3e-3 --steps 20 --seeds 5 (tiny) and "
-                         "--lr 1e-3 --steps 30 --seeds 3 (small)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per worker process, both libraries (default 1); a variant may set trainer.threads itself")
+    ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="learning curves instead of throughput: --seeds seeds per variant at --lr over --steps steps, "
+        "alternating; "
+        "prints mean ± std per step and which steps agree within noise, and plots them (--pairs and --extra "
+        "do not apply). At the defaults nothing learns: the docs use --lr 3e-3 --steps 20 --seeds 5 (tiny) and "
+        "--lr 1e-3 --steps 30 --seeds 3 (small)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per worker process, both libraries (default 1); a variant may set trainer.threads itself",
+    )
     ap.add_argument("--lr", type=float, default=1e-5, help="learning rate of both libraries (AdamW, constant)")
     ap.add_argument("--seeds", type=int, default=3, help="--curve: seeds per variant (0, 1, ...)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of a throughput run (both libraries)")
@@ -615,8 +832,13 @@ def main() -> None:
     if args.curve:
         return main_curve(args, work, variants)
     load = os.getloadavg()[0]
-    print(f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on {os.cpu_count()} CPUs, {args.threads} torch thread(s) per process")
-    print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
+    print(
+        f"# tether vs TRL, {args.steps} steps per run, {args.pairs} rounds, load average {load:.1f} on "
+        f"{os.cpu_count()} CPUs, {args.threads} torch thread(s) per process"
+    )
+    print(
+        f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n"
+    )
     out_lines, everything = [], {}
     for name in [m for m in args.models.split(",") if m and args.pairs > 0]:
         model, prompts = peer_inputs(work, name)
@@ -626,29 +848,62 @@ def main() -> None:
                 lab = variant[0]
                 r = run_variant(args, work, model, prompts, variant, f"{lab}-{name}", args.seed)
                 runs[lab].append(r)
-                print(f"  {lab:10s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)", flush=True)
+                print(
+                    f"  {lab:10s} {name:5s} median {median_step(r):.3f} s/step (process {r['process_s']:.0f} s)",
+                    flush=True,
+                )
         everything[name] = runs
         out_lines += report_pair(name, param_count(model), runs)
     if args.extra:
         gsm_model = build_model(work / "qwen2-small-gsm", "small", eos_logit_boost=0.8)
         gsm_prompts = build_prompts(work / "prompts-gsm.jsonl", N_PROMPTS, (120, 180))
-        rows = [("embedded default (16 prompts × 8, 4 tokens)", None, None, "embedded", max(args.steps, 10)),
-                ("GSM8K-shaped, small model (8 × 8, prompts 120-180, responses ≤ 256)", gsm_model, gsm_prompts, "gsm8k", args.steps)]  # fmt: skip
-        out_lines += ["### tether alone", "", "| workload | variant | median s/step (wall) | median CPU s/step | response tokens/step | tokens/s (wall) | phases (wall s) |",
-                      "| --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-        tether_variants = [v for v in variants if v[0] != "trl"]  # each --variant too, alternating, --extra-rounds rounds
+        rows = [
+            ("embedded default (16 prompts × 8, 4 tokens)", None, None, "embedded", max(args.steps, 10)),
+            (
+                "GSM8K-shaped, small model (8 × 8, prompts 120-180, responses ≤ 256)",
+                gsm_model,
+                gsm_prompts,
+                "gsm8k",
+                args.steps,
+            ),
+        ]
+        out_lines += [
+            "### tether alone",
+            "",
+            "| workload | variant | median s/step (wall) | median CPU s/step | response tokens/step | tokens/s (wall) "
+            "| phases (wall s) |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        # each --variant too, alternating, --extra-rounds rounds
+        tether_variants = [v for v in variants if v[0] != "trl"]
         for label, m, p, wl, n in rows:
             everything[wl] = {lab: [] for lab, _, _ in tether_variants}
             for _ in range(args.extra_rounds):
                 for lab, src, extra in tether_variants:
-                    r = run_worker("tether", m or Path("embedded"), p or Path("-"), n, work, f"{lab}-{wl}", extra, workload=wl, src=src)
+                    r = run_worker(
+                        "tether",
+                        m or Path("embedded"),
+                        p or Path("-"),
+                        n,
+                        work,
+                        f"{lab}-{wl}",
+                        extra,
+                        workload=wl,
+                        src=src,
+                    )
                     everything[wl][lab].append(r)
-                    print(f"  {lab} {wl} median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f}", flush=True)
+                    print(
+                        f"  {lab} {wl} median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f}",
+                        flush=True,
+                    )
             for lab, runs in everything[wl].items():
                 s = statistics.median(median_step(r) for r in runs)
                 cpu = statistics.median(median_step(r, "cpu_s") for r in runs)
                 tok = tokens_per_step(runs[0])
-                out_lines.append(f"| {label} | {lab} | {s:.3f} | {cpu:.3f} | {tok:.0f} | {tok / s:.0f} | {fmt_phases(median_phases(runs[0]))} |")
+                out_lines.append(
+                    f"| {label} | {lab} | {s:.3f} | {cpu:.3f} | {tok:.0f} | {tok / s:.0f} | "
+                    f"{fmt_phases(median_phases(runs[0]))} |"
+                )
         out_lines.append("")
     print("\n" + "\n".join(out_lines))
     if args.json:
@@ -657,8 +912,13 @@ def main() -> None:
 
 def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) -> None:
     """--curve: per model, seeds 0..--seeds-1, each seed running every variant in turn (fresh processes)."""
-    print(f"# learning curves: {args.steps} steps, lr {args.lr:g}, seeds 0..{args.seeds - 1}, load average {os.getloadavg()[0]:.1f}")
-    print(f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n")
+    print(
+        f"# learning curves: {args.steps} steps, lr {args.lr:g}, seeds 0..{args.seeds - 1}, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"# variants: {[(lab, str(src), ex) for lab, src, ex in variants]}; TRL {'bf16' if args.trl_bf16 else 'fp32'}\n"
+    )
     out_lines, everything = [], {}
     for name in [m for m in args.models.split(",") if m]:
         model, prompts = peer_inputs(work, name)
@@ -669,8 +929,13 @@ def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) ->
                 r = run_variant(args, work, model, prompts, variant, f"curve-{lab}-{name}-s{seed}", seed)
                 runs[lab].append(r)
                 rw = [s["reward"] or 0.0 for s in r["steps"]]
-                print(f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL {r['steps'][-1]['kl'] or 0:.3g}, "
-                      f"median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f} (process {r['process_s']:.0f} s)", flush=True)  # fmt: skip
+                print(
+                    f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL "
+                    f"{r['steps'][-1]['kl'] or 0:.3g}, "
+                    f"median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f} (process "
+                    f"{r['process_s']:.0f} s)",
+                    flush=True,
+                )
         everything[name] = runs
         lags = {lab: 1 for lab, _, extra in variants if "rollout.async_steps=1" in extra}
         out_lines += report_curve(name, runs, args.lr, lags=lags)

@@ -35,7 +35,9 @@ MODELS = {
 def build_model(name: str = "small"):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(**MODELS[name], num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0)
+    cfg = Qwen2Config(
+        **MODELS[name], num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
@@ -82,7 +84,10 @@ def main() -> None:
     ap.add_argument("--models", default="small", help="comma-separated: small, tiny")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| model | shape | pass | ordinary CPU s | shared CPU s | ordinary / shared (CPU) | ordinary wall s | shared wall s | max abs Δ log-prob |")
+    print(
+        "| model | shape | pass | ordinary CPU s | shared CPU s | ordinary / shared (CPU) | ordinary wall s | shared "
+        "wall s | max abs Δ log-prob |"
+    )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, shape in ((m, s) for m in args.models.split(",") for s in args.shapes.split(",")):
         model = build_model(name)
@@ -99,9 +104,12 @@ def main() -> None:
                     times[shared].append((c, w))
                     out[shared] = lp
                 diff = max(diff, float((out[True] - out[False])[mask].abs().max()))
-            med = {s: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v)) for s, v in times.items()}
+            med = {
+                s: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v)) for s, v in times.items()
+            }
             print(
-                f"| {name} | {shape} | {label} | {med[False][0]:.3f} | {med[True][0]:.3f} | {med[False][0] / med[True][0]:.2f} | "
+                f"| {name} | {shape} | {label} | {med[False][0]:.3f} | {med[True][0]:.3f} | "
+                f"{med[False][0] / med[True][0]:.2f} | "
                 f"{med[False][1]:.3f} | {med[True][1]:.3f} | {diff:.1e} |",
                 flush=True,
             )

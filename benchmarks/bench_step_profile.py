@@ -1,6 +1,7 @@
 """Where one training step's time goes, by kernel class, and the floor the matmuls alone set (issue 13).
 
-    PYTHONPATH=src python benchmarks/bench_step_profile.py [--models tiny,small] [--tether-args actor.compute_dtype=bfloat16]
+    PYTHONPATH=src python benchmarks/bench_step_profile.py [--models tiny,small] [--tether-args
+    actor.compute_dtype=bfloat16]
     .venv-trl/bin/python benchmarks/bench_step_profile.py --trl [--trl-bf16]     # TRL 1.16's step too
 
 Runs ``bench_peer_trl.py``'s workload (GRPO, 8 prompts × G = 8, 32 new tokens with EOS blocked, β = 0.04
@@ -135,12 +136,19 @@ def finish(prof, wall: float) -> tuple[float, dict[str, float], float]:
 
 
 def table(rows: list[tuple[str, float, dict[str, float], float, float]]) -> list[str]:
-    out = ["| library | step s (median) | " + " | ".join(CLASSES) + " | matmul GFLOP | matmul GFLOP/s | floor s (matmuls at peak) |",
-           "| --- | ---: | " + " | ".join("---:" for _ in CLASSES) + " | ---: | ---: | ---: |"]  # fmt: skip
+    out = [
+        "| library | step s (median) | "
+        + " | ".join(CLASSES)
+        + " | matmul GFLOP | matmul GFLOP/s | floor s (matmuls at peak) |",
+        "| --- | ---: | " + " | ".join("---:" for _ in CLASSES) + " | ---: | ---: | ---: |",
+    ]
     for lib, wall, secs, flops, peak in rows:
         cells = " | ".join(f"{secs[c]:.3f} ({secs[c] / wall:.0%})" for c in CLASSES)
         mm = secs["linear matmuls"]
-        out.append(f"| {lib} | {wall:.3f} | {cells} | {flops / 1e9:.1f} | {flops / mm / 1e9 if mm else 0:.1f} | {flops / peak:.3f} |")
+        out.append(
+            f"| {lib} | {wall:.3f} | {cells} | {flops / 1e9:.1f} | {flops / mm / 1e9 if mm else 0:.1f} | "
+            f"{flops / peak:.3f} |"
+        )
     return out
 
 
@@ -157,9 +165,14 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in peer.MODELS]
     if not models or unknown:
-        ap.error(f"--models: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; the bench models are {', '.join(peer.MODELS)}")
+        ap.error(
+            f"--models: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; the bench models "
+            f"are {', '.join(peer.MODELS)}"
+        )
     if args.steps < 1 or args.warmup < 1:
-        ap.error(f"--steps ({args.steps}) and --warmup ({args.warmup}) must be at least 1 (the first step of a run is cold)")
+        ap.error(
+            f"--steps ({args.steps}) and --warmup ({args.warmup}) must be at least 1 (the first step of a run is cold)"
+        )
     if args.trl_bf16 and not args.trl:
         ap.error("--trl-bf16 needs --trl")
     if args.trl:
@@ -174,8 +187,12 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# one torch thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; tether {args.tether_args or 'defaults (fp32)'}"
-          f"{'; TRL bf16' if args.trl and args.trl_bf16 else ''}", flush=True)  # fmt: skip
+    print(
+        f"# one torch thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; tether "
+        f"{args.tether_args or 'defaults (fp32)'}"
+        f"{'; TRL bf16' if args.trl and args.trl_bf16 else ''}",
+        flush=True,
+    )
     peaks: dict[str, float] = {}
     for name in models:
         model, prompts = peer.peer_inputs(work, name)
@@ -186,18 +203,27 @@ def main() -> None:
         if args.trl:
             dtype = "bfloat16" if args.trl_bf16 else "float32"
             peaks.setdefault(dtype, peak_flops(getattr(torch, dtype)))
-            res = measure_trl(model, prompts, runs / f"{name}-trl-{time.time_ns()}", args.trl_bf16, args.warmup, args.steps)
+            res = measure_trl(
+                model, prompts, runs / f"{name}-trl-{time.time_ns()}", args.trl_bf16, args.warmup, args.steps
+            )
             rows.append(("TRL 1.16", *res, peaks[dtype]))
-        print(f"\n### {name} ({peer.param_count(model) / 1e3:.0f}k parameters); peak of one core: "
-              + ", ".join(f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items()) + "\n")  # fmt: skip
+        print(
+            f"\n### {name} ({peer.param_count(model) / 1e3:.0f}k parameters); peak of one core: "
+            + ", ".join(f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items())
+            + "\n"
+        )
         print("\n".join(table(rows)))
         if args.trl:
             (_, tw, ts, tf, tp), (_, rw, *_rest) = rows
             floor = tf / tp
-            print(f"\n2× TRL's step is {rw / 2:.3f} s; tether's linear matmuls at the peak take {floor:.3f} s, which leaves "
-                  f"{rw / 2 - floor:.3f} s for all the rest (now {tw - ts['linear matmuls']:.3f} s: attention {ts['attention']:.3f}, "
-                  f"sampling {ts['sampling']:.3f}, everything else {ts['everything else']:.3f}); "
-                  f"at the peak with nothing else tether would be {rw / floor:.2f}× TRL")  # fmt: skip
+            print(
+                f"\n2× TRL's step is {rw / 2:.3f} s; tether's linear matmuls at the peak take {floor:.3f} s, which "
+                "leaves "
+                f"{rw / 2 - floor:.3f} s for all the rest (now {tw - ts['linear matmuls']:.3f} s: attention "
+                f"{ts['attention']:.3f}, "
+                f"sampling {ts['sampling']:.3f}, everything else {ts['everything else']:.3f}); "
+                f"at the peak with nothing else tether would be {rw / floor:.2f}× TRL"
+            )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def run_once(threads: int | None) -> tuple[float, Path, Path]:
         env["OMP_NUM_THREADS"] = str(threads)
     exe = shutil.which("tether") or f"{sys.executable} -m tether.cli"
     t0 = time.perf_counter()
-    subprocess.run(exe.split() + ["train"], cwd=work, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        exe.split() + ["train"], cwd=work, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wall = time.perf_counter() - t0
     (run,) = list((work / "runs").iterdir())
     return wall, run, work
@@ -49,7 +51,9 @@ def summarize(run: Path) -> dict:
         "kl_tok_exact": vals[-1]["exact/kl_ref_tok"],
         "kl_tok_sampled": last["kl/ref_mean"],
         "opt_kl_tok": vals[-1].get("exact/opt_kl_ref_seq", float("nan")) / 4,
-        "train_s": sum(v for r in recs for k, v in r.items() if k.startswith("timing/") and isinstance(v, (int, float))),
+        "train_s": sum(
+            v for r in recs for k, v in r.items() if k.startswith("timing/") and isinstance(v, (int, float))
+        ),
     }
 
 
@@ -60,12 +64,18 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="copy the last run directory here")
     args = ap.parse_args()
     print(f"cpu cores: {os.cpu_count()}  python: {sys.version.split()[0]}")
-    print("| run | wall s | loop s | steps | ref success (exact) | trained success (exact) | val score (sampled) | KL/token exact | KL/token sampled |")
+    print(
+        "| run | wall s | loop s | steps | ref success (exact) | trained success (exact) | val score (sampled) | "
+        "KL/token exact | KL/token sampled |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for i in range(args.runs):
         wall, run, work = run_once(args.threads)
         s = summarize(run)
-        print(f"| {i + 1} | {wall:.1f} | {s['train_s']:.1f} | {s['steps']} | {s['ref_exact']:.3f} | {s['final_exact']:.3f} | {s['final_val']:.3f} | {s['kl_tok_exact']:.3f} | {s['kl_tok_sampled']:.3f} |")
+        print(
+            f"| {i + 1} | {wall:.1f} | {s['train_s']:.1f} | {s['steps']} | {s['ref_exact']:.3f} | "
+            f"{s['final_exact']:.3f} | {s['final_val']:.3f} | {s['kl_tok_exact']:.3f} | {s['kl_tok_sampled']:.3f} |"
+        )
         if args.keep and i == args.runs - 1:
             shutil.rmtree(args.keep, ignore_errors=True)
             shutil.copytree(run, args.keep)

@@ -43,13 +43,30 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=os.environ.get("TMPDIR")))
     tok_dir = build_gsm8k_tokenizer(root / "tok", texts=synthetic_math_texts(200))
-    model = build_tiny_causal_lm(root / "m", tok_dir, arch="qwen2", hidden=args.hidden, layers=args.layers, heads=args.hidden // 32, seed=0)
+    model = build_tiny_causal_lm(
+        root / "m", tok_dir, arch="qwen2", hidden=args.hidden, layers=args.layers, heads=args.hidden // 32, seed=0
+    )
     tok = load_tokenizer(model)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"),
+    )
 
     def cfg(n):
-        return load_config(None, [f"actor.model={model}", "trainer.backend=ray", f"trainer.n_workers={n}", "trainer.threads=1",
-                                  "rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.0625", "rollout.max_new_tokens=4"])  # fmt: skip
+        return load_config(
+            None,
+            [
+                f"actor.model={model}",
+                "trainer.backend=ray",
+                f"trainer.n_workers={n}",
+                "trainer.threads=1",
+                "rollout.engine=vllm",
+                "rollout.vllm.kv_cache_gib=0.0625",
+                "rollout.max_new_tokens=4",
+            ],
+        )
 
     groups = {n: WorkerGroup("actor+ref", cfg(n), n, ("actor",)) for n in (1, 2)}
     engine = VLLMReplicaGroup(cfg(1), model, tok, [], groups[1])
@@ -63,7 +80,9 @@ def main() -> None:
                     engine.actor_group, engine.bucket_bytes = group, int(mib * 2**20)
                     engine.sync_weights()
                     s = engine.last_sync_stats
-                    r = rows.setdefault((n, mib), {"sync_s": [], "gather_s": [], "pull_s": [], "bytes": [], "buckets": []})
+                    r = rows.setdefault(
+                        (n, mib), {"sync_s": [], "gather_s": [], "pull_s": [], "bytes": [], "buckets": []}
+                    )
                     r["sync_s"].append(s["seconds"])
                     r["gather_s"].append(s["gather_s"])
                     r["bytes"].append(s["bytes"])
@@ -78,12 +97,18 @@ def main() -> None:
             g.kill()
         ray.shutdown()
     print(f"model: qwen2 hidden {args.hidden}, {args.layers} layers, float32; medians of {args.reps} syncs per row")
-    print("| ranks | bucket MiB | MiB sent | buckets | sync s | of which all-gather s | MB/s | driver pull (full_state) s |")
+    print(
+        "| ranks | bucket MiB | MiB sent | buckets | sync s | of which all-gather s | MB/s | driver pull (full_state) "
+        "s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (n, mib), r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
-        print(f"| {n} | {mib:g} | {med['bytes'] / 2**20:.1f} | {med['buckets']:.0f} | {med['sync_s']:.3f} | {med['gather_s']:.3f} | "
-              f"{med['bytes'] / med['sync_s'] / 1e6:.0f} | {med['pull_s']:.3f} |")
+        print(
+            f"| {n} | {mib:g} | {med['bytes'] / 2**20:.1f} | {med['buckets']:.0f} | {med['sync_s']:.3f} | "
+            f"{med['gather_s']:.3f} | "
+            f"{med['bytes'] / med['sync_s'] / 1e6:.0f} | {med['pull_s']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

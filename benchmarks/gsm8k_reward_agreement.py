@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tether.data.gsm8k import SOLUTION_MODEL_KEYS, gsm8k_final_answer  # noqa: E402
 from tether.rewards.math import gsm8k_compute_score  # noqa: E402
 
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "example_model_solutions.jsonl"
+DEFAULT_DATA = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "example_model_solutions.jsonl"
+)
 
 
 def verl_style_score(solution: str, ground_truth: str, method: str) -> float:
@@ -57,8 +59,10 @@ def agreement(path: Path) -> dict:
     """
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     modes = ("strict", "flexible", "verl-strict", "verl-flexible")
-    stats = {m: {k: {"n": 0, "agree": 0, "false_pos": 0, "false_neg": 0} for k in (*SOLUTION_MODEL_KEYS, "overall")}
-             for m in modes}
+    stats = {
+        m: {k: {"n": 0, "agree": 0, "false_pos": 0, "false_neg": 0} for k in (*SOLUTION_MODEL_KEYS, "overall")}
+        for m in modes
+    }
     dis: dict[str, list] = {m: [] for m in modes}
     for qi, r in enumerate(rows):
         gt = gsm8k_final_answer(r["ground_truth"])
@@ -76,22 +80,30 @@ def agreement(path: Path) -> dict:
                     s["false_pos"] += pred and not label
                     s["false_neg"] += label and not pred
                 if pred != label:
-                    dis[m].append({"question": qi, "model": key, "label": label, "reward": float(pred),
-                                   "ground_truth": gt, "solution_tail": sol[-160:]})
+                    dis[m].append(
+                        {
+                            "question": qi,
+                            "model": key,
+                            "label": label,
+                            "reward": float(pred),
+                            "ground_truth": gt,
+                            "solution_tail": sol[-160:],
+                        }
+                    )
     out = {"n": stats["flexible"]["overall"]["n"], "modes": {}, "disagreements": dis}
     for m in modes:
         for s in stats[m].values():
             s["agreement"] = s["agree"] / s["n"] if s["n"] else float("nan")
-        out["modes"][m] = {"overall": stats[m]["overall"],
-                           "per_model": {k: stats[m][k] for k in SOLUTION_MODEL_KEYS}}
+        out["modes"][m] = {"overall": stats[m]["overall"], "per_model": {k: stats[m][k] for k in SOLUTION_MODEL_KEYS}}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    ap.add_argument("--show-disagreements", type=int, default=0, metavar="N",
-                    help="print the first N disagreements of each mode")
+    ap.add_argument(
+        "--show-disagreements", type=int, default=0, metavar="N", help="print the first N disagreements of each mode"
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args(argv)
     if not a.data.is_file():
@@ -104,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in res.items() if k != "disagreements"}, indent=1))
         return 0
     print(f"{res['n']} solutions from {a.data} ({dt:.2f} s)\n")
-    print(f"| {'mode':13} | {'model':17} | {'n':>5} | {'agree':>5} | {'agreement':>9} | {'false +':>7} | {'false -':>7} |")
+    print(
+        f"| {'mode':13} | {'model':17} | {'n':>5} | {'agree':>5} | {'agreement':>9} | {'false +':>7} | {'false -':>7} |"
+    )
     print(f"| {'-' * 13} | {'-' * 17} | {'-' * 5}:| {'-' * 5}:| {'-' * 9}:| {'-' * 7}:| {'-' * 7}:|")
     for m, d in res["modes"].items():
         items = [*d["per_model"].items(), ("overall", d["overall"])]
@@ -112,14 +126,18 @@ def main(argv: list[str] | None = None) -> int:
             items = items[-1:]
         for k, s in items:
             name = f"**{k}**" if k == "overall" else k
-            print(f"| {m:13} | {name:17} | {s['n']:5d} | {s['agree']:5d} | {100 * s['agreement']:8.2f}% "
-                  f"| {s['false_pos']:7d} | {s['false_neg']:7d} |")
+            print(
+                f"| {m:13} | {name:17} | {s['n']:5d} | {s['agree']:5d} | {100 * s['agreement']:8.2f}% "
+                f"| {s['false_pos']:7d} | {s['false_neg']:7d} |"
+            )
     if a.show_disagreements:
         for m, lst in res["disagreements"].items():
             print(f"\n{m}: {len(lst)} disagreements")
             for d in lst[: a.show_disagreements]:
-                print(f"  q{d['question']} {d['model']} label={d['label']} reward={d['reward']} gt={d['ground_truth']} "
-                      f"tail={d['solution_tail']!r}")
+                print(
+                    f"  q{d['question']} {d['model']} label={d['label']} reward={d['reward']} gt={d['ground_truth']} "
+                    f"tail={d['solution_tail']!r}"
+                )
     return 0
 
 

@@ -3,7 +3,8 @@
 For tiny Qwen2 models of about 1M to 50M parameters (GQA, untied and tied heads), one actor update
 (one mini-batch = one micro-batch of b responses, PPO clipped loss, AdamW step through
 ``tether.workers.ActorWorker.update``), in float32, in bfloat16 (``actor.dtype=bfloat16``) and
-with bfloat16 autocast over float32 weights (``actor.compute_dtype=bfloat16``), runs after a warm-up update (so AdamW's moments exist, as
+with bfloat16 autocast over float32 weights (``actor.compute_dtype=bfloat16``), runs after a warm-up update (so AdamW's
+moments exist, as
 they do from step 2 of a run). Measured:
 
 * ``tracked``: the peak of live tensor bytes during the update, from torch's
@@ -62,8 +63,16 @@ def _config(case):
     from transformers import Qwen2Config
 
     h, n, heads, kv, i, v, tied, *_ = case
-    return Qwen2Config(vocab_size=v, hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
-                       intermediate_size=i, tie_word_embeddings=tied, max_position_embeddings=1024)  # fmt: skip
+    return Qwen2Config(
+        vocab_size=v,
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=i,
+        tie_word_embeddings=tied,
+        max_position_embeddings=1024,
+    )
 
 
 def _batch(case, seed=0):
@@ -78,19 +87,40 @@ def _batch(case, seed=0):
     response_mask = torch.ones(b, t, dtype=torch.long)
     response_mask[1, t - 2 :] = 0
     return RolloutBatch(
-        prompt_ids=torch.randint(0, v, (b, p), generator=g), prompt_mask=prompt_mask,
-        response_ids=torch.randint(0, v, (b, t), generator=g), response_mask=response_mask,
-        group_ids=torch.arange(b), rows=[None] * b, prompts=[""] * b, responses=[""] * b,
-        old_logprobs=torch.full((b, t), -8.0), ref_logprobs=torch.full((b, t), -8.0), advantages=torch.randn(b, t, generator=g),
-    )  # fmt: skip
+        prompt_ids=torch.randint(0, v, (b, p), generator=g),
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(0, v, (b, t), generator=g),
+        response_mask=response_mask,
+        group_ids=torch.arange(b),
+        rows=[None] * b,
+        prompts=[""] * b,
+        responses=[""] * b,
+        old_logprobs=torch.full((b, t), -8.0),
+        ref_logprobs=torch.full((b, t), -8.0),
+        advantages=torch.randn(b, t, generator=g),
+    )
 
 
 def _spec(b):
     from tether.workers.actor import ActorUpdateSpec
 
-    return ActorUpdateSpec(ppo_epochs=1, mini_batch_size=b, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, loss_agg_mode="token-mean",
-                           entropy_coef=0.0, kl_loss_coef=0.0, kl_loss_estimator="k1", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0,
-                           value_clamp=10.0, target_kl=None, seed=0, norm_constant=1.0)  # fmt: skip
+    return ActorUpdateSpec(
+        ppo_epochs=1,
+        mini_batch_size=b,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coef=0.0,
+        kl_loss_coef=0.0,
+        kl_loss_estimator="k1",
+        kl_loss_agg_mode="token-mean",
+        log_ratio_clamp=20.0,
+        value_clamp=10.0,
+        target_kl=None,
+        seed=0,
+        norm_constant=1.0,
+    )
 
 
 def measure(name: str) -> dict:
@@ -126,8 +156,17 @@ def _measure(name: str) -> dict:
         model.gradient_checkpointing_enable()
     if compute != dtype:
         fp32_lm_head(model)  # as tether.workers.build does for actor.compute_dtype=bfloat16
-    actor = ActorWorker(model, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=case[7],
-                        temperature=1.0, compute_dtype=compute)  # fmt: skip
+    actor = ActorWorker(
+        model,
+        lr=1e-5,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1.0,
+        micro_batch_size=case[7],
+        temperature=1.0,
+        compute_dtype=compute,
+    )
     batch, spec = _batch(case), _spec(case[7])
     actor.update(batch, spec, 0)  # AdamW's moments now exist
     gc.collect()
@@ -149,8 +188,20 @@ def predict(name: str) -> dict:
     case, dtype, compute = _case(name)
     shape = ModelShape.from_hf(_config(case))
     b, p, t, ckpt = case[7:]
-    s = PlanSettings(devices=1, storage_dtype=dtype, compute_dtype=compute, autocast=compute != dtype, actor_checkpointing=ckpt, actor_micro_batch=b,
-                     logprob_micro_batch=b, prompt_len=p, response_len=t, rollout_batch=b, separate_ref=False, accelerator=False)  # fmt: skip
+    s = PlanSettings(
+        devices=1,
+        storage_dtype=dtype,
+        compute_dtype=compute,
+        autocast=compute != dtype,
+        actor_checkpointing=ckpt,
+        actor_micro_batch=b,
+        logprob_micro_batch=b,
+        prompt_len=p,
+        response_len=t,
+        rollout_batch=b,
+        separate_ref=False,
+        accelerator=False,
+    )
     plan = plan_memory(s, shape)
     kept = sum(i.bytes for i in plan.items if i.role == "actor" and i.phase == "always")
     phases = plan.phase_bytes()
@@ -169,18 +220,26 @@ def main() -> int:
     names = list(CASES)[:2] if args.quick else [*CASES, *BF16, *AMP]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     rows = []
-    print("| model | parameters | micro-batch × tokens | checkpointing | predicted MiB | tracked peak MiB | error | peak RSS − RSS before the model, MiB |")
+    print(
+        "| model | parameters | micro-batch × tokens | checkpointing | predicted MiB | tracked peak MiB | error | peak "
+        "RSS − RSS before the model, MiB |"
+    )
     print("|---|---:|---:|---|---:|---:|---:|---:|")
     for name in names:
-        out = subprocess.run([sys.executable, __file__, "--one", name], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", name], env=env, capture_output=True, text=True, check=True
+        )
         m = json.loads(out.stdout.strip().splitlines()[-1])
         pr = predict(name)
         assert pr["params"] == m["params"], (name, pr["params"], m["params"])
         err = pr["predicted"] / m["tracked"] - 1
         case = _case(name)[0]
         rows.append((name, err))
-        print(f"| {name} | {m['params']:,} | {case[7]} × {case[8] + case[9]} | {'on' if case[-1] else 'off'} | {pr['predicted'] / 2**20:.1f} | "
-              f"{m['tracked'] / 2**20:.1f} | {err:+.1%} | {m['rss_growth'] / 2**20:.1f} |")
+        print(
+            f"| {name} | {m['params']:,} | {case[7]} × {case[8] + case[9]} | {'on' if case[-1] else 'off'} | "
+            f"{pr['predicted'] / 2**20:.1f} | "
+            f"{m['tracked'] / 2**20:.1f} | {err:+.1%} | {m['rss_growth'] / 2**20:.1f} |"
+        )
     worst = max(abs(e) for _, e in rows)
     print(f"\nworst |predicted / tracked - 1| = {worst:.1%} (goal: within 15%)")
     return 0

@@ -2,7 +2,8 @@
 
     for s in 0 1 2 3 4; do tether train trainer.seed=$s trainer.output_dir=runs/demo-seeds/seed$s; done
     tether train trainer.seed=0 trainer.output_dir=runs/demo-seeds/seed0-again
-    python scripts/demo_seeds.py runs/demo-seeds/seed{0,1,2,3,4} --same runs/demo-seeds/seed0 runs/demo-seeds/seed0-again
+    python scripts/demo_seeds.py runs/demo-seeds/seed{0,1,2,3,4} --same runs/demo-seeds/seed0
+    runs/demo-seeds/seed0-again
 
 Per run (its ``metrics.jsonl``): the exact success rate on the held-out prompts (``exact/score_mean``)
 of the reference (step 0) and at the last validation, the best validation, the per-token KL to the
@@ -31,12 +32,16 @@ def endpoints(run: Path) -> dict:
     val = [r for r in recs if "exact/score_mean" in r]
     last = val[-1]
     return {
-        "run": run.name, "steps": recs[-1]["step"], "ref": val[0]["exact/score_mean"], "final": last["exact/score_mean"],
-        "best": max(r["exact/score_mean"] for r in val[1:]), "kl_tok": last["exact/kl_ref_tok"],
+        "run": run.name,
+        "steps": recs[-1]["step"],
+        "ref": val[0]["exact/score_mean"],
+        "final": last["exact/score_mean"],
+        "best": max(r["exact/score_mean"] for r in val[1:]),
+        "kl_tok": last["exact/kl_ref_tok"],
         "correct_answers": last["exact/correct_effective_answers"],
         "rollbacks": [r["step"] for r in recs if r.get("guard/rollback")],
         "betas": sorted({round(r["kl/coef"], 6) for r in recs if "kl/coef" in r}),
-    }  # fmt: skip
+    }
 
 
 def differing(a: Path, b: Path) -> tuple[int, int]:
@@ -66,7 +71,10 @@ def main() -> None:
         print(f"| {name} | | " + " | ".join(f"{fn(r[c] for r in rows):.4f}" for c in COLUMNS) + " | | |")
     if args.same:
         n, diff = differing(*args.same)
-        print(f"\n{args.same[0]} vs {args.same[1]}: {diff} of {n} values differ" + (" (bit-identical)" if not diff else ""))
+        print(
+            f"\n{args.same[0]} vs {args.same[1]}: {diff} of {n} values differ"
+            + (" (bit-identical)" if not diff else "")
+        )
 
 
 if __name__ == "__main__":

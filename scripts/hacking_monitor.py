@@ -25,7 +25,11 @@ GOLD_KEYS = ("val/gold_", "exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
 
 def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | None]:
     """(onset step or None, gold at the onset, the reference's gold)."""
-    vals = [(r["step"], r["exact/gold_mean"], r.get("exact/ref_gold_mean")) for r in history if isinstance(r.get("exact/gold_mean"), float)]
+    vals = [
+        (r["step"], r["exact/gold_mean"], r.get("exact/ref_gold_mean"))
+        for r in history
+        if isinstance(r.get("exact/gold_mean"), float)
+    ]
     if not vals:
         return None, None, None
     ref = next((g for _, _, g in vals if g is not None), None)
@@ -62,12 +66,24 @@ def analyse(run: Path) -> dict:
     if (run / "exact_final.json").is_file():
         whole = json.loads((run / "exact_final.json").read_text()).get("metrics", {})
     beta = next((r["kl/coef"] for r in h if isinstance(r.get("kl/coef"), float)), None)
-    return {"run": run.name, "onset": onset, "gold_at_onset": g_onset, "ref_gold": ref, "final_gold": final.get("exact/gold_mean"),
-            "final_proxy": final.get("exact/score_mean"), "gold_warn": with_gold["hacking_gold"], "proxy_warn_gold_run": with_gold["hacking_proxy"],
-            "proxy_warn": without["hacking_proxy"], "hackable": "digitsum_hack" in cfg, "beta": beta,
-            "guard": "on_hacking: rollback" in cfg,
-            "all_gold": whole.get("exact/gold_mean"), "all_proxy": whole.get("exact/score_mean"), "all_ref_gold": whole.get("exact/ref_gold_mean"),
-            "all_kl_tok": whole.get("exact/kl_ref_tok")}  # fmt: skip
+    return {
+        "run": run.name,
+        "onset": onset,
+        "gold_at_onset": g_onset,
+        "ref_gold": ref,
+        "final_gold": final.get("exact/gold_mean"),
+        "final_proxy": final.get("exact/score_mean"),
+        "gold_warn": with_gold["hacking_gold"],
+        "proxy_warn_gold_run": with_gold["hacking_proxy"],
+        "proxy_warn": without["hacking_proxy"],
+        "hackable": "digitsum_hack" in cfg,
+        "beta": beta,
+        "guard": "on_hacking: rollback" in cfg,
+        "all_gold": whole.get("exact/gold_mean"),
+        "all_proxy": whole.get("exact/score_mean"),
+        "all_ref_gold": whole.get("exact/ref_gold_mean"),
+        "all_kl_tok": whole.get("exact/kl_ref_tok"),
+    }
 
 
 def lag(warn: int | None, onset: int | None) -> str:
@@ -88,7 +104,13 @@ def figure(run: Path, path: Path) -> None:
     a = analyse(run)
     ex = [r for r in h if isinstance(r.get("exact/gold_mean"), float)]
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    ax.plot([r["step"] for r in ex], [r["exact/score_mean"] for r in ex], "C0-o", ms=3, label="proxy E_π[r] (exact; trained on)")
+    ax.plot(
+        [r["step"] for r in ex],
+        [r["exact/score_mean"] for r in ex],
+        "C0-o",
+        ms=3,
+        label="proxy E_π[r] (exact; trained on)",
+    )
     ax.plot([r["step"] for r in ex], [r["exact/gold_mean"] for r in ex], "C3-o", ms=3, label="gold E_π[gold] (exact)")
     if a["ref_gold"] is not None:
         ax.axhline(a["ref_gold"], color="C3", ls=":", lw=1, label="reference's gold")
@@ -96,9 +118,19 @@ def figure(run: Path, path: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(*zip(*kl, strict=True), "C7-", lw=0.8, alpha=0.6, label="KL/token (sampled)")
     ax2.set_ylabel("KL(π‖π_ref) per token (nats)")
-    for key, style, text in (("onset", "k--", "exact onset"), ("gold_warn", "C3-", "monitor (gold)"), ("proxy_warn", "C0-", "monitor (no gold)")):
+    for key, style, text in (
+        ("onset", "k--", "exact onset"),
+        ("gold_warn", "C3-", "monitor (gold)"),
+        ("proxy_warn", "C0-", "monitor (no gold)"),
+    ):
         if a[key] is not None:
-            ax.axvline(a[key], color=style[:-1] if style[0] == "C" else "k", ls="--" if key == "onset" else "-", lw=1.2, label=f"{text}: step {a[key]}")
+            ax.axvline(
+                a[key],
+                color=style[:-1] if style[0] == "C" else "k",
+                ls="--" if key == "onset" else "-",
+                lw=1.2,
+                label=f"{text}: step {a[key]}",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("expected reward")
     ax.set_title(f"{run.name}: exact proxy and gold on the 4 validation prompts")
@@ -125,14 +157,20 @@ def main() -> None:
         at = "–" if a["gold_at_onset"] is None else f"{a['gold_at_onset']:.3f}"
         g = "–" if a["final_gold"] is None else f"{at} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
         gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
-        print(f"| `{a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | {gold_warn} | {lag(a['proxy_warn'], a['onset'])} |")
+        print(
+            f"| `{a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | {gold_warn} | "
+            f"{lag(a['proxy_warn'], a['onset'])} |"
+        )
     by_beta: dict[tuple, list[dict]] = {}
     for a in rows:
         if a["hackable"] and a["beta"] is not None:
             by_beta.setdefault((a["guard"], a["beta"]), []).append(a)
     if by_beta:
-        print("\n| β (start) | runs | hacked (gold below the reference's at a validation) | exact onset | monitor with gold: lag | "
-              "without gold: lag | final gold, 20 prompts | final proxy | KL/token |")
+        print(
+            "\n| β (start) | runs | hacked (gold below the reference's at a validation) | exact onset | monitor with "
+            "gold: lag | "
+            "without gold: lag | final gold, 20 prompts | final proxy | KL/token |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for (guard, beta), group in sorted(by_beta.items()):
             hacked = [a for a in group if a["onset"] is not None]
@@ -143,22 +181,35 @@ def main() -> None:
             false_p = 0 if guard else sum(a["proxy_warn"] is not None for a in group if a["onset"] is None)
 
             def span(xs, fmt="{:+d}"):
-                return "–" if not xs else (fmt.format(xs[0]) if min(xs) == max(xs) else f"{fmt.format(min(xs))} … {fmt.format(max(xs))}")
+                return (
+                    "–"
+                    if not xs
+                    else (fmt.format(xs[0]) if min(xs) == max(xs) else f"{fmt.format(min(xs))} … {fmt.format(max(xs))}")
+                )
 
             def mean(key, group=group):
                 v = [a[key] for a in group if a[key] is not None]
                 return f"{statistics.fmean(v):.3f} ({min(v):.3f}–{max(v):.3f})" if v else "–"
 
             onsets = sorted(a["onset"] for a in hacked)
-            print(f"| {beta:g}{' + guard.on_hacking=rollback' if guard else ''} | {len(group)} | {len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | "
-                  f"{span(sorted(lg))}{f', {len(hacked) - len(lg)} never' if len(lg) < len(hacked) else ''}{f', {false_g} false' if false_g else ''} | "
-                  f"{span(sorted(lp))}{f', {len(hacked) - len(lp)} never' if len(lp) < len(hacked) else ''}{f', {false_p} false' if false_p else ''} | "
-                  f"{mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |")  # fmt: skip
+
+            def lags_cell(lags, false, hacked=hacked):
+                never = f", {len(hacked) - len(lags)} never" if len(lags) < len(hacked) else ""
+                return f"{span(sorted(lags))}{never}{f', {false} false' if false else ''}"
+
+            print(
+                f"| {beta:g}{' + guard.on_hacking=rollback' if guard else ''} | {len(group)} | "
+                f"{len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | "
+                f"{lags_cell(lg, false_g)} | {lags_cell(lp, false_p)} | "
+                f"{mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |"
+            )
         refs = {round(a["all_ref_gold"], 4) for a in rows if a["all_ref_gold"] is not None}
         print(f"\nthe reference's gold on the 20 prompts: {', '.join(map(str, refs))}")
     lags = [a["proxy_warn"] - a["onset"] for a in rows if a["onset"] is not None and a["proxy_warn"] is not None]
     if lags:
-        print(f"\nwithout gold: median lag {statistics.median(lags):+.0f} steps over {len(lags)} hacked runs that warned")
+        print(
+            f"\nwithout gold: median lag {statistics.median(lags):+.0f} steps over {len(lags)} hacked runs that warned"
+        )
     if args.figure and args.figure_run:
         figure(args.figure_run, args.figure)
         print(f"figure: {args.figure}")

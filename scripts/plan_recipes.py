@@ -17,7 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "configs" / "presets" / "qwen2-7b-kl-ppo.yaml"
 FIX = ROOT / "tests" / "fixtures" / "model_configs"
-GRPO = ["algo.adv_estimator=grpo", "rollout.n=8", "data.batch_size=64", "algo.mini_batch_size=64", "reward.model=null", "critic.model=null"]
+GRPO = [
+    "algo.adv_estimator=grpo",
+    "rollout.n=8",
+    "data.batch_size=64",
+    "algo.mini_batch_size=64",
+    "reward.model=null",
+    "critic.model=null",
+]
 LORA = ["actor.dtype=bfloat16", "actor.lora.rank=64", "actor.lora.alpha=128", "ref.model=null"]
 BF16 = {"param_dtype": "bfloat16"}
 LONG = ["rollout.max_new_tokens=8192", "actor.micro_batch_size=1", "rollout.engine=vllm"]
@@ -47,17 +54,29 @@ def main() -> int:
     from tether.config import load_config
     from tether.plan import GIB, parse_size, plan_config
 
-    print("| model | node | algorithm | settings (on top of the preset) | mesh | peak / device | verdict | host RAM / node |")
+    print(
+        "| model | node | algorithm | settings (on top of the preset) | mesh | peak / device | verdict | host RAM / "
+        "node |"
+    )
     print("|---|---|---|---|---|---:|---|---:|")
     for model, mem, algo, overrides, flags in RECIPES:
         m = FIX / model
-        cfg = load_config(PRESET, [f"actor.model={m}", f"ref.model={m}", f"critic.model={m}", f"reward.model={m}", *overrides])
+        cfg = load_config(
+            PRESET, [f"actor.model={m}", f"ref.model={m}", f"critic.model={m}", f"reward.model={m}", *overrides]
+        )
         plan = plan_config(cfg, devices=8, device_memory=parse_size(mem), **flags)
-        shown = [o for o in overrides if o not in GRPO] + [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in flags.items()]
-        verdict = f"fits ({plan.headroom / GIB:.0f} GiB free)" if plan.fits else f"over by {-plan.headroom / GIB:.0f} GiB"
+        shown = [o for o in overrides if o not in GRPO] + [
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in flags.items()
+        ]
+        verdict = (
+            f"fits ({plan.headroom / GIB:.0f} GiB free)" if plan.fits else f"over by {-plan.headroom / GIB:.0f} GiB"
+        )
         host = f"{plan.host_per_node / GIB:.0f} GiB" if plan.host_per_node else "-"
         s = plan.settings
-        print(f"| {model} | 8 × {mem} | {algo} | {' '.join(shown) or '-'} | dp {s.dp} × tp {s.tp} | {plan.peak / GIB:.1f} GiB | {verdict} | {host} |")
+        print(
+            f"| {model} | 8 × {mem} | {algo} | {' '.join(shown) or '-'} | dp {s.dp} × tp {s.tp} | "
+            f"{plan.peak / GIB:.1f} GiB | {verdict} | {host} |"
+        )
     return 0
 
 

@@ -43,7 +43,11 @@ def best_gap(hist: list[dict], final: float) -> float:
 def steps_to(hist: list[dict], level: float = SUCCESS) -> float | None:
     """First validation step whose exact E_π[r] reached ``level`` (None: never)."""
     for r in hist:
-        if r.get("step", 0) > 0 and isinstance(r.get("exact/score_mean"), (int, float)) and r["exact/score_mean"] >= level:
+        if (
+            r.get("step", 0) > 0
+            and isinstance(r.get("exact/score_mean"), (int, float))
+            and r["exact/score_mean"] >= level
+        ):
             return float(r["step"])
     return None
 
@@ -53,7 +57,9 @@ def groups(out: Path) -> dict[str, list[dict]]:
     keys = [k for k in rows[0] if "." in k and k not in KEYS_NOT_A_CONFIG and any(r[k] for r in rows)]
     found: dict[str, list[dict]] = {}
     for r in rows:
-        label = ", ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys if r[k] not in ("", "null", "None")) or "(defaults)"
+        label = (
+            ", ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys if r[k] not in ("", "null", "None")) or "(defaults)"
+        )
         if r["status"] == "finished" and r.get("exact_score"):
             hist = history(out / r["name"])
             r = dict(r, best_gap=best_gap(hist, float(r["objective_gap"])), steps_to=steps_to(hist))
@@ -79,7 +85,9 @@ def table(found: dict[str, list[dict]], title: str) -> str:
         cells += [cell([float(r[key]) for r in rs if r.get(key) not in (None, "")], fmt) for _, key, fmt in COLUMNS]
         reached = [r["steps_to"] for r in rs if r["steps_to"] is not None]
         never = len(rs) - len(reached)
-        cells.append((cell(reached, "{:.0f}") if reached else "never") + (f", {never} never" if reached and never else ""))
+        cells.append(
+            (cell(reached, "{:.0f}") if reached else "never") + (f", {never} never" if reached and never else "")
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -95,7 +103,9 @@ def figure(all_found: dict[str, dict[str, list[dict]]], curve: list[dict], path:
     colors: dict[str, tuple] = {}  # one colour per configuration in both panels
     for ax, coef in zip(axes, ("0.05", "0.0"), strict=True):
         pts = [c for c in curve if c["beta"] < 50]
-        ax.plot([c["kl_tok"] for c in pts], [c["reward"] for c in pts], "k-", lw=1, label="π*_β (exact optimum, every β)")
+        ax.plot(
+            [c["kl_tok"] for c in pts], [c["reward"] for c in pts], "k-", lw=1, label="π*_β (exact optimum, every β)"
+        )
         opt = next(c for c in curve if abs(c["beta"] - float(coef)) < 1e-12)
         ax.plot([opt["kl_tok"]], [opt["reward"]], "k*", ms=12, label=f"π* at β = {coef}")
         for sweep, found in all_found.items():
@@ -111,8 +121,15 @@ def figure(all_found: dict[str, dict[str, list[dict]]], curve: list[dict], path:
                 y = [float(r["exact_score"]) for r in rs]
                 marker = "o" if sweep == "policy_losses" else "D"
                 ax.scatter(x, y, s=10, color=color, alpha=0.5, marker=marker)
-                ax.scatter([statistics.fmean(x)], [statistics.fmean(y)], s=50, color=color, edgecolor="k", marker=marker,
-                           label=name + (" + entropy_target=1.0" if sweep == "entropy_control" else ""))  # fmt: skip
+                ax.scatter(
+                    [statistics.fmean(x)],
+                    [statistics.fmean(y)],
+                    s=50,
+                    color=color,
+                    edgecolor="k",
+                    marker=marker,
+                    label=name + (" + entropy_target=1.0" if sweep == "entropy_control" else ""),
+                )
         ax.set_xlabel("KL(π‖π_ref) per token, exact (nats)")
         ax.set_title(f"β = {coef}: mean of 3 seeds (large) and each seed (small)")
         ax.set_xlim(0, max(0.8, ax.get_xlim()[1]))

@@ -50,8 +50,19 @@ def main() -> None:
     from tether.config import load_config
 
     tmp = Path(tempfile.mkdtemp())
-    cfg = load_config(None, [*SMALL, "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", "trainer.loggers=[jsonl]",
-                             "actor.micro_batch_size=3", "guard.target_kl=null", f"trainer.output_dir={tmp / 'run'}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "trainer.val_freq=0",
+            "trainer.save_freq=0",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            "actor.micro_batch_size=3",
+            "guard.target_kl=null",
+            f"trainer.output_dir={tmp / 'run'}",
+        ],
+    )
     rec = _record(cfg)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,9 +32,21 @@ from tether.config import load_config  # noqa: E402
 from tether.distributed import split_batch  # noqa: E402
 from tether.workers.common import micro_batches, mini_batches, optimizer_step  # noqa: E402
 
-SMALL = ["trainer.total_steps=1", "trainer.progress=false", "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8",
-         "data.embedded_val_size=4", "rollout.n=4", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false",
-         "trainer.loggers=[jsonl]", "actor.micro_batch_size=3", "guard.target_kl=null"]  # fmt: skip
+SMALL = [
+    "trainer.total_steps=1",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=4",
+    "rollout.n=4",
+    "trainer.val_freq=0",
+    "trainer.save_freq=0",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "actor.micro_batch_size=3",
+    "guard.target_kl=null",
+]
 
 
 class GlobalCounts:
@@ -99,8 +111,12 @@ def adamw_step(model, weights, grad, cfg, dtype=torch.float32) -> dict[str, torc
     params = dict(model.named_parameters())
     for k, g in grad.items():
         params[k].grad = g.to(dtype, copy=True)  # clipping scales it in place
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay,
-                            betas=tuple(cfg.actor.betas))  # fmt: skip
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.actor.lr,
+        weight_decay=cfg.actor.weight_decay,
+        betas=tuple(cfg.actor.betas),
+    )
     optimizer_step(model, opt, None, cfg.actor.grad_clip)
     out = {k: p.detach().float().clone() for k, p in model.named_parameters() if p.requires_grad}
     model.float()
@@ -136,27 +152,40 @@ def main() -> None:
     actor.model.double()
     w64 = {k: v.double() for k, v in rec["weights"].items()}
     actor.model.load_state_dict(w64)
-    g64 = accumulate([{k: v.double() for k, v in g.items()} for g in per_micro_batch_grads(actor, mini, spec, counts)], torch.float64)
+    g64 = accumulate(
+        [{k: v.double() for k, v in g.items()} for g in per_micro_batch_grads(actor, mini, spec, counts)], torch.float64
+    )
     actor.model.float()
     weights = {k: adamw_step(actor.model, rec["weights"], g, cfg) for k, g in grads.items()}
     exact = adamw_step(actor.model, w64, {k: v.double() for k, v in g64.items()}, cfg, torch.float64)
     exact_g = accumulate([g64], torch.float64)
-    print(f"rows per rank {[len(p) for p in parts]}, micro-batches local {len(local)}, ranks {[len(r) for r in ranks]}; "
-          f"lr {cfg.actor.lr}, {sum(v.numel() for v in exact.values())} trainable elements")  # fmt: skip
-    print("| layout | max abs grad diff vs float64 | max abs weight diff vs local | elements > 1e-6 vs local | max abs weight diff vs float64 | elements > 1e-6 vs float64 |")
+    print(
+        f"rows per rank {[len(p) for p in parts]}, micro-batches local {len(local)}, ranks {[len(r) for r in ranks]}; "
+        f"lr {cfg.actor.lr}, {sum(v.numel() for v in exact.values())} trainable elements"
+    )
+    print(
+        "| layout | max abs grad diff vs float64 | max abs weight diff vs local | elements > 1e-6 vs local | max abs "
+        "weight diff vs float64 | elements > 1e-6 vs float64 |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, w in weights.items():
         gd = max(float((grads[name][k].double() - exact_g[k]).abs().max()) for k in exact_g)
         dl = torch.cat([(w[k] - weights["local"][k]).abs().flatten() for k in w])
         de = torch.cat([(w[k].double() - exact[k].double()).abs().flatten() for k in w])
-        print(f"| {name} | {gd:.2e} | {float(dl.max()):.2e} | {int((dl > 1e-6).sum())} | {float(de.max()):.2e} | {int((de > 1e-6).sum())} |")
+        print(
+            f"| {name} | {gd:.2e} | {float(dl.max()):.2e} | {int((dl > 1e-6).sum())} | {float(de.max()):.2e} | "
+            f"{int((de > 1e-6).sum())} |"
+        )
     dl = {k: (weights["ws2"][k] - weights["local"][k]).abs() for k in exact}
     worst = max(dl, key=lambda k: float(dl[k].max()))
     i = int(dl[worst].argmax())
     terms = torch.stack([g[worst].flatten()[i] for g in local])
-    print(f"worst element ws2 vs local: {worst}[{i}]: |g| = {float(exact_g[worst].flatten()[i].abs()):.3e} (float64), "
-          f"per-micro-batch terms up to {float(terms.abs().max()):.3e}, local / ws2 g = {float(grads['local'][worst].flatten()[i]):.6e} / "
-          f"{float(grads['ws2'][worst].flatten()[i]):.6e}, weight diff {float(dl[worst].max()):.2e}")  # fmt: skip
+    print(
+        f"worst element ws2 vs local: {worst}[{i}]: |g| = {float(exact_g[worst].flatten()[i].abs()):.3e} (float64), "
+        f"per-micro-batch terms up to {float(terms.abs().max()):.3e}, local / ws2 g = "
+        f"{float(grads['local'][worst].flatten()[i]):.6e} / "
+        f"{float(grads['ws2'][worst].flatten()[i]):.6e}, weight diff {float(dl[worst].max()):.2e}"
+    )
 
 
 if __name__ == "__main__":

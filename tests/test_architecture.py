@@ -35,13 +35,23 @@ def test_import_layers_and_no_circles():
 
 def _reads_backend(tree: ast.AST) -> list[int]:
     """Lines that read ``<x>.trainer.backend`` (or ``getattr(<x>.trainer, "backend", ...)``)."""
+
     def trainer(node):
         return isinstance(node, ast.Attribute) and node.attr == "trainer"
 
-    return [n.lineno for n in ast.walk(tree)
-            if (isinstance(n, ast.Attribute) and n.attr == "backend" and trainer(n.value))
-            or (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and len(n.args) >= 2 and trainer(n.args[0])
-                and isinstance(n.args[1], ast.Constant) and n.args[1].value == "backend")]  # fmt: skip
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if (isinstance(n, ast.Attribute) and n.attr == "backend" and trainer(n.value))
+        or (
+            isinstance(n, ast.Call)
+            and getattr(n.func, "id", None) == "getattr"
+            and len(n.args) >= 2
+            and trainer(n.args[0])
+            and isinstance(n.args[1], ast.Constant)
+            and n.args[1].value == "backend"
+        )
+    ]
 
 
 def test_only_the_factory_the_placement_and_the_config_read_trainer_backend():
@@ -55,7 +65,8 @@ def test_only_the_factory_the_placement_and_the_config_read_trainer_backend():
 
 
 class _Group:
-    """A worker group that answers the one call reading an attribute makes: the learning rate (``RemoteActor.optimizer``)."""
+    """A worker group that answers the one call reading an attribute makes: the learning rate
+    (``RemoteActor.optimizer``)."""
 
     workers = ["rank0"]
 
@@ -66,7 +77,16 @@ class _Group:
 
 def test_local_roles_and_ray_stand_ins_satisfy_one_interface():
     model = torch.nn.Linear(2, 2)
-    actor = ActorWorker(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=2, temperature=1.0)
+    actor = ActorWorker(
+        model,
+        lr=1e-3,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1.0,
+        micro_batch_size=2,
+        temperature=1.0,
+    )
     ref = ReferenceWorker(torch.nn.Linear(2, 2))
     group = _Group()
     remote_actor = RemoteActor(group, model)
@@ -74,7 +94,9 @@ def test_local_roles_and_ray_stand_ins_satisfy_one_interface():
         assert isinstance(role, Policy), type(role)
     for role in (ref, RemoteReference(group, ref, remote_actor), RemoteReference(group, None)):
         assert isinstance(role, Reference), type(role)
-    critic = CriticWorker(torch.nn.Linear(2, 1), lr=1e-3, grad_clip=1.0, micro_batch_size=2, value_clip=0.2, norm_constant=4.0)
+    critic = CriticWorker(
+        torch.nn.Linear(2, 1), lr=1e-3, grad_clip=1.0, micro_batch_size=2, value_clip=0.2, norm_constant=4.0
+    )
     for role in (critic, RemoteCritic(group)):
         assert isinstance(role, Critic), type(role)
     assert isinstance(LocalPlacement(), Placement)

@@ -36,7 +36,9 @@ def test_within_noise_is_two_standard_errors_of_the_difference():
     assert b1 == pytest.approx(0.032660, abs=1e-6)
     assert (ok1, ok2) == (True, False)
     # the bound is Welch's: unequal seed counts weigh each side's variance by its own n
-    (_, wb, _), = bench.within_noise([[0.0], [2.0]], [[1.0], [1.0], [1.0], [4.0]])  # s_a² = 2 (n 2), s_b² = 2.25 (n 4)
+    ((_, wb, _),) = bench.within_noise(
+        [[0.0], [2.0]], [[1.0], [1.0], [1.0], [4.0]]
+    )  # s_a² = 2 (n 2), s_b² = 2.25 (n 4)
     assert wb == pytest.approx(2 * math.sqrt(2 / 2 + 2.25 / 4), rel=1e-12)
 
 
@@ -53,7 +55,11 @@ def _run(rewards, kls):
 
 def test_report_counts_the_steps_inside_and_names_the_others():
     runs = {
-        "tether": [_run([0.50, 0.52], [0.0, 0.010]), _run([0.52, 0.52], [0.0, 0.012]), _run([0.54, 0.52], [0.0, 0.014])],
+        "tether": [
+            _run([0.50, 0.52], [0.0, 0.010]),
+            _run([0.52, 0.52], [0.0, 0.012]),
+            _run([0.54, 0.52], [0.0, 0.014]),
+        ],
         "trl": [_run([0.48, 0.46], [0.0, 0.011]), _run([0.50, 0.46], [0.0, 0.012]), _run([0.52, 0.46], [0.0, 0.013])],
     }
     text = "\n".join(bench.report_curve("tiny", runs, 3e-3))
@@ -68,6 +74,18 @@ def test_the_curve_options_reach_tethers_config(tmp_path):
     over = bench.tether_overrides(tmp_path / "m", tmp_path / "p.jsonl", 3, 32, tmp_path / "run", lr=3e-3, seed=4)
     cfg = load_config(None, over)
     assert (cfg.actor.lr, cfg.trainer.seed) == (3e-3, 4)
-    assert (cfg.kl.placement, cfg.kl.estimator, cfg.kl.coef, cfg.algo.norm_by_std, cfg.algo.clip_eps_low, cfg.algo.clip_eps_high) == (
-        "loss", "k3", 0.04, "group", 0.2, 0.2,
-    )  # fmt: skip
+    assert (
+        cfg.kl.placement,
+        cfg.kl.estimator,
+        cfg.kl.coef,
+        cfg.algo.norm_by_std,
+        cfg.algo.clip_eps_low,
+        cfg.algo.clip_eps_high,
+    ) == (
+        "loss",
+        "k3",
+        0.04,
+        "group",
+        0.2,
+        0.2,
+    )

@@ -17,8 +17,18 @@ def test_defaults_are_the_embedded_task():
 
 
 def test_dotted_overrides_parse_yaml_values():
-    cfg = load_config(None, ["kl.coef=0.1", "rollout.n=4", "kl.placement=loss", "kl.estimator=low_var_kl",
-                             "kl.schedule.stages=[[10, 0.08], [0, 0.03]]", "reward.clip=[-2, 2]", "trainer.val_freq=0"])
+    cfg = load_config(
+        None,
+        [
+            "kl.coef=0.1",
+            "rollout.n=4",
+            "kl.placement=loss",
+            "kl.estimator=low_var_kl",
+            "kl.schedule.stages=[[10, 0.08], [0, 0.03]]",
+            "reward.clip=[-2, 2]",
+            "trainer.val_freq=0",
+        ],
+    )
     assert cfg.kl.coef == 0.1 and cfg.rollout.n == 4 and cfg.kl.placement == "loss"
     assert cfg.kl.schedule.stages == [(10, 0.08), (0, 0.03)]
     assert cfg.reward.clip == (-2.0, 2.0)
@@ -34,8 +44,11 @@ def test_unknown_key_has_did_you_mean():
 
 def test_unknown_key_without_close_match_lists_the_section():
     # nothing close to 'foo': the message lists the sections, not a bare "unknown key"
-    with pytest.raises(ConfigError, match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, "
-                       r"reward, data, kl, algo, trainer, guard\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, "
+        r"reward, data, kl, algo, trainer, guard\)",
+    ):
         load_config(None, ["foo.bar=1"])
     with pytest.raises(ConfigError, match=r"unknown config key 'guard.zzz' \(keys of guard: target_kl, max_kl, "):
         load_config(None, ["guard.zzz=1"])
@@ -126,7 +139,9 @@ def test_numbers_are_numbers_and_finite(override, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("value, expected", [("group", "group"), ("batch", "batch"), ("none", "none"), ("true", "group"), ("false", "none")])
+@pytest.mark.parametrize(
+    "value, expected", [("group", "group"), ("batch", "batch"), ("none", "none"), ("true", "group"), ("false", "none")]
+)
 def test_norm_by_std_choices_and_old_booleans(value, expected):
     assert load_config(None, [f"algo.norm_by_std={value}"]).algo.norm_by_std == expected
 
@@ -144,7 +159,10 @@ def test_train_with_a_bare_key_says_an_override_needs_key_value(capsys, tmp_path
 
     assert main(["train", "actor.lr"]) == 2
     err = capsys.readouterr().err
-    assert "'actor.lr' is neither a config file (no such file) nor an override: an override needs key=value, e.g. actor.lr=VALUE" in err
+    assert (
+        "'actor.lr' is neither a config file (no such file) nor an override: an override needs key=value, e.g. "
+        "actor.lr=VALUE" in err
+    )
     assert "config file not found" not in err
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2  # a path that looks like a config file
     assert "config file not found" in capsys.readouterr().err
@@ -165,25 +183,42 @@ def test_critic_warmup_covering_the_whole_run_is_an_error():
         load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=5", "trainer.total_steps=2"])
     with pytest.raises(ConfigError, match=r"critic.warmup_steps=2 >= trainer.total_steps=2"):
         load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=2", "trainer.total_steps=2"])
-    assert load_config(None, ["algo.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=2"]).critic.warmup_steps == 1
+    assert (
+        load_config(
+            None, ["algo.adv_estimator=gae", "critic.warmup_steps=1", "trainer.total_steps=2"]
+        ).critic.warmup_steps
+        == 1
+    )
     # without a critic the warm-up is not used
-    assert load_config(None, ["algo.adv_estimator=grpo", "critic.warmup_steps=5", "trainer.total_steps=2"]).trainer.total_steps == 2
+    assert (
+        load_config(
+            None, ["algo.adv_estimator=grpo", "critic.warmup_steps=5", "trainer.total_steps=2"]
+        ).trainer.total_steps
+        == 2
+    )
 
 
 def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path, monkeypatch):
     # one rule, as on the command line; a path only found next to the config file is a clear error up front
     (tmp_path / "cfgdir").mkdir()
-    (tmp_path / "cfgdir" / "rw.py").write_text("def f(data_sources, solution_strs, ground_truths, extra_infos):\n    return []\n")
+    (tmp_path / "cfgdir" / "rw.py").write_text(
+        "def f(data_sources, solution_strs, ground_truths, extra_infos):\n    return []\n"
+    )
     (tmp_path / "cfgdir" / "c.yaml").write_text("reward:\n  function: rw.py:f\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory "
-                       r".*write 'cfgdir/rw.py:f' or an absolute path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory "
+        r".*write 'cfgdir/rw.py:f' or an absolute path",
+    ):
         load_config("cfgdir/c.yaml")
     (tmp_path / "cfgdir" / "d.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: t.jsonl\n")
     (tmp_path / "cfgdir" / "t.jsonl").write_text("")
     with pytest.raises(ConfigError, match=r"data.train_files: 't.jsonl' .*write 'cfgdir/t.jsonl'"):
         load_config("cfgdir/d.yaml")
-    (tmp_path / "cfgdir" / "e.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: cfgdir/t.jsonl\n")
+    (tmp_path / "cfgdir" / "e.yaml").write_text(
+        "reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: cfgdir/t.jsonl\n"
+    )
     cfg = load_config("cfgdir/e.yaml")
     assert cfg.reward.function == "cfgdir/rw.py:f" and cfg.data.train_files == "cfgdir/t.jsonl"
     # the same value as an override is taken from the current directory without a check (it is the command line)
@@ -201,8 +236,17 @@ def test_saved_config_holds_absolute_local_paths(tmp_path, monkeypatch):
     (work / "T" / "d.jsonl").write_text("")
     (work / "r.py").write_text("")
     monkeypatch.chdir(work)
-    cfg = load_config(None, ["actor.model=T/qwen", "ref.model=T/qwen", "data.train_files=T/d.jsonl", "data.val_files=./T/missing.jsonl",
-                             "reward.function=r.py:score", "critic.model=T/../T/qwen"])
+    cfg = load_config(
+        None,
+        [
+            "actor.model=T/qwen",
+            "ref.model=T/qwen",
+            "data.train_files=T/d.jsonl",
+            "data.val_files=./T/missing.jsonl",
+            "reward.function=r.py:score",
+            "critic.model=T/../T/qwen",
+        ],
+    )
     saved = yaml.safe_load(config_to_yaml(cfg))
     q = str(work / "T" / "qwen")
     assert (saved["actor"]["model"], saved["ref"]["model"], saved["critic"]["model"]) == (q, q, q)
@@ -211,7 +255,9 @@ def test_saved_config_holds_absolute_local_paths(tmp_path, monkeypatch):
     assert saved["data"]["val_files"] == "./T/missing.jsonl"  # names nothing here: kept as written
     assert cfg.actor.model == "T/qwen"  # the config itself is unchanged
     module = yaml.safe_load(config_to_yaml(load_config(None, ["reward.function=tether.tasks.digitsum:compute_score"])))
-    assert module["reward"]["function"] == "tether.tasks.digitsum:compute_score" and module["actor"]["model"] == "embedded"
+    assert (
+        module["reward"]["function"] == "tether.tasks.digitsum:compute_score" and module["actor"]["model"] == "embedded"
+    )
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.yaml").write_text(config_to_yaml(cfg))
     monkeypatch.chdir(tmp_path)  # another directory: the saved config still names the same files
@@ -224,7 +270,9 @@ def test_micro_batching_keys_default_off_and_validate(monkeypatch):
     cfg = TetherConfig()
     assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free) == (None, False)
     assert (cfg.critic.max_tokens_per_micro_batch, cfg.critic.padding_free) == (None, False)
-    cfg = load_config(None, ["actor.max_tokens_per_micro_batch=4096", "actor.padding_free=true", "critic.padding_free=true"])
+    cfg = load_config(
+        None, ["actor.max_tokens_per_micro_batch=4096", "actor.padding_free=true", "critic.padding_free=true"]
+    )
     assert (cfg.actor.max_tokens_per_micro_batch, cfg.actor.padding_free, cfg.critic.padding_free) == (4096, True, True)
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         load_config(None, ["actor.max_tokens_per_micro_batch=0"])
@@ -236,7 +284,13 @@ def test_a_yaml_file_among_the_overrides_is_layered_in_place():
     """Issue 24, item 14: configs/smoke.yaml after any config shrinks sizes and counts, never the algorithm."""
     cfg = load_config("configs/gsm8k.yaml", ["configs/smoke.yaml", "trainer.total_steps=3", "actor.model=embedded"])
     assert (cfg.trainer.total_steps, cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.data.batch_size) == (3, 4, 32, 4)
-    assert (cfg.kl.placement, cfg.kl.estimator, cfg.algo.clip_eps_high, cfg.actor.lr) == ("loss", "low_var_kl", 0.28, 1e-6)  # gsm8k.yaml's
+    # gsm8k.yaml's
+    assert (cfg.kl.placement, cfg.kl.estimator, cfg.algo.clip_eps_high, cfg.actor.lr) == (
+        "loss",
+        "low_var_kl",
+        0.28,
+        1e-6,
+    )
     with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
         load_config(None, ["nope.yaml"])
 
@@ -248,5 +302,13 @@ def test_without_the_bar_each_step_logs_one_line(caplog):
 
     p = Progress(300, 11, enabled=False)
     with caplog.at_level(logging.INFO, logger="tether"):
-        p.update({"reward/score_mean": 0.5, "kl/ref_mean": 0.0123, "kl/coef": 0.05, "policy/entropy": float("nan"), "timing/step_s": 1.25})
+        p.update(
+            {
+                "reward/score_mean": 0.5,
+                "kl/ref_mean": 0.0123,
+                "kl/coef": 0.05,
+                "policy/entropy": float("nan"),
+                "timing/step_s": 1.25,
+            }
+        )
     assert caplog.messages == ["step 12/300  reward 0.500  kl 0.0123  β 0.0500  H nan  1.25 s"]

@@ -483,7 +483,8 @@ def test_live_matches_diagnose_on_the_full_history():
             active = {(f.check, f.metric) for f in expected}
         else:
             assert new == []
-    assert len(live.history()) < 150  # bounded (the first and last 40 points of each metric: hacking_proxy's 2·window + lookback), not the 300 steps
+    # bounded (the first and last 40 points of each metric: hacking_proxy's 2·window + lookback), not the 300 steps
+    assert len(live.history()) < 150
     assert {c for c, _ in active} >= {"entropy_collapse", "length_shrinking"}
 
 
@@ -508,17 +509,28 @@ def test_live_load_restores_early_levels_after_resume():
 def silent_history(n: int = 30) -> list[dict]:
     """The issue's run: every reward 0, every advantage and gradient 0, and KL exactly 0."""
     return [
-        {"step": s, "reward/score_mean": 0.0, "rollout/zero_var_group_frac": 1.0, "advantages/abs_mean": 0.0,
-         "policy/grad_norm": 0.0, "kl/ref_mean": 0.0, "kl/coef": 0.05, "policy/entropy": 1.5, "response/length_mean": 12.0}
+        {
+            "step": s,
+            "reward/score_mean": 0.0,
+            "rollout/zero_var_group_frac": 1.0,
+            "advantages/abs_mean": 0.0,
+            "policy/grad_norm": 0.0,
+            "kl/ref_mean": 0.0,
+            "kl/coef": 0.05,
+            "policy/entropy": 1.5,
+            "response/length_mean": 12.0,
+        }
         for s in range(1, n + 1)
-    ]  # fmt: skip
+    ]
 
 
 def test_no_learning_signal_fires_on_the_issue_run_and_says_what_to_do():
     [f] = diagnose(silent_history(), config={"rollout": {"temperature": 1.0, "n": 4}, "algo": {"filter_groups": False}})
     assert f.check == "no_learning_signal" and f.metric == "rollout/zero_var_group_frac"
     assert f.evidence["steps"] == list(range(21, 31)) and f.evidence["values"] == [1.0] * 10
-    assert f.message.startswith("no learning signal over steps 21–30: 100% of prompts got the same reward for all their samples")
+    assert f.message.startswith(
+        "no learning signal over steps 21–30: 100% of prompts got the same reward for all their samples"
+    )
     assert "mean |advantage| was 0 at every step" in f.message and "gradient norm was 0 at every step" in f.message
     assert "(reward/score_mean 0)" in f.message
     assert "raise rollout.temperature (now 1) or rollout.n (now 4)" in f.suggestion
@@ -527,21 +539,29 @@ def test_no_learning_signal_fires_on_the_issue_run_and_says_what_to_do():
 
 def test_no_learning_signal_thresholds_and_quiet_cases():
     # 85% flat groups on average (< 0.9) with moving advantages and gradients: a hard task, not a dead run
-    h = [{"step": s, "rollout/zero_var_group_frac": 0.85, "advantages/abs_mean": 0.3, "policy/grad_norm": 0.8} for s in range(1, 21)]
+    h = [
+        {"step": s, "rollout/zero_var_group_frac": 0.85, "advantages/abs_mean": 0.3, "policy/grad_norm": 0.8}
+        for s in range(1, 21)
+    ]
     assert check_no_learning_signal(h) == []
     assert check_no_learning_signal(h, max_flat_frac=0.85)[0].metric == "rollout/zero_var_group_frac"
     # fewer than min_points points: too early to tell
     assert check_no_learning_signal(silent_history(4)) == []
     assert check_no_learning_signal(silent_history(5))[0].evidence["steps"] == [1, 2, 3, 4, 5]
     # rewards differ and advantages move, but nothing reaches the weights: the trainable parameters
-    h = [{"step": s, "rollout/zero_var_group_frac": 0.2, "advantages/abs_mean": 0.4, "policy/grad_norm": 0.0} for s in range(1, 11)]
+    h = [
+        {"step": s, "rollout/zero_var_group_frac": 0.2, "advantages/abs_mean": 0.4, "policy/grad_norm": 0.0}
+        for s in range(1, 11)
+    ]
     [f] = check_no_learning_signal(h, config={"actor": {"lora": {"rank": 0}}})
     assert f.metric == "policy/grad_norm" and "trainable parameters (actor.lora.rank (now 0))" in f.suggestion
     # one non-zero gradient in the window clears it
     h[-1]["policy/grad_norm"] = 1e-3
     assert check_no_learning_signal(h) == []
     # already filtering: raise the number of draws instead
-    [f] = check_no_learning_signal(silent_history(), config={"algo": {"filter_groups": True, "filter_groups_max_draws": 10}})
+    [f] = check_no_learning_signal(
+        silent_history(), config={"algo": {"filter_groups": True, "filter_groups_max_draws": 10}}
+    )
     assert "raise algo.filter_groups_max_draws (now 10) or rollout.n" in f.suggestion
 
 

@@ -22,8 +22,15 @@ def vals(gold, proxy, *, every=10, exact=True, sem=None):
 def test_gold_check_fires_on_the_first_fall_below_the_peak_while_the_proxy_rises():
     h = vals([0.47, 0.61, 0.69, 0.61], [0.49, 0.64, 0.76, 0.83])
     (f,) = check_hacking_gold(h)
-    assert f.check == "hacking_gold" and f.evidence["peak_step"] == 20 and f.evidence["drop"] == pytest.approx(0.08, abs=1e-12)
-    assert "fell from 0.69 at step 20 to 0.61 at step 30" in f.message and "exact/score_mean went from 0.76 to 0.83" in f.message
+    assert (
+        f.check == "hacking_gold"
+        and f.evidence["peak_step"] == 20
+        and f.evidence["drop"] == pytest.approx(0.08, abs=1e-12)
+    )
+    assert (
+        "fell from 0.69 at step 20 to 0.61 at step 30" in f.message
+        and "exact/score_mean went from 0.76 to 0.83" in f.message
+    )
 
 
 @pytest.mark.parametrize(
@@ -47,8 +54,10 @@ def test_sampled_gold_needs_the_drop_to_beat_its_noise():
 
 
 def proxy_history(kl, length, reward_slope=0.01):
-    return [{"step": i + 1, "kl/ref_mean": k, "response/length_mean": n, "reward/score_mean": 0.5 + reward_slope * i}
-            for i, (k, n) in enumerate(zip(kl, length, strict=True))]  # fmt: skip
+    return [
+        {"step": i + 1, "kl/ref_mean": k, "response/length_mean": n, "reward/score_mean": 0.5 + reward_slope * i}
+        for i, (k, n) in enumerate(zip(kl, length, strict=True))
+    ]
 
 
 def test_proxy_check_needs_kl_acceleration_and_length_drift_together():
@@ -57,13 +66,16 @@ def test_proxy_check_needs_kl_acceleration_and_length_drift_together():
     drifting = [3.9] * 20 + [3.5] * 10
     (f,) = check_hacking_proxy(proxy_history(kl, drifting))
     assert f.check == "hacking_proxy" and f.evidence["kl_slope_after"] == pytest.approx(0.05, rel=1e-9)
-    assert f.evidence["kl_slope_before"] == pytest.approx(0.005, rel=1e-9) and f.evidence["length_drift"] == pytest.approx(-0.4 / 3.9, rel=1e-9)
+    assert f.evidence["kl_slope_before"] == pytest.approx(0.005, rel=1e-9) and f.evidence[
+        "length_drift"
+    ] == pytest.approx(-0.4 / 3.9, rel=1e-9)
     assert check_hacking_proxy(proxy_history(kl, [3.9] * 30)) == []  # the KL alone: ordinary learning can do that
     steady = [0.01 * i for i in range(30)]
     assert check_hacking_proxy(proxy_history(steady, drifting)) == []  # the length alone
     slowing = [0.3 * (1 - 0.9**i) for i in range(30)]  # ordinary training: KL fastest at the start
     assert check_hacking_proxy(proxy_history(slowing, drifting)) == []
-    assert check_hacking_proxy(proxy_history(kl, drifting, reward_slope=-0.01)) == []  # the reward falls: breaking, not hacking
+    # the reward falls: breaking, not hacking
+    assert check_hacking_proxy(proxy_history(kl, drifting, reward_slope=-0.01)) == []
 
 
 def test_live_schedule_reports_once_and_diagnose_includes_both():

@@ -35,10 +35,14 @@ def _check_aggregates(metrics, samples, n):
     assert len(by_prompt) == metrics["prompts"] and all(len(v) == n for v in by_prompt.values())
     assert metrics["pass@1"] == pytest.approx(sum(s["correct"] for s in samples) / len(samples))
     assert metrics[f"mean@{n}"] == pytest.approx(sum(s["score"] for s in samples) / len(samples))
-    assert metrics[f"pass@{n}"] == pytest.approx(sum(any(s["correct"] for s in v) for v in by_prompt.values()) / len(by_prompt))
+    assert metrics[f"pass@{n}"] == pytest.approx(
+        sum(any(s["correct"] for s in v) for v in by_prompt.values()) / len(by_prompt)
+    )
     for k in range(2, n):
         if f"pass@{k}" in metrics:
-            want = sum(1 - math.comb(n - sum(s["correct"] for s in v), k) / math.comb(n, k) for v in by_prompt.values()) / len(by_prompt)
+            want = sum(
+                1 - math.comb(n - sum(s["correct"] for s in v), k) / math.comb(n, k) for v in by_prompt.values()
+            ) / len(by_prompt)
             assert metrics[f"pass@{k}"] == pytest.approx(want)
     assert metrics["length_mean"] == pytest.approx(sum(s["length"] for s in samples) / len(samples))
     assert metrics["truncated_frac"] == pytest.approx(sum(s["truncated"] for s in samples) / len(samples))
@@ -74,7 +78,9 @@ def test_greedy_is_deterministic_and_matches_generate(digitsum_file):
     runs = []
     for _ in range(2):
         samples: list[dict] = []
-        m = evaluate("embedded", digitsum_file, EvalSettings(greedy=True, max_new_tokens=4, batch_size=8), samples=samples)
+        m = evaluate(
+            "embedded", digitsum_file, EvalSettings(greedy=True, max_new_tokens=4, batch_size=8), samples=samples
+        )
         runs.append((m, samples))
     (m, samples), (m2, samples2) = runs
     assert m == m2 and samples == samples2 and len(samples) == 12  # greedy: k = 1
@@ -82,7 +88,9 @@ def test_greedy_is_deterministic_and_matches_generate(digitsum_file):
     path = resolve_model_path("embedded")
     tok, model = load_tokenizer(path), load_causal_lm(path)
     ids = tok(samples[0]["prompt"], return_tensors="pt")
-    out = model.generate(**ids, do_sample=False, max_new_tokens=4, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(
+        **ids, do_sample=False, max_new_tokens=4, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
     assert tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True) == samples[0]["response"]
 
 
@@ -95,11 +103,25 @@ def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_p
     from tether.trainer import Trainer
 
     run = tmp_path / "run"
-    cfg = load_config(None, [
-        "trainer.total_steps=2", "trainer.val_freq=0", "trainer.progress=false", "trainer.threads=1", "trainer.report=false",
-        "trainer.loggers=[jsonl]", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=4", "algo.mini_batch_size=8",
-        "rollout.temperature=0.9", "trainer.val_n=3", "actor.lr=1e-2", f"trainer.output_dir={run}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "trainer.total_steps=2",
+            "trainer.val_freq=0",
+            "trainer.progress=false",
+            "trainer.threads=1",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            "data.batch_size=4",
+            "data.embedded_train_size=8",
+            "rollout.n=4",
+            "algo.mini_batch_size=8",
+            "rollout.temperature=0.9",
+            "trainer.val_n=3",
+            "actor.lr=1e-2",
+            f"trainer.output_dir={run}",
+        ],
+    )
     t = Trainer(cfg)
     t.fit()
     assert resolve_policy(run)[1:] == ("model", run)
@@ -121,7 +143,9 @@ def test_checkpoint_eval_reproduces_the_trainers_evaluation(digitsum_file, tmp_p
 
 def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    rc = main(["eval", "embedded", str(digitsum_file), "--k", "2", "--max-new-tokens", "4", "--out", str(out), "--samples"])
+    rc = main(
+        ["eval", "embedded", str(digitsum_file), "--k", "2", "--max-new-tokens", "4", "--out", str(out), "--samples"]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
@@ -129,8 +153,15 @@ def test_cli_table_and_json(digitsum_file, tmp_path, capsys):
     table = {ln.split()[0]: ln.split()[1] for ln in lines[3:] if len(ln.split()) == 2 and not ln.startswith("written")}
     assert list(table)[:4] == ["pass@1", "pass@2", "maj@2", "mean@2"]
     doc = json.loads(out.read_text())
-    assert doc["settings"]["n"] == 2 and doc["settings"]["ks"] == [1, 2] and doc["settings"]["greedy"] is False and len(doc["samples"]) == 24
-    assert {"index", "sample", "answer", "correct", "length", "truncated", "prompt", "response"} <= set(doc["samples"][0])
+    assert (
+        doc["settings"]["n"] == 2
+        and doc["settings"]["ks"] == [1, 2]
+        and doc["settings"]["greedy"] is False
+        and len(doc["samples"]) == 24
+    )
+    assert {"index", "sample", "answer", "correct", "length", "truncated", "prompt", "response"} <= set(
+        doc["samples"][0]
+    )
     assert out.with_suffix(".txt").read_text().splitlines() == lines[:-1]  # the printed table, beside the JSON
     assert float(table["pass@1"]) == pytest.approx(doc["metrics"]["pass@1"], abs=5e-5)
     _check_aggregates(doc["metrics"], doc["samples"], 2)
@@ -180,7 +211,12 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     prompts = prepare_prompts(load_rows(digitsum_file), tok, cfg.data, "val")
     reward = RewardManager(normalize="running")
     before = reward.state_dict()
-    runner = RolloutRunner(HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4), tok, torch.device("cpu"), max_new_tokens=4)
+    runner = RolloutRunner(
+        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4),
+        tok,
+        torch.device("cpu"),
+        max_new_tokens=4,
+    )
     evaluate_prompts(runner, reward, prompts, n=2, batch_size=8)
     assert reward.state_dict() == before
     batch = runner.rollout(prompts, [0, 1], 2)
@@ -201,7 +237,9 @@ def test_embedded_data_needs_no_file():
     assert sorted({s["prompt"] for s in samples}) == ["3,11=", "3,16=", "3,21=", "3,6="]
     _check_aggregates(m, samples, 2)
     # exact/score_mean is the reference's exact success probability on the val split (pass@1 without sampling noise)
-    assert m["exact/n_prompts"] == 4 and m["exact/score_mean"] == pytest.approx(reference_success_rate(prompts=make_dataset("val")), abs=1e-9)
+    assert m["exact/n_prompts"] == 4 and m["exact/score_mean"] == pytest.approx(
+        reference_success_rate(prompts=make_dataset("val")), abs=1e-9
+    )
     assert m["exact/kl_ref_tok"] == pytest.approx(0.0, abs=1e-12)  # the policy is the reference
 
 
@@ -213,13 +251,42 @@ def test_checkpoint_sweep_writes_the_accuracy_vs_kl_curve(tmp_path, capsys):
     from tether.trainer import Trainer
 
     run = tmp_path / "run"
-    cfg = load_config(None, [
-        "trainer.total_steps=4", "trainer.save_freq=2", "trainer.keep_last=5", "trainer.val_freq=0", "trainer.progress=false",
-        "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "data.batch_size=4", "data.embedded_train_size=8",
-        "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=2e-3", f"trainer.output_dir={run}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "trainer.total_steps=4",
+            "trainer.save_freq=2",
+            "trainer.keep_last=5",
+            "trainer.val_freq=0",
+            "trainer.progress=false",
+            "trainer.threads=1",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            "data.batch_size=4",
+            "data.embedded_train_size=8",
+            "rollout.n=4",
+            "algo.mini_batch_size=8",
+            "actor.lr=2e-3",
+            f"trainer.output_dir={run}",
+        ],
+    )
     Trainer(cfg).fit()
-    rc = main(["eval", str(run), "embedded", "--checkpoints", "all", "--n", "64", "--k", "1,8,64", "--batch-size", "4", "--no-progress"])
+    rc = main(
+        [
+            "eval",
+            str(run),
+            "embedded",
+            "--checkpoints",
+            "all",
+            "--n",
+            "64",
+            "--k",
+            "1,8,64",
+            "--batch-size",
+            "4",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "| step | pass@1 | maj@64 | pass@64 | mean@64 | kl_ref (nats/tok)" in table
@@ -256,12 +323,16 @@ def test_per_data_source_columns(tmp_path, capsys):
     write_records(rows, path)
     by_source: dict = {}
     samples: list[dict] = []
-    m = evaluate("embedded", path, EvalSettings(n=4, max_new_tokens=4, batch_size=4), samples=samples, by_source=by_source)
+    m = evaluate(
+        "embedded", path, EvalSettings(n=4, max_new_tokens=4, batch_size=4), samples=samples, by_source=by_source
+    )
     assert list(by_source) == ["tether/digitsum", "test/digitsum-copy"]
     for ds, sm in by_source.items():
         mine = [s for s in samples if s["data_source"] == ds]
         assert sm["prompts"] == 3 and sm["pass@1"] == pytest.approx(sum(s["correct"] for s in mine) / len(mine))
-    assert m["pass@2"] == pytest.approx((by_source["tether/digitsum"]["pass@2"] + by_source["test/digitsum-copy"]["pass@2"]) / 2)
+    assert m["pass@2"] == pytest.approx(
+        (by_source["tether/digitsum"]["pass@2"] + by_source["test/digitsum-copy"]["pass@2"]) / 2
+    )
     assert main(["eval", "embedded", str(path), "--n", "2", "--max-new-tokens", "4", "--no-progress"]) == 0
     header = capsys.readouterr().out.splitlines()[1].split()
     assert header == ["metric", "all", "tether/digitsum", "test/digitsum-copy"]
@@ -282,8 +353,15 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
         def __init__(self, model_path, tokenizer, **kw):
             built.append((str(model_path), kw))
             self.tokenizer = tokenizer
-            super().__init__(None, tokenizer, temperature=kw["temperature"], top_p=kw["top_p"], top_k=kw["top_k"],
-                             max_new_tokens=kw["max_new_tokens"], do_sample=kw["do_sample"])  # fmt: skip
+            super().__init__(
+                None,
+                tokenizer,
+                temperature=kw["temperature"],
+                top_p=kw["top_p"],
+                top_k=kw["top_k"],
+                max_new_tokens=kw["max_new_tokens"],
+                do_sample=kw["do_sample"],
+            )
 
         def sync_weights(self, model):
             synced.append(model)
@@ -293,7 +371,8 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     tok = load_tokenizer(path)
     monkeypatch.setattr(vllm_mod, "check_vllm_available", lambda: None)
     monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", StandIn)
-    ev = Evaluator("embedded", EvalSettings(n=2, engine="vllm", top_p=0.99), tok, torch.device("cpu"))  # top_p < 1: no exact enumeration (speed)
+    # top_p < 1: no exact enumeration (speed)
+    ev = Evaluator("embedded", EvalSettings(n=2, engine="vllm", top_p=0.99), tok, torch.device("cpu"))
     assert ev.resolved["engine"] == "vllm"
     a, b = load_causal_lm(path), load_causal_lm(path)
     m1 = ev(a, model_path=path)
@@ -322,7 +401,9 @@ def test_select_checkpoints_skips_incomplete_and_names_missing_steps(tmp_path):
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         select_checkpoints(tmp_path / "run", "all")
     for step in (1, 2):
-        write_checkpoint(root, step, {"weights": lambda d: (d / "actor").mkdir() or (d / "actor" / "config.json").write_text("{}")})
+        write_checkpoint(
+            root, step, {"weights": lambda d: (d / "actor").mkdir() or (d / "actor" / "config.json").write_text("{}")}
+        )
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "all")] == [1, 2]
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "latest")] == [2]
     assert [s for s, _ in select_checkpoints(tmp_path / "run", "2,1")] == [1, 2]
@@ -368,12 +449,18 @@ def _run_with_custom_reward(tmp_path, reward_py: str):
     fn.write_text(reward_py)
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(config_to_yaml(load_config(None, [f"reward.function={fn}:always_one", "trainer.val_n=2"])))
-    write_checkpoint(run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")})
+    (run / "config.yaml").write_text(
+        config_to_yaml(load_config(None, [f"reward.function={fn}:always_one", "trainer.val_n=2"]))
+    )
+    write_checkpoint(
+        run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")}
+    )
     return run, f"{fn}:always_one"
 
 
-ALWAYS_ONE = "def always_one(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"
+ALWAYS_ONE = (
+    "def always_one(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"
+)
 
 
 def test_a_benchmark_is_scored_by_its_verifier_not_by_the_runs_training_reward(tmp_path, capsys):
@@ -388,7 +475,10 @@ def test_a_benchmark_is_scored_by_its_verifier_not_by_the_runs_training_reward(t
     run, spec = _run_with_custom_reward(tmp_path, ALWAYS_ONE)
     src = tmp_path / "aime_src.jsonl"
     # digit-sum prompts, so that the embedded model (a character vocabulary, 32 positions) can read them
-    write_records([{"problem": "3,5=", "answer": "033"}, {"problem": "3,11=", "answer": 5}, {"problem": "3,16=", "answer": 204}], src)
+    write_records(
+        [{"problem": "3,5=", "answer": "033"}, {"problem": "3,11=", "answer": 5}, {"problem": "3,16=", "answer": 204}],
+        src,
+    )
     aime = tmp_path / "aime.jsonl"
     assert convert_aime(src, aime, template="{problem}") == 3
     rows = [json.loads(line) for line in aime.read_text().splitlines()]
@@ -410,14 +500,20 @@ def test_a_benchmark_is_scored_by_its_verifier_not_by_the_runs_training_reward(t
     aime_samples = [s for s in doc["samples"] if s["data_source"] == "aime"]
     assert len(aime_samples) == 6 and len(doc["samples"]) == 10
     # the embedded model writes digits, never a marked answer: the AIME verifier parses nothing and scores 0 ...
-    assert [s["score"] for s in aime_samples] == [aime_compute_score(s["response"], gts[s["index"]]) for s in aime_samples] == [0.0] * 6
+    assert (
+        [s["score"] for s in aime_samples]
+        == [aime_compute_score(s["response"], gts[s["index"]]) for s in aime_samples]
+        == [0.0] * 6
+    )
     assert doc["by_source"]["aime"]["answered_frac"] == 0.0 and doc["by_source"]["aime"]["pass@1"] == 0.0
     # ... where the run's reward (1.0 for everything) still scores its own source
     assert doc["by_source"]["my/length-task"]["pass@1"] == 1.0 and doc["metrics"]["pass@1"] == pytest.approx(2 / 5)
     assert "no_ground_truth" not in doc["metrics"]
     # a reward given to tether eval itself scores every row, and is named as given
     s = EvalSettings(reward_function=spec, kl=False)
-    assert evaluate(run, aime, s)["pass@1"] == 1.0 and s.resolved["scorers"] == {"aime": f"reward.function {spec} (given)"}
+    assert evaluate(run, aime, s)["pass@1"] == 1.0 and s.resolved["scorers"] == {
+        "aime": f"reward.function {spec} (given)"
+    }
 
 
 def test_eval_reward_routes_each_row_and_merges_the_scores(tmp_path):
@@ -428,25 +524,34 @@ def test_eval_reward_routes_each_row_and_merges_the_scores(tmp_path):
     from tether.evaluation.evaluate import EvalReward
 
     fn = tmp_path / "r.py"
-    fn.write_text("def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n"
-                  "    return [float('nan') if s == 'bad' else 1.0 for s in solution_strs]\n")  # fmt: skip
-    rows = rows_from_records([
-        {"data_source": "aime", "prompt": "p0", "reward_model": {"ground_truth": "33"}},
-        {"data_source": "my/task", "prompt": "p1"},
-        {"data_source": "Idavidrein/gpqa", "prompt": "p2", "reward_model": {"ground_truth": "C"}},
-        {"data_source": "aime", "prompt": "p3", "reward_model": {"ground_truth": "33"}},
-        {"data_source": "my/task", "prompt": "p4"},
-    ], source="mixed")  # fmt: skip
+    fn.write_text(
+        "def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n"
+        "    return [float('nan') if s == 'bad' else 1.0 for s in solution_strs]\n"
+    )
+    rows = rows_from_records(
+        [
+            {"data_source": "aime", "prompt": "p0", "reward_model": {"ground_truth": "33"}},
+            {"data_source": "my/task", "prompt": "p1"},
+            {"data_source": "Idavidrein/gpqa", "prompt": "p2", "reward_model": {"ground_truth": "C"}},
+            {"data_source": "aime", "prompt": "p3", "reward_model": {"ground_truth": "33"}},
+            {"data_source": "my/task", "prompt": "p4"},
+        ],
+        source="mixed",
+    )
     reward = EvalReward(f"{fn}:one_unless_bad", None)
     reward.check_rows(rows)
-    res = reward(rows, ["p0", "p1", "p2", "p3", "p4"], ["so \\boxed{033}", "anything", "Answer: B", "\\boxed{34}", "bad"])
+    res = reward(
+        rows, ["p0", "p1", "p2", "p3", "p4"], ["so \\boxed{033}", "anything", "Answer: B", "\\boxed{34}", "bad"]
+    )
     assert res.scores.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
     assert res.valid.tolist() == [True, True, True, True, False]
     assert res.metrics["reward/invalid_count"] == 1.0 and res.metrics["reward/nonfinite_count"] == 1.0
     assert res.metrics["reward/raw_mean"] == pytest.approx(0.5) and res.errors == ["sample 4: non-finite reward nan"]
     assert [reward.scorer(ds) for ds in ("aime", "Idavidrein/gpqa", "my/task")] == [
-        "built-in verifier tether.rewards.benchmarks:aime_compute_score", "built-in verifier tether.rewards.benchmarks:gpqa_compute_score",
-        f"the run's reward.function {fn}:one_unless_bad"]  # fmt: skip
+        "built-in verifier tether.rewards.benchmarks:aime_compute_score",
+        "built-in verifier tether.rewards.benchmarks:gpqa_compute_score",
+        f"the run's reward.function {fn}:one_unless_bad",
+    ]
 
 
 def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_path, capsys, caplog):
@@ -461,12 +566,17 @@ def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_pat
         {"data_source": "aime", "prompt": "3,16=", "reward_model": {"ground_truth": "x"}},  # unparseable
         {"data_source": "aime", "prompt": "3,21=", "reward_model": {"ground_truth": 204}},
         {"data_source": "Idavidrein/gpqa", "prompt": "2,5=", "reward_model": {"ground_truth": "E"}},  # not A-D
-    ]  # fmt: skip
+    ]
     data = tmp_path / "aime_gaps.jsonl"
     write_records(rows, data)
     out = tmp_path / "eval.json"
     with caplog.at_level("WARNING", logger="tether"):
-        assert main(["eval", "embedded", str(data), "--n", "2", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]) == 0
+        assert (
+            main(
+                ["eval", "embedded", str(data), "--n", "2", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
+            )
+            == 0
+        )
     printed = capsys.readouterr().out.splitlines()
     assert "2 prompts x n=2" in printed[0] and printed[0].endswith("; 4 row(s) without a usable ground truth left out")
     assert printed[1].split() == ["metric", "all", "aime", "Idavidrein/gpqa"]
@@ -475,13 +585,21 @@ def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_pat
     warning = caplog.text
     assert "4 row(s) of" in warning and "not counted in pass@k" in warning
     assert "aime: 3 row(s), first line 2: missing ground truth: AIME ground truth is not an integer: None" in warning
-    assert "Idavidrein/gpqa: 1 row(s), first line 6: GPQA ground truth must be one of the letters A, B, C, D, got 'E'" in warning
+    assert (
+        "Idavidrein/gpqa: 1 row(s), first line 6: GPQA ground truth must be one of the letters A, B, C, D, got 'E'"
+        in warning
+    )
     doc = json.loads(out.read_text())
     assert doc["metrics"]["no_ground_truth"] == 4.0 and doc["metrics"]["prompts"] == 2.0
-    assert sorted({s["index"] for s in doc["samples"]}) == [0, 4]  # only the rows with a usable ground truth were generated
+    # only the rows with a usable ground truth were generated
+    assert sorted({s["index"] for s in doc["samples"]}) == [0, 4]
     assert doc["by_source"]["aime"]["no_ground_truth"] == 3.0 and doc["by_source"]["aime"]["prompts"] == 2.0
-    assert doc["by_source"]["Idavidrein/gpqa"] == {"prompts": 0.0, "samples": 0.0, "no_ground_truth": 1.0,
-                                                   "scorer": "built-in verifier tether.rewards.benchmarks:gpqa_compute_score"}  # fmt: skip
+    assert doc["by_source"]["Idavidrein/gpqa"] == {
+        "prompts": 0.0,
+        "samples": 0.0,
+        "no_ground_truth": 1.0,
+        "scorer": "built-in verifier tether.rewards.benchmarks:gpqa_compute_score",
+    }
     # --limit: the first N prompts that can be scored
     s = EvalSettings(n=2, limit=2, max_new_tokens=4, kl=False)
     assert evaluate("embedded", data, s)["prompts"] == 2
@@ -490,4 +608,7 @@ def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_pat
     write_records(rows[1:4], none)
     assert main(["eval", "embedded", str(none), "--n", "2", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "nothing to evaluate: no row has a reward_model.ground_truth its verifier can use (3 row(s) checked; aime: 3 row(s)" in err
+    assert (
+        "nothing to evaluate: no row has a reward_model.ground_truth its verifier can use (3 row(s) checked; aime: 3 "
+        "row(s)" in err
+    )

@@ -25,14 +25,36 @@ def _fn(tmp_path, body, name="gold"):
 def test_cli_reports_the_gold_beside_the_score(tmp_path, capsys):
     spec = _fn(tmp_path, CONST)
     out = tmp_path / "eval.json"
-    assert main(["eval", "embedded", "embedded", "--n", "2", "--val-function", spec, "--no-progress", "--out", str(out), "--samples"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "embedded",
+                "embedded",
+                "--n",
+                "2",
+                "--val-function",
+                spec,
+                "--no-progress",
+                "--out",
+                str(out),
+                "--samples",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith(f"; gold reward: reward.val_function {spec} (tether/digitsum)")
     table = {ln.split()[0]: ln.split()[1] for ln in lines[3:] if len(ln.split()) == 2 and not ln.startswith("written")}
     assert list(table)[:5] == ["pass@1", "pass@2", "maj@2", "mean@2", "gold_mean"] and list(table)[5] == "gold_gap"
     doc = json.loads(out.read_text())
     m = doc["metrics"]
-    assert m["gold_mean"] == 0.25 and m["gold_gap"] == m["score_mean"] - 0.25 and m["gold_unscored_frac"] == 0.0 and m["gold_pass@1"] == 0.0
+    assert (
+        m["gold_mean"] == 0.25
+        and m["gold_gap"] == m["score_mean"] - 0.25
+        and m["gold_unscored_frac"] == 0.0
+        and m["gold_pass@1"] == 0.0
+    )
     assert all(s["gold"] == 0.25 and s["gold_scored"] for s in doc["samples"])
     assert doc["settings"]["gold"] == {"tether/digitsum": f"reward.val_function {spec}"}
 
@@ -53,12 +75,18 @@ def test_a_runs_gold_is_the_default_and_a_given_one_replaces_it(tmp_path):
     given = given.rsplit(":", 1)[0] + ":gold"
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(config_to_yaml(load_config(None, [f"reward.val_function={run_spec}", "trainer.val_n=2"])))
-    write_checkpoint(run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")})
+    (run / "config.yaml").write_text(
+        config_to_yaml(load_config(None, [f"reward.val_function={run_spec}", "trainer.val_n=2"]))
+    )
+    write_checkpoint(
+        run / "checkpoints", 1, {"actor": lambda d: shutil.copytree(resolve_model_path("embedded"), d / "actor")}
+    )
     s = EvalSettings(kl=False)
     assert evaluate(run, "embedded", s)["gold_mean"] == 0.25 and s.resolved["val_function"] == run_spec
     s = EvalSettings(kl=False, val_function=given)
-    assert evaluate(run, "embedded", s)["gold_mean"] == 0.5 and s.resolved["gold"] == {"tether/digitsum": f"reward.val_function {given}"}
+    assert evaluate(run, "embedded", s)["gold_mean"] == 0.5 and s.resolved["gold"] == {
+        "tether/digitsum": f"reward.val_function {given}"
+    }
 
 
 def test_a_bad_gold_is_a_clear_error(tmp_path, capsys):

@@ -19,7 +19,8 @@ def test_output_problem_names_the_path(bad):
     assert output_problem(bad / "adir", "file", "--out") == f"--out {bad / 'adir'} is a directory, expected a file path"
     assert output_problem(bad / "afile", "dir", "--out") == f"--out {bad / 'afile'} is a file, expected a directory"
     assert output_problem(bad / "afile" / "x" / "y.json", "file", "OUT") == (
-        f"OUT {bad / 'afile' / 'x' / 'y.json'} cannot be created: {bad / 'afile'} is a file, not a directory")
+        f"OUT {bad / 'afile' / 'x' / 'y.json'} cannot be created: {bad / 'afile'} is a file, not a directory"
+    )
     assert output_problem(bad / "new" / "deeper", "dir", "--out") is None
     assert output_problem(bad / "adir", "dir", "--out") is None
     assert output_problem(bad / "afile", "file", "--out") is None  # overwriting a file is allowed
@@ -34,7 +35,10 @@ def test_eval_checks_out_before_evaluating(bad, capsys):
 
 
 def test_sweep_and_sft_check_out(bad, capsys):
-    assert main(["sweep", "--grid", "kl.coef=0.1,0.2", "trainer.total_steps=2", "--out", str(bad / "afile"), "--dry-run"]) == 2
+    assert (
+        main(["sweep", "--grid", "kl.coef=0.1,0.2", "trainer.total_steps=2", "--out", str(bad / "afile"), "--dry-run"])
+        == 2
+    )
     assert f"tether sweep: the sweep's out {bad / 'afile'} is a file, expected a directory" in capsys.readouterr().err
     assert main(["sft", "--out", str(bad / "afile"), "--steps", "1"]) == 2
     assert f"tether sft: --out {bad / 'afile'} is a file, expected a directory" in capsys.readouterr().err

@@ -30,19 +30,71 @@ FIXTURES = ROOT / "tests" / "fixtures" / "model_configs"
 PRESET = ROOT / "configs" / "presets" / "qwen2-7b-kl-ppo.yaml"
 
 TINY = {
-    "qwen2-gqa-untied": dict(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                             num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen2-tied": dict(model_type="qwen2", vocab_size=503, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-    "llama-biases": dict(model_type="llama", vocab_size=777, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
-    "llama-head-dim": dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True),
-    "mistral": dict(model_type="mistral", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen3-qk-norm": dict(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
-}  # fmt: skip
+    "qwen2-gqa-untied": dict(
+        model_type="qwen2",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-tied": dict(
+        model_type="qwen2",
+        vocab_size=503,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    ),
+    "llama-biases": dict(
+        model_type="llama",
+        vocab_size=777,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    ),
+    "llama-head-dim": dict(
+        model_type="llama",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-qk-norm": dict(
+        model_type="qwen3",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+    ),
+}
 
 
 def _hf_config(d: dict):
@@ -77,14 +129,19 @@ def test_lora_param_count_equals_peft():
     from transformers import AutoModelForCausalLM
 
     shape = ModelShape.from_config(TINY["qwen2-gqa-untied"])
-    model = get_peft_model(AutoModelForCausalLM.from_config(_hf_config(TINY["qwen2-gqa-untied"])),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(_hf_config(TINY["qwen2-gqa-untied"])),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     assert shape.lora_params(4) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_published_shapes_give_the_published_sizes():
     # Qwen2.5 model cards: 7.61B, 32.5B, 72.7B parameters (the untied LM head included)
-    sizes = {name: ModelShape.from_config(FIXTURES / name).causal_lm_params() for name in ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")}
+    sizes = {
+        name: ModelShape.from_config(FIXTURES / name).causal_lm_params()
+        for name in ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
+    }
     assert sizes["qwen2.5-7b"] == 7_615_616_512
     assert abs(sizes["qwen2.5-32b"] / 32.5e9 - 1) < 0.01
     assert abs(sizes["qwen2.5-72b"] / 72.7e9 - 1) < 0.005
@@ -128,7 +185,18 @@ def test_activation_formula_equals_the_bytes_autograd_saves(name):
 def test_hand_worked_plan_of_a_small_model():
     """V=1000, h=64, 2 layers, 4 heads of 16, 2 KV heads, I=128, untied, Qwen2 (q/k/v biases);
     b=2, P=6, T=4 (s=10), float32 on one CPU device, actor only."""
-    shape = ModelShape("qwen2", vocab=1000, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, tied=False, qkv_bias=True)
+    shape = ModelShape(
+        "qwen2",
+        vocab=1000,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        tied=False,
+        qkv_bias=True,
+    )
     # per layer: q 64*64+64, k and v 64*32+32 each, o 64*64, MLP 3*64*128, two norms 2*64
     assert shape.block_params() == 4160 + 2 * 2080 + 4096 + 24576 + 128 == 37120
     assert shape.causal_lm_params() == 64000 + 2 * 37120 + 64 + 64000 == 202304
@@ -141,11 +209,24 @@ def test_hand_worked_plan_of_a_small_model():
     # logits of the T kept positions (2*4*1000*4 = 32000) + their gradient:
     # max(+ grad 2*4*1000*4 + 2 chunks of 8000 floats, + LM head grad 64*1000*4)
     assert logits_bytes(shape, 2, 4, 4, accelerator=False) == max(32000 + 32000 + 64000, 32000 + 256000) == 288000
-    # the forward feeds P+T-1 = 9 positions (the last response token is only scored): per layer norms 2*(2*9*64*12 + 2*9*4)
+    # the forward feeds P+T-1 = 9 positions (the last response token is only scored): per layer norms 2*(2*9*64*12 +
+    # 2*9*4)
     # + attention 2*9*4*64*4 + lse 2*4*9*4 + mask 2*9*9*4 + MLP 4*2*9*128*4, two layers, + the final norm 2*9*(64*12+4)
-    assert activation_bytes(shape, 2, 9, 4, checkpointing=False) == 2 * (27792 + 18432 + 288 + 648 + 36864) + 13896 == 181944
-    s = PlanSettings(devices=1, actor_micro_batch=2, logprob_micro_batch=2, prompt_len=6, response_len=4, rollout_batch=2,
-                     separate_ref=False, accelerator=False)  # fmt: skip
+    assert (
+        activation_bytes(shape, 2, 9, 4, checkpointing=False)
+        == 2 * (27792 + 18432 + 288 + 648 + 36864) + 13896
+        == 181944
+    )
+    s = PlanSettings(
+        devices=1,
+        actor_micro_batch=2,
+        logprob_micro_batch=2,
+        prompt_len=6,
+        response_len=4,
+        rollout_batch=2,
+        separate_ref=False,
+        accelerator=False,
+    )
     plan = plan_memory(s, shape)
     kept = 202304 * 4 + 2 * 202304 * 4  # weights + AdamW's two moments
     backward = 181944 + 288000
@@ -181,22 +262,56 @@ def test_cli_plans_the_7b_preset_on_8_gpus(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "parameters: actor 7.616 B" in out
-    for row in ("weights (float32)", "AdamW moments (float32)", "reference", "critic", "reward model", "KV cache", "peak per device"):
+    for row in (
+        "weights (float32)",
+        "AdamW moments (float32)",
+        "reference",
+        "critic",
+        "reward model",
+        "KV cache",
+        "peak per device",
+    ):
         assert row in out
     assert "verdict: FITS" in out
-    assert "reward model           weights (bfloat16, no optimizer)" in out  # the checkpoint's torch_dtype, as dtype=auto loads it
+    # the checkpoint's torch_dtype, as dtype=auto loads it
+    assert "reward model           weights (bfloat16, no optimizer)" in out
 
 
 def test_cli_32b_preset_does_not_fit_one_node_of_80gb_and_says_what_would(capsys):
     m = FIXTURES / "qwen2.5-32b"
-    rc = main(["plan", str(PRESET), *_preset_overrides(m), "--devices", "8", "--device-memory", "80GiB", "--param-dtype", "bfloat16"])
+    rc = main(
+        [
+            "plan",
+            str(PRESET),
+            *_preset_overrides(m),
+            "--devices",
+            "8",
+            "--device-memory",
+            "80GiB",
+            "--param-dtype",
+            "bfloat16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert "verdict: DOES NOT FIT" in out
     assert "CPU offload" in out and "LoRA rank 64" in out and "tensor parallel 2" in out
     assert "-> fits" in out
     # the recipe of docs/distributed.md: the same with CPU offload fits, and says how much host RAM it needs
-    rc = main(["plan", str(PRESET), *_preset_overrides(m), "--devices", "8", "--device-memory", "80GiB", "--param-dtype", "bfloat16", "--offload"])
+    rc = main(
+        [
+            "plan",
+            str(PRESET),
+            *_preset_overrides(m),
+            "--devices",
+            "8",
+            "--device-memory",
+            "80GiB",
+            "--param-dtype",
+            "bfloat16",
+            "--offload",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "verdict: FITS" in out and "GiB of host RAM per node" in out
 
@@ -215,7 +330,9 @@ def test_cli_errors_name_the_offending_item(capsys, tmp_path):
 
 def test_tensor_parallel_divides_activations_and_logits_not_the_sharded_state():
     shape = ModelShape.from_config(FIXTURES / "qwen2.5-32b")
-    base = PlanSettings(devices=8, compute_dtype="bfloat16", actor_micro_batch=1, prompt_len=1024, response_len=1024, separate_ref=False)
+    base = PlanSettings(
+        devices=8, compute_dtype="bfloat16", actor_micro_batch=1, prompt_len=1024, response_len=1024, separate_ref=False
+    )
     one, two = plan_memory(base, shape), plan_memory(PlanSettings(**{**base.__dict__, "tp": 2}), shape)
     assert one.persistent == two.persistent  # FSDP2 already shards over all 8 devices
     a1, a2 = ({i.what.split(" (")[0]: i.bytes for i in p.items if i.phase == "actor backward"} for p in (one, two))
@@ -249,8 +366,19 @@ def test_predicted_peak_matches_with_and_without_checkpointing(case):
 
 def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
     shape = ModelShape.from_config(FIXTURES / "qwen2.5-72b")  # 72.7 B: 135 GiB of bfloat16 weights
-    s = PlanSettings(devices=8, tp=4, storage_dtype="bfloat16", compute_dtype="bfloat16", actor_checkpointing=True, prompt_len=1024,
-                     response_len=1024, lora_rank=64, separate_ref=False, engine="vllm", vllm_util=0.35)  # fmt: skip
+    s = PlanSettings(
+        devices=8,
+        tp=4,
+        storage_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        actor_checkpointing=True,
+        prompt_len=1024,
+        response_len=1024,
+        lora_rank=64,
+        separate_ref=False,
+        engine="vllm",
+        vllm_util=0.35,
+    )
     plan = plan_memory(s, shape)
     vllm = next(i for i in plan.items if i.role == "rollout (vLLM)")
     assert vllm.bytes == int(0.35 * 80 * GIB)
@@ -258,13 +386,16 @@ def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
     assert "does not hold its weights at tp 4" in plan.problems[0]
     eight = plan_memory(PlanSettings(**{**s.__dict__, "rollout_tp": 8}), shape)
     weights, kv_per_seq = shape.causal_lm_params() * 2 // 8, shape.kv_bytes_per_token(2) * 2048 // 8
-    assert eight.fits and f"holds {(vllm.bytes - weights) // kv_per_seq} sequences" in next(i.note for i in eight.items if i.role == "rollout (vLLM)")
+    assert eight.fits and f"holds {(vllm.bytes - weights) // kv_per_seq} sequences" in next(
+        i.note for i in eight.items if i.role == "rollout (vLLM)"
+    )
 
 
 def test_cli_overrides_may_follow_the_flags_and_a_misspelt_flag_is_an_error(capsys):
     m = FIXTURES / "qwen2.5-7b"
     rc = main(["plan", str(PRESET), "--devices", "8", *_preset_overrides(m), "actor.micro_batch_size=1"])
-    assert rc == 0 and "micro-batch 1 × 1535 tokens" in capsys.readouterr().out  # 1024 + 512 - 1: the last token is never fed
+    # 1024 + 512 - 1: the last token is never fed
+    assert rc == 0 and "micro-batch 1 × 1535 tokens" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["plan", str(PRESET), *_preset_overrides(m), "--devcies", "8"])
     assert e.value.code == 2 and "--devcies" in capsys.readouterr().err
@@ -272,7 +403,10 @@ def test_cli_overrides_may_follow_the_flags_and_a_misspelt_flag_is_an_error(caps
 
 def test_actor_compute_dtype_plans_autocast_copies_and_float32_logits(capsys):
     m = FIXTURES / "qwen2.5-7b"
-    assert main(["plan", str(PRESET), *_preset_overrides(m), "actor.compute_dtype=bfloat16", "--device-memory", "141GB"]) == 1
+    assert (
+        main(["plan", str(PRESET), *_preset_overrides(m), "actor.compute_dtype=bfloat16", "--device-memory", "141GB"])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "weights float32, compute bfloat16" in out
     shape = ModelShape.from_config(m)
@@ -292,28 +426,50 @@ def test_auto_engine_is_planned_as_vllm_on_an_accelerator_and_hf_on_a_cpu():
 def test_rollout_tp_comes_from_rollout_vllm_tensor_parallel_size_unless_the_flag_is_given():
     """The config's vLLM tp per replica sizes the plan's vLLM weights and KV cache (tp 8: 1/8 of
     the 72 B model's 135.4 GiB per device); --rollout-tp overrides it; unset, the training tp."""
-    base = ["trainer.backend=ray", "trainer.n_workers=8", "actor.tp_size=4", "trainer.placement=split", "rollout.engine=vllm"]
+    base = [
+        "trainer.backend=ray",
+        "trainer.n_workers=8",
+        "actor.tp_size=4",
+        "trainer.placement=split",
+        "rollout.engine=vllm",
+    ]
     shape = ModelShape.from_config(FIXTURES / "qwen2.5-72b")
     cfg = load_config(None, [*base, "rollout.vllm.tensor_parallel_size=8", "actor.dtype=bfloat16"])
     s = PlanSettings.from_config(cfg, devices=8)
     assert (s.tp, s.rollout_tp, s.engine_tp) == (4, 8, 8)
     vllm = next(i for i in plan_memory(s, shape).items if i.role == "rollout (vLLM)")
-    seqs = (vllm.bytes - shape.causal_lm_params() * 2 // 8) // (shape.kv_bytes_per_token(2) * (s.prompt_len + s.response_len) // 8)
+    seqs = (vllm.bytes - shape.causal_lm_params() * 2 // 8) // (
+        shape.kv_bytes_per_token(2) * (s.prompt_len + s.response_len) // 8
+    )
     assert "weights (tp 8)" in vllm.what and f"holds {seqs} sequences" in vllm.note and seqs > 0
     assert PlanSettings.from_config(cfg, devices=8, rollout_tp=2).engine_tp == 2
     assert PlanSettings.from_config(load_config(None, base), devices=8).engine_tp == 4  # not set: the training tp
-    assert PlanSettings.from_config(load_config(None, [*base, "rollout.vllm.tensor_parallel_size=1"]), devices=8).engine_tp == 1  # set to 1
+    # set to 1
+    assert (
+        PlanSettings.from_config(load_config(None, [*base, "rollout.vllm.tensor_parallel_size=1"]), devices=8).engine_tp
+        == 1
+    )
 
 
 def test_vllm_tensor_parallel_wider_than_a_node_rules_the_plan_out():
     """A replica's tp ranks are processes on one node: tp 8 on 4 devices, or on 2 nodes of 4, cannot
     run however much memory there is (the plan said it fits)."""
     shape = ModelShape.from_config(FIXTURES / "qwen2.5-7b")
-    s = PlanSettings(devices=4, tp=1, storage_dtype="bfloat16", compute_dtype="bfloat16", engine="vllm", rollout_tp=8, device_memory=141 * GIB)
+    s = PlanSettings(
+        devices=4,
+        tp=1,
+        storage_dtype="bfloat16",
+        compute_dtype="bfloat16",
+        engine="vllm",
+        rollout_tp=8,
+        device_memory=141 * GIB,
+    )
     plan = plan_memory(s, shape)
     assert not plan.fits and plan.peak < s.device_memory
-    assert plan.problems == ["vLLM tensor parallel 8 needs 8 devices on one node; the plan has 4 device(s), 8 per node: "
-                             "lower rollout.vllm.tensor_parallel_size (--rollout-tp)"]  # fmt: skip
+    assert plan.problems == [
+        "vLLM tensor parallel 8 needs 8 devices on one node; the plan has 4 device(s), 8 per node: "
+        "lower rollout.vllm.tensor_parallel_size (--rollout-tp)"
+    ]
     two_nodes = plan_memory(PlanSettings(**{**s.__dict__, "devices": 8, "gpus_per_node": 4}), shape)
     assert "needs 8 devices on one node; the plan has 8 device(s), 4 per node" in two_nodes.problems[0]
     assert plan_memory(PlanSettings(**{**s.__dict__, "devices": 8}), shape).fits  # one node of 8
@@ -321,18 +477,35 @@ def test_vllm_tensor_parallel_wider_than_a_node_rules_the_plan_out():
 
 # ---- named shapes (tether.plan_shapes) and config.json validation
 
-# "Number of Parameters" of each model card (Llama 3.1/3.3 70B: Hugging Face's count of the checkpoint), in billions as printed
+# "Number of Parameters" of each model card (Llama 3.1/3.3 70B: Hugging Face's count of the checkpoint), in billions as
+# printed
 PUBLISHED_B = {
-    "qwen2.5-0.5b": "0.49", "qwen2.5-1.5b": "1.54", "qwen2.5-3b": "3.09", "qwen2.5-7b": "7.61", "qwen2.5-14b": "14.7", "qwen2.5-32b": "32.5",
-    "qwen2.5-72b": "72.7", "qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2", "qwen3-14b": "14.8",
-    "qwen3-32b": "32.8", "llama-3.2-1b": "1.23", "llama-3.2-3b": "3.21", "llama-3.1-8b": "8.03", "llama-3.1-70b": "70.6",
+    "qwen2.5-0.5b": "0.49",
+    "qwen2.5-1.5b": "1.54",
+    "qwen2.5-3b": "3.09",
+    "qwen2.5-7b": "7.61",
+    "qwen2.5-14b": "14.7",
+    "qwen2.5-32b": "32.5",
+    "qwen2.5-72b": "72.7",
+    "qwen3-0.6b": "0.6",
+    "qwen3-1.7b": "1.7",
+    "qwen3-4b": "4.0",
+    "qwen3-8b": "8.2",
+    "qwen3-14b": "14.8",
+    "qwen3-32b": "32.8",
+    "llama-3.2-1b": "1.23",
+    "llama-3.2-3b": "3.21",
+    "llama-3.1-8b": "8.03",
+    "llama-3.1-70b": "70.6",
     "llama-3.3-70b": "70.6",
-}  # fmt: skip
+}
 
 
 def test_the_named_shapes_are_the_families_asked_for():
     assert list(SHAPES) == list(PUBLISHED_B) == list(SOURCES)
-    assert SOURCES["qwen2.5-7b"] == "Qwen/Qwen2.5-7B" and SOURCES["llama-3.3-70b"] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert (
+        SOURCES["qwen2.5-7b"] == "Qwen/Qwen2.5-7B" and SOURCES["llama-3.3-70b"] == "meta-llama/Llama-3.3-70B-Instruct"
+    )
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -345,7 +518,8 @@ def test_a_named_shape_equals_its_config_json_written_to_a_directory(name, tmp_p
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_named_shapes_give_the_published_parameter_counts(name):
-    """Within 1% of the card's figure, or of its last printed digit where that is coarser (a "1.7B" card is 1.65-1.75 B)."""
+    """Within 1% of the card's figure, or of its last printed digit where that is coarser (a "1.7B" card is 1.65-1.75
+    B)."""
     card = PUBLISHED_B[name]
     printed = 0.5 * 10 ** -len(card.partition(".")[2])
     count = resolve_shape(name, "actor.model").causal_lm_params() / 1e9
@@ -355,8 +529,13 @@ def test_named_shapes_give_the_published_parameter_counts(name):
 def test_named_shapes_count_exactly_the_parameters_of_the_checkpoints():
     """``sum(p.numel())`` of the published checkpoints (a tied LM head counted once), and the fixtures' copies
     of Qwen2.5's full config.json files give the same shapes."""
-    exact = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400,
-             "llama-3.1-8b": 8_030_261_248}  # fmt: skip
+    exact = {
+        "qwen2.5-0.5b": 494_032_768,
+        "qwen2.5-7b": 7_615_616_512,
+        "qwen3-0.6b": 596_049_920,
+        "llama-3.2-1b": 1_235_814_400,
+        "llama-3.1-8b": 8_030_261_248,
+    }
     assert {n: resolve_shape(n, "actor.model").causal_lm_params() for n in exact} == exact
     for name in ("qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"):
         assert resolve_shape(name, "actor.model") == ModelShape.from_config(FIXTURES / name)
@@ -373,8 +552,11 @@ def test_cli_plans_a_named_shape_exactly_as_its_directory(capsys):
     from_directory = capsys.readouterr().out
     assert main([*args, *_preset_overrides("qwen2.5-7b")]) == 0
     named = capsys.readouterr().out
-    note = ("note: named shapes (published config.json fields; tether plan only): actor.model=qwen2.5-7b, ref.model=qwen2.5-7b, "
-            "critic.model=qwen2.5-7b, reward.model=qwen2.5-7b\n")  # fmt: skip
+    note = (
+        "note: named shapes (published config.json fields; tether plan only): actor.model=qwen2.5-7b, "
+        "ref.model=qwen2.5-7b, "
+        "critic.model=qwen2.5-7b, reward.model=qwen2.5-7b\n"
+    )
     assert note in named and named.replace(note, "") == from_directory
 
 
@@ -395,30 +577,45 @@ def test_an_unknown_name_is_an_error_naming_the_key_and_the_names(capsys, tmp_pa
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "tether plan: ref.model='meta-llama/Llama-3.1-8B-Instruct': no such local model directory, nor a named shape "
-        "(did you mean llama-3.1-8b or llama-3.1-70b or llama-3.2-3b?); tether plan's named shapes: " + ", ".join(SHAPES)]
+        "(did you mean llama-3.1-8b or llama-3.1-70b or llama-3.2-3b?); tether plan's named shapes: "
+        + ", ".join(SHAPES)
+    ]
     assert main(["plan", "critic.model=gpt-5", "algo.adv_estimator=gae"]) == 2
-    assert capsys.readouterr().err.startswith("tether plan: critic.model='gpt-5': no such local model directory, nor a named shape; ")
+    assert capsys.readouterr().err.startswith(
+        "tether plan: critic.model='gpt-5': no such local model directory, nor a named shape; "
+    )
 
 
 def test_tether_train_does_not_take_named_shapes(tmp_path, monkeypatch):
-    """The trainer resolves models with resolve_model_path, which needs a directory: the names are tether plan's only."""
+    """The trainer resolves models with resolve_model_path, which needs a directory: the names are tether plan's
+    only."""
     from tether.config import ConfigError
     from tether.models import resolve_model_path
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"actor.model='qwen2.5-7b': no such local model directory \(tether never downloads models\)"):
+    with pytest.raises(
+        ConfigError, match=r"actor.model='qwen2.5-7b': no such local model directory \(tether never downloads models\)"
+    ):
         resolve_model_path("qwen2.5-7b", "actor.model")
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
-    ("hidden_size", "big", "hidden_size must be a positive integer, got 'big'"),
-    ("num_hidden_layers", 28.0, "num_hidden_layers must be a positive integer, got 28.0"),
-    ("vocab_size", True, "vocab_size must be a positive integer, got True"),
-    ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (28)"),
-    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
-    ("model_type", "qwen9", "model_type 'qwen9' is no transformers architecture; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_attention_heads", 0, "num_attention_heads must be a positive integer, got 0"),
+        ("hidden_size", "big", "hidden_size must be a positive integer, got 'big'"),
+        ("num_hidden_layers", 28.0, "num_hidden_layers must be a positive integer, got 28.0"),
+        ("vocab_size", True, "vocab_size must be a positive integer, got True"),
+        ("num_key_value_heads", 3, "num_key_value_heads (3) must divide num_attention_heads (28)"),
+        ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+        (
+            "model_type",
+            "qwen9",
+            "model_type 'qwen9' is no transformers architecture; tether plan knows Llama/Qwen2/Qwen3/Mistral-style "
+            "decoders",
+        ),
+    ],
+)
 def test_a_bad_config_json_field_is_one_line_naming_the_file_and_the_field(field, value, message, tmp_path, capsys):
     raw = json.loads((FIXTURES / "qwen2.5-7b" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
@@ -435,8 +632,12 @@ def test_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "qwen2",')
     assert main(["plan", f"actor.model={tmp_path}"]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"tether plan: actor.model: {path}: not valid JSON (Expecting property name enclosed in "
-                                                    "double quotes: line 1 column 24 (char 23))"]  # fmt: skip
+    assert capsys.readouterr().err.splitlines() == [
+        f"tether plan: actor.model: {path}: not valid JSON (Expecting property name enclosed in "
+        "double quotes: line 1 column 24 (char 23))"
+    ]
     path.write_text("[1, 2]")
     assert main(["plan", f"actor.model={tmp_path}"]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"tether plan: actor.model: {path}: holds a JSON list, not an object of config fields"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"tether plan: actor.model: {path}: holds a JSON list, not an object of config fields"
+    ]

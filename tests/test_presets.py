@@ -35,7 +35,14 @@ def test_preset_is_the_published_recipe(path):
     assert cfg.trainer.save_freq % cfg.trainer.val_freq == 0  # every checkpoint carries a validation score
     assert cfg.kl.placement == "reward"
     if path == BAND:
-        assert (cfg.kl.controller, cfg.kl.coef, cfg.kl.high, cfg.kl.up, cfg.kl.low, cfg.kl.down) == ("band", 0.05, 0.1, 1.2, 0.01, 0.8)
+        assert (cfg.kl.controller, cfg.kl.coef, cfg.kl.high, cfg.kl.up, cfg.kl.low, cfg.kl.down) == (
+            "band",
+            0.05,
+            0.1,
+            1.2,
+            0.01,
+            0.8,
+        )
     else:
         stages = cfg.kl.schedule.stages
         assert cfg.kl.controller == "scheduled" and cfg.kl.coef == stages[0][1] == 0.08 and stages[-1] == (0, 0.03)
@@ -60,12 +67,26 @@ def test_preset_trains_with_tiny_stand_ins(stand_ins, tmp_path, path):
     from tether.trainer import Trainer
 
     model, rm, root = stand_ins
-    cfg = load_config(path, [
-        f"actor.model={model}", f"ref.model={model}", f"critic.model={model}", f"reward.model={rm}",
-        f"data.train_files={root / 'train.jsonl'}", f"data.val_files={root / 'val.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}",
-        "trainer.total_steps=2", "trainer.progress=false", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.threads=1",
-        "data.batch_size=4", "algo.mini_batch_size=2", "rollout.max_new_tokens=8",
-    ])  # fmt: skip
+    cfg = load_config(
+        path,
+        [
+            f"actor.model={model}",
+            f"ref.model={model}",
+            f"critic.model={model}",
+            f"reward.model={rm}",
+            f"data.train_files={root / 'train.jsonl'}",
+            f"data.val_files={root / 'val.jsonl'}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=2",
+            "trainer.progress=false",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            "trainer.threads=1",
+            "data.batch_size=4",
+            "algo.mini_batch_size=2",
+            "rollout.max_new_tokens=8",
+        ],
+    )
     t = Trainer(cfg)
     assert t.roles.critic is not None and t.roles.ref.model is not None and t.roles.ref.model is not t.roles.actor.model
     history = t.fit()

@@ -32,10 +32,18 @@ def _history(steps=4, exact=True, entropy=lambda s: 1.5 - 0.01 * s, kl=lambda s:
     history = []
     for s in range(1, steps + 1):
         rec = {
-            "step": s, "reward/score_mean": 0.4 + 0.05 * s, "kl/ref_mean": kl(s), "kl/ref_mean_unclamped": (unclamped or kl)(s),
-            "kl/k3_mean": 1.5 * kl(s), "kl/coef": 0.05, "policy/entropy": entropy(s), "response/length_mean": 4.0,
-            "policy/clipfrac": 0.01 * s, "diversity/unique_frac": 0.9, "diversity/collapse_rate": 0.0,
-        }  # fmt: skip
+            "step": s,
+            "reward/score_mean": 0.4 + 0.05 * s,
+            "kl/ref_mean": kl(s),
+            "kl/ref_mean_unclamped": (unclamped or kl)(s),
+            "kl/k3_mean": 1.5 * kl(s),
+            "kl/coef": 0.05,
+            "policy/entropy": entropy(s),
+            "response/length_mean": 4.0,
+            "policy/clipfrac": 0.01 * s,
+            "diversity/unique_frac": 0.9,
+            "diversity/collapse_rate": 0.0,
+        }
         if exact and s % 2 == 0:
             rec |= {"exact/score_mean": 0.5 + 0.01 * s, "exact/objective": 0.45 + 0.01 * s, "exact/opt_objective": 0.96}
         history.append(rec)
@@ -62,9 +70,14 @@ def test_no_exact_panel_without_exact_metrics(tmp_path):
     assert [ax.get_title() for ax in figs["overview"].axes][-1] == "exact" and "exact" in figs
     _close(figs)
     # fewer panels with data: a smaller grid, no blank axes
-    for keys, titles, shape in [(["kl/coef", "policy/entropy"], ["beta", "entropy"], (1, 2)),
-                                (["kl/coef", "policy/entropy", "kl/ref_mean", "policy/clipfrac", "reward/score_mean"],
-                                 ["reward", "kl", "beta", "entropy", "clipfrac"], (2, 3))]:  # fmt: skip
+    for keys, titles, shape in [
+        (["kl/coef", "policy/entropy"], ["beta", "entropy"], (1, 2)),
+        (
+            ["kl/coef", "policy/entropy", "kl/ref_mean", "policy/clipfrac", "reward/score_mean"],
+            ["reward", "kl", "beta", "entropy", "clipfrac"],
+            (2, 3),
+        ),
+    ]:
         figs = report.report_figures([{"step": s} | {k: 0.1 * s for k in keys} for s in range(1, 4)])
         assert [ax.get_title() for ax in figs["overview"].axes] == titles
         assert figs["overview"].axes[0].get_subplotspec().get_geometry()[:2] == shape
@@ -87,7 +100,9 @@ def test_nearly_constant_series_is_flat_without_offset():
             assert ax.yaxis.get_major_formatter().get_offset() == "", ax.get_title()
             assert ax.xaxis.get_major_formatter().get_offset() == "", ax.get_title()
     lo, hi = figs["entropy"].axes[0].get_ylim()
-    assert hi - lo == pytest.approx(report.MIN_SPAN_REL * 6.8932, rel=1e-12) and (lo + hi) / 2 == pytest.approx(6.8931, rel=1e-12)
+    assert hi - lo == pytest.approx(report.MIN_SPAN_REL * 6.8932, rel=1e-12) and (lo + hi) / 2 == pytest.approx(
+        6.8931, rel=1e-12
+    )
     # a constant β: the line sits in the middle of an axis a quarter of its value wide, its value in the legend
     ax = figs["beta"].axes[0]
     lo, hi = ax.get_ylim()
@@ -108,7 +123,11 @@ def test_coinciding_kl_lines_are_both_visible():
     figs = report.report_figures(_history())
     ax = figs["kl"].axes[0]
     first, second, third = ax.lines
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["kl/ref_mean", "kl/ref_mean_unclamped (= kl/ref_mean)", "kl/k3_mean"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "kl/ref_mean",
+        "kl/ref_mean_unclamped (= kl/ref_mean)",
+        "kl/k3_mean",
+    ]
     assert list(first.get_ydata()) == list(second.get_ydata())
     assert first.get_linestyle() == "-" and second.get_linestyle() == "--" and third.get_linestyle() == ":"
     assert second.get_linewidth() < first.get_linewidth() and second.get_zorder() > first.get_zorder()
@@ -116,5 +135,9 @@ def test_coinciding_kl_lines_are_both_visible():
     _close(figs)
     # lines that differ anywhere say nothing of the sort
     figs = report.report_figures(_history(unclamped=lambda s: 0.01 * s + (0.002 if s == 3 else 0.0)))
-    assert [t.get_text() for t in figs["kl"].axes[0].get_legend().get_texts()] == ["kl/ref_mean", "kl/ref_mean_unclamped", "kl/k3_mean"]
+    assert [t.get_text() for t in figs["kl"].axes[0].get_legend().get_texts()] == [
+        "kl/ref_mean",
+        "kl/ref_mean_unclamped",
+        "kl/k3_mean",
+    ]
     _close(figs)

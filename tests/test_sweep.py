@@ -38,7 +38,9 @@ def test_parse_grid_arg():
         sw.parse_grid_arg("kl.coef=")
 
 
-@pytest.mark.parametrize("value", [0, 0.05, 1e-4, True, None, "fixed", "k3+", [[50, 0.08], [0, 0.03]], "a b", "1.0", "", "off"])
+@pytest.mark.parametrize(
+    "value", [0, 0.05, 1e-4, True, None, "fixed", "k3+", [[50, 0.08], [0, 0.03]], "a b", "1.0", "", "off"]
+)
 def test_format_value_round_trips_through_the_override_parser(value):
     assert parse_override(f"key={sw.format_value(value)}")[1] == value
 
@@ -53,7 +55,13 @@ def test_expand_grid_is_the_cartesian_product_in_order():
     ]
     assert runs[3].overrides == (("kl.coef", 0.05), ("kl.controller", "adaptive"))
     # fixed overrides first, then the sweep's defaults, then the run's own
-    assert runs[3].args() == ["trainer.total_steps=7", "trainer.progress=false", "trainer.report=false", "kl.coef=0.05", "kl.controller=adaptive"]
+    assert runs[3].args() == [
+        "trainer.total_steps=7",
+        "trainer.progress=false",
+        "trainer.report=false",
+        "kl.coef=0.05",
+        "kl.controller=adaptive",
+    ]
     assert runs[2].label() == "kl.coef=0.05, kl.controller=fixed"
     assert runs[2].label({"kl.controller": "controller"}) == "kl.coef=0.05, controller=fixed"
 
@@ -65,9 +73,11 @@ def test_plot_labels_name_each_value_s_key():
     # long keys: their last two parts, more where two keys would read the same; a key all runs set alike is left out
     runs = sw.expand_grid(
         {"trainer.seed": [0, 1]},
-        configs=[{"algo.rollout_correction.level": "token", "actor.optim.lr": 1e-3, "rollout.n": 4},
-                 {"critic.optim.lr": 1e-3, "rollout.n": 4}],
-    )  # fmt: skip
+        configs=[
+            {"algo.rollout_correction.level": "token", "actor.optim.lr": 1e-3, "rollout.n": 4},
+            {"critic.optim.lr": 1e-3, "rollout.n": 4},
+        ],
+    )
     assert list(sw.plot_labels(runs).values()) == [
         "rollout_correction.level=token, actor.optim.lr=0.001, trainer.seed=0",
         "rollout_correction.level=token, actor.optim.lr=0.001, trainer.seed=1",
@@ -91,7 +101,13 @@ def test_expand_grid_configs_times_grid_and_config_keys_win():
         "kl.placement=reward__kl.coef=0.3__kl.estimator=k1",
     ]
     # the config entry's kl.estimator=k3 wins over the grid's k1; a fixed key set in the spec is kept
-    assert runs[0].all_overrides == {"trainer.report": True, "trainer.progress": False, "kl.placement": "loss", "kl.estimator": "k3", "kl.coef": 0.05}
+    assert runs[0].all_overrides == {
+        "trainer.report": True,
+        "trainer.progress": False,
+        "kl.placement": "loss",
+        "kl.estimator": "k3",
+        "kl.coef": 0.05,
+    }
 
 
 def test_expand_grid_duplicate_names_raise():
@@ -103,12 +119,31 @@ def test_expand_grid_duplicate_names_raise():
 
 
 def test_output_dir_is_rejected_wherever_it_is_set(tmp_path, capsys):
-    for kwargs, where in [({"fixed": {"trainer.output_dir": "x"}}, "fixed overrides"), ({"grid": {"trainer.output_dir": ["a", "b"]}}, "grid"),
-                          ({"configs": [{}, {"trainer.output_dir": "y"}]}, r"configs\[1\]")]:  # fmt: skip
-        with pytest.raises(sw.SweepError, match=where + " sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name>"):
+    for kwargs, where in [
+        ({"fixed": {"trainer.output_dir": "x"}}, "fixed overrides"),
+        ({"grid": {"trainer.output_dir": ["a", "b"]}}, "grid"),
+        ({"configs": [{}, {"trainer.output_dir": "y"}]}, r"configs\[1\]"),
+    ]:
+        with pytest.raises(
+            sw.SweepError,
+            match=where + " sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name>",
+        ):
             sw.expand_grid(**kwargs)
     out = tmp_path / "s"
-    assert cli_main(["sweep", "--grid", "kl.coef=0,0.05", f"trainer.output_dir={tmp_path / 'x'}", "--out", str(out), "--dry-run"]) == 2
+    assert (
+        cli_main(
+            [
+                "sweep",
+                "--grid",
+                "kl.coef=0,0.05",
+                f"trainer.output_dir={tmp_path / 'x'}",
+                "--out",
+                str(out),
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     assert "tether sweep: fixed overrides sets trainer.output_dir, which the sweep owns" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "x").exists()
 
@@ -137,11 +172,16 @@ def test_load_spec_merges_file_and_command_line(tmp_path):
         "out: OUT\nworkers: 3\nfixed: {trainer.total_steps: 5}\ngrid: {kl.coef: [0, 0.1], trainer.seed: [0, 1]}\n"
         "configs:\n  - {kl.controller: fixed}\n"
     )
-    spec = sw.load_spec(p, grid=["kl.coef=0.3"], fixed=["trainer.total_steps=9", "actor.lr=0.01"], out=None, workers=None)
+    spec = sw.load_spec(
+        p, grid=["kl.coef=0.3"], fixed=["trainer.total_steps=9", "actor.lr=0.01"], out=None, workers=None
+    )
     assert spec.out == "OUT" and spec.workers == 3
     assert dict(spec.grid) == {"kl.coef": [0.3], "trainer.seed": [0, 1]}
     assert dict(spec.fixed) == {"trainer.total_steps": 9, "actor.lr": 0.01}
-    assert [r.name for r in spec.runs()] == ["kl.controller=fixed__kl.coef=0.3__trainer.seed=0", "kl.controller=fixed__kl.coef=0.3__trainer.seed=1"]
+    assert [r.name for r in spec.runs()] == [
+        "kl.controller=fixed__kl.coef=0.3__trainer.seed=0",
+        "kl.controller=fixed__kl.coef=0.3__trainer.seed=1",
+    ]
     bad = tmp_path / "bad.yaml"
     bad.write_text("gird: {kl.coef: [0]}\n")
     with pytest.raises(sw.SweepError, match="unknown key"):
@@ -184,7 +224,11 @@ def test_finished_config_is_skipped_and_others_resume(tmp_path, monkeypatch):
     assert first.status == "done" and len(fake.calls) == 1
     cmd = fake.calls[0]
     assert cmd[1:4] == ["-m", "tether.cli", "train"]
-    assert f"trainer.output_dir={tmp_path / runs[0].name}" in cmd and "trainer.resume=auto" in cmd and "trainer.threads=1" in cmd
+    assert (
+        f"trainer.output_dir={tmp_path / runs[0].name}" in cmd
+        and "trainer.resume=auto" in cmd
+        and "trainer.threads=1" in cmd
+    )
     marker = json.loads((tmp_path / runs[0].name / sw.DONE_MARKER).read_text())
     assert marker["args"] == runs[0].args() and marker["rc"] == 0
     # the finished run is skipped: no new subprocess
@@ -242,16 +286,34 @@ def _fake_run(d, steps, reward, kl, coef, exact_score, collapse=0.0, finished=Tr
     with (d / "metrics.jsonl").open("w") as f:
         for s in range(1, steps + 1):
             rec = {
-                "step": s, "reward/score_mean": reward(s), "kl/ref_mean": kl(s), "kl/ref_mean_unclamped": kl(s), "kl/coef": coef,
-                "policy/entropy": 1.0, "diversity/unique_frac": 0.5, "diversity/collapse_rate": collapse,
-            }  # fmt: skip
+                "step": s,
+                "reward/score_mean": reward(s),
+                "kl/ref_mean": kl(s),
+                "kl/ref_mean_unclamped": kl(s),
+                "kl/coef": coef,
+                "policy/entropy": 1.0,
+                "diversity/unique_frac": 0.5,
+                "diversity/collapse_rate": collapse,
+            }
             if s % 10 == 0:
                 rec |= {
-                    "val/score_mean": 0.9, "val/collapse_rate": collapse, "exact/score_mean": exact_score(s), "exact/kl_ref_tok": 0.2,
-                    "exact/kl_ref_seq": 0.8, "exact/opt_kl_ref_seq": 0.779, "exact/opt_score_mean": 1.0, "exact/objective": 0.9,
-                    "exact/opt_objective": 0.96, "exact/objective_gap": 0.06, "exact/kl_opt_seq": 1.2, "exact/correct_effective_answers": 20.0,
-                    "exact/opt_correct_effective_answers": 40.0, "exact/effective_answers": 25.0, "exact/collapse_rate@8": 1e-9, "exact/unique_frac@8": 0.95,
-                }  # fmt: skip
+                    "val/score_mean": 0.9,
+                    "val/collapse_rate": collapse,
+                    "exact/score_mean": exact_score(s),
+                    "exact/kl_ref_tok": 0.2,
+                    "exact/kl_ref_seq": 0.8,
+                    "exact/opt_kl_ref_seq": 0.779,
+                    "exact/opt_score_mean": 1.0,
+                    "exact/objective": 0.9,
+                    "exact/opt_objective": 0.96,
+                    "exact/objective_gap": 0.06,
+                    "exact/kl_opt_seq": 1.2,
+                    "exact/correct_effective_answers": 20.0,
+                    "exact/opt_correct_effective_answers": 40.0,
+                    "exact/effective_answers": 25.0,
+                    "exact/collapse_rate@8": 1e-9,
+                    "exact/unique_frac@8": 0.95,
+                }
             f.write(json.dumps(rec) + "\n")
     (d / "config.yaml").write_text("rollout: {temperature: 1.0, n: 8}\n")
     if finished:
@@ -261,7 +323,9 @@ def _fake_run(d, steps, reward, kl, coef, exact_score, collapse=0.0, finished=Tr
 def test_table_contents_from_fake_runs(tmp_path):
     runs = sw.expand_grid({"kl.coef": [0, 0.05, 0.1]})
     out = tmp_path / "sweep"
-    _fake_run(out / runs[0].name, 30, lambda s: s / 100, lambda s: 0.01 * s, 0.0, lambda s: s / 40, collapse=0.5, run=runs[0])
+    _fake_run(
+        out / runs[0].name, 30, lambda s: s / 100, lambda s: 0.01 * s, 0.0, lambda s: s / 40, collapse=0.5, run=runs[0]
+    )
     _fake_run(out / runs[1].name, 40, lambda s: 0.5, lambda s: 0.03, 0.05, lambda s: 0.7, run=runs[1], finished=False)
     rows = sw.summarize_sweep(out, runs, tail=5, exact_final="none", plots=False, echo=lambda *_: None)
     r0, r1, r2 = rows
@@ -269,8 +333,11 @@ def test_table_contents_from_fake_runs(tmp_path):
     assert r0["reward"] == pytest.approx((26 + 27 + 28 + 29 + 30) / 500)  # mean of the last 5 steps
     assert r0["kl_tok"] == pytest.approx(0.28)
     assert r0["collapse_rate"] == 0.5 and r0["val_collapse_rate"] == 0.5 and r0["beta"] == 0.0
-    assert r0["exact_score"] == pytest.approx(0.75) and r0["exact_source"] == "val (log)"  # the last validation (step 30)
-    assert r0["objective_gap"] == pytest.approx(0.06) and r0["exact_collapse"] == 1e-9 and r0["exact_unique_frac"] == 0.95
+    # the last validation (step 30)
+    assert r0["exact_score"] == pytest.approx(0.75) and r0["exact_source"] == "val (log)"
+    assert (
+        r0["objective_gap"] == pytest.approx(0.06) and r0["exact_collapse"] == 1e-9 and r0["exact_unique_frac"] == 0.95
+    )
     assert r0["opt_correct_eff_answers"] == 40.0
     assert r1["status"] == "incomplete" and r1["steps"] == 40 and r1["reward"] == 0.5 and r1["beta"] == 0.05
     assert r2["status"] == "missing" and r2["steps"] == 0 and math.isnan(r2["reward"]) and math.isnan(r2["exact_score"])
@@ -287,7 +354,9 @@ def test_table_contents_from_fake_runs(tmp_path):
 def test_summarize_run_prefers_the_final_exact_evaluation(tmp_path):
     run = sw.expand_grid({"kl.coef": [0.05]})[0]
     _fake_run(tmp_path / run.name, 10, lambda s: 0.5, lambda s: 0.1, 0.05, lambda s: 0.6, run=run)
-    row = sw.summarize_run(tmp_path / run.name, run, exact={"exact/score_mean": 0.99, "exact/collapse_rate@4": 0.25, "_prompts": "all"})
+    row = sw.summarize_run(
+        tmp_path / run.name, run, exact={"exact/score_mean": 0.99, "exact/collapse_rate@4": 0.25, "_prompts": "all"}
+    )
     assert row["exact_score"] == 0.99 and row["exact_source"] == "all" and row["exact_collapse"] == 0.25
     assert math.isnan(row["exact_kl_tok"])
 
@@ -297,7 +366,16 @@ def test_plots_are_written(tmp_path):
     for r in runs:
         _fake_run(tmp_path / r.name, 10, lambda s: 0.5, lambda s: 0.1, 0.05, lambda s: 0.6, run=r)
     rows = sw.summarize_sweep(tmp_path, runs, exact_final="none", plots=False, echo=lambda *_: None)
-    curve = [{"beta": b, "kl_tok": 0.2 / (1 + b), "reward": 1 - b / 10, "correct_effective_answers": 40.0, "unique_frac": 0.9} for b in (0.05, 0.3, 1.0)]
+    curve = [
+        {
+            "beta": b,
+            "kl_tok": 0.2 / (1 + b),
+            "reward": 1 - b / 10,
+            "correct_effective_answers": 40.0,
+            "unique_frac": 0.9,
+        }
+        for b in (0.05, 0.3, 1.0)
+    ]
     paths = sw.plot_sweep(rows, curve, tmp_path)
     assert [p.name for p in paths] == ["reward_vs_kl.png", "reward_vs_diversity.png"]
     assert all(p.stat().st_size > 5000 for p in paths)
@@ -311,13 +389,25 @@ def _close(figs):
 
 
 def test_sweep_legends_and_the_hollow_note(tmp_path):
-    # Regressions: legends gave bare values ("0.05"); "hollow: sampled" was in the axis labels with no hollow point drawn.
+    # Regressions: legends gave bare values ("0.05"); "hollow: sampled" was in the axis labels with no hollow point
+    # drawn.
     runs = sw.expand_grid({"kl.coef": [0, 0.05, 0.1]})
     for r in runs[:2]:
-        _fake_run(tmp_path / r.name, 10, lambda s: 0.5, lambda s: 0.1, 0.05, lambda s: 0.6, run=r)  # exact/* logged at step 10
-    _fake_run(tmp_path / runs[2].name, 5, lambda s: 0.4, lambda s: 0.2, 0.1, lambda s: 0.6, run=runs[2])  # sampled columns only
+        # exact/* logged at step 10
+        _fake_run(tmp_path / r.name, 10, lambda s: 0.5, lambda s: 0.1, 0.05, lambda s: 0.6, run=r)
+    # sampled columns only
+    _fake_run(tmp_path / runs[2].name, 5, lambda s: 0.4, lambda s: 0.2, 0.1, lambda s: 0.6, run=runs[2])
     rows = sw.summarize_sweep(tmp_path, runs, exact_final="none", plots=False, echo=lambda *_: None)
-    curve = [{"beta": b, "kl_tok": 0.2 / (1 + b), "reward": 1 - b / 10, "correct_effective_answers": 40.0, "unique_frac": 0.9} for b in (0.05, 0.3, 1.0)]
+    curve = [
+        {
+            "beta": b,
+            "kl_tok": 0.2 / (1 + b),
+            "reward": 1 - b / 10,
+            "correct_effective_answers": 40.0,
+            "unique_frac": 0.9,
+        }
+        for b in (0.05, 0.3, 1.0)
+    ]
     labels = sw.plot_labels(runs)
 
     figs = sw.sweep_figures(rows[:2], curve, labels)  # every point exact: no hollow note
@@ -331,16 +421,27 @@ def test_sweep_legends_and_the_hollow_note(tmp_path):
     figs = sw.sweep_figures(rows, curve, labels)  # the third run is drawn hollow
     (ax,) = figs["reward_vs_kl"].axes
     assert ax.get_xlabel() == "KL(π‖π_ref), nats per token (filled: exact; hollow: sampled)"
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["exact optimum π*_β", "kl.coef=0", "kl.coef=0.05", "kl.coef=0.1"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "exact optimum π*_β",
+        "kl.coef=0",
+        "kl.coef=0.05",
+        "kl.coef=0.1",
+    ]
     points = {c.get_label(): c for c in ax.collections}
-    assert points["kl.coef=0.1"].get_facecolor().size == 0 and points["kl.coef=0"].get_facecolor()[0][3] == 1  # hollow, filled
+    # hollow, filled
+    assert points["kl.coef=0.1"].get_facecolor().size == 0 and points["kl.coef=0"].get_facecolor()[0][3] == 1
     left, right = figs["reward_vs_diversity"].axes
     assert left.get_xlabel().endswith("(exact)")  # this panel has no sampled fallback: the run is not drawn
     assert [c.get_label() for c in left.collections] == ["kl.coef=0", "kl.coef=0.05"]
     assert right.get_xlabel() == "unique fraction among n samples (filled: exact; hollow: sampled)"
     # one legend for both panels, and a run keeps its colour in each
     assert left.get_legend() is None
-    assert [t.get_text() for t in right.get_legend().get_texts()] == ["exact optimum π*_β", "kl.coef=0", "kl.coef=0.05", "kl.coef=0.1"]
+    assert [t.get_text() for t in right.get_legend().get_texts()] == [
+        "exact optimum π*_β",
+        "kl.coef=0",
+        "kl.coef=0.05",
+        "kl.coef=0.1",
+    ]
     for c in right.collections:
         assert list(c.get_edgecolor()[0]) == list(points[c.get_label()].get_edgecolor()[0])
     _close(figs)
@@ -357,8 +458,13 @@ def test_curve_beta_labels_do_not_overlap():
     betas = [0.0, 0.05, 0.1, 0.3, 0.5, 1.0, 2.0, 100.0]
     kl = [0.2, 0.1999, 0.1995, 0.15, 0.1, 0.05, 0.02, 0.0]
     reward = [1.0, 0.9999, 0.999, 0.96, 0.9, 0.75, 0.6, 0.46]
-    curve = [{"beta": b, "kl_tok": k, "reward": r, "correct_effective_answers": 47.2, "unique_frac": 0.95 - k} for b, k, r in zip(betas, kl, reward, strict=True)]
-    rows = [{"name": "a", "exact_kl_tok": 0.25, "exact_score": 0.9, "correct_eff_answers": 35.0, "exact_unique_frac": 0.9}]
+    curve = [
+        {"beta": b, "kl_tok": k, "reward": r, "correct_effective_answers": 47.2, "unique_frac": 0.95 - k}
+        for b, k, r in zip(betas, kl, reward, strict=True)
+    ]
+    rows = [
+        {"name": "a", "exact_kl_tok": 0.25, "exact_score": 0.9, "correct_eff_answers": 35.0, "exact_unique_frac": 0.9}
+    ]
     figs = sw.sweep_figures(rows, curve)
     seen = {}
     for key, fig in figs.items():
@@ -374,9 +480,13 @@ def test_curve_beta_labels_do_not_overlap():
                 for j in range(i):
                     assert not boxes[i].overlaps(boxes[j]), (notes[i].get_text(), notes[j].get_text())
                     assert math.dist(anchors[i], anchors[j]) >= sep
-    assert list(seen.values()) == [
-        ["β=0.05", "β=0.3", "β=0.5", "β=1", "β=2"],  # β=0.1 sits on β=0.05: left out in each panel
-    ] * 3
+    assert (
+        list(seen.values())
+        == [
+            ["β=0.05", "β=0.3", "β=0.5", "β=1", "β=2"],  # β=0.1 sits on β=0.05: left out in each panel
+        ]
+        * 3
+    )
     _close(figs)
 
 
@@ -385,7 +495,11 @@ def test_optimum_curve_matches_the_closed_form():
     assert prompts == ["3,6=", "3,11=", "3,16=", "3,21="]
     lo, hi = sw.optimum_curve(prompts, [0.01, 100.0])
     # β → 0: π_ref conditioned on being correct (reward 1, KL = −log P_ref(correct) ≈ 0.78 nats)
-    assert lo["reward"] == pytest.approx(1.0, abs=1e-6) and 0.6 < lo["kl_seq"] < 1.0 and lo["kl_tok"] == pytest.approx(lo["kl_seq"] / 4, rel=0.1)
+    assert (
+        lo["reward"] == pytest.approx(1.0, abs=1e-6)
+        and 0.6 < lo["kl_seq"] < 1.0
+        and lo["kl_tok"] == pytest.approx(lo["kl_seq"] / 4, rel=0.1)
+    )
     # β → ∞: π_ref (reward ≈ 0.46, KL ≈ 0)
     assert 0.4 < hi["reward"] < 0.52 and hi["kl_seq"] < 1e-3
     # conditioning on correctness does not change the spread over correct answers
@@ -397,9 +511,27 @@ def test_optimum_curve_matches_the_closed_form():
 
 
 def test_cli_dry_run_and_bad_spec(tmp_path, capsys):
-    rc = cli_main(["sweep", "--grid", "kl.coef=0,0.05", "trainer.total_steps=2", "--out", str(tmp_path / "s"), "--dry-run", "--workers", "1"])
+    rc = cli_main(
+        [
+            "sweep",
+            "--grid",
+            "kl.coef=0,0.05",
+            "trainer.total_steps=2",
+            "--out",
+            str(tmp_path / "s"),
+            "--dry-run",
+            "--workers",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
-    assert rc == 0 and len(out) == 2 and out[0].startswith("[to run] ") and "kl.coef=0.05" in out[1] and "trainer.total_steps=2" in out[1]
+    assert (
+        rc == 0
+        and len(out) == 2
+        and out[0].startswith("[to run] ")
+        and "kl.coef=0.05" in out[1]
+        and "trainer.total_steps=2" in out[1]
+    )
     assert cli_main(["sweep", "--grid", "kl.coeff=0,1", "--dry-run"]) == 2
     assert "unknown config key 'kl.coeff'" in capsys.readouterr().err
     assert cli_main(["sweep", "--grid", "kl.coef", "--dry-run"]) == 2
@@ -409,8 +541,22 @@ def test_cli_dry_run_and_bad_spec(tmp_path, capsys):
 def test_tiny_real_sweep(tmp_path, capsys):
     """2 configs × 2 steps of real training, exact evaluation on the val prompts, then a resumed no-op."""
     out = tmp_path / "sweep"
-    args = ["sweep", "--grid", "kl.coef=0,0.05", "trainer.total_steps=2", "trainer.val_freq=2", "data.batch_size=4", "rollout.n=4",
-            "trainer.loggers=[jsonl]", "--out", str(out), "--workers", "2", "--exact-final", "val"]  # fmt: skip
+    args = [
+        "sweep",
+        "--grid",
+        "kl.coef=0,0.05",
+        "trainer.total_steps=2",
+        "trainer.val_freq=2",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "trainer.loggers=[jsonl]",
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--exact-final",
+        "val",
+    ]
     assert cli_main(args) == 0
     with (out / "table.csv").open() as f:
         rows = {r["name"]: r for r in csv.DictReader(f)}
@@ -421,7 +567,8 @@ def test_tiny_real_sweep(tmp_path, capsys):
         assert r["status"] == "finished" and r["steps"] == "2" and r["exact_source"] == "val"
         assert 0.3 < float(r["exact_score"]) < 0.7  # two small steps from π_ref (0.46 on these prompts)
         assert 0 <= float(r["exact_kl_tok"]) < 0.1
-        # KL(π*_β‖π_ref) at the run's final β (floored at 1e-6): the optimum's curve at that β, ≈ −log P_ref(correct) for small β
+        # KL(π*_β‖π_ref) at the run's final β (floored at 1e-6): the optimum's curve at that β, ≈ −log P_ref(correct)
+        # for small β
         assert float(r["opt_kl_seq"]) == pytest.approx(optimum[max(float(r["beta"]), 1e-6)]["kl_seq"], rel=1e-9)
         assert float(r["opt_kl_seq"]) == pytest.approx(0.78, abs=0.1)
         assert (out / name / sw.EXACT_FINAL).is_file() and (out / name / sw.DONE_MARKER).is_file()

@@ -29,7 +29,9 @@ def test_the_table_gets_the_last_gold_and_gap(tmp_path):
     sw.write_table([a, b], tmp_path / "out")
     with (tmp_path / "out" / "table.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert float(table[0]["val_gold"]) == 0.7 and float(table[0]["val_gold_gap"]) == 0.2 and table[1]["val_gold"] == "nan"
+    assert (
+        float(table[0]["val_gold"]) == 0.7 and float(table[0]["val_gold_gap"]) == 0.2 and table[1]["val_gold"] == "nan"
+    )
     md = (tmp_path / "out" / "table.md").read_text().splitlines()
     assert md[0].endswith("| val score | val gold | val gap (score − gold) |")
     assert md[2].endswith("| 0.900 | 0.700 | 0.200 |") and md[3].endswith("| 0.900 | – | – |")

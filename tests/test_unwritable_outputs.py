@@ -63,15 +63,18 @@ def test_output_problem_finds_a_read_only_or_unwritable_directory(tmp_path, monk
     (tmp_path / "out").mkdir()
     _read_only(monkeypatch, tmp_path)
     assert output_problem(tmp_path / "x.json", "file", "--out") == (
-        f"--out {tmp_path / 'x.json'} cannot be written: {tmp_path} is on a read-only file system")
+        f"--out {tmp_path / 'x.json'} cannot be written: {tmp_path} is on a read-only file system"
+    )
     assert output_problem(tmp_path / "new" / "deeper", "dir", "OUT_DIR") == (
-        f"OUT_DIR {tmp_path / 'new' / 'deeper'} cannot be written: {tmp_path} is on a read-only file system")
+        f"OUT_DIR {tmp_path / 'new' / 'deeper'} cannot be written: {tmp_path} is on a read-only file system"
+    )
     assert output_problem(tmp_path / "out", "dir", "--out") is None  # written in, not beside: its own directory counts
     assert "read-only file system" in output_problem(tmp_path / "out", "dir", "--out", beside=True)
     monkeypatch.undo()
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != tmp_path / "out")
     assert output_problem(tmp_path / "out", "dir", "--out") == (
-        f"--out {tmp_path / 'out'} cannot be written: {tmp_path / 'out'} is not writable (permission denied)")
+        f"--out {tmp_path / 'out'} cannot be written: {tmp_path / 'out'} is not writable (permission denied)"
+    )
     assert output_problem(tmp_path / "out" / "x.json", "file", "--out").endswith("is not writable (permission denied)")
     assert output_problem(tmp_path / "y.json", "file", "--out") is None
 
@@ -84,7 +87,8 @@ def test_atomic_output_leaves_nothing_on_failure(tmp_path):
         raise ENOSPC
     assert str(e.value) == f"cannot write {target}: No space left on device (no partial output was left)"
     assert e.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []  # the parents it made are gone too
-    with pytest.raises(KeyError), atomic_output(tmp_path / "f.json", "file") as tmp:  # not an I/O error: re-raised as is
+    # not an I/O error: re-raised as is
+    with pytest.raises(KeyError), atomic_output(tmp_path / "f.json", "file") as tmp:
         tmp.write_text("{")
         raise KeyError("bug")
     assert list(tmp_path.iterdir()) == []
@@ -93,7 +97,10 @@ def test_atomic_output_leaves_nothing_on_failure(tmp_path):
 def test_io_errno_reads_wrappers_text():
     from safetensors import SafetensorError
 
-    assert io_errno(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")) == errno.ENOSPC
+    assert (
+        io_errno(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
+        == errno.ENOSPC
+    )
     assert io_errno(RuntimeError("rank 1: [Errno 30] Read-only file system: 'x'")) == errno.EROFS
     try:
         try:
@@ -112,7 +119,9 @@ def test_io_errno_reads_wrappers_text():
 def plain_ckpt(tmp_path_factory) -> Path:
     """A checkpoint whose actor is the embedded task's shipped reference (a full model: copied on export)."""
     root = tmp_path_factory.mktemp("plain")
-    return write_checkpoint(root / "checkpoints", 2, {"weights": lambda d: shutil.copytree(default_reference_path(), d / "actor")})
+    return write_checkpoint(
+        root / "checkpoints", 2, {"weights": lambda d: shutil.copytree(default_reference_path(), d / "actor")}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +131,9 @@ def lora_ckpt(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = str(default_reference_path())
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(ref), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(ref), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
 
     def weights(d):
         model.save_pretrained(d / "actor")
@@ -145,7 +156,10 @@ def test_export_copy_fails_on_a_full_disk_and_leaves_no_truncated_model(plain_ck
     out = tmp_path / "hf"
     capsys.readouterr()
     assert main(["export", str(plain_ckpt), str(out)]) == 4
-    assert _one_line(capsys.readouterr().err) == f"tether export: cannot write {out}: No space left on device (no partial output was left)"
+    assert (
+        _one_line(capsys.readouterr().err)
+        == f"tether export: cannot write {out}: No space left on device (no partial output was left)"
+    )
     assert _tree(tmp_path) == {}  # no hf/, no .hf.tmp-<pid>/
     monkeypatch.undo()
     assert main(["export", str(plain_ckpt), str(out)]) == 0  # once the disk is fixed
@@ -153,12 +167,22 @@ def test_export_copy_fails_on_a_full_disk_and_leaves_no_truncated_model(plain_ck
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
-@pytest.mark.parametrize("failure, reason", [
-    (lambda: EROFS, "Read-only file system"),
-    (lambda: __import__("safetensors").SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
-     "No space left on device"),  # what safetensors raises on a full disk: no errno, only its text
-], ids=["erofs", "safetensors-enospc"])  # fmt: skip
-def test_export_save_pretrained_failure_keeps_an_empty_out_dir_empty(lora_ckpt, tmp_path, monkeypatch, capsys, failure, reason):
+@pytest.mark.parametrize(
+    "failure, reason",
+    [
+        (lambda: EROFS, "Read-only file system"),
+        (
+            lambda: __import__("safetensors").SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            ),
+            "No space left on device",
+        ),  # what safetensors raises on a full disk: no errno, only its text
+    ],
+    ids=["erofs", "safetensors-enospc"],
+)
+def test_export_save_pretrained_failure_keeps_an_empty_out_dir_empty(
+    lora_ckpt, tmp_path, monkeypatch, capsys, failure, reason
+):
     import transformers.modeling_utils as mu
 
     real = mu.safe_save_file
@@ -174,7 +198,10 @@ def test_export_save_pretrained_failure_keeps_an_empty_out_dir_empty(lora_ckpt, 
     out.mkdir()  # an empty OUT_DIR is allowed, and stays as it was
     capsys.readouterr()
     assert main(["export", str(lora_ckpt), str(out)]) == 4
-    assert _one_line(capsys.readouterr().err) == f"tether export: cannot write {out}: {reason} (no partial output was left)"
+    assert (
+        _one_line(capsys.readouterr().err)
+        == f"tether export: cannot write {out}: {reason} (no partial output was left)"
+    )
     assert _tree(tmp_path) == {"hf": None}
 
 
@@ -184,14 +211,18 @@ def test_export_refuses_a_read_only_or_too_small_target_before_writing(plain_ckp
     _read_only(monkeypatch, tmp_path)
     assert main(["export", str(plain_ckpt), str(tmp_path / "hf")]) == 2
     assert _one_line(capsys.readouterr().err) == (
-        f"tether export: OUT_DIR {tmp_path / 'hf'} cannot be written: {tmp_path} is on a read-only file system")
+        f"tether export: OUT_DIR {tmp_path / 'hf'} cannot be written: {tmp_path} is on a read-only file system"
+    )
     monkeypatch.undo()
     monkeypatch.setattr(shutil, "copy2", lambda *a, **kw: written.append(a))
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(total=10**9, used=10**9 - 4096, free=4096))
     assert main(["export", str(plain_ckpt), str(tmp_path / "hf")]) == 4
     err = _one_line(capsys.readouterr().err)
     need = sum(f.stat().st_size for f in (plain_ckpt / "actor").iterdir())  # the actor's files, copied as they are
-    assert err.startswith(f"tether export: cannot write {tmp_path / 'hf'}: No space left on device: it needs about {need / 1024:.2f} KiB ({need} bytes), ")
+    assert err.startswith(
+        f"tether export: cannot write {tmp_path / 'hf'}: No space left on device: it needs about {need / 1024:.2f} KiB "
+        f"({need} bytes), "
+    )
     assert err.endswith("4.00 KiB (4096 bytes) free (nothing was written)")
     assert written == [] and _tree(tmp_path) == {}
 
@@ -211,7 +242,16 @@ def test_export_into_a_non_empty_directory_is_still_refused(plain_ckpt, tmp_path
 def run(tmp_path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"step": s, "reward/score_mean": 0.1 * s, "kl/ref_mean": 0.01 * s, "kl/coef": 0.05, "policy/entropy": 1 - 0.1 * s} for s in range(1, 5)]
+    rows = [
+        {
+            "step": s,
+            "reward/score_mean": 0.1 * s,
+            "kl/ref_mean": 0.01 * s,
+            "kl/coef": 0.05,
+            "policy/entropy": 1 - 0.1 * s,
+        }
+        for s in range(1, 5)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
 
@@ -243,7 +283,8 @@ def test_report_write_failure_leaves_the_earlier_report_intact(run, monkeypatch,
     _savefig_fails_on_the_third(monkeypatch, error)
     assert main(["report", str(run)]) == 4
     assert _one_line(capsys.readouterr().err) == (
-        f"tether report: cannot write {run / 'report'}: {error.strerror} (no partial output was left)")
+        f"tether report: cannot write {run / 'report'}: {error.strerror} (no partial output was left)"
+    )
     assert _tree(run) == before  # every old PNG and summary.md byte for byte, no .report.tmp-<pid>/
     monkeypatch.undo()
     assert main(["report", str(run)]) == 0
@@ -263,7 +304,10 @@ def test_report_failure_at_the_summary_or_the_rename_leaves_no_report(run, monke
 
     monkeypatch.setattr(Path, "write_text", write_text)
     assert main(["report", str(run)]) == 4
-    assert _one_line(capsys.readouterr().err) == f"tether report: cannot write {run / 'report'}: No space left on device (no partial output was left)"
+    assert (
+        _one_line(capsys.readouterr().err)
+        == f"tether report: cannot write {run / 'report'}: No space left on device (no partial output was left)"
+    )
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
     monkeypatch.undo()
 
@@ -283,7 +327,8 @@ def test_report_on_a_read_only_run_is_refused_before_drawing(run, monkeypatch, c
     _read_only(monkeypatch, run)
     assert main(["report", str(run)]) == 2
     assert _one_line(capsys.readouterr().err) == (
-        f"tether report: the report directory {run / 'report'} cannot be written: {run} is on a read-only file system")
+        f"tether report: the report directory {run / 'report'} cannot be written: {run} is on a read-only file system"
+    )
     (run / "report").write_text("a file")
     assert main(["report", str(run)]) == 2
     assert "is a file, expected a directory" in _one_line(capsys.readouterr().err)
@@ -310,7 +355,10 @@ def test_eval_out_write_failure_keeps_the_earlier_results(tmp_path, monkeypatch,
     assert main([*EVAL, "--out", str(out)]) == 4
     captured = capsys.readouterr()
     assert "pass@1" in captured.out  # the table was printed before the write
-    assert _one_line(captured.err) == f"tether eval: cannot write {out}: No space left on device (no partial output was left)"
+    assert (
+        _one_line(captured.err)
+        == f"tether eval: cannot write {out}: No space left on device (no partial output was left)"
+    )
     assert _tree(tmp_path) == {"res.json": b'{"earlier": "results"}\n', "res.txt": b"earlier table\n"}
 
 
@@ -322,10 +370,18 @@ def test_eval_out_rename_failure_and_read_only_target(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(os, "replace", replace)
     assert main([*EVAL, "--out", str(out)]) == 4
-    assert _one_line(capsys.readouterr().err) == f"tether eval: cannot write {out}: Read-only file system (no partial output was left)"
+    assert (
+        _one_line(capsys.readouterr().err)
+        == f"tether eval: cannot write {out}: Read-only file system (no partial output was left)"
+    )
     assert _tree(tmp_path) == {}  # not even sub/
     monkeypatch.undo()
     _read_only(monkeypatch, tmp_path)
-    monkeypatch.setattr("tether.evaluation.evaluate.evaluate", lambda *a, **kw: pytest.fail("evaluated with a read-only --out"))
+    monkeypatch.setattr(
+        "tether.evaluation.evaluate.evaluate", lambda *a, **kw: pytest.fail("evaluated with a read-only --out")
+    )
     assert main([*EVAL, "--out", str(out)]) == 2
-    assert _one_line(capsys.readouterr().err) == f"tether eval: --out {out} cannot be written: {tmp_path} is on a read-only file system"
+    assert (
+        _one_line(capsys.readouterr().err)
+        == f"tether eval: --out {out} cannot be written: {tmp_path} is on a read-only file system"
+    )

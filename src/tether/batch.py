@@ -160,4 +160,6 @@ class RolloutBatch:
         Args:
             rows: (B,) bool, True = drop.
         """
-        self.response_mask = self.response_mask * (~rows.to(self.response_mask.device)).unsqueeze(1).to(self.response_mask.dtype)
+        self.response_mask = self.response_mask * (~rows.to(self.response_mask.device)).unsqueeze(1).to(
+            self.response_mask.dtype
+        )

@@ -76,8 +76,15 @@ def _fault_spec() -> tuple[str, int, str] | None:
         return None
     parts = spec.split(":")
     kinds = ("kill", *_FAULT_ERRNOS)
-    if len(parts) not in (2, 3) or parts[0] not in kinds or not parts[1].isdigit() or (len(parts) == 3 and parts[2] not in FAULT_POINTS):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected {'|'.join(kinds)}:<step>[:<point>], point one of {', '.join(FAULT_POINTS)}")
+    if (
+        len(parts) not in (2, 3)
+        or parts[0] not in kinds
+        or not parts[1].isdigit()
+        or (len(parts) == 3 and parts[2] not in FAULT_POINTS)
+    ):
+        raise ValueError(
+            f"{FAULT_ENV}={spec!r}: expected {'|'.join(kinds)}:<step>[:<point>], point one of {', '.join(FAULT_POINTS)}"
+        )
     return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "weights"
 
 
@@ -102,30 +109,40 @@ def _tree_bytes(path: Path) -> int:
 
 def _expected_bytes(ckpt_root: Path, step: int) -> int | None:
     """The size of the newest other complete checkpoint (the same model and optimizer: the same size), bytes."""
-    others = [p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != step_dir_name(step) and (p / MANIFEST).is_file()]
+    others = [
+        p for p in ckpt_root.glob("step_*") if p.is_dir() and p.name != step_dir_name(step) and (p / MANIFEST).is_file()
+    ]
     return _tree_bytes(max(others, key=lambda p: p.name)) if others else None
 
 
 def _write_failure(e: BaseException, ckpt_root: Path, step: int, expected: int | None) -> CheckpointWriteError:
-    """One line for a failed write: the OS's reason (ENOSPC, EROFS, ...), found also under torch's and DCP's wrappers."""
+    """One line for a failed write: the OS's reason (ENOSPC, EROFS, ...), found also under torch's and DCP's
+    wrappers."""
     cause, seen = e, set()
     while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     free = shutil.disk_usage(ckpt_root).free if ckpt_root.exists() else None
     code = getattr(cause, "errno", None)
-    if code is None and (m := re.search(r"\[Errno (\d+)\]", str(e))):  # a Ray worker group's error: each rank's OSError as text
+    # a Ray worker group's error: each rank's OSError as text
+    if code is None and (m := re.search(r"\[Errno (\d+)\]", str(e))):
         code = int(m.group(1))
     if code is None and free is not None and expected is not None and free < expected:
         code = errno.ENOSPC  # torch.save reports a full disk as "unexpected pos ..." with no errno
     if code == errno.ENOSPC:
-        need = f"it needs about {_gib(expected)} (the size of the last checkpoint)" if expected else "its size is unknown (no earlier checkpoint)"
+        need = (
+            f"it needs about {_gib(expected)} (the size of the last checkpoint)"
+            if expected
+            else "its size is unknown (no earlier checkpoint)"
+        )
         why = f"no space left on device: {need}, {_gib(free)} free"
     elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = f"{os.strerror(code).lower()}: the directory cannot be written"
     else:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    return CheckpointWriteError(code or 0, f"checkpoint step {step} not written to {ckpt_root}: {why}; the partial write was removed")
+    return CheckpointWriteError(
+        code or 0, f"checkpoint step {step} not written to {ckpt_root}: {why}; the partial write was removed"
+    )
 
 
 def _gib(n: int | None) -> str:
@@ -254,15 +271,19 @@ def verify_checkpoint(path: Path, only: str | None = None) -> dict:
     """
     path = Path(path)
     if path.is_file():
-        raise CheckpointError(f"checkpoint {path} is a file, not a checkpoint directory (a checkpoints/step_NNNNNN directory of a run)")
+        raise CheckpointError(
+            f"checkpoint {path} is a file, not a checkpoint directory (a checkpoints/step_NNNNNN directory of a run)"
+        )
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     mpath = path / MANIFEST
     if not mpath.is_file() and (path / "checkpoints").is_dir():
         steps = [p.name for _, p in list_checkpoints(path / "checkpoints")]
-        raise CheckpointError(f"checkpoint {path} is a run directory, not one of its checkpoints: give {path / 'checkpoints'}/<step> "
-                              f"({', '.join(steps[-3:]) or 'none written yet'}), or set trainer.output_dir={str(path)!r} with "
-                              "trainer.resume=auto to continue the run")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {path} is a run directory, not one of its checkpoints: give {path / 'checkpoints'}/<step> "
+            f"({', '.join(steps[-3:]) or 'none written yet'}), or set trainer.output_dir={str(path)!r} with "
+            "trainer.resume=auto to continue the run"
+        )
     if not mpath.is_file():
         raise CheckpointError(f"checkpoint {path}: incomplete (no {MANIFEST}: the write did not finish)")
     try:
@@ -270,7 +291,11 @@ def verify_checkpoint(path: Path, only: str | None = None) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint {path}: file {MANIFEST} is corrupt (not JSON)") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or not files or not all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in files.values()):
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in files.values())
+    ):
         raise CheckpointError(f"checkpoint {path}: file {MANIFEST} is corrupt (no file list)")
     if only is not None and not any(rel.startswith(only) for rel in files):
         raise CheckpointError(f"checkpoint {path}: file {MANIFEST} lists no {only} files")
@@ -284,7 +309,9 @@ def verify_checkpoint(path: Path, only: str | None = None) -> dict:
             raise CheckpointError(f"checkpoint {path}: file {rel} is missing")
         size = f.stat().st_size
         if size != meta["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: file {rel} has {size} bytes, expected {meta['bytes']} (truncated?)")
+            raise CheckpointError(
+                f"checkpoint {path}: file {rel} has {size} bytes, expected {meta['bytes']} (truncated?)"
+            )
         if _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"checkpoint {path}: file {rel} fails its sha256 check (corrupt)")
     return manifest
@@ -353,7 +380,13 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int, protect: set[int], verifi
 
 
 def _file_stats(path: Path) -> tuple:
-    return tuple(sorted((q.relative_to(path).as_posix(), q.stat().st_size, q.stat().st_mtime_ns) for q in path.rglob("*") if q.is_file()))
+    return tuple(
+        sorted(
+            (q.relative_to(path).as_posix(), q.stat().st_size, q.stat().st_mtime_ns)
+            for q in path.rglob("*")
+            if q.is_file()
+        )
+    )
 
 
 def _verifies(path: Path, verified: dict | None) -> bool:
@@ -379,8 +412,12 @@ def _set_aside(path: Path) -> Path:
         i += 1
         target = path.with_name(f"corrupt-{path.name}-{i}")
     os.replace(path, target)
-    log.warning("checkpoint pruning: %s fails verification; moved it to %s (not counted toward trainer.keep_last, "
-                "never resumed from; delete it once inspected)", path, target.name)
+    log.warning(
+        "checkpoint pruning: %s fails verification; moved it to %s (not counted toward trainer.keep_last, "
+        "never resumed from; delete it once inspected)",
+        path,
+        target.name,
+    )
     return target
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 USAGE = """tether: KL-regularized RL from feedback for language models
 
   tether train [CONFIG.yaml] [key=value ...]   train (no arguments: the embedded digit-sum task)
-  tether sft [--out DIR] [--seed N] [--steps N] train the embedded task's reference policy (default: into runs/sft-reference)
+  tether sft [--out DIR] [--seed N] [--steps N] train the embedded task's reference policy
+                                                (default: into runs/sft-reference)
   tether report RUN_DIR                         plots + summary.md of a run
   tether doctor RUN_DIR                         health checks of a run's metrics
   tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
@@ -47,8 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     if config is not None and not Path(config).exists() and not config.endswith((".yaml", ".yml")):
-        print(f"tether train: {config!r} is neither a config file (no such file) nor an override: an override needs "
-              f"key=value, e.g. {config}=VALUE (tether train --help-config lists every key)", file=sys.stderr)
+        print(
+            f"tether train: {config!r} is neither a config file (no such file) nor an override: an override needs "
+            f"key=value, e.g. {config}=VALUE (tether train --help-config lists every key)",
+            file=sys.stderr,
+        )
         return 2
     try:
         cfg = load_config(config, overrides)
@@ -72,8 +76,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except CheckpointWriteError as e:  # a full or read-only disk: one line, the resume point, the command
         saved = trainer.ckpt.checkpoints()
         last = f"the last complete checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
-        print(f"tether train: {e.strerror}; {last}. To continue once the disk is fixed:\n  {resume_command(config, overrides, trainer.run_dir)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"tether train: {e.strerror}; {last}. To continue once the disk is fixed:\n  "
+            f"{resume_command(config, overrides, trainer.run_dir)}",
+            file=sys.stderr,
+        )
         return 4
     except KeyboardInterrupt as e:  # TrainingInterrupted (SIGTERM/SIGINT, tether.signals) or a bare Ctrl-C
         saved = trainer.ckpt.checkpoints()
@@ -82,9 +89,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             what = f"stopped by {signal_name(e.signum)} after step {e.step}; checkpoint step {e.step} written"
         else:
-            what = f"interrupted at step {trainer.step}; " + (f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet")
-        again = "To continue" if saved or (isinstance(e, TrainingInterrupted) and e.step is not None) else "To start again (from step 0)"
-        print(f"\ntether train: {what}. {again}:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr)
+            what = f"interrupted at step {trainer.step}; " + (
+                f"the last checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
+            )
+        again = (
+            "To continue"
+            if saved or (isinstance(e, TrainingInterrupted) and e.step is not None)
+            else "To start again (from step 0)"
+        )
+        print(
+            f"\ntether train: {what}. {again}:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr
+        )
         return e.exit_code if isinstance(e, TrainingInterrupted) else 130
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
@@ -107,9 +122,14 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if problem := output_problem(out, "dir", "--out"):
         print(f"tether sft: {problem}", file=sys.stderr)
         return 2
-    if out.is_dir() and any(out.iterdir()) and not (out / "model.safetensors").is_file():  # a reference is replaced, nothing else
-        print(f"tether sft: --out {out} holds files but no model.safetensors (not a reference to rebuild): choose an empty or new "
-              "directory", file=sys.stderr)  # fmt: skip
+    # a reference is replaced, nothing else
+    if out.is_dir() and any(out.iterdir()) and not (out / "model.safetensors").is_file():
+        print(
+            f"tether sft: --out {out} holds files but no model.safetensors (not a reference to rebuild): choose an "
+            "empty or new "
+            "directory",
+            file=sys.stderr,
+        )
         return 2
     kwargs = {"seed": args.seed}
     if args.steps is not None:
@@ -119,8 +139,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
         kwargs["steps"] = args.steps
     steps = kwargs.get("steps", DEFAULT_STEPS)
     shipped = out.resolve() == default_reference_path().resolve()
-    print(f"tether sft: {steps} SFT steps into {out}{' (the shipped reference)' if shipped else ''}, about {steps / 20:.0f} s on one core; "
-          "the loss is printed every 250 steps", file=sys.stderr)  # fmt: skip
+    print(
+        f"tether sft: {steps} SFT steps into {out}{' (the shipped reference)' if shipped else ''}, about "
+        f"{steps / 20:.0f} s on one core; "
+        "the loss is printed every 250 steps",
+        file=sys.stderr,
+    )
     path = build_reference(out, log_every=250, **kwargs)
     print(f"reference policy written to {path}")
     if not shipped:
@@ -179,7 +203,9 @@ def cmd_data(args: argparse.Namespace) -> int:
     from tether.data import DataError, convert_gsm8k
 
     try:
-        n = convert_gsm8k(Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {}))
+        n = convert_gsm8k(
+            Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {})
+        )
     except DataError as e:
         print(f"tether data: {e}", file=sys.stderr)
         return 2
@@ -193,19 +219,33 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     items = list(args.items)
     spec = items.pop(0) if items and items[0].endswith((".yaml", ".yml")) and "=" not in items[0] else None
     return main_sweep(
-        spec, args.grid, items, out=args.out, workers=args.workers, tail=args.tail,
-        exact_final=args.exact_final, dry_run=args.dry_run, table_only=args.table_only,
-    )  # fmt: skip
+        spec,
+        args.grid,
+        items,
+        out=args.out,
+        workers=args.workers,
+        tail=args.tail,
+        exact_final=args.exact_final,
+        dry_run=args.dry_run,
+        table_only=args.table_only,
+    )
 
 
 def _add_sweep_parser(sub) -> None:
     w = sub.add_parser("sweep", help="run a grid of train configs in parallel (resumable); table and plots")
     w.add_argument("items", nargs="*", help="optional SPEC.yaml first, then fixed key=value overrides for every run")
-    w.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a grid axis (repeatable); runs = the product")
+    w.add_argument(
+        "--grid", action="append", default=[], metavar="KEY=V1,V2", help="a grid axis (repeatable); runs = the product"
+    )
     w.add_argument("--out", default=None, help="sweep directory (default runs/sweep); one subdirectory per run")
     w.add_argument("--workers", type=int, default=None, help="parallel runs (default: the number of cores)")
     w.add_argument("--tail", type=int, default=None, help="steps averaged for the table's sampled columns (default 20)")
-    w.add_argument("--exact-final", choices=["none", "val", "train", "all"], default=None, help="exact evaluation of each final checkpoint on these prompts (default all)")
+    w.add_argument(
+        "--exact-final",
+        choices=["none", "val", "train", "all"],
+        default=None,
+        help="exact evaluation of each final checkpoint on these prompts (default all)",
+    )
     w.add_argument("--dry-run", action="store_true", help="print the commands and which runs are finished")
     w.add_argument("--table-only", action="store_true", help="only (re)write the table and plots from existing runs")
     w.set_defaults(func=cmd_sweep)
@@ -220,36 +260,93 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval_parser(sub) -> None:
-    v = sub.add_parser("eval", help="pass@k, maj@k, mean@n, KL to the reference, response length and diversity of a model, checkpoint or run")
-    v.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="model directory, checkpoint (step_N), run directory, or 'embedded'")
-    v.add_argument("data", metavar="DATA", help="prompts in verl's schema (.jsonl/.json/.parquet), or embedded[:val|:train] for the digit-sum task's prompts")
-    v.add_argument("--n", type=int, default=None, help="samples per prompt (default 4, the run's trainer.val_n, or the largest --k)")
+    v = sub.add_parser(
+        "eval",
+        help="pass@k, maj@k, mean@n, KL to the reference, response length and diversity of a model, checkpoint or run",
+    )
+    v.add_argument(
+        "model",
+        metavar="MODEL_OR_CHECKPOINT",
+        help="model directory, checkpoint (step_N), run directory, or 'embedded'",
+    )
+    v.add_argument(
+        "data",
+        metavar="DATA",
+        help="prompts in verl's schema (.jsonl/.json/.parquet), or embedded[:val|:train] for the digit-sum task's "
+        "prompts",
+    )
+    v.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="samples per prompt (default 4, the run's trainer.val_n, or the largest --k)",
+    )
     v.add_argument("--k", default=None, help="comma-separated k of pass@k and maj@k, each <= n (default 1,2,4,...,n)")
-    v.add_argument("--checkpoints", default=None, metavar="all|latest|STEPS",
-                   help="with a run directory: evaluate these checkpoints and the reference (step 0); writes RUN_DIR/eval/curve.png")
+    v.add_argument(
+        "--checkpoints",
+        default=None,
+        metavar="all|latest|STEPS",
+        help="with a run directory: evaluate these checkpoints and the reference (step 0); writes "
+        "RUN_DIR/eval/curve.png",
+    )
     v.add_argument("--greedy", action="store_true", help="greedy decoding, one response per prompt")
     v.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0, or the run's)")
     v.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default 1.0, or the run's)")
-    v.add_argument("--max-new-tokens", type=int, default=None, help="response limit in tokens (default 512, 4 for DATA=embedded, or the run's)")
+    v.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="response limit in tokens (default 512, 4 for DATA=embedded, or the run's)",
+    )
     v.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (batch-size x n sequences)")
     v.add_argument("--limit", type=int, default=None, help="only the first N distinct prompts")
-    v.add_argument("--reward-function", default=None, help="file.py:name or module:name, scoring every row (default: each row's "
-                   "built-in verifier by data_source, else the run's reward.function)")
-    v.add_argument("--reward-model", default=None, help="a local sequence-classification reward model directory, scoring every row "
-                   "(default: as --reward-function)")
-    v.add_argument("--val-function", default=None, help="gold reward, file.py:name or module:name (reward.val_function), scoring the same "
-                   "samples: gold_mean, gold_gap (default: the run's reward.val_function / val_model, else each row's built-in gold)")
-    v.add_argument("--val-model", default=None, help="gold reward, a local sequence-classification reward model directory "
-                   "(reward.val_model; default: as --val-function)")
-    v.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto", help="rollout engine (default: the run's rollout.engine, else hf)")
-    v.add_argument("--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)")
-    v.add_argument("--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)")
+    v.add_argument(
+        "--reward-function",
+        default=None,
+        help="file.py:name or module:name, scoring every row (default: each row's "
+        "built-in verifier by data_source, else the run's reward.function)",
+    )
+    v.add_argument(
+        "--reward-model",
+        default=None,
+        help="a local sequence-classification reward model directory, scoring every row "
+        "(default: as --reward-function)",
+    )
+    v.add_argument(
+        "--val-function",
+        default=None,
+        help="gold reward, file.py:name or module:name (reward.val_function), scoring the same "
+        "samples: gold_mean, gold_gap (default: the run's reward.val_function / val_model, else each row's built-in "
+        "gold)",
+    )
+    v.add_argument(
+        "--val-model",
+        default=None,
+        help="gold reward, a local sequence-classification reward model directory "
+        "(reward.val_model; default: as --val-function)",
+    )
+    v.add_argument(
+        "--engine",
+        choices=["auto", "hf", "vllm"],
+        default="auto",
+        help="rollout engine (default: the run's rollout.engine, else hf)",
+    )
+    v.add_argument(
+        "--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)"
+    )
+    v.add_argument(
+        "--no-kl", action="store_true", help="skip the KL to the reference (saves two forward passes per batch)"
+    )
     v.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     v.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
-    v.add_argument("--out", default=None, help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON "
-                   "here, and the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)")
+    v.add_argument(
+        "--out",
+        default=None,
+        help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON "
+        "here, and the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)",
+    )
     v.add_argument("--samples", action="store_true", help="include each sample's prompt and response text in the JSON")
     v.set_defaults(func=cmd_eval)
 
@@ -260,25 +357,67 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         config, overrides = None, [config, *overrides]
-    return main_plan(config, overrides, devices=args.devices, device_memory=args.device_memory, tp_size=args.tp_size,
-                     offload=args.offload, param_dtype=args.param_dtype, gpus_per_node=args.gpus_per_node,
-                     activation_checkpointing=args.activation_checkpointing, rollout_tp=args.rollout_tp)  # fmt: skip
+    return main_plan(
+        config,
+        overrides,
+        devices=args.devices,
+        device_memory=args.device_memory,
+        tp_size=args.tp_size,
+        offload=args.offload,
+        param_dtype=args.param_dtype,
+        gpus_per_node=args.gpus_per_node,
+        activation_checkpointing=args.activation_checkpointing,
+        rollout_tp=args.rollout_tp,
+    )
 
 
 def _add_plan_parser(sub) -> None:
-    pl = sub.add_parser("plan", help="per-device memory of every role from the models' config.json (no weights) or a named shape "
-                        "(actor.model=qwen2.5-32b); fits or not")
+    pl = sub.add_parser(
+        "plan",
+        help="per-device memory of every role from the models' config.json (no weights) or a named shape "
+        "(actor.model=qwen2.5-32b); fits or not",
+    )
     pl.add_argument("config", nargs="?", help="YAML config file")
     pl.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for tether train")
     pl.add_argument("--devices", type=int, default=1, help="devices the roles share (dp × tp; default 1)")
     pl.add_argument("--device-memory", default="80GiB", help="memory of one device, e.g. 80GiB, 141GB (default 80GiB)")
-    pl.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size (default actor.tp_size where the config has it, else 1)")
-    pl.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None, help="FSDP2 CPU offload of parameters, gradients and optimizer (default trainer.fsdp.cpu_offload)")
-    pl.add_argument("--param-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default trainer.fsdp.param_dtype, else actor.dtype)")
-    pl.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                    help="checkpoint actor and critic activations (default actor.gradient_checkpointing for the actor, trainer.fsdp.activation_checkpointing for both)")
-    pl.add_argument("--rollout-tp", type=int, default=None, help="vLLM's tensor-parallel size (default rollout.vllm.tensor_parallel_size when set, else --tp-size)")
-    pl.add_argument("--gpus-per-node", type=int, default=None, help="devices per node, for offloaded host memory (default trainer.n_gpus_per_node, else 8)")
+    pl.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        help="tensor-parallel size (default actor.tp_size where the config has it, else 1)",
+    )
+    pl.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="FSDP2 CPU offload of parameters, gradients and optimizer (default trainer.fsdp.cpu_offload)",
+    )
+    pl.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default trainer.fsdp.param_dtype, else actor.dtype)",
+    )
+    pl.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="checkpoint actor and critic activations (default actor.gradient_checkpointing for the actor, "
+        "trainer.fsdp.activation_checkpointing for both)",
+    )
+    pl.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=None,
+        help="vLLM's tensor-parallel size (default rollout.vllm.tensor_parallel_size when set, else --tp-size)",
+    )
+    pl.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="devices per node, for offloaded host memory (default trainer.n_gpus_per_node, else 8)",
+    )
     pl.set_defaults(func=cmd_plan)
 
 
@@ -286,7 +425,9 @@ def cmd_data_solutions(args: argparse.Namespace) -> int:
     from tether.data import DataError, convert_gsm8k_solutions
 
     try:
-        n = convert_gsm8k_solutions(Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {}))
+        n = convert_gsm8k_solutions(
+            Path(args.src), Path(args.out), **({"instruction_suffix": args.suffix} if args.suffix is not None else {})
+        )
     except DataError as e:
         print(f"tether data: {e}", file=sys.stderr)
         return 2
@@ -311,15 +452,23 @@ def cmd_data_benchmark(args: argparse.Namespace) -> int:
 
 
 def _add_benchmark_parsers(da_sub) -> None:
-    helps = {"aime": "AIME (problem, answer) → verl schema", "gpqa": "GPQA csv/jsonl/parquet (Question, Correct Answer, "
-             "Incorrect Answer 1-3) → verl schema, options shuffled with --seed", "math500": "MATH-500 (problem, answer) → verl schema"}  # fmt: skip
+    helps = {
+        "aime": "AIME (problem, answer) → verl schema",
+        "gpqa": "GPQA csv/jsonl/parquet (Question, Correct Answer, "
+        "Incorrect Answer 1-3) → verl schema, options shuffled with --seed",
+        "math500": "MATH-500 (problem, answer) → verl schema",
+    }
     for name, what in helps.items():
         b = da_sub.add_parser(name, help=what)
         b.add_argument("src")
         b.add_argument("out")
         ph = "{question} {A} {B} {C} {D}" if name == "gpqa" else "{problem}"
-        b.add_argument("--template", default=None, help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], "
-                       "see docs/eval.md)")
+        b.add_argument(
+            "--template",
+            default=None,
+            help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], "
+            "see docs/eval.md)",
+        )
         b.add_argument("--data-source", default=None, help="data_source written in each row (selects the verifier)")
         if name == "gpqa":
             b.add_argument("--seed", type=int, default=0, help="seed of the per-question option shuffle (default 0)")
@@ -335,8 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     t.set_defaults(func=cmd_train)
     s = sub.add_parser("sft", help="(re)build the embedded task's tiny reference policy")
-    s.add_argument("--out", default=None, help="output directory (default runs/sft-reference; name the shipped reference, "
-                   "src/tether/tasks/assets/digitsum_ref, to rebuild it, byte-identically with the default seed and steps)")
+    s.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default runs/sft-reference; name the shipped reference, "
+        "src/tether/tasks/assets/digitsum_ref, to rebuild it, byte-identically with the default seed and steps)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seed of the demonstrations and the initialisation (default 0)")
     s.add_argument("--steps", type=int, default=None, help="SFT optimizer steps (default 1500, about 75 s on one core)")
     s.set_defaults(func=cmd_sft)
@@ -347,7 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("run_dir")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
-    e.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint (runs/<run>/checkpoints/step_N) or a run directory (its latest checkpoint)")
+    e.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT_OR_RUN",
+        help="a checkpoint (runs/<run>/checkpoints/step_N) or a run directory (its latest checkpoint)",
+    )
     e.add_argument("out_dir")
     e.set_defaults(func=cmd_export)
     _add_sweep_parser(sub)
@@ -360,7 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("out")
     g.add_argument("--suffix", default=None, help="instruction appended to each question")
     g.set_defaults(func=cmd_data)
-    gs = da_sub.add_parser("gsm8k-solutions", help="example_model_solutions.jsonl → offline rows (prompt, response, score)")
+    gs = da_sub.add_parser(
+        "gsm8k-solutions", help="example_model_solutions.jsonl → offline rows (prompt, response, score)"
+    )
     gs.add_argument("src")
     gs.add_argument("out")
     gs.add_argument("--suffix", default=None, help="instruction appended to each question (default none)")

@@ -143,10 +143,7 @@ def _series(history: History, key: str) -> tuple[list[int], list[float]]:
 def _theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Theil–Sen line: slope = median of pairwise slopes, intercept = median of y − slope·x."""
     slopes = [
-        (ys[j] - ys[i]) / (xs[j] - xs[i])
-        for i in range(len(xs))
-        for j in range(i + 1, len(xs))
-        if xs[j] != xs[i]
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]
     ]
     slope = statistics.median(slopes) if slopes else 0.0
     intercept = statistics.median([y - slope * x for x, y in zip(xs, ys, strict=True)])
@@ -563,8 +560,14 @@ def check_no_learning_signal(
     f_steps, f_vals = f_steps[-window:], f_vals[-window:]
     flat = len(f_steps) >= min_points and statistics.fmean(f_vals) >= max_flat_frac
     if flat:
-        found.append(("rollout/zero_var_group_frac", f_steps, f_vals,
-                      f"{100 * statistics.fmean(f_vals):.0f}% of prompts got the same reward for all their samples"))
+        found.append(
+            (
+                "rollout/zero_var_group_frac",
+                f_steps,
+                f_vals,
+                f"{100 * statistics.fmean(f_vals):.0f}% of prompts got the same reward for all their samples",
+            )
+        )
     for key, what in (("advantages/abs_mean", "mean |advantage|"), ("policy/grad_norm", "the actor's gradient norm")):
         steps, vals = _series(history, key)
         steps, vals = steps[-window:], vals[-window:]
@@ -576,7 +579,9 @@ def check_no_learning_signal(
     _, scores = _series(history, "reward/score_mean")
     score_txt = f" (reward/score_mean {_fmt(statistics.median(scores[-window:]))})" if scores else ""
     msg = (
-        f"no learning signal over steps {steps[0]}–{steps[-1]}: " + "; ".join(w for *_, w in found) + score_txt
+        f"no learning signal over steps {steps[0]}–{steps[-1]}: "
+        + "; ".join(w for *_, w in found)
+        + score_txt
         + ", so the updates cannot move the policy toward higher reward"
     )
     if flat or metric == "advantages/abs_mean":
@@ -587,7 +592,8 @@ def check_no_learning_signal(
             else "set algo.filter_groups=true (DAPO dynamic sampling: train only on prompts whose samples differ)"
         )
         suggestion = (
-            "check a few responses and their rewards (tether eval MODEL DATA): a reward that never matches the output format, "
+            "check a few responses and their rewards (tether eval MODEL DATA): a reward that never matches the output "
+            "format, "
             f"or a task far too hard or too easy for the model, gives every sample the same score; raise "
             f"{_now(config, 'rollout.temperature')} or {_now(config, 'rollout.n')} so that samples differ, or {fix}"
         )
@@ -596,7 +602,14 @@ def check_no_learning_signal(
             "the advantages are non-zero but no gradient reaches the weights: check that the actor has trainable "
             f"parameters ({_now(config, 'actor.lora.rank')}) and that the loss is not masked out entirely"
         )
-    evidence = {"steps": steps, "values": values, "metric": metric, "window": window, "max_flat_frac": max_flat_frac, "tol": tol}
+    evidence = {
+        "steps": steps,
+        "values": values,
+        "metric": metric,
+        "window": window,
+        "max_flat_frac": max_flat_frac,
+        "tol": tol,
+    }
     return [Finding("no_learning_signal", metric, msg, evidence, suggestion)]
 
 
@@ -633,7 +646,10 @@ def check_hacking_gold(
     g_steps, g_vals = _series(history, g_key)
     if not exact:  # a validation where the gold failed on some samples (counted 0) says nothing about the policy
         failed = {s for s, v in zip(*_series(history, "val/gold_unscored_frac"), strict=True) if v > 0}
-        g_steps, g_vals = [s for s in g_steps if s not in failed], [v for s, v in zip(g_steps, g_vals, strict=True) if s not in failed]
+        g_steps, g_vals = (
+            [s for s in g_steps if s not in failed],
+            [v for s, v in zip(g_steps, g_vals, strict=True) if s not in failed],
+        )
     p_by = dict(zip(*_series(history, p_key), strict=True))
     steps = [s for s in g_steps if s in p_by]
     if len(steps) < 2:
@@ -650,14 +666,25 @@ def check_hacking_gold(
     if not (drop > min_rel_drop * abs(gold[peak]) and drop > noise_g and proxy_change >= -noise_p):
         return []
     msg = (
-        f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to {_fmt(gold[last])} at "
-        f"step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training reward {p_key} went from "
+        f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to "
+        f"{_fmt(gold[last])} at "
+        f"step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training reward {p_key} went "
+        "from "
         f"{_fmt(p_by[peak])} to {_fmt(p_by[last])}: the policy gains on the reward's flaw, not on the task"
     )
-    evidence = {"steps": steps, "values": [gold[s] for s in steps], "proxy_values": [p_by[s] for s in steps], "peak_step": peak,
-                "drop": drop, "proxy_change": proxy_change, "gold_key": g_key, "proxy_key": p_key}  # fmt: skip
+    evidence = {
+        "steps": steps,
+        "values": [gold[s] for s in steps],
+        "proxy_values": [p_by[s] for s in steps],
+        "peak_step": peak,
+        "drop": drop,
+        "proxy_change": proxy_change,
+        "gold_key": g_key,
+        "proxy_key": p_key,
+    }
     suggestion = (
-        f"{_raise_kl_coef(history, config)}, or let the guard act ({_now(config, 'guard.on_hacking')}: rollback restores the last "
+        f"{_raise_kl_coef(history, config)}, or let the guard act ({_now(config, 'guard.on_hacking')}: rollback "
+        "restores the last "
         "checkpoint whose gold was stable and raises β); fix the training reward's flaw if you can name it"
     )
     return [Finding("hacking_gold", g_key, msg, evidence, suggestion)]
@@ -716,14 +743,25 @@ def check_hacking_proxy(
         return []
     ratio, at, s_prev, s_now = best
     msg = (
-        f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the last "
-        f"{window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while response/length_mean drifted "
-        f"{100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new behaviour is spreading fast; without a gold "
+        f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the "
+        "last "
+        f"{window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while response/length_mean "
+        "drifted "
+        f"{100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new behaviour is spreading fast; "
+        "without a gold "
         "reward this is a warning sign, not proof"
     )
-    evidence = {"steps": k_steps[-(2 * window + lookback):], "values": k_vals[-(2 * window + lookback):], "accel_step": at,
-                "kl_slope_before": s_prev, "kl_slope_after": s_now, "length_early": early, "length_recent": recent, "length_drift": drift,
-                "reward_kendall_tau": r_tau}  # fmt: skip
+    evidence = {
+        "steps": k_steps[-(2 * window + lookback) :],
+        "values": k_vals[-(2 * window + lookback) :],
+        "accel_step": at,
+        "kl_slope_before": s_prev,
+        "kl_slope_after": s_now,
+        "length_early": early,
+        "length_recent": recent,
+        "length_drift": drift,
+        "reward_kendall_tau": r_tau,
+    }
     suggestion = (
         "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
         f"{_raise_kl_coef(history, config)}; guard.on_hacking=rollback acts on this"
@@ -779,9 +817,7 @@ def _resolve_thresholds(thresholds: Mapping[str, Any]) -> dict[str, dict[str, An
             out[name] = None
             continue
         if not isinstance(params, Mapping):
-            raise TypeError(
-                f"thresholds for {name!r} must be a dict of keyword arguments or False, got {params!r}"
-            )
+            raise TypeError(f"thresholds for {name!r} must be a dict of keyword arguments or False, got {params!r}")
         sig = inspect.signature(CHECKS[name]).parameters
         for p in params:
             if p not in sig or p in ("history", "config"):
@@ -985,8 +1021,9 @@ def doctor(run_dir: str | Path, *, out: TextIO | None = None, **thresholds: Any)
     return 0
 
 
-def cleared_findings(history: History, current: Sequence[Finding], *, config: Any = None, every: int | None = None,
-                     **thresholds: Any) -> list[Finding]:
+def cleared_findings(
+    history: History, current: Sequence[Finding], *, config: Any = None, every: int | None = None, **thresholds: Any
+) -> list[Finding]:
     """Findings the trainer's live checks reported during the run that no longer fire at its end.
 
     Replays :class:`LiveDiagnostics` over ``history`` on the trainer's schedule (every
@@ -1082,7 +1119,9 @@ class LiveDiagnostics:
     def load(self, history: History) -> None:
         """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating; step 0 (the reference's
         validation, never fed live) is left out, so a resumed run sees what the uninterrupted one saw."""
-        for rec in sorted((r for r in history if isinstance(r.get("step"), int) and r["step"] >= 1), key=lambda r: r["step"]):
+        for rec in sorted(
+            (r for r in history if isinstance(r.get("step"), int) and r["step"] >= 1), key=lambda r: r["step"]
+        ):
             self._store(rec["step"], rec)
 
     def _store(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -29,7 +29,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"{p} does not exist (expected a checkpoint, runs/<run>/checkpoints/step_N, or a run directory)")
+        raise CheckpointError(
+            f"{p} does not exist (expected a checkpoint, runs/<run>/checkpoints/step_N, or a run directory)"
+        )
     if (p / "checkpoints").is_dir():  # a run directory
         errors: list[str] = []
         ckpt = latest_valid_checkpoint(p / "checkpoints", errors, only=ACTOR)
@@ -42,12 +44,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
         verify_checkpoint(p, only=ACTOR)
         return p
     if (p / "adapter_config.json").is_file():
-        raise CheckpointError(f"{p} is a peft adapter directory, not a tether checkpoint; load it with "
-                              "peft.AutoPeftModelForCausalLM and merge_and_unload() to get a plain model")
+        raise CheckpointError(
+            f"{p} is a peft adapter directory, not a tether checkpoint; load it with "
+            "peft.AutoPeftModelForCausalLM and merge_and_unload() to get a plain model"
+        )
     if (p / "config.json").is_file():
-        raise CheckpointError(f"{p} is a Hugging Face model directory (config.json), not a tether checkpoint: it "
-                              "already loads with from_pretrained, there is nothing to export")
-    raise CheckpointError(f"{p} is not a tether checkpoint (no actor/ or {MANIFEST}) nor a run directory (no checkpoints/)")
+        raise CheckpointError(
+            f"{p} is a Hugging Face model directory (config.json), not a tether checkpoint: it "
+            "already loads with from_pretrained, there is nothing to export"
+        )
+    raise CheckpointError(
+        f"{p} is not a tether checkpoint (no actor/ or {MANIFEST}) nor a run directory (no checkpoints/)"
+    )
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:

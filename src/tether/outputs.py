@@ -38,7 +38,9 @@ class OutputWriteError(OSError):
     ``filename`` the path as given. The partial output was removed and the path left as it was.
     """
 
-    def __init__(self, code: int, path: str | Path, reason: str | None = None, note: str = "no partial output was left"):
+    def __init__(
+        self, code: int, path: str | Path, reason: str | None = None, note: str = "no partial output was left"
+    ):
         super().__init__(code, reason or os.strerror(code), str(path))
         self.note = note
 
@@ -76,7 +78,9 @@ def output_problem(path: str | Path, kind: Literal["file", "dir"], what: str, *,
                 return f"{what} {p} cannot be created: {parent} is a file, not a directory"
             ancestor = parent
             break
-    written_in = ([p] if kind == "dir" and p.is_dir() else []) + ([ancestor] if ancestor is not None and (beside or not p.is_dir()) else [])
+    written_in = ([p] if kind == "dir" and p.is_dir() else []) + (
+        [ancestor] if ancestor is not None and (beside or not p.is_dir()) else []
+    )
     for d in written_in:
         if why := _not_writable(d):
             return f"{what} {p} cannot be written: {why}"
@@ -131,8 +135,12 @@ def check_free_space(path: str | Path, need: int) -> None:
     except OSError:
         return
     if free < need:
-        raise OutputWriteError(errno.ENOSPC, path, f"{os.strerror(errno.ENOSPC)}: it needs about {_size(need)}, {_size(free)} free",
-                               note="nothing was written")  # fmt: skip
+        raise OutputWriteError(
+            errno.ENOSPC,
+            path,
+            f"{os.strerror(errno.ENOSPC)}: it needs about {_size(need)}, {_size(free)} free",
+            note="nothing was written",
+        )
 
 
 def _size(n: int) -> str:

@@ -29,10 +29,12 @@ def build_roles(cfg: TetherConfig) -> Roles:
     """
     if cfg.trainer.backend == "ray":
         check_ray_installed()  # a one-line error naming the extra, before any model loads
-        if cfg.trainer.ray_address:  # a cluster that does not answer: one line in seconds, not Ray's 14 minutes of retries
+        # a cluster that does not answer: one line in seconds, not Ray's 14 minutes of retries
+        if cfg.trainer.ray_address:
             probe_ray_address(cfg.trainer.ray_address)
         if cfg.actor.tp_size > 1:
-            check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model"))  # before any model loads or Ray starts
+            # before any model loads or Ray starts
+            check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model"))
     roles = build_local_roles(cfg)
     if cfg.trainer.backend == "ray":
         return build_ray_roles(cfg, roles)  # actor, ref and critic run on Ray worker groups; the rest stays here
@@ -48,7 +50,10 @@ def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
     """
     dims = ParallelDims.from_world(cfg.actor.tp_size, cfg.actor.tp_size)
     models = {"actor.model": actor_path}
-    for key, value in (("ref.model", cfg.ref.model), ("critic.model", cfg.critic.model if cfg.algo.adv_estimator == "gae" else None)):
+    for key, value in (
+        ("ref.model", cfg.ref.model),
+        ("critic.model", cfg.critic.model if cfg.algo.adv_estimator == "gae" else None),
+    ):
         if value is not None:
             models[key] = resolve_model_path(value, key)
     for key, path in models.items():

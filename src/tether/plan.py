@@ -93,7 +93,7 @@ def _check_fields(values: dict, where: str) -> None:
             raise ValueError(f"{where}: {k} must be true or false, got {values[k]!r}")
     for k in ("torch_dtype", "dtype"):
         if values.get(k) is not None and not isinstance(values[k], str):
-            raise ValueError(f"{where}: {k} must be a dtype name such as \"bfloat16\", got {values[k]!r}")
+            raise ValueError(f'{where}: {k} must be a dtype name such as "bfloat16", got {values[k]!r}')
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ValueError(f"{where}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads})")
@@ -179,12 +179,18 @@ class ModelShape:
 
         mt = raw.pop("model_type", None)
         if mt is not None and (not isinstance(mt, str) or mt not in CONFIG_MAPPING):
-            raise ValueError(f"{where}: model_type {mt!r} is no transformers architecture; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders")
+            raise ValueError(
+                f"{where}: model_type {mt!r} is no transformers architecture; tether plan knows "
+                "Llama/Qwen2/Qwen3/Mistral-style decoders"
+            )
         try:
             cfg = AutoConfig.for_model(mt, **raw) if mt is not None else PretrainedConfig(**raw)
         except Exception as e:  # a field the config class's own checks refuse (transformers 5's strict dataclasses)
             msg = " ".join(str(e).split())
-            raise ValueError(f"{where}: transformers cannot read it: {type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}") from None
+            raise ValueError(
+                f"{where}: transformers cannot read it: {type(e).__name__}: "
+                f"{msg[:300]}{'...' if len(msg) > 300 else ''}"
+            ) from None
         return cls.from_hf(cfg, where=where)
 
     @classmethod
@@ -198,7 +204,10 @@ class ModelShape:
         where = where or f"model_type {getattr(cfg, 'model_type', '?')!r}"
         missing = [k for k in _COUNTS if getattr(cfg, k, None) is None]
         if missing:
-            raise ValueError(f"{where}: config has no {', '.join(missing)}; tether plan knows Llama/Qwen2/Qwen3/Mistral-style decoders")
+            raise ValueError(
+                f"{where}: config has no {', '.join(missing)}; tether plan knows Llama/Qwen2/Qwen3/Mistral-style "
+                "decoders"
+            )
         _check_fields({k: getattr(cfg, k) for k in _COUNTS + _OPTIONAL_COUNTS + _FLAGS if hasattr(cfg, k)}, where)
         mt = cfg.model_type
         heads = cfg.num_attention_heads
@@ -206,12 +215,22 @@ class ModelShape:
         dtype = str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")  # config.json's torch_dtype
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         return cls(
-            model_type=mt, vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim, intermediate=cfg.intermediate_size,
-            tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)), dtype=dtype if dtype in DTYPE_BYTES else "float32",
-            num_labels=int(getattr(cfg, "num_labels", 1) or 1), qk_norm=mt == "qwen3",
-        )  # fmt: skip
+            model_type=mt,
+            vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate=cfg.intermediate_size,
+            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=mt == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            dtype=dtype if dtype in DTYPE_BYTES else "float32",
+            num_labels=int(getattr(cfg, "num_labels", 1) or 1),
+            qk_norm=mt == "qwen3",
+        )
 
     # ---- parameter counts (exact, as ``sum(p.numel() for p in model.parameters())``)
     @property
@@ -258,8 +277,24 @@ class ModelShape:
         """peft LoRA adapters A (r × in) and B (out × r) on the targeted projections of every layer
         (``all-linear``: every Linear but the LM head)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        names = _LINEARS if targets == "all-linear" else [n for n in _LINEARS if any(t == n or n.endswith(t) for t in ([targets] if isinstance(targets, str) else targets))]
+        dims = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        names = (
+            _LINEARS
+            if targets == "all-linear"
+            else [
+                n
+                for n in _LINEARS
+                if any(t == n or n.endswith(t) for t in ([targets] if isinstance(targets, str) else targets))
+            ]
+        )
         return self.layers * sum(rank * (dims[n][0] + dims[n][1]) for n in names)
 
     def rank_largest(self, rank: int) -> int:
@@ -271,7 +306,9 @@ class ModelShape:
         return self.layers * 2 * self.kv_dim * dtype_bytes
 
 
-def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: int = 1, *, autocast: bool = False) -> int:
+def activation_bytes_per_layer(
+    shape: ModelShape, b: int, s: int, e: int, tp: int = 1, *, autocast: bool = False
+) -> int:
     """Bytes one decoder layer saves for its backward, for a micro-batch of b sequences of s tokens.
 
     Counted tensor by tensor, as Korthikanti et al. 2022 ("Reducing Activation Recomputation in
@@ -315,7 +352,9 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, s: int, e: int, tp: in
     return math.ceil((norms + attn + mlp) / tp)
 
 
-def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing: bool, tp: int = 1, autocast: bool = False) -> int:
+def activation_bytes(
+    shape: ModelShape, b: int, s: int, e: int, *, checkpointing: bool, tp: int = 1, autocast: bool = False
+) -> int:
     """Activations saved over the whole forward of one micro-batch (b sequences, s tokens), bytes.
 
     Without checkpointing: every layer's :func:`activation_bytes_per_layer`, plus the final norm
@@ -323,14 +362,17 @@ def activation_bytes(shape: ModelShape, b: int, s: int, e: int, *, checkpointing
     one layer's activations are rebuilt at a time in the backward (Korthikanti et al. 2022, §4.3,
     "full recomputation": 2·s·b·h per layer in fp16, plus one layer).
     """
-    final_norm = b * s * (shape.hidden * (12 if autocast else (4 + 2 * e)) + 4) // tp  # autocast: the fp32 LM head saves fp32
+    # autocast: the fp32 LM head saves fp32
+    final_norm = b * s * (shape.hidden * (12 if autocast else (4 + 2 * e)) + 4) // tp
     per_layer = activation_bytes_per_layer(shape, b, s, e, tp, autocast=autocast)
     if checkpointing:
         return shape.layers * b * s * shape.hidden * e // tp + per_layer + final_norm
     return shape.layers * per_layer + final_norm
 
 
-def logits_bytes(shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, accelerator: bool = True, train: bool = True) -> int:
+def logits_bytes(
+    shape: ModelShape, b: int, t: int, e: int, *, tp: int = 1, accelerator: bool = True, train: bool = True
+) -> int:
     """Peak bytes of the LM head's output and the log-prob computation for one micro-batch.
 
     The LM head runs on the t positions that score a response token only (``logits_to_keep``,
@@ -404,9 +446,20 @@ class PlanSettings:
         return self.rollout_tp or self.tp
 
     @classmethod
-    def from_config(cls, cfg, *, devices: int = 1, device_memory: int = 80 * GIB, tp_size: int | None = None, offload: bool | None = None,
-                    param_dtype: str | None = None, gpus_per_node: int | None = None, activation_checkpointing: bool | None = None,
-                    rollout_tp: int | None = None, accelerator: bool = True) -> PlanSettings:
+    def from_config(
+        cls,
+        cfg,
+        *,
+        devices: int = 1,
+        device_memory: int = 80 * GIB,
+        tp_size: int | None = None,
+        offload: bool | None = None,
+        param_dtype: str | None = None,
+        gpus_per_node: int | None = None,
+        activation_checkpointing: bool | None = None,
+        rollout_tp: int | None = None,
+        accelerator: bool = True,
+    ) -> PlanSettings:
         """Read a :class:`tether.config.TetherConfig`; flags given here override it.
 
         Keys read: ``actor.dtype``, ``actor.micro_batch_size``, ``actor.gradient_checkpointing``,
@@ -428,7 +481,8 @@ class PlanSettings:
         dp = devices // tp
         storage = cfg.actor.dtype
         fsdp_dtype = param_dtype or (getattr(fsdp, "param_dtype", None) if fsdp is not None else None)
-        amp = getattr(cfg.actor, "compute_dtype", "float32")  # torch.autocast over actor.dtype weights (main's actor.compute_dtype)
+        # torch.autocast over actor.dtype weights (main's actor.compute_dtype)
+        amp = getattr(cfg.actor, "compute_dtype", "float32")
         autocast = fsdp_dtype is None and amp != "float32" and amp != storage
         compute = fsdp_dtype or (amp if autocast else storage)
         ac = bool(getattr(fsdp, "activation_checkpointing", False)) if fsdp is not None else False
@@ -437,22 +491,45 @@ class PlanSettings:
         mini = max(1, math.ceil(cfg.algo.mini_batch_size / dp))
         rollout_batch = cfg.data.batch_size * cfg.rollout.n
         vllm = getattr(cfg.rollout, "vllm", None)
-        if rollout_tp is None and vllm is not None and ("tensor_parallel_size" in vllm.model_fields_set or vllm.tensor_parallel_size > 1):
+        if (
+            rollout_tp is None
+            and vllm is not None
+            and ("tensor_parallel_size" in vllm.model_fields_set or vllm.tensor_parallel_size > 1)
+        ):
             rollout_tp = vllm.tensor_parallel_size  # devices per vLLM replica (trainer.backend=ray)
         return cls(
-            devices=devices, device_memory=device_memory, tp=tp, storage_dtype=storage, compute_dtype=compute,
+            devices=devices,
+            device_memory=device_memory,
+            tp=tp,
+            storage_dtype=storage,
+            compute_dtype=compute,
             gpus_per_node=gpus_per_node or int(getattr(cfg.trainer, "n_gpus_per_node", 0) or 8),
-            offload=bool(offload if offload is not None else (getattr(fsdp, "cpu_offload", False) if fsdp is not None else False)),
-            actor_checkpointing=ac if activation_checkpointing is not None else (cfg.actor.gradient_checkpointing or ac), critic_checkpointing=ac,
+            offload=bool(
+                offload if offload is not None else (getattr(fsdp, "cpu_offload", False) if fsdp is not None else False)
+            ),
+            actor_checkpointing=ac
+            if activation_checkpointing is not None
+            else (cfg.actor.gradient_checkpointing or ac),
+            critic_checkpointing=ac,
             accumulates=mini > min(cfg.actor.micro_batch_size, cfg.critic.micro_batch_size),
-            actor_micro_batch=min(cfg.actor.micro_batch_size, mini), critic_micro_batch=min(cfg.critic.micro_batch_size, mini),
+            actor_micro_batch=min(cfg.actor.micro_batch_size, mini),
+            critic_micro_batch=min(cfg.critic.micro_batch_size, mini),
             logprob_micro_batch=min(cfg.actor.micro_batch_size, max(1, math.ceil(rollout_batch / dp))),
-            prompt_len=cfg.data.max_prompt_length, response_len=cfg.rollout.max_new_tokens, rollout_batch=rollout_batch,
-            lora_rank=cfg.actor.lora.rank, lora_targets=cfg.actor.lora.target_modules,
-            separate_ref=cfg.actor.lora.rank == 0, critic=cfg.algo.adv_estimator == "gae", reward_model=cfg.reward.model is not None,
-            autocast=autocast, engine=_planned_engine(cfg.rollout.engine, accelerator), rollout_tp=rollout_tp, vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35), vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
+            prompt_len=cfg.data.max_prompt_length,
+            response_len=cfg.rollout.max_new_tokens,
+            rollout_batch=rollout_batch,
+            lora_rank=cfg.actor.lora.rank,
+            lora_targets=cfg.actor.lora.target_modules,
+            separate_ref=cfg.actor.lora.rank == 0,
+            critic=cfg.algo.adv_estimator == "gae",
+            reward_model=cfg.reward.model is not None,
+            autocast=autocast,
+            engine=_planned_engine(cfg.rollout.engine, accelerator),
+            rollout_tp=rollout_tp,
+            vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35),
+            vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
             accelerator=accelerator,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -517,8 +594,17 @@ class Plan:
         return self.settings.device_memory - self.peak
 
 
-def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: PlanSettings, micro: int, ckpt: bool, lm: bool,
-                  accumulates: bool) -> list[Item]:
+def _trained_role(
+    role: str,
+    shape: ModelShape,
+    n_params: int,
+    n_train: int,
+    s: PlanSettings,
+    micro: int,
+    ckpt: bool,
+    lm: bool,
+    accumulates: bool,
+) -> list[Item]:
     """Items of a trained role (actor or critic) on one device. See the module docstring.
 
     Phases: ``backward`` (the saved activations, the logits and their gradient, FSDP2's gathered
@@ -536,27 +622,83 @@ def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: 
     master = "fp32 master weights" if es == 4 and ec < 4 else f"weights ({s.storage_dtype})"
     back, step = f"{role} backward", f"{role} optimizer step"
     items = []
-    for what, b, ph in ((master, weights, "always"), (f"AdamW moments ({'float32' if lora else s.storage_dtype})", adam, "always"),
-                        ("gradients", grads, step)):
-        items.append(Item(role, what + (" [offloaded]" if s.offload else ""), 0 if s.offload else b, ph, host=b if s.offload else 0,
-                          note=f"sharded over {n} devices, on the {where}"))
+    for what, b, ph in (
+        (master, weights, "always"),
+        (f"AdamW moments ({'float32' if lora else s.storage_dtype})", adam, "always"),
+        ("gradients", grads, step),
+    ):
+        items.append(
+            Item(
+                role,
+                what + (" [offloaded]" if s.offload else ""),
+                0 if s.offload else b,
+                ph,
+                host=b if s.offload else 0,
+                note=f"sharded over {n} devices, on the {where}",
+            )
+        )
     if accumulates and not s.offload:
-        items.append(Item(role, "gradients accumulated over micro-batches", grads, back, note="a mini-batch of several micro-batches"))
+        items.append(
+            Item(
+                role,
+                "gradients accumulated over micro-batches",
+                grads,
+                back,
+                note="a mini-batch of several micro-batches",
+            )
+        )
     if not s.offload:
-        largest = shape.rank_largest(s.lora_rank) if lora else max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
+        largest = (
+            shape.rank_largest(s.lora_rank)
+            if lora
+            else max(shape.vocab * shape.hidden, shape.hidden * shape.intermediate)
+        )
         temp = n_train * et // n if s.accelerator else 2 * largest * et
-        items.append(Item(role, "AdamW step temporaries", temp, step,
-                          note="foreach AdamW: one tensor per parameter (GPU); the CPU loop: two of the largest tensor"))
+        items.append(
+            Item(
+                role,
+                "AdamW step temporaries",
+                temp,
+                step,
+                note="foreach AdamW: one tensor per parameter (GPU); the CPU loop: two of the largest tensor",
+            )
+        )
     amp = s.autocast and lm  # the critic runs without autocast
     if amp:
         casts = shape.layers * (shape.block_params() - shape.block_norm_params()) * ec // s.tp
-        items.append(Item(role, f"autocast {s.compute_dtype} copies of the layers' weights", casts, back,
-                          note="torch.autocast caches one cast per weight through the forward; the backward keeps them"))
+        items.append(
+            Item(
+                role,
+                f"autocast {s.compute_dtype} copies of the layers' weights",
+                casts,
+                back,
+                note="torch.autocast caches one cast per weight through the forward; the backward keeps them",
+            )
+        )
     elif n > 1 or (ec != es and not s.autocast) or s.offload:
-        units = (shape.root_params() + 2 * shape.block_params()) if lm else (shape.value_model_params() - (shape.layers - 2) * shape.block_params())
-        items.append(Item(role, f"compute copy ({s.compute_dtype}, root + 2 blocks)", units * ec // s.tp, back,
-                          note="FSDP2 all-gathered units, freed after each block (reshard_after_forward)"))
-        items.append(Item(role, "unsharded grads of the gathered units", units * ec // s.tp, back, note="before the reduce-scatter"))
+        units = (
+            (shape.root_params() + 2 * shape.block_params())
+            if lm
+            else (shape.value_model_params() - (shape.layers - 2) * shape.block_params())
+        )
+        items.append(
+            Item(
+                role,
+                f"compute copy ({s.compute_dtype}, root + 2 blocks)",
+                units * ec // s.tp,
+                back,
+                note="FSDP2 all-gathered units, freed after each block (reshard_after_forward)",
+            )
+        )
+        items.append(
+            Item(
+                role,
+                "unsharded grads of the gathered units",
+                units * ec // s.tp,
+                back,
+                note="before the reduce-scatter",
+            )
+        )
     seq = s.prompt_len + s.response_len - 1  # the last response token is only scored, never fed
     ea = ec if (amp or not s.autocast) else es  # an autocast run's critic computes in actor.dtype
     act_on = activation_bytes(shape, micro, seq, ea, checkpointing=True, tp=s.tp, autocast=amp)
@@ -571,17 +713,37 @@ def _trained_role(role: str, shape: ModelShape, n_params: int, n_train: int, s: 
     if ckpt:
         # the layer inputs are kept; the logits' backward is over before the first layer is recomputed
         items.append(Item(role, what.replace("activations", "layer inputs"), act_on - layer, back, note=note))
-        items.append(Item(role, "logits + log-prob chunks, or one recomputed layer", max(logits, layer), back,
-                          note=f"the larger of {logits / GIB:.2f} and {layer / GIB:.2f} GiB"))
+        items.append(
+            Item(
+                role,
+                "logits + log-prob chunks, or one recomputed layer",
+                max(logits, layer),
+                back,
+                note=f"the larger of {logits / GIB:.2f} and {layer / GIB:.2f} GiB",
+            )
+        )
     else:
         items.append(Item(role, what, act_off, back, note=note))
-        items.append(Item(role, "logits + log-prob chunks (backward)", logits, back,
-                          note="(b, P+T, V) logits with the (b, T, V) gradient, or the (b, P+T, V) one and the LM head's"))
+        items.append(
+            Item(
+                role,
+                "logits + log-prob chunks (backward)",
+                logits,
+                back,
+                note="(b, P+T, V) logits with the (b, T, V) gradient, or the (b, P+T, V) one and the LM head's",
+            )
+        )
     return items
 
 
-def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | None = None, critic: ModelShape | None = None,
-                reward: ModelShape | None = None) -> Plan:
+def plan_memory(
+    settings: PlanSettings,
+    actor: ModelShape,
+    *,
+    ref: ModelShape | None = None,
+    critic: ModelShape | None = None,
+    reward: ModelShape | None = None,
+) -> Plan:
     """Per-device memory of one training step with every role colocated on each device (verl's hybrid engine).
 
     Args:
@@ -600,27 +762,67 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
     p_actor = actor.causal_lm_params()
     p_train = actor.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else p_actor
     params = {"actor": p_actor, "actor (trained)": p_train}
-    items = _trained_role("actor", actor, p_actor + (p_train if s.lora_rank else 0), p_train, s, s.actor_micro_batch, s.actor_checkpointing, lm=True,
-                           accumulates=s.accumulates)
+    items = _trained_role(
+        "actor",
+        actor,
+        p_actor + (p_train if s.lora_rank else 0),
+        p_train,
+        s,
+        s.actor_micro_batch,
+        s.actor_checkpointing,
+        lm=True,
+        accumulates=s.accumulates,
+    )
     mb = s.logprob_micro_batch
-    items.append(Item("actor", "log-prob forward: logits + chunks", logits_bytes(actor, mb, s.response_len, 4 if s.autocast else ec, tp=s.tp,
-                                                                                  accelerator=s.accelerator, train=False),
-                      "log-probs", note=f"micro-batch {mb}, no grad"))
+    items.append(
+        Item(
+            "actor",
+            "log-prob forward: logits + chunks",
+            logits_bytes(
+                actor, mb, s.response_len, 4 if s.autocast else ec, tp=s.tp, accelerator=s.accelerator, train=False
+            ),
+            "log-probs",
+            note=f"micro-batch {mb}, no grad",
+        )
+    )
     if s.separate_ref:
         params["reference"] = ref.causal_lm_params()
         b = params["reference"] * es // n
-        items.append(Item("reference", f"weights ({s.storage_dtype}, no optimizer)" + (" [offloaded]" if s.offload else ""),
-                          0 if s.offload else b, host=b if s.offload else 0, note=f"sharded over {n} devices"))
+        items.append(
+            Item(
+                "reference",
+                f"weights ({s.storage_dtype}, no optimizer)" + (" [offloaded]" if s.offload else ""),
+                0 if s.offload else b,
+                host=b if s.offload else 0,
+                note=f"sharded over {n} devices",
+            )
+        )
     if s.critic:
         params["critic"] = critic_shape.value_model_params()
-        items += _trained_role("critic", critic_shape, params["critic"], params["critic"], s, s.critic_micro_batch, s.critic_checkpointing, lm=False,
-                                accumulates=s.accumulates)
+        items += _trained_role(
+            "critic",
+            critic_shape,
+            params["critic"],
+            params["critic"],
+            s,
+            s.critic_micro_batch,
+            s.critic_checkpointing,
+            lm=False,
+            accumulates=s.accumulates,
+        )
     if s.reward_model and reward is not None:
         params["reward model"] = reward.reward_model_params()
         rd = reward.dtype if s.accelerator else "float32"
         b = params["reward model"] * DTYPE_BYTES[rd] // n
-        items.append(Item("reward model", f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""), 0 if s.offload else b,
-                          host=b if s.offload else 0, note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"))
+        items.append(
+            Item(
+                "reward model",
+                f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""),
+                0 if s.offload else b,
+                host=b if s.offload else 0,
+                note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)",
+            )
+        )
     ek = ec if s.autocast else es  # HF generate runs under the actor's autocast; vLLM in actor.dtype
     per_seq_kv = actor.kv_bytes_per_token(ek) * seq // s.tp
     if s.engine == "vllm" and s.accelerator:
@@ -628,18 +830,39 @@ def plan_memory(settings: PlanSettings, actor: ModelShape, *, ref: ModelShape | 
         kv_seq = actor.kv_bytes_per_token(es) * seq // s.engine_tp
         reserve = weights + int(s.vllm_kv_gib * GIB) if s.vllm_kv_gib else int(s.vllm_util * s.device_memory)
         seqs = max(0, reserve - weights) // max(kv_seq, 1)
-        items.append(Item("rollout (vLLM)", f"reservation: weights (tp {s.engine_tp}) + KV cache", reserve,
-                          note=f"KV cache holds {seqs} sequences of {seq} tokens at once (max_num_seqs {VLLM_MAX_NUM_SEQS})"))
-        problems = [] if seqs >= 1 else [f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
-                                         f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
-                                         f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"]
+        items.append(
+            Item(
+                "rollout (vLLM)",
+                f"reservation: weights (tp {s.engine_tp}) + KV cache",
+                reserve,
+                note=f"KV cache holds {seqs} sequences of {seq} tokens at once (max_num_seqs {VLLM_MAX_NUM_SEQS})",
+            )
+        )
+        problems = (
+            []
+            if seqs >= 1
+            else [
+                f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
+                f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
+                f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"
+            ]
+        )
         if s.engine_tp > s.node_devices:  # a replica's tp ranks share one node (vLLM's mp executor)
-            problems.append(f"vLLM tensor parallel {s.engine_tp} needs {s.engine_tp} devices on one node; the plan has {s.devices} "
-                            f"device(s), {s.gpus_per_node} per node: lower rollout.vllm.tensor_parallel_size (--rollout-tp)")  # fmt: skip
+            problems.append(
+                f"vLLM tensor parallel {s.engine_tp} needs {s.engine_tp} devices on one node; the plan has {s.devices} "
+                f"device(s), {s.gpus_per_node} per node: lower rollout.vllm.tensor_parallel_size (--rollout-tp)"
+            )
     else:
         per_dev = math.ceil(s.rollout_batch / s.dp)
-        items.append(Item("rollout (HF generate)", f"KV cache ({per_dev} sequences × {seq} tokens)", per_dev * per_seq_kv, "rollout",
-                          note="in the actor's dtype; the weights are the actor's"))
+        items.append(
+            Item(
+                "rollout (HF generate)",
+                f"KV cache ({per_dev} sequences × {seq} tokens)",
+                per_dev * per_seq_kv,
+                "rollout",
+                note="in the actor's dtype; the weights are the actor's",
+            )
+        )
         problems = []
     return Plan(s, items, params, problems=problems)
 
@@ -653,14 +876,27 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
     if not s.offload:
         tries.append(("CPU offload (--offload; trainer.fsdp.cpu_offload=true)", replace(s, offload=True)))
     if not (s.actor_checkpointing and (s.critic_checkpointing or not s.critic)):
-        tries.append(("activation checkpointing, actor and critic (--activation-checkpointing)",
-                      replace(s, actor_checkpointing=True, critic_checkpointing=True)))
+        tries.append(
+            (
+                "activation checkpointing, actor and critic (--activation-checkpointing)",
+                replace(s, actor_checkpointing=True, critic_checkpointing=True),
+            )
+        )
     micro = max(s.actor_micro_batch, s.critic_micro_batch if s.critic else 0)
     if micro > 1:
         m = micro // 2
-        tries.append((f"micro-batch {m} (actor.micro_batch_size={m} critic.micro_batch_size={m})",
-                      replace(s, actor_micro_batch=min(s.actor_micro_batch, m), critic_micro_batch=min(s.critic_micro_batch, m),
-                              logprob_micro_batch=min(s.logprob_micro_batch, m), accumulates=True)))
+        tries.append(
+            (
+                f"micro-batch {m} (actor.micro_batch_size={m} critic.micro_batch_size={m})",
+                replace(
+                    s,
+                    actor_micro_batch=min(s.actor_micro_batch, m),
+                    critic_micro_batch=min(s.critic_micro_batch, m),
+                    logprob_micro_batch=min(s.logprob_micro_batch, m),
+                    accumulates=True,
+                ),
+            )
+        )
     if s.response_len > 1:
         r = s.response_len // 2
         tries.append((f"response length {r} (rollout.max_new_tokens={r})", replace(s, response_len=r)))
@@ -675,15 +911,26 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
             tries.append((f"vLLM tensor parallel {r2} (--rollout-tp {r2})", replace(s, rollout_tp=r2)))
         if s.vllm_kv_gib is None and s.vllm_util < 0.85:
             u = round(min(0.9, s.vllm_util + 0.2), 2)
-            tries.append((f"vLLM takes {u:.0%} of the device (rollout.vllm.gpu_memory_utilization={u})", replace(s, vllm_util=u)))
+            tries.append(
+                (f"vLLM takes {u:.0%} of the device (rollout.vllm.gpu_memory_utilization={u})", replace(s, vllm_util=u))
+            )
     if s.engine == "hf" and s.accelerator:
-        tries.append((f"vLLM rollouts, paged KV cache in {s.vllm_util:.0%} of the device (rollout.engine=vllm)", replace(s, engine="vllm")))
+        tries.append(
+            (
+                f"vLLM rollouts, paged KV cache in {s.vllm_util:.0%} of the device (rollout.engine=vllm)",
+                replace(s, engine="vllm"),
+            )
+        )
     if s.compute_dtype == "float32":
-        tries.append(("bfloat16 compute, fp32 master weights (--param-dtype bfloat16)", replace(s, compute_dtype="bfloat16")))
+        tries.append(
+            ("bfloat16 compute, fp32 master weights (--param-dtype bfloat16)", replace(s, compute_dtype="bfloat16"))
+        )
     return tries
 
 
-def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+def suggestions(
+    settings: PlanSettings, shapes: dict, *, max_tp: int = 8
+) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     """What each single change would bring the peak to, and a greedy combination that fits.
 
     Tried: tp × 2 (up to ``max_tp``, while it divides the heads, KV heads and devices), CPU offload,
@@ -696,6 +943,7 @@ def suggestions(settings: PlanSettings, shapes: dict, *, max_tp: int = 8) -> tup
         changes taken one after another, each time the one that lowers the score most, until the
         plan fits (or nothing lowers it further), with the score and peak after each.
     """
+
     def score(t: PlanSettings) -> tuple[int, int]:
         p = plan_memory(t, **shapes)
         return p.peak + (1 << 62 if p.problems else 0), p.peak
@@ -722,9 +970,11 @@ def format_plan(plan: Plan) -> str:
     """The plan as a text table (GiB per device), the peak, a verdict and, when it does not fit, the suggestions."""
     s = plan.settings
     lines = [
-        f"devices {s.devices} (dp {s.dp} × tp {s.tp}), {s.device_memory / GIB:.1f} GiB each; weights {s.storage_dtype}, compute {s.compute_dtype}"
+        f"devices {s.devices} (dp {s.dp} × tp {s.tp}), {s.device_memory / GIB:.1f} GiB each; weights "
+        f"{s.storage_dtype}, compute {s.compute_dtype}"
         f"{', CPU offload' if s.offload else ''}; prompt {s.prompt_len} + response {s.response_len} tokens",
-        "parameters: " + ", ".join(f"{k} {v / 1e9:.3f} B" if v >= 1e8 else f"{k} {v:,}" for k, v in plan.params.items()),
+        "parameters: "
+        + ", ".join(f"{k} {v / 1e9:.3f} B" if v >= 1e8 else f"{k} {v:,}" for k, v in plan.params.items()),
         "",
         f"{'role':<22} {'what':<62} {'GiB/device':>10}  phase",
         "-" * 110,
@@ -738,23 +988,37 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{'phase ' + ph:<85} {_gib(b):>10}{'  <- largest' if ph == plan.peak_phase else ''}")
     lines.append(f"{'peak per device':<85} {_gib(plan.peak):>10}")
     if plan.host_per_node:
-        lines.append(f"{'host memory per node (offloaded shards of ' + str(s.node_devices) + ' devices)':<85} {_gib(plan.host_per_node):>10}")
+        lines.append(
+            f"{'host memory per node (offloaded shards of ' + str(s.node_devices) + ' devices)':<85} "
+            f"{_gib(plan.host_per_node):>10}"
+        )
     lines.append("")
     for note in plan.notes:
         lines.append(f"note: {note}")
     for problem in plan.problems:
         lines.append(f"problem: {problem}")
     if plan.fits:
-        lines.append(f"verdict: FITS: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, headroom {plan.headroom / GIB:.1f} GiB "
-                     f"({plan.headroom / s.device_memory:.0%})" + (f"; needs {plan.host_per_node / GIB:.0f} GiB of host RAM per node for the offloaded shards"
-                                                            if plan.host_per_node else ""))
+        lines.append(
+            f"verdict: FITS: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, headroom "
+            f"{plan.headroom / GIB:.1f} GiB "
+            f"({plan.headroom / s.device_memory:.0%})"
+            + (
+                f"; needs {plan.host_per_node / GIB:.0f} GiB of host RAM per node for the offloaded shards"
+                if plan.host_per_node
+                else ""
+            )
+        )
     else:
         over = f"over by {-plan.headroom / GIB:.1f} GiB" if plan.headroom < 0 else "see the problem above"
-        lines.append(f"verdict: DOES NOT FIT: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, {over}")
+        lines.append(
+            f"verdict: DOES NOT FIT: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, {over}"
+        )
         if plan.suggestions:
             lines.append("each change alone would give (peak per device):")
             for label, score, peak in sorted(plan.suggestions, key=lambda x: x[1]):
-                verdict = "fits" if score <= s.device_memory else ("still over" if score == peak else "ruled out (see above)")
+                verdict = (
+                    "fits" if score <= s.device_memory else ("still over" if score == peak else "ruled out (see above)")
+                )
                 lines.append(f"  {label:<82} {_gib(peak)} GiB  {verdict}")
         if plan.combined:
             lines.append("together, the largest saving first (peak after each):")
@@ -794,8 +1058,10 @@ def resolve_shape(name: str | None, key: str) -> ModelShape | None:
         wanted = name.lower().rstrip("/").rsplit("/", 1)[-1]  # "meta-llama/Llama-3.1-8B" -> "llama-3.1-8b"
         close = difflib.get_close_matches(wanted, list(SHAPES), n=3, cutoff=0.6)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise ValueError(f"{key}={name!r}: no such local model directory, nor a named shape{hint}; tether plan's named shapes: "
-                         f"{', '.join(SHAPES)}")
+        raise ValueError(
+            f"{key}={name!r}: no such local model directory, nor a named shape{hint}; tether plan's named shapes: "
+            f"{', '.join(SHAPES)}"
+        )
     path = resolve_model_path(name, key)  # a file, or a directory without config.json: its ConfigError names the key
     try:
         return ModelShape.from_config(path)
@@ -803,8 +1069,18 @@ def resolve_shape(name: str | None, key: str) -> ModelShape | None:
         raise ValueError(f"{key}: {e}") from None
 
 
-def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = None, offload: bool | None = None, param_dtype: str | None = None,
-                gpus_per_node: int | None = None, activation_checkpointing: bool | None = None, rollout_tp: int | None = None) -> Plan:
+def plan_config(
+    cfg,
+    *,
+    devices: int,
+    device_memory: int,
+    tp_size: int | None = None,
+    offload: bool | None = None,
+    param_dtype: str | None = None,
+    gpus_per_node: int | None = None,
+    activation_checkpointing: bool | None = None,
+    rollout_tp: int | None = None,
+) -> Plan:
     """The plan of a :class:`tether.config.TetherConfig`: reads ``config.json`` of ``actor.model``,
     ``ref.model``, ``critic.model`` and ``reward.model`` (local directories; no weights), or takes
     their named shapes (:func:`resolve_shape`).
@@ -813,15 +1089,31 @@ def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = 
         ValueError: a model that is neither a directory with a valid config.json nor a named shape,
             or bad devices / tp (names the key).
     """
-    s = PlanSettings.from_config(cfg, devices=devices, device_memory=device_memory, tp_size=tp_size, offload=offload, param_dtype=param_dtype,
-                                 gpus_per_node=gpus_per_node, activation_checkpointing=activation_checkpointing, rollout_tp=rollout_tp)  # fmt: skip
-    keys = {"actor": ("actor.model", cfg.actor.model), "ref": ("ref.model", cfg.ref.model), "critic": ("critic.model", cfg.critic.model),
-            "reward": ("reward.model", cfg.reward.model)}
+    s = PlanSettings.from_config(
+        cfg,
+        devices=devices,
+        device_memory=device_memory,
+        tp_size=tp_size,
+        offload=offload,
+        param_dtype=param_dtype,
+        gpus_per_node=gpus_per_node,
+        activation_checkpointing=activation_checkpointing,
+        rollout_tp=rollout_tp,
+    )
+    keys = {
+        "actor": ("actor.model", cfg.actor.model),
+        "ref": ("ref.model", cfg.ref.model),
+        "critic": ("critic.model", cfg.critic.model),
+        "reward": ("reward.model", cfg.reward.model),
+    }
     shapes = {role: resolve_shape(name, key) for role, (key, name) in keys.items()}
     actor = shapes["actor"]
     for key, sh in (("actor.model", actor), ("critic.model", shapes["critic"])):
         if sh is not None and (sh.heads % s.tp or sh.kv_heads % s.tp):
-            raise ValueError(f"tensor-parallel size {s.tp} must divide the attention heads ({sh.heads}) and KV heads ({sh.kv_heads}) of {key}")
+            raise ValueError(
+                f"tensor-parallel size {s.tp} must divide the attention heads ({sh.heads}) and KV heads "
+                f"({sh.kv_heads}) of {key}"
+            )
     plan = plan_memory(s, **shapes)
     if not plan.fits:
         plan.suggestions, plan.combined = suggestions(s, shapes)
@@ -829,13 +1121,26 @@ def plan_config(cfg, *, devices: int, device_memory: int, tp_size: int | None = 
     if named:
         plan.notes.append(f"named shapes (published config.json fields; tether plan only): {', '.join(named)}")
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
-        plan.notes.append(f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local backend uses one device")
+        plan.notes.append(
+            f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local "
+            "backend uses one device"
+        )
     return plan
 
 
-def main_plan(config: str | None, overrides: list[str], *, devices: int, device_memory: str, tp_size: int | None = None, offload: bool | None = None,
-              param_dtype: str | None = None, gpus_per_node: int | None = None, activation_checkpointing: bool | None = None,
-              rollout_tp: int | None = None) -> int:
+def main_plan(
+    config: str | None,
+    overrides: list[str],
+    *,
+    devices: int,
+    device_memory: str,
+    tp_size: int | None = None,
+    offload: bool | None = None,
+    param_dtype: str | None = None,
+    gpus_per_node: int | None = None,
+    activation_checkpointing: bool | None = None,
+    rollout_tp: int | None = None,
+) -> int:
     """``tether plan``: print the table and the verdict. Returns 0 when it fits, 1 when it does not,
     2 for a bad config, model directory or name, config.json field or flag (one line on stderr,
     ``tether plan: ...``, naming it)."""
@@ -843,9 +1148,17 @@ def main_plan(config: str | None, overrides: list[str], *, devices: int, device_
 
     try:
         cfg = load_config(config, overrides)
-        plan = plan_config(cfg, devices=devices, device_memory=parse_size(device_memory), tp_size=tp_size, offload=offload,
-                           param_dtype=param_dtype, gpus_per_node=gpus_per_node, activation_checkpointing=activation_checkpointing,
-                           rollout_tp=rollout_tp)  # fmt: skip
+        plan = plan_config(
+            cfg,
+            devices=devices,
+            device_memory=parse_size(device_memory),
+            tp_size=tp_size,
+            offload=offload,
+            param_dtype=param_dtype,
+            gpus_per_node=gpus_per_node,
+            activation_checkpointing=activation_checkpointing,
+            rollout_tp=rollout_tp,
+        )
     except (ConfigError, ValueError) as e:
         print(f"tether plan: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,8 @@ from tether.diagnostics import read_metrics
 from tether.outputs import OutputPathError, atomic_output, output_problem
 
 PANELS = [
-    ("reward", ["reward/score_mean", "val/score_mean", "val/gold_mean"], "score"),  # val/gold_mean: the gold reward's, when a run has one
+    # val/gold_mean: the gold reward's, when a run has one
+    ("reward", ["reward/score_mean", "val/score_mean", "val/gold_mean"], "score"),
     ("kl", ["kl/ref_mean", "kl/ref_mean_unclamped", "kl/k3_mean"], "nats / token"),
     ("beta", ["kl/coef"], "β"),
     ("entropy", ["policy/entropy"], "nats / token"),
@@ -66,7 +67,9 @@ def draw_panel(ax, history: list[dict], name: str, keys: list[str], unit: str) -
         same = next((k for k, xs0, ys0 in drawn if xs0 == xs and ys0 == ys), None)
         label = f"{key} (= {same})" if same else f"{key} = {ys[0]:.4g} (constant)" if len(set(ys)) == 1 else key
         ls, marker, lw, ms = LINE_STYLES[len(drawn) % len(LINE_STYLES)]
-        ax.plot(xs, ys, ls=ls, lw=lw, marker=marker if len(xs) < 30 else None, ms=ms, label=label, zorder=2 + len(drawn))
+        ax.plot(
+            xs, ys, ls=ls, lw=lw, marker=marker if len(xs) < 30 else None, ms=ms, label=label, zorder=2 + len(drawn)
+        )
         drawn.append((key, xs, ys))
     ax.set_xlabel("step")
     ax.set_ylabel(unit)
@@ -122,7 +125,8 @@ REPORT_FILES = frozenset({*(f"{name}.png" for name, _, _ in PANELS), "overview.p
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write ``report/<panel>.png`` (panels with data), ``report/overview.png`` and ``report/summary.md``; returns the report dir.
+    """Write ``report/<panel>.png`` (panels with data), ``report/overview.png`` and ``report/summary.md``; returns the
+    report dir.
 
     The report is written whole or not at all: into ``RUN_DIR/.report.tmp-<pid>/``, which then replaces
     ``report/`` (:func:`tether.outputs.atomic_output`); a failed write leaves an earlier report as it was.
@@ -192,12 +196,34 @@ def wall_time_s(history: list[dict]) -> float:
 
 def _summary(run_dir: Path, history: list[dict]) -> str:
     keys = [
-        "reward/score_mean", "val/score_mean", "val/gold_mean", "val/gold_gap", "kl/ref_mean", "kl/coef", "policy/entropy", "response/length_mean",
-        "policy/clipfrac", "diversity/unique_frac", "diversity/collapse_rate", "perf/tokens_per_s",
-        "exact/score_mean", "exact/kl_ref_tok", "exact/objective", "exact/opt_objective", "exact/objective_gap",
-        "exact/correct_effective_answers", "exact/opt_correct_effective_answers",
-    ]  # fmt: skip
-    lines = [f"# Run summary: {run_dir.name}", "", f"{len(history)} steps logged.", "", "| metric | first | last | min | max |", "|---|---|---|---|---|"]
+        "reward/score_mean",
+        "val/score_mean",
+        "val/gold_mean",
+        "val/gold_gap",
+        "kl/ref_mean",
+        "kl/coef",
+        "policy/entropy",
+        "response/length_mean",
+        "policy/clipfrac",
+        "diversity/unique_frac",
+        "diversity/collapse_rate",
+        "perf/tokens_per_s",
+        "exact/score_mean",
+        "exact/kl_ref_tok",
+        "exact/objective",
+        "exact/opt_objective",
+        "exact/objective_gap",
+        "exact/correct_effective_answers",
+        "exact/opt_correct_effective_answers",
+    ]
+    lines = [
+        f"# Run summary: {run_dir.name}",
+        "",
+        f"{len(history)} steps logged.",
+        "",
+        "| metric | first | last | min | max |",
+        "|---|---|---|---|---|",
+    ]
     for key in keys:
         _, ys = _series(history, key)
         if ys:
@@ -206,7 +232,11 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
     guard: dict[str, float] = {}  # event counts summed over the run (the state gauges are left out)
     for rec in history:
         for k, v in rec.items():
-            if k.startswith("guard/") and k not in ("guard/coef_scale", "guard/rollbacks") and isinstance(v, (int, float)):
+            if (
+                k.startswith("guard/")
+                and k not in ("guard/coef_scale", "guard/rollbacks")
+                and isinstance(v, (int, float))
+            ):
                 guard[k] = guard.get(k, 0.0) + v
     if any(guard.values()):
         lines += ["Guard events: " + ", ".join(f"`{k}` × {int(v)}" for k, v in guard.items() if v), ""]

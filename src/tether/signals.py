@@ -10,7 +10,8 @@ and :class:`TrainingInterrupted` is raised. A **second** signal abandons the ste
 half-written one is never mistaken for a whole one) and the latest complete checkpoint stays the
 resume point. So does a step that has not finished ``grace_s`` seconds (``trainer.stop_grace_s``) after
 the first signal (a reward function that never returns, a hung collective): the grace timer sends the
-signal again, so a scheduler or ``timeout`` that sends one SIGTERM always gets its job back. ``tether train`` then prints how to resume and exits with 128 + the signal number
+signal again, so a scheduler or ``timeout`` that sends one SIGTERM always gets its job back. ``tether train`` then
+prints how to resume and exits with 128 + the signal number
 (130 for SIGINT, 143 for SIGTERM), the shell's convention for a process ended by a signal.
 
 Handlers are installed only on the main thread (Python allows no other) and the previous handlers
@@ -72,15 +73,22 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             if self.grace_expired:
-                log.warning("the step did not finish within trainer.stop_grace_s=%g s of the %s: abandoning it without a new "
-                            "checkpoint", self.grace_s, signal_name(signum))  # fmt: skip
+                log.warning(
+                    "the step did not finish within trainer.stop_grace_s=%g s of the %s: abandoning it without a new "
+                    "checkpoint",
+                    self.grace_s,
+                    signal_name(signum),
+                )
             else:
                 log.warning("%s again: abandoning the step in progress without a new checkpoint", signal_name(signum))
             raise TrainingInterrupted(signum)
         self.signum = signum
-        log.warning("%s received: finishing the step in progress, then writing a checkpoint and stopping "
-                    "(send it again to stop at once%s)", signal_name(signum),
-                    f"; after trainer.stop_grace_s={self.grace_s:g} s the step is abandoned" if self.grace_s else "")  # fmt: skip
+        log.warning(
+            "%s received: finishing the step in progress, then writing a checkpoint and stopping "
+            "(send it again to stop at once%s)",
+            signal_name(signum),
+            f"; after trainer.stop_grace_s={self.grace_s:g} s the step is abandoned" if self.grace_s else "",
+        )
         if self.grace_s:
             self._timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
             self._timer.daemon = True

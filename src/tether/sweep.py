@@ -170,7 +170,9 @@ def run_name(overrides: Sequence[tuple[str, Any]]) -> str:
         return "default"
     name = "__".join(f"{k}={_slug(format_value(v))}" for k, v in overrides)
     if len(name) > _NAME_MAX:
-        digest = hashlib.sha1(json.dumps([[k, v] for k, v in overrides], sort_keys=True, default=str).encode()).hexdigest()[:8]
+        digest = hashlib.sha1(
+            json.dumps([[k, v] for k, v in overrides], sort_keys=True, default=str).encode()
+        ).hexdigest()[:8]
         name = name[: _NAME_MAX - 9].rstrip("_-.") + "-" + digest
     return name
 
@@ -193,7 +195,8 @@ class RunSpec:
         return [f"{k}={format_value(v)}" for k, v in self.all_overrides.items()]
 
     def label(self, keys: Mapping[str, str] | None = None) -> str:
-        """Label for plots: the varying overrides as ``key=value`` joined by ``, `` (``kl.coef=0.05, kl.controller=adaptive``).
+        """Label for plots: the varying overrides as ``key=value`` joined by ``, ``
+        (``kl.coef=0.05, kl.controller=adaptive``).
 
         ``keys`` maps a key to the name shown for it (see :func:`plot_labels`); a key not in it is shown whole.
         """
@@ -209,7 +212,11 @@ def plot_labels(runs: Sequence[RunSpec]) -> dict[str, str]:
     keys; a key every run sets to the same value is left out when there are several runs.
     """
     keys = list(dict.fromkeys(k for r in runs for k, _ in r.overrides))
-    constant = {k for k in keys if len(runs) > 1 and len({(k in dict(r.overrides), format_value(dict(r.overrides).get(k))) for r in runs}) == 1}
+    constant = {
+        k
+        for k in keys
+        if len(runs) > 1 and len({(k in dict(r.overrides), format_value(dict(r.overrides).get(k))) for r in runs}) == 1
+    }
     short = {}
     for k in keys:
         parts = k.split(".")
@@ -269,10 +276,14 @@ def expand_grid(
     fixed_keys = {k for k, _ in fixed_pairs}
     fixed_pairs += [(k, v) for k, v in SWEEP_DEFAULTS.items() if k not in fixed_keys]
     entries = list(configs) if configs else [{}]
-    for where, pairs in [("grid", grid_pairs), ("fixed overrides", fixed_pairs)] + [(f"configs[{i}]", _as_pairs(e, f"configs[{i}]")) for i, e in enumerate(entries)]:
+    for where, pairs in [("grid", grid_pairs), ("fixed overrides", fixed_pairs)] + [
+        (f"configs[{i}]", _as_pairs(e, f"configs[{i}]")) for i, e in enumerate(entries)
+    ]:
         if any(k.lstrip("+") in SWEEP_OWNED for k, _ in pairs):
-            raise SweepError(f"{where} sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name> "
-                             "(choose the sweep directory with --out DIR or 'out:' in the spec)")
+            raise SweepError(
+                f"{where} sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name> "
+                "(choose the sweep directory with --out DIR or 'out:' in the spec)"
+            )
     runs: list[RunSpec] = []
     seen: dict[str, RunSpec] = {}
     for i, entry in enumerate(entries):
@@ -282,7 +293,9 @@ def expand_grid(
             varying = entry_pairs + [(k, v) for k, v in zip(keys, point, strict=True) if k not in dict(entry_pairs)]
             run = RunSpec(run_name(varying), tuple(varying), tuple(fixed_pairs))
             if run.name in seen:
-                raise SweepError(f"two runs of the sweep are both named {run.name!r} (duplicate grid values or configs?)")
+                raise SweepError(
+                    f"two runs of the sweep are both named {run.name!r} (duplicate grid values or configs?)"
+                )
             seen[run.name] = run
             runs.append(run)
     return runs
@@ -305,7 +318,9 @@ class SweepSpec:
         return expand_grid(self.grid, self.fixed, self.configs)
 
 
-def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed: Sequence[str] = (), **options: Any) -> SweepSpec:
+def load_spec(
+    path: str | Path | None = None, *, grid: Sequence[str] = (), fixed: Sequence[str] = (), **options: Any
+) -> SweepSpec:
     """A :class:`SweepSpec` from an optional YAML file plus command-line ``--grid``/fixed overrides.
 
     YAML keys: ``grid`` (mapping key → list of values), ``fixed`` (mapping or list of ``key=value``),
@@ -339,12 +354,15 @@ def load_spec(path: str | Path | None = None, *, grid: Sequence[str] = (), fixed
         grid_d[key] = values
     fixed_pairs = _as_pairs(data.get("fixed"), "fixed") + _as_pairs(list(fixed), "fixed overrides")
     configs = data.get("configs")
-    if configs is not None and (not isinstance(configs, list) or not all(isinstance(c, (Mapping, list)) for c in configs)):
+    if configs is not None and (
+        not isinstance(configs, list) or not all(isinstance(c, (Mapping, list)) for c in configs)
+    ):
         raise SweepError("sweep spec: configs must be a list of mappings of overrides")
     spec = SweepSpec(
-        grid=list(grid_d.items()), fixed=list(dict(fixed_pairs).items()),
+        grid=list(grid_d.items()),
+        fixed=list(dict(fixed_pairs).items()),
         configs=[dict(_as_pairs(c, f"configs[{i}]")) for i, c in enumerate(configs)] if configs else None,
-    )  # fmt: skip
+    )
     for key in ("out", "workers", "tail", "exact_final"):
         value = options.get(key)
         if value is None:
@@ -405,7 +423,14 @@ def is_finished(run_dir: Path, run: RunSpec) -> bool:
 
 
 def _write_marker(run_dir: Path, run: RunSpec, rc: int, wall_s: float | None) -> None:
-    info = {"name": run.name, "args": run.args(), "overrides": [[k, v] for k, v in run.overrides], "rc": rc, "wall_s": wall_s, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = {
+        "name": run.name,
+        "args": run.args(),
+        "overrides": [[k, v] for k, v in run.overrides],
+        "rc": rc,
+        "wall_s": wall_s,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (run_dir / DONE_MARKER).write_text(json.dumps(info, indent=1, default=str))
 
 
@@ -415,7 +440,15 @@ def train_command(run: RunSpec, run_dir: Path, threads: int | None = None, pytho
     args = run.args()
     if threads is not None and "trainer.threads" not in run.all_overrides:
         args.append(f"trainer.threads={threads}")
-    return [python or sys.executable, "-m", "tether.cli", "train", *args, f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
+    return [
+        python or sys.executable,
+        "-m",
+        "tether.cli",
+        "train",
+        *args,
+        f"trainer.output_dir={run_dir}",
+        "trainer.resume=auto",
+    ]
 
 
 @dataclass
@@ -429,7 +462,9 @@ class RunResult:
     wall_s: float = 0.0
 
 
-def execute_run(run: RunSpec, run_dir: Path, threads: int | None = None, env: Mapping[str, str] | None = None) -> RunResult:
+def execute_run(
+    run: RunSpec, run_dir: Path, threads: int | None = None, env: Mapping[str, str] | None = None
+) -> RunResult:
     """Run one config as a ``tether train`` subprocess (output to ``<run_dir>/train.log``) unless finished."""
     run_dir = Path(run_dir)
     if is_finished(run_dir, run):
@@ -442,7 +477,9 @@ def execute_run(run: RunSpec, run_dir: Path, threads: int | None = None, env: Ma
     with (run_dir / "train.log").open("a") as log:
         log.write(f"\n$ {' '.join(cmd)}\n")
         log.flush()
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env is not None else None).returncode
+        rc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env) if env is not None else None
+        ).returncode
     wall = time.perf_counter() - t0
     if rc == 0:
         _write_marker(run_dir, run, rc, wall)
@@ -476,7 +513,15 @@ def run_sweep(
         return [RunResult(r, out / r.name, "dry-run") for r in runs]
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.yaml").write_text(
-        yaml.safe_dump({"grid": {k: v for k, v in spec.grid}, "fixed": dict(spec.fixed), "configs": spec.configs, "runs": [r.name for r in runs]}, sort_keys=False)
+        yaml.safe_dump(
+            {
+                "grid": {k: v for k, v in spec.grid},
+                "fixed": dict(spec.fixed),
+                "configs": spec.configs,
+                "runs": [r.name for r in runs],
+            },
+            sort_keys=False,
+        )
     )
     lock = threading.Lock()
     counter = itertools.count(1)
@@ -537,7 +582,10 @@ COLUMNS: list[tuple[str, str]] = [
     ("beta", "final β (kl/coef)"),
     ("reward", "reward/score_mean, mean of the last `tail` steps (train prompts, sampled)"),
     ("val_score", "val/score_mean at the last validation"),
-    ("val_gold", "val/gold_mean at the last validation (the gold reward's score of the same samples; – without a gold reward)"),
+    (
+        "val_gold",
+        "val/gold_mean at the last validation (the gold reward's score of the same samples; – without a gold reward)",
+    ),
     ("val_gold_gap", "val/gold_gap at the last validation (val/score_mean − val/gold_mean)"),
     ("kl_tok", "kl/ref_mean, mean of the last `tail` steps (nats/token, the configured estimator)"),
     ("kl_k1_tok", "kl/ref_mean_unclamped (k1), mean of the last `tail` steps"),
@@ -563,7 +611,9 @@ COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exact: Mapping[str, float] | None = None) -> dict[str, Any]:
+def summarize_run(
+    run_dir: Path, run: RunSpec | None = None, tail: int = 20, exact: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """One table row (keys of :data:`COLUMNS`, plus the run's overrides) from a run directory's files.
 
     ``exact``: metrics of :func:`evaluate_final` (preferred); otherwise the last logged ``exact/*``.
@@ -581,8 +631,14 @@ def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exa
     row["status"] = "finished" if finished else ("incomplete" if history else "missing")
     row["steps"] = history[-1]["step"] if history else 0
     row["beta"] = _last(history, "kl/coef")
-    for col, key in [("reward", "reward/score_mean"), ("kl_tok", "kl/ref_mean"), ("kl_k1_tok", "kl/ref_mean_unclamped"), ("entropy", "policy/entropy"),
-                     ("unique_frac", "diversity/unique_frac"), ("collapse_rate", "diversity/collapse_rate")]:  # fmt: skip
+    for col, key in [
+        ("reward", "reward/score_mean"),
+        ("kl_tok", "kl/ref_mean"),
+        ("kl_k1_tok", "kl/ref_mean_unclamped"),
+        ("entropy", "policy/entropy"),
+        ("unique_frac", "diversity/unique_frac"),
+        ("collapse_rate", "diversity/collapse_rate"),
+    ]:
         row[col] = _tail_mean(history, key, tail)
     row["val_score"] = _last(history, "val/score_mean")
     row["val_gold"] = _last(history, "val/gold_mean")
@@ -596,12 +652,19 @@ def summarize_run(run_dir: Path, run: RunSpec | None = None, tail: int = 20, exa
         row["exact_source"] = "val (log)" if ex else ""
     n_key = next((k for k in ex if k.startswith("exact/collapse_rate@")), None)
     mapping = {
-        "exact_score": "exact/score_mean", "exact_kl_tok": "exact/kl_ref_tok", "exact_kl_seq": "exact/kl_ref_seq",
-        "opt_kl_seq": "exact/opt_kl_ref_seq", "opt_score": "exact/opt_score_mean", "objective": "exact/objective",
-        "opt_objective": "exact/opt_objective", "objective_gap": "exact/objective_gap", "kl_opt_seq": "exact/kl_opt_seq",
-        "correct_eff_answers": "exact/correct_effective_answers", "opt_correct_eff_answers": "exact/opt_correct_effective_answers",
+        "exact_score": "exact/score_mean",
+        "exact_kl_tok": "exact/kl_ref_tok",
+        "exact_kl_seq": "exact/kl_ref_seq",
+        "opt_kl_seq": "exact/opt_kl_ref_seq",
+        "opt_score": "exact/opt_score_mean",
+        "objective": "exact/objective",
+        "opt_objective": "exact/opt_objective",
+        "objective_gap": "exact/objective_gap",
+        "kl_opt_seq": "exact/kl_opt_seq",
+        "correct_eff_answers": "exact/correct_effective_answers",
+        "opt_correct_eff_answers": "exact/opt_correct_effective_answers",
         "effective_answers": "exact/effective_answers",
-    }  # fmt: skip
+    }
     for col, key in mapping.items():
         v = ex.get(key)
         row[col] = float(v) if isinstance(v, (int, float)) else float("nan")
@@ -630,13 +693,26 @@ def _fmt(v: Any) -> str:
 
 #: Columns shown in table.md (all of COLUMNS go to table.csv).
 MD_COLUMNS = [
-    ("status", "status"), ("beta", "β final"), ("reward", "reward (train, tail)"), ("kl_tok", "KL/tok (sampled, tail)"),
-    ("exact_score", "E_π[r] exact"), ("exact_kl_tok", "KL/tok exact"), ("exact_kl_seq", "KL/seq exact"), ("opt_kl_seq", "KL*/seq"),
-    ("objective", "objective"), ("opt_objective", "optimum"), ("objective_gap", "gap"), ("kl_opt_seq", "KL(π‖π*)"),
-    ("unique_frac", "unique frac (tail)"), ("correct_eff_answers", "correct answers (eff.)"), ("opt_correct_eff_answers", "π*: correct (eff.)"),
-    ("collapse_rate", "collapse (sampled, tail)"), ("exact_collapse", "collapse@n exact"),
-]  # fmt: skip
-#: Shown in table.md after MD_COLUMNS when some run has a gold reward (reward.val_function / val_model, or a built-in gold).
+    ("status", "status"),
+    ("beta", "β final"),
+    ("reward", "reward (train, tail)"),
+    ("kl_tok", "KL/tok (sampled, tail)"),
+    ("exact_score", "E_π[r] exact"),
+    ("exact_kl_tok", "KL/tok exact"),
+    ("exact_kl_seq", "KL/seq exact"),
+    ("opt_kl_seq", "KL*/seq"),
+    ("objective", "objective"),
+    ("opt_objective", "optimum"),
+    ("objective_gap", "gap"),
+    ("kl_opt_seq", "KL(π‖π*)"),
+    ("unique_frac", "unique frac (tail)"),
+    ("correct_eff_answers", "correct answers (eff.)"),
+    ("opt_correct_eff_answers", "π*: correct (eff.)"),
+    ("collapse_rate", "collapse (sampled, tail)"),
+    ("exact_collapse", "collapse@n exact"),
+]
+#: Shown in table.md after MD_COLUMNS when some run has a gold reward (reward.val_function / val_model, or a built-in
+#: gold).
 MD_GOLD_COLUMNS = [("val_score", "val score"), ("val_gold", "val gold"), ("val_gold_gap", "val gap (score − gold)")]
 
 
@@ -659,19 +735,32 @@ def write_table(rows: Sequence[Mapping[str, Any]], out: Path, varying: Sequence[
     src = sorted({str(r.get("exact_source")) for r in rows if r.get("exact_source")})
     notes = [
         "",
-        f"Exact columns: enumeration on the embedded task's prompts ({', '.join(src) or 'none'}), at each run's final β. "
+        f"Exact columns: enumeration on the embedded task's prompts ({', '.join(src) or 'none'}), at each run's final "
+        "β. "
         "Sampled columns: mean of the last `tail` logged steps. KL in nats (per token or per response). "
         "collapse: share of prompts whose n samples are all identical; collapse@n exact = Σ_y π(y)^n.",
         "",
     ]
     if gold:
-        notes[-1:] = ["val score / val gold: the training reward's and the gold reward's mean on the same validation samples at the "
-                      "last validation (val/score_mean, val/gold_mean); gap = score − gold (docs/rewards.md#gold-reward-for-validation).", ""]  # fmt: skip
+        notes[-1:] = [
+            "val score / val gold: the training reward's and the gold reward's mean on the same validation samples at "
+            "the "
+            "last validation (val/score_mean, val/gold_mean); gap = score − gold "
+            "(docs/rewards.md#gold-reward-for-validation).",
+            "",
+        ]
     (out / "table.md").write_text("\n".join(lines + notes))
     return out / "table.csv", out / "table.md"
 
 
-def optimum_curve(prompts: Sequence[str], betas: Iterable[float], *, temperature: float = 1.0, n_samples: int = 8, ref_cache: dict | None = None) -> list[dict[str, float]]:
+def optimum_curve(
+    prompts: Sequence[str],
+    betas: Iterable[float],
+    *,
+    temperature: float = 1.0,
+    n_samples: int = 8,
+    ref_cache: dict | None = None,
+) -> list[dict[str, float]]:
     """The exact optimum π*_β of the shipped reference for each β, averaged over ``prompts``.
 
     Returns one dict per β: ``beta``, ``kl_tok`` (per-token KL(π*‖π_ref), the trainer's kl/ref_mean
@@ -701,12 +790,15 @@ def optimum_curve(prompts: Sequence[str], betas: Iterable[float], *, temperature
             best = r >= r.max() - 1e-12
             sub = opt.logprobs[best] - np.logaddexp.reduce(opt.logprobs[best])
             vals = {
-                "kl_tok": exact_kl_per_token(opt.logprobs, space.logprobs, space.lengths), "kl_seq": opt.kl,
-                "reward": opt.expected_reward, "value": opt.value, "effective_answers": math.exp(entropy(opt.logprobs)),
+                "kl_tok": exact_kl_per_token(opt.logprobs, space.logprobs, space.lengths),
+                "kl_seq": opt.kl,
+                "reward": opt.expected_reward,
+                "value": opt.value,
+                "effective_answers": math.exp(entropy(opt.logprobs)),
                 "correct_effective_answers": math.exp(entropy(sub)),
                 "unique_frac": float(np.sum(-np.expm1(n_samples * np.log1p(-np.minimum(p, 1.0)))) / n_samples),
                 "collapse": float(np.sum(p**n_samples)),
-            }  # fmt: skip
+            }
             for k, v in vals.items():
                 acc.setdefault(k, []).append(v)
         out.append({"beta": float(beta)} | {k: float(np.mean(v)) for k, v in acc.items()})
@@ -745,7 +837,14 @@ def _label_curve(ax, curve: Sequence[Mapping[str, float]], xkey: str) -> None:
             continue
         side = -1 if fx > 0.8 else 1
         for dy in (-8, 4):
-            t = ax.annotate(f"β={c['beta']:g}", xy, xytext=(3 * side, dy), textcoords="offset points", fontsize=6, ha="left" if side > 0 else "right")
+            t = ax.annotate(
+                f"β={c['beta']:g}",
+                xy,
+                xytext=(3 * side, dy),
+                textcoords="offset points",
+                fontsize=6,
+                ha="left" if side > 0 else "right",
+            )
             box = t.get_window_extent(renderer)
             if not any(box.overlaps(b) for b in boxes):
                 anchors.append((px, py))
@@ -754,8 +853,13 @@ def _label_curve(ax, curve: Sequence[Mapping[str, float]], xkey: str) -> None:
             t.remove()
 
 
-def sweep_figures(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, float]] | None, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The figures of :func:`plot_sweep` by file stem (``reward_vs_kl``, ``reward_vs_diversity``); the caller closes them.
+def sweep_figures(
+    rows: Sequence[Mapping[str, Any]],
+    curve: Sequence[Mapping[str, float]] | None,
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The figures of :func:`plot_sweep` by file stem (``reward_vs_kl``, ``reward_vs_diversity``); the caller closes
+    them.
 
     A run keeps its colour (and marker, past the palette's length) in every panel; its legend entry is
     its label from ``labels`` (``kl.coef=0.05``; default its name). Points use the exact columns when a
@@ -785,16 +889,36 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str
             if finite(x, y):
                 c = cmap(i % cmap.N)
                 m = markers[(i // cmap.N) % len(markers)]
-                ax.scatter([x], [y], color=c if exact else "none", edgecolors=c, marker=m, s=36, zorder=3, label=labels.get(r["name"], r["name"]))
+                ax.scatter(
+                    [x],
+                    [y],
+                    color=c if exact else "none",
+                    edgecolors=c,
+                    marker=m,
+                    s=36,
+                    zorder=3,
+                    label=labels.get(r["name"], r["name"]),
+                )
                 kinds.add(exact)
         return kinds
 
     def kind_note(kinds: set[bool]) -> str:
-        return {frozenset({True}): " (exact)", frozenset({False}): " (hollow: sampled)", frozenset({True, False}): " (filled: exact; hollow: sampled)"}.get(frozenset(kinds), "")
+        return {
+            frozenset({True}): " (exact)",
+            frozenset({False}): " (hollow: sampled)",
+            frozenset({True, False}): " (filled: exact; hollow: sampled)",
+        }.get(frozenset(kinds), "")
 
     def draw_curve(ax, xkey: str) -> None:
         if curve:
-            ax.plot([c[xkey] for c in curve], [c["reward"] for c in curve], "k-", lw=1.2, zorder=2, label="exact optimum π*_β")
+            ax.plot(
+                [c[xkey] for c in curve],
+                [c["reward"] for c in curve],
+                "k-",
+                lw=1.2,
+                zorder=2,
+                label="exact optimum π*_β",
+            )
 
     def legend(ax, axes) -> None:
         """One legend right of ``ax`` for the curve and the runs drawn on any of ``axes``, in the rows' order."""
@@ -805,7 +929,14 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str
         order = {labels.get(r["name"], r["name"]): i for i, r in enumerate(rows)}
         handles = dict(sorted(handles.items(), key=lambda kv: order.get(kv[0], -1)))
         if handles:
-            ax.legend(handles.values(), handles.keys(), fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1), ncol=1 if len(handles) <= 30 else 2)
+            ax.legend(
+                handles.values(),
+                handles.keys(),
+                fontsize=6,
+                loc="upper left",
+                bbox_to_anchor=(1.01, 1),
+                ncol=1 if len(handles) <= 30 else 2,
+            )
 
     figs = {}
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -841,8 +972,14 @@ def sweep_figures(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str
     return figs
 
 
-def plot_sweep(rows: Sequence[Mapping[str, Any]], curve: Sequence[Mapping[str, float]] | None, out: Path, labels: Mapping[str, str] | None = None) -> list[Path]:
-    """``reward_vs_kl.png`` and ``reward_vs_diversity.png`` (:func:`sweep_figures`): one point per run, and the optimum's curve.
+def plot_sweep(
+    rows: Sequence[Mapping[str, Any]],
+    curve: Sequence[Mapping[str, float]] | None,
+    out: Path,
+    labels: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """``reward_vs_kl.png`` and ``reward_vs_diversity.png`` (:func:`sweep_figures`): one point per run, and the
+    optimum's curve.
 
     Returns the written paths.
     """
@@ -900,7 +1037,13 @@ def summarize_sweep(
         which = exact_final if exact_final != "none" and sources != {"val (log)"} else "val"
         if len(temps) <= 1:
             n = int(_read_yaml(out / runs[0].name / "config.yaml").get("rollout", {}).get("n", 8)) if runs else 8
-            curve = optimum_curve(exact_prompts(which), CURVE_BETAS, temperature=temps.pop() if temps else 1.0, n_samples=n, ref_cache=ref_cache)
+            curve = optimum_curve(
+                exact_prompts(which),
+                CURVE_BETAS,
+                temperature=temps.pop() if temps else 1.0,
+                n_samples=n,
+                ref_cache=ref_cache,
+            )
             (out / "optimum_curve.json").write_text(json.dumps({"prompts": which, "curve": curve}, indent=1))
         for p in plot_sweep(rows, curve, out, labels=plot_labels(runs)):
             echo(f"plot: {p}")
@@ -921,7 +1064,9 @@ def main_sweep(
 ) -> int:
     """Entry point of ``tether sweep``: 0 when every run finished, 1 when some failed, 2 on a bad spec."""
     try:
-        spec = load_spec(spec_path, grid=grid, fixed=fixed, out=out, workers=workers, tail=tail, exact_final=exact_final)
+        spec = load_spec(
+            spec_path, grid=grid, fixed=fixed, out=out, workers=workers, tail=tail, exact_final=exact_final
+        )
         if problem := output_problem(spec.out, "dir", "the sweep's out"):
             raise SweepError(problem)
         runs = spec.runs()

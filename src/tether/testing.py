@@ -55,7 +55,6 @@ QWEN2_CHAT_TEMPLATE = (
 _ENV_GSM8K = "TETHER_GSM8K_DIR"
 
 
-
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for the rendezvous of a test's process group (gloo)."""
     import socket
@@ -63,6 +62,7 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
 
 def find_gsm8k_dir(start: str | Path | None = None) -> Path | None:
     """Locate the shared GSM8K data directory, or return None when it is not there.
@@ -95,10 +95,42 @@ def synthetic_math_texts(n: int = 400) -> list[str]:
     """A small deterministic corpus of GSM8K-like word problems (words, numbers, ``<<a+b=c>>``
     calculator annotations, ``#### N`` lines), used when no real text is available. It is varied
     enough to train the default 512-token vocabulary. ``n``: number of texts."""
-    names = ["Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena",
-             "Mateo", "Nora", "Omar", "Priya"]
-    things = ["apples", "eggs", "books", "coins", "marbles", "cookies", "pencils", "tickets", "stamps",
-              "flowers", "shirts", "candles", "puzzles", "oranges", "bottles", "blocks"]
+    names = [
+        "Ann",
+        "Ben",
+        "Cara",
+        "Dev",
+        "Eli",
+        "Fay",
+        "Gus",
+        "Hana",
+        "Ivan",
+        "Jade",
+        "Kofi",
+        "Lena",
+        "Mateo",
+        "Nora",
+        "Omar",
+        "Priya",
+    ]
+    things = [
+        "apples",
+        "eggs",
+        "books",
+        "coins",
+        "marbles",
+        "cookies",
+        "pencils",
+        "tickets",
+        "stamps",
+        "flowers",
+        "shirts",
+        "candles",
+        "puzzles",
+        "oranges",
+        "bottles",
+        "blocks",
+    ]
     places = ["store", "market", "school", "library", "bakery", "garden", "museum", "station"]
     days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
     out = []
@@ -108,17 +140,23 @@ def synthetic_math_texts(n: int = 400) -> list[str]:
         thing, place, day = things[(i // 3) % len(things)], places[i % len(places)], days[i % len(days)]
         kind = i % 3
         if kind == 0:
-            text = (f"{name} has {a} {thing} and buys {b} more at the {place} on {day}. "
-                    f"How many {thing} does {name} have now?\n"
-                    f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}")
+            text = (
+                f"{name} has {a} {thing} and buys {b} more at the {place} on {day}. "
+                f"How many {thing} does {name} have now?\n"
+                f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}"
+            )
         elif kind == 1:
-            text = (f"Each of the {c} boxes at the {place} holds {a} {thing}. {other} takes {b} of them. "
-                    f"How many {thing} are left?\nThere are {c} * {a} = <<{c}*{a}={c * a}>>{c * a} {thing} in "
-                    f"total.\nSo {c * a} - {b} = <<{c * a}-{b}={c * a - b}>>{c * a - b} are left.\n#### {c * a - b}")
+            text = (
+                f"Each of the {c} boxes at the {place} holds {a} {thing}. {other} takes {b} of them. "
+                f"How many {thing} are left?\nThere are {c} * {a} = <<{c}*{a}={c * a}>>{c * a} {thing} in "
+                f"total.\nSo {c * a} - {b} = <<{c * a}-{b}={c * a - b}>>{c * a - b} are left.\n#### {c * a - b}"
+            )
         else:
-            text = (f"{name} earns ${a} per hour and works {c} hours every {day}. {name} spends ${b} on lunch. "
-                    f"How much money does {name} save?\n{name} earns {a} * {c} = $<<{a}*{c}={a * c}>>{a * c}.\n"
-                    f"{name} saves {a * c} - {b} = $<<{a * c}-{b}={a * c - b}>>{a * c - b}.\n#### {a * c - b}")
+            text = (
+                f"{name} earns ${a} per hour and works {c} hours every {day}. {name} spends ${b} on lunch. "
+                f"How much money does {name} save?\n{name} earns {a} * {c} = $<<{a}*{c}={a * c}>>{a * c}.\n"
+                f"{name} saves {a * c} - {b} = $<<{a * c}-{b}={a * c - b}>>{a * c - b}.\n#### {a * c - b}"
+            )
         out.append(text)
     return out
 
@@ -201,8 +239,17 @@ def build_gsm8k_tokenizer(
     return out
 
 
-def _config_for(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, pad_id: int,
-                eos_id: int, num_labels: int | None = None):
+def _config_for(
+    arch: str,
+    *,
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    pad_id: int,
+    eos_id: int,
+    num_labels: int | None = None,
+):
     from transformers import LlamaConfig, Qwen2Config
 
     if hidden % heads:
@@ -274,8 +321,15 @@ def build_tiny_causal_lm(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tok = _load_tok(tokenizer_dir)
-    config = _config_for(arch, vocab_size=len(tok), hidden=hidden, layers=layers, heads=heads,
-                         pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
+    config = _config_for(
+        arch,
+        vocab_size=len(tok),
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -319,8 +373,16 @@ def build_tiny_reward_model(
     from transformers import AutoModelForSequenceClassification
 
     tok = _load_tok(tokenizer_dir)
-    config = _config_for(arch, vocab_size=len(tok), hidden=hidden, layers=layers, heads=heads,
-                         pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, num_labels=1)
+    config = _config_for(
+        arch,
+        vocab_size=len(tok),
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        pad_id=tok.pad_token_id,
+        eos_id=tok.eos_token_id,
+        num_labels=1,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
@@ -331,7 +393,9 @@ def build_tiny_reward_model(
     return out
 
 
-def build_tiny_digitsum_lm(out_dir: str | Path, *, heads: int = 2, steps: int = 200, batch_size: int = 64, seed: int = 0) -> Path:
+def build_tiny_digitsum_lm(
+    out_dir: str | Path, *, heads: int = 2, steps: int = 200, batch_size: int = 64, seed: int = 0
+) -> Path:
     """A digit-sum task policy with the embedded reference's tokenizer and shape except its heads.
 
     The architecture of :data:`tether.tasks.sft.MODEL_CONFIG` (hidden size 64, 2 layers) with
@@ -344,5 +408,10 @@ def build_tiny_digitsum_lm(out_dir: str | Path, *, heads: int = 2, steps: int = 
         ``Path(out_dir)``, a ``save_pretrained`` directory usable as ``actor.model`` with the
         embedded data (``data.train_files=embedded``).
     """
-    return build_reference(out_dir, seed=seed, steps=steps, batch_size=batch_size,
-                           model_config={"num_attention_heads": heads, "num_key_value_heads": heads})
+    return build_reference(
+        out_dir,
+        seed=seed,
+        steps=steps,
+        batch_size=batch_size,
+        model_config={"num_attention_heads": heads, "num_key_value_heads": heads},
+    )

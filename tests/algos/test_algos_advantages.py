@@ -77,9 +77,7 @@ def test_gae_skips_masked_tokens_in_the_middle(fn):
     m = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
     adv, ret = fn(r, v, m, 0.9, 0.8, whiten=False)
     # row 2: valid t0, t1 only: delta(t1) = 0 - 0.7, delta(t0) = 0.9 * 0.7 - 0.5 = 0.13; A(t0) = 0.13 - 0.72 * 0.7
-    torch.testing.assert_close(
-        adv, t64([[0.346, 0.0, 0.3, 0.0], [0.13 - 0.504, -0.7, 0.0, 0.0]]), atol=1e-12, rtol=0
-    )
+    torch.testing.assert_close(adv, t64([[0.346, 0.0, 0.3, 0.0], [0.13 - 0.504, -0.7, 0.0, 0.0]]), atol=1e-12, rtol=0)
     torch.testing.assert_close(
         ret, t64([[0.846, 0.0, 1.0, 0.0], [0.5 + 0.13 - 0.504, 0.0, 0.0, 0.0]]), atol=1e-12, rtol=0
     )
@@ -199,10 +197,16 @@ def test_grpo_norm_by_std_group_batch_none_hand_values():
     for choice, expected in want.items():
         adv, _ = compute_grpo_advantages(scores, mask, groups, norm_by_std=choice)
         torch.testing.assert_close(adv, expected[:, None].expand(8, 2), atol=1e-12, rtol=0)
-    assert compute_grpo_advantages(scores, mask, groups, norm_by_std="batch")[0][0, 0].item() == pytest.approx(1.40312, abs=1e-5)
+    assert compute_grpo_advantages(scores, mask, groups, norm_by_std="batch")[0][0, 0].item() == pytest.approx(
+        1.40312, abs=1e-5
+    )
     # the old booleans still mean group / none
-    torch.testing.assert_close(compute_grpo_advantages(scores, mask, groups, norm_by_std=True)[0], want["group"][:, None].expand(8, 2))
-    torch.testing.assert_close(compute_grpo_advantages(scores, mask, groups, norm_by_std=False)[0], want["none"][:, None].expand(8, 2))
+    torch.testing.assert_close(
+        compute_grpo_advantages(scores, mask, groups, norm_by_std=True)[0], want["group"][:, None].expand(8, 2)
+    )
+    torch.testing.assert_close(
+        compute_grpo_advantages(scores, mask, groups, norm_by_std=False)[0], want["none"][:, None].expand(8, 2)
+    )
     with pytest.raises(ValueError, match="norm_by_std must be one of group, batch, none"):
         compute_grpo_advantages(scores, mask, groups, norm_by_std="std")
 
@@ -308,9 +312,7 @@ def test_registry_dispatches_with_one_input_type():
         "drgrpo": compute_grpo_advantages(seq_scores, m, inputs.group_ids, norm_by_std=False),
         "rloo": compute_rloo_advantages(seq_scores, m, inputs.group_ids),
         "reinforce_plus_plus": compute_reinforce_pp_advantages(inputs.token_level_rewards, m, gamma=0.99),
-        "reinforce_plus_plus_baseline": compute_reinforce_pp_baseline_advantages(
-            seq_scores, m, inputs.group_ids
-        ),
+        "reinforce_plus_plus_baseline": compute_reinforce_pp_baseline_advantages(seq_scores, m, inputs.group_ids),
     }
     assert set(ADVANTAGE_ESTIMATORS) == set(expected)
     for name, (adv_e, ret_e) in expected.items():

@@ -36,9 +36,7 @@ def test_adaptive_trajectory_by_hand():
     got = _run(c, [0.15, 0.05, 0.11, 0.1], n_steps=10)
     expected = [0.102, 0.102 * 0.98, 0.102 * 0.98 * 1.01, 0.102 * 0.98 * 1.01]
     assert got == pytest.approx(expected, rel=1e-12)
-    assert expected[1] == pytest.approx(0.09996, abs=1e-15) and expected[2] == pytest.approx(
-        0.1009596, abs=1e-15
-    )
+    assert expected[1] == pytest.approx(0.09996, abs=1e-15) and expected[2] == pytest.approx(0.1009596, abs=1e-15)
 
 
 def test_adaptive_defaults_follow_ziegler_and_n_steps_counts_responses():
@@ -88,9 +86,7 @@ def test_scheduled_linear_and_cosine_by_hand():
 
 def test_bounds_clamp_beta():
     c = AdaptiveKLController(0.1, target=0.1, horizon=10, beta_max=0.104)
-    assert _run(c, [1.0, 1.0, 1.0], n_steps=1) == pytest.approx(
-        [0.102, 0.104, 0.104], rel=1e-12
-    )  # 0.10404 capped
+    assert _run(c, [1.0, 1.0, 1.0], n_steps=1) == pytest.approx([0.102, 0.104, 0.104], rel=1e-12)  # 0.10404 capped
     b = BandKLController(1.0, beta_min=0.7)
     assert _run(b, [0.0, 0.0, 0.0]) == pytest.approx([0.8, 0.7, 0.7], rel=1e-12)
     s = ScheduledKLController(1.0, "linear", final_coef=0.0, total_steps=2, beta_min=0.3)

@@ -151,7 +151,8 @@ def test_float32_extreme_log_ratios_give_exact_values_and_finite_gradients(name)
         assert torch.isfinite(out).all() and (out.abs() <= 10).all()
     else:  # k1, abs, k2 are the exact estimator (inf where r is inf or 1/2 r^2 overflows float32)
         exact = {"k1": r, "abs": r.abs(), "k2": 0.5 * r * r}[base].clamp(-3.5e38, 3.5e38)
-        torch.testing.assert_close(out.double().clamp(-3.5e38, 3.5e38), exact, rtol=1e-6, atol=1e-30)  # 1/2 (1e-30)^2 underflows to 0
+        # 1/2 (1e-30)^2 underflows to 0
+        torch.testing.assert_close(out.double().clamp(-3.5e38, 3.5e38), exact, rtol=1e-6, atol=1e-30)
     out.sum().backward()
     assert torch.isfinite(lp.grad).all()
 

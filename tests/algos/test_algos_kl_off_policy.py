@@ -137,7 +137,8 @@ def test_plain_estimator_gradient_equals_the_hand_computed_biased_value(estimato
 
 
 def test_plain_k3_on_policy_is_the_gradient_of_the_forward_kl():
-    """On-policy, plain k3's expected gradient is ∇KL(π_ref‖π_θ) = π_θ − π_ref (w.r.t. the logits), not ∇KL(π_θ‖π_ref)."""
+    """On-policy, plain k3's expected gradient is ∇KL(π_ref‖π_θ) = π_θ − π_ref (w.r.t. the logits), not
+    ∇KL(π_θ‖π_ref)."""
     theta = OLD
     _, g = expectation(plain("k3"), theta)
     assert torch.allclose(g, logp(theta).exp() - logp(REF).exp(), rtol=0, atol=1e-12)
@@ -174,7 +175,13 @@ def issue_table_rows() -> list[tuple[float, float, float]]:
         p_old = logp(OLD).exp()
         approx_kl = float((p_old * (logp(OLD) - logp(theta))).sum())  # E_{π_old}[log π_old − log π_θ]
         _, target = exact_kl_and_grad(theta)
-        rows.append((approx_kl, rel_bias(hand_plain_gradient("k2", theta), target), rel_bias(hand_plain_gradient("k3", theta), target)))
+        rows.append(
+            (
+                approx_kl,
+                rel_bias(hand_plain_gradient("k2", theta), target),
+                rel_bias(hand_plain_gradient("k3", theta), target),
+            )
+        )
     return rows
 
 
@@ -213,7 +220,12 @@ def test_the_ratio_clamp_costs_exactly_the_clipped_mass():
     k3 = torch.exp(-r) + r - 1
     rho_c = log_rho.clamp(-c, c).exp()
     p_old = lold.exp()
-    value, _ = expectation(lambda a, b, o: off_policy_kl_penalty(a, b, o, "k3", log_ratio_clamp=None, value_clamp=None, is_log_ratio_clamp=c), theta)
+    value, _ = expectation(
+        lambda a, b, o: off_policy_kl_penalty(
+            a, b, o, "k3", log_ratio_clamp=None, value_clamp=None, is_log_ratio_clamp=c
+        ),
+        theta,
+    )
     assert value == pytest.approx(float((p_old * rho_c * k3).sum()), rel=1e-12)
     kl, _ = exact_kl_and_grad(theta)
     assert kl - value == pytest.approx(float((p_old * (log_rho.exp() - rho_c) * k3).sum()), rel=1e-9)

@@ -22,9 +22,7 @@ def test_hand_values_with_temperature():
     lp, ent = logprobs_and_entropy_from_logits(logits, ids, temperature=2.0)
     assert lp.item() == pytest.approx(math.log(2 / 3), abs=1e-12)
     assert ent.item() == pytest.approx(-(1 / 3) * math.log(1 / 3) - (2 / 3) * math.log(2 / 3), abs=1e-12)
-    assert logprobs_from_logits(logits, ids).item() == pytest.approx(
-        math.log(4 / 5), abs=1e-12
-    )  # p = (1/5, 4/5)
+    assert logprobs_from_logits(logits, ids).item() == pytest.approx(math.log(4 / 5), abs=1e-12)  # p = (1/5, 4/5)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 7, 8, 1000, None])
@@ -36,9 +34,7 @@ def test_chunked_matches_naive_log_softmax(chunk_size):
     ref_lp, ref_ent = _naive(logits, ids, 0.7)
     torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=0)
-    torch.testing.assert_close(
-        entropy_from_logits(logits, 0.7, chunk_size=chunk_size), ref_ent, atol=1e-12, rtol=0
-    )
+    torch.testing.assert_close(entropy_from_logits(logits, 0.7, chunk_size=chunk_size), ref_ent, atol=1e-12, rtol=0)
     torch.testing.assert_close(
         logprobs_from_logits(logits, ids, 0.7, chunk_size=chunk_size), ref_lp, atol=1e-12, rtol=0
     )

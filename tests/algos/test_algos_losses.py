@@ -146,9 +146,7 @@ def test_clip_higher_and_disabling_dual_clip():
     higher, met = ppo_policy_loss(lp, old, adv, m, clip_eps_high=0.28)  # 1.25 < 1.28: unclipped
     assert higher.item() == pytest.approx((-1.25 + 3.0) / 2, abs=1e-12) and met["policy/clipfrac"] == 0.0
     no_dual, met = ppo_policy_loss(lp, old, adv, m, dual_clip_c=None)
-    assert (
-        no_dual.item() == pytest.approx((-1.2 + 5.0) / 2, abs=1e-12) and met["policy/clipfrac_lower"] == 0.0
-    )
+    assert no_dual.item() == pytest.approx((-1.2 + 5.0) / 2, abs=1e-12) and met["policy/clipfrac_lower"] == 0.0
 
 
 def test_policy_loss_guards():
@@ -196,9 +194,7 @@ def test_policy_loss_micro_batches_with_totals_match_the_mini_batch():
         part = lp0.clone().requires_grad_(True)
         total = 0.0
         for sl in (slice(0, 3), slice(3, 8)):
-            micro, _ = ppo_policy_loss(
-                part[sl], old[sl], adv[sl], m[sl], agg_mode=mode, total_tokens=tt, total_seqs=ts
-            )
+            micro, _ = ppo_policy_loss(part[sl], old[sl], adv[sl], m[sl], agg_mode=mode, total_tokens=tt, total_seqs=ts)
             micro.backward()
             total += micro.item()
         assert total == pytest.approx(whole.item(), abs=1e-12)

@@ -23,9 +23,7 @@ def test_masked_sum_count_mean_hand_values():
     assert masked_mean(x, m).item() == pytest.approx(2.5, abs=1e-12)
     torch.testing.assert_close(masked_sum(x, m, dim=-1), torch.tensor([7.0, 3.0, 0.0], dtype=torch.float64))
     # the empty row has mean 0, never NaN
-    torch.testing.assert_close(
-        masked_mean(x, m, dim=-1), torch.tensor([7 / 3, 3.0, 0.0], dtype=torch.float64)
-    )
+    torch.testing.assert_close(masked_mean(x, m, dim=-1), torch.tensor([7 / 3, 3.0, 0.0], dtype=torch.float64))
     assert masked_mean(x, m, dim=-1, keepdim=True).shape == (3, 1)
 
 
@@ -56,18 +54,16 @@ def test_masked_whiten_hand_values():
     m = torch.tensor([[1, 1, 0], [1, 0, 0]])
     mean, var = 7 / 3, 7 / 3  # of {1, 2, 4}
     out = masked_whiten(x, m, eps=0.0)
-    expected = torch.tensor(
-        [[(1 - mean), (2 - mean), 0.0], [(4 - mean), 0.0, 0.0]], dtype=torch.float64
-    ) / math.sqrt(var)
+    expected = torch.tensor([[(1 - mean), (2 - mean), 0.0], [(4 - mean), 0.0, 0.0]], dtype=torch.float64) / math.sqrt(
+        var
+    )
     expected[0, 2] = expected[1, 1] = expected[1, 2] = 0.0
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     kept = masked_whiten(x, m, shift_mean=False, eps=0.0)
     torch.testing.assert_close(kept[m.bool()], expected[m.bool()] + mean, atol=1e-12, rtol=0)
     assert (kept[~m.bool()] == 0).all()
     # default eps = 1e-8 (verl) changes the scale only by that epsilon
-    torch.testing.assert_close(
-        masked_whiten(x, m), expected * math.sqrt(var / (var + 1e-8)), atol=1e-12, rtol=0
-    )
+    torch.testing.assert_close(masked_whiten(x, m), expected * math.sqrt(var / (var + 1e-8)), atol=1e-12, rtol=0)
 
 
 def test_whiten_of_constant_values_is_zero_not_nan():

@@ -28,7 +28,9 @@ def test_smallest_buffer_and_limit():
     # L_max = 2, L_cache = 1: a 1-token response is free, a 2-token one gets −1
     torch.testing.assert_close(overlong_penalty(torch.tensor([1, 2]), 2, 1), torch.tensor([0.0, -1.0]), rtol=0, atol=0)
     # L_cache = L_max − 1: only the empty response is free below the ramp's start at 1 token
-    torch.testing.assert_close(overlong_penalty(torch.tensor([1, 2, 3, 4]), 4, 3), torch.tensor([0.0, -1 / 3, -2 / 3, -1.0]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        overlong_penalty(torch.tensor([1, 2, 3, 4]), 4, 3), torch.tensor([0.0, -1 / 3, -2 / 3, -1.0]), rtol=0, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize(

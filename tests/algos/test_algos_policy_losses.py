@@ -46,7 +46,19 @@ def grad_of(fn, lp):
 
 # ------------------------------------------------------------------------------------------------ registry
 def test_registry_names_agg_and_hyper():
-    assert POLICY_LOSSES == ("vanilla", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "gpg")
+    assert POLICY_LOSSES == (
+        "vanilla",
+        "gspo",
+        "gspo_token",
+        "gmpo",
+        "cispo",
+        "sapo",
+        "clip_cov",
+        "kl_cov",
+        "dppo_tv",
+        "dppo_kl",
+        "gpg",
+    )
     assert POLICY_LOSS_AGG["vanilla"] == "token-mean" and POLICY_LOSS_AGG["gspo"] == "seq-mean-token-mean"
     assert POLICY_LOSS_HYPER["gspo"] == {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}
     assert POLICY_LOSS_HYPER["sapo"] == {"tau_pos": 1.0, "tau_neg": 1.05}
@@ -85,7 +97,13 @@ def test_on_policy_every_mode_is_the_policy_gradient(name):
     """At θ = θ_old each ratio is 1 and each gate's slope 1: ∂loss/∂log π_t = −A_t·(the aggregation's weight of t),
     for every mode (the covariance modes' selected tokens aside, none of which exist at these bounds)."""
     lp, _, adv, mask = batch(seed=4)
-    hyper = {"clip_cov_lb": 50.0, "clip_cov_ub": 60.0} if name == "clip_cov" else {"kl_cov_coef": 0.0} if name == "kl_cov" else {}
+    hyper = (
+        {"clip_cov_lb": 50.0, "clip_cov_ub": 60.0}
+        if name == "clip_cov"
+        else {"kl_cov_coef": 0.0}
+        if name == "kl_cov"
+        else {}
+    )
     g = grad_of(lambda x: policy_loss(name, x, lp.detach(), adv, mask, **hyper), lp)
     ref = grad_of(lambda x: agg_loss(-adv * x, mask, POLICY_LOSS_AGG[name]), lp)
     assert torch.allclose(g, ref, rtol=1e-12, atol=1e-15)
@@ -121,7 +139,11 @@ def test_gspo_by_hand():
     lp = old + t64([[0.2, -0.1]])
     loss, m = policy_loss("gspo", lp, old, t64([[1.0, 1.0]]), ONE)
     assert loss.item() == pytest.approx(-1.0004, abs=1e-12)
-    assert m["policy/clipfrac"] == 1.0 and m["policy/seq_ratio_mean"] == pytest.approx(math.exp(0.05), rel=1e-12) and m["policy/seq_ratio_abs_dev"] == pytest.approx(math.exp(0.05) - 1, rel=1e-12)
+    assert (
+        m["policy/clipfrac"] == 1.0
+        and m["policy/seq_ratio_mean"] == pytest.approx(math.exp(0.05), rel=1e-12)
+        and m["policy/seq_ratio_abs_dev"] == pytest.approx(math.exp(0.05) - 1, rel=1e-12)
+    )
     assert m["policy/approx_kl"] == pytest.approx(-0.05, abs=1e-12)
     loss, _ = policy_loss("gspo", lp, old, t64([[-1.0, -1.0]]), ONE)  # A < 0: the unclipped side, s
     assert loss.item() == pytest.approx(math.exp(0.05), rel=1e-12)
@@ -230,7 +252,10 @@ def test_clip_cov_detaches_its_draws_deterministically():
     assert a[0].item() == b[0].item() and a[1] == b[1]
     n = int(mask.sum())
     assert a[1]["policy/cov_selected_frac"] == pytest.approx(max(int(0.1 * n), 1) / n)
-    g = grad_of(lambda x: policy_loss("clip_cov", x, old, adv, mask, **{**kw, "generator": torch.Generator().manual_seed(1)}), lp)
+    g = grad_of(
+        lambda x: policy_loss("clip_cov", x, old, adv, mask, **{**kw, "generator": torch.Generator().manual_seed(1)}),
+        lp,
+    )
     assert int(((g == 0) & (mask == 1)).sum()) >= max(int(0.1 * n), 1)
 
 
@@ -260,7 +285,8 @@ def paper(name, lp, old, adv, mask, **h):
         return -(rc * adv * torch.log(p) * m).sum() / m.sum()
     if name in ("dppo_tv", "dppo_kl"):
         M = h["M"]
-        return -(M * r * adv * m).sum() / m.sum()  # eq. 11 with the ratio itself (below the cap its gradient is r·∇log π)
+        # eq. 11 with the ratio itself (below the cap its gradient is r·∇log π)
+        return -(M * r * adv * m).sum() / m.sum()
     if name == "gpg":
         return -(adv * torch.log(p) * m).sum() / m.sum()
     if name == "kl_cov":
@@ -398,7 +424,12 @@ VERL_CASES = [
     ("dppo_tv", "dppo_tv", dict(is_cap=3.0), dict(lo=0.2, hi=0.2, C=3.0)),
     ("dppo_kl", "dppo_kl", dict(is_cap=3.0), dict(lo=0.05, hi=0.05, C=3.0)),
     ("kl_cov", "kl_cov", dict(kl_cov_ratio=0.1, kl_cov_coef=1.0), dict(ratio=0.1, coef=1.0)),
-    ("clip_cov", "clip_cov", dict(clip_cov_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=5.0), dict(lo=0.2, hi=0.2, lb=0.05, ub=5.0)),
+    (
+        "clip_cov",
+        "clip_cov",
+        dict(clip_cov_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=5.0),
+        dict(lo=0.2, hi=0.2, lb=0.05, ub=5.0),
+    ),
 ]
 
 
@@ -414,8 +445,12 @@ def test_loss_and_gradient_equal_verls(ours, theirs, hyper, c):
         want = verl_loss(theirs, old, lp, adv, mask, **c)
         tol = 1e-7 if ours == "gmpo" else 1e-12
         assert got.item() == pytest.approx(want.item(), rel=tol, abs=1e-14)
-        g = grad_of(functools.partial(lambda x, o, a, m: policy_loss(ours, x, o, a, m, **hyper), o=old, a=adv, m=mask), lp)
-        ref = grad_of(functools.partial(lambda x, o, a, m: verl_loss(theirs, o, x, a, m, **c), o=old, a=adv, m=mask), lp)
+        g = grad_of(
+            functools.partial(lambda x, o, a, m: policy_loss(ours, x, o, a, m, **hyper), o=old, a=adv, m=mask), lp
+        )
+        ref = grad_of(
+            functools.partial(lambda x, o, a, m: verl_loss(theirs, o, x, a, m, **c), o=old, a=adv, m=mask), lp
+        )
         assert torch.allclose(g, ref, rtol=tol, atol=1e-14)
 
 

@@ -34,7 +34,9 @@ def test_token_truncation_by_hand():
     k3 = [E(d) - 1 - d for d in (0.2, 0.0, -1.0, 0.0, -1.0)]
     assert m["rollout_corr/k3_kl"] == pytest.approx(sum(k3) / 5, rel=1e-9)
     raw = [E(0.2), 1.0, E(-1), 1.0, E(-1)]
-    assert m["rollout_corr/weight_max"] == pytest.approx(E(0.2)) and m["rollout_corr/weight_min"] == pytest.approx(E(-1))
+    assert m["rollout_corr/weight_max"] == pytest.approx(E(0.2)) and m["rollout_corr/weight_min"] == pytest.approx(
+        E(-1)
+    )
     assert m["rollout_corr/weight_mean"] == pytest.approx(sum(raw) / 5)
     used = [1.1, 1.0, E(-1), 1.0, E(-1)]
     assert m["rollout_corr/ess"] == pytest.approx(sum(used) ** 2 / (5 * sum(x * x for x in used)), rel=1e-12)
@@ -204,7 +206,14 @@ def verl_like(old, rollout, mask, *, level, threshold, batch_normalize, rs, rs_t
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize(
     "rs,batch_normalize",
-    [(None, False), (None, True), ("token_k3", False), ("seq_mean_k1", False), ("seq_sum_k2", False), ("seq_max_k3", False)],
+    [
+        (None, False),
+        (None, True),
+        ("token_k3", False),
+        ("seq_mean_k1", False),
+        ("seq_sum_k2", False),
+        ("seq_max_k3", False),
+    ],
 )
 def test_matches_verls_formulas(level, rs, batch_normalize):
     """Same weights, kept tokens, kl and k3_kl as verl on random batches; verl's k1 ratio bound T is tether's log T
@@ -220,10 +229,26 @@ def test_matches_verls_formulas(level, rs, batch_normalize):
         rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
         thr_verl = {None: None, "token_k3": 0.05, "seq_mean_k1": 1.2, "seq_sum_k2": 0.1, "seq_max_k3": 0.06}[rs]
         thr_tether = math.log(thr_verl) if rs is not None and rs.endswith("k1") else thr_verl
-        w_v, keep_v, kl_v, k3_v = verl_like(old, rollout, mask, level=level, threshold=2.0, batch_normalize=batch_normalize,
-                                            rs=rs, rs_threshold=thr_verl)  # fmt: skip
-        w_t, keep_t, m = rollout_correction(old, rollout, mask, level=level, threshold=2.0, batch_normalize=batch_normalize,
-                                            reject=rs or "none", reject_threshold=thr_tether)  # fmt: skip
+        w_v, keep_v, kl_v, k3_v = verl_like(
+            old,
+            rollout,
+            mask,
+            level=level,
+            threshold=2.0,
+            batch_normalize=batch_normalize,
+            rs=rs,
+            rs_threshold=thr_verl,
+        )
+        w_t, keep_t, m = rollout_correction(
+            old,
+            rollout,
+            mask,
+            level=level,
+            threshold=2.0,
+            batch_normalize=batch_normalize,
+            reject=rs or "none",
+            reject_threshold=thr_tether,
+        )
         assert keep_t.to(F64).tolist() == keep_v.tolist()
         assert torch.allclose(w_t[keep_t], w_v[keep_t], rtol=1e-12, atol=0)
         assert m["rollout_corr/kl"] == pytest.approx(kl_v, rel=1e-12)
@@ -251,7 +276,16 @@ def test_policy_and_kl_losses_multiply_each_token_by_its_weight():
         lambda weights: ppo_policy_loss(lp, old, adv, mask, weights=weights)[0],
         lambda weights: kl_loss(lp, ref, mask, "k3", old_logprobs=old, weights=weights)[0],
     ):
-        per_token = [fn(torch.zeros(2, 3, dtype=F64).index_put_((torch.tensor(i), torch.tensor(j)), torch.tensor(1.0, dtype=F64)))
-                     for i, j in ((0, 0), (0, 1), (1, 0), (1, 1), (1, 2))]  # fmt: skip
-        want = sum(float(w[i, j]) * float(x) for (i, j), x in zip(((0, 0), (0, 1), (1, 0), (1, 1), (1, 2)), per_token, strict=True))
+        per_token = [
+            fn(
+                torch.zeros(2, 3, dtype=F64).index_put_(
+                    (torch.tensor(i), torch.tensor(j)), torch.tensor(1.0, dtype=F64)
+                )
+            )
+            for i, j in ((0, 0), (0, 1), (1, 0), (1, 1), (1, 2))
+        ]
+        want = sum(
+            float(w[i, j]) * float(x)
+            for (i, j), x in zip(((0, 0), (0, 1), (1, 0), (1, 1), (1, 2)), per_token, strict=True)
+        )
         assert float(fn(w)) == pytest.approx(want, rel=1e-12)

@@ -12,8 +12,10 @@ def gsm8k_dir() -> Path:
     """The shared GSM8K data (../shared/data/gsm8k from the project root); skip when absent."""
     d = find_gsm8k_dir(Path(__file__))
     if d is None:
-        pytest.skip("GSM8K data not found at ../shared/data/gsm8k (relative to the project root) "
-                    "and TETHER_GSM8K_DIR is not set")
+        pytest.skip(
+            "GSM8K data not found at ../shared/data/gsm8k (relative to the project root) "
+            "and TETHER_GSM8K_DIR is not set"
+        )
     return d
 
 

@@ -38,10 +38,13 @@ def test_final_answer():
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet", "json"])
 def test_convert_small(tmp_path, ext):
-    src = _gsm(tmp_path, [
-        {"question": "Q1?", "answer": "1+1=<<1+1=2>>2\n#### 2"},
-        {"question": "Q2?", "answer": "big\n#### 1,000"},
-    ])
+    src = _gsm(
+        tmp_path,
+        [
+            {"question": "Q1?", "answer": "1+1=<<1+1=2>>2\n#### 2"},
+            {"question": "Q2?", "answer": "big\n#### 1,000"},
+        ],
+    )
     out = tmp_path / f"out.{ext}"
     assert convert_gsm8k(src, out) == 2
     recs = [r for _, r in read_records(out)]
@@ -66,8 +69,10 @@ def test_convert_custom_suffix_and_split(tmp_path):
 
 
 def test_convert_errors_name_lines(tmp_path):
-    src = _gsm(tmp_path, [{"question": "Q?", "answer": "#### 3"}, {"question": "Q?"},
-                          {"question": "Q?", "answer": "no final line"}])
+    src = _gsm(
+        tmp_path,
+        [{"question": "Q?", "answer": "#### 3"}, {"question": "Q?"}, {"question": "Q?", "answer": "no final line"}],
+    )
     with pytest.raises(DataError, match=r"line 2: missing or non-text field\(s\) \['answer'\]"):
         convert_gsm8k(src, tmp_path / "o.jsonl")
     src = _gsm(tmp_path, [{"question": "Q?", "answer": "#### 3"}, {"question": "Q?", "answer": "A: 4"}])

@@ -35,8 +35,13 @@ def test_verl_schema_jsonl(tmp_path):
     rows = load_rows(p)
     assert len(rows) == 2
     r = rows[0]
-    assert r == PromptRow(prompt=[{"role": "user", "content": "What is 2+3?"}], data_source="openai/gsm8k",
-                          ground_truth="5", extra_info={"split": "train", "index": 7, "ability": "math"}, index=0)
+    assert r == PromptRow(
+        prompt=[{"role": "user", "content": "What is 2+3?"}],
+        data_source="openai/gsm8k",
+        ground_truth="5",
+        extra_info={"split": "train", "index": 7, "ability": "math"},
+        index=0,
+    )
     assert rows[1].prompt == "plain text"
     assert rows[1].data_source == "unknown" and rows[1].ground_truth is None and rows[1].extra_info == {}
     assert rows[1].index == 1
@@ -62,8 +67,9 @@ def test_json_list_and_parquet_round_trip(tmp_path):
 def test_blank_lines_skipped_and_unicode_line_separator_in_string(tmp_path):
     rec = {"prompt": "a\u2028b"}  # U+2028 inside a JSON string must not split the line
     p = tmp_path / "d.jsonl"
-    p.write_text("\n" + json.dumps(rec, ensure_ascii=False) + "\n\n" + json.dumps({"prompt": "c"}) + "\r\n",
-                 encoding="utf-8")
+    p.write_text(
+        "\n" + json.dumps(rec, ensure_ascii=False) + "\n\n" + json.dumps({"prompt": "c"}) + "\r\n", encoding="utf-8"
+    )
     rows = load_rows(p)
     assert [r.prompt for r in rows] == ["a\u2028b", "c"]
     assert [r.index for r in rows] == [0, 1]
@@ -71,18 +77,18 @@ def test_blank_lines_skipped_and_unicode_line_separator_in_string(tmp_path):
 
 def test_malformed_rows_fatal_with_line_numbers(tmp_path):
     lines = [
-        json.dumps({"prompt": "ok"}),                                     # 1
-        "",                                                                # 2 blank
-        json.dumps({"question": "q", "answer": "#### 1"}),               # 3 missing prompt (raw gsm8k)
-        json.dumps({"prompt": "   "}),                                    # 4 empty prompt
-        json.dumps({"prompt": 5}),                                        # 5 wrong type
-        json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),     # 6 bad role
-        "{not json",                                                       # 7 invalid JSON
-        json.dumps({"prompt": [{"role": "user", "content": ["x"]}]}),    # 8 content not str
-        json.dumps({"prompt": []}),                                       # 9 empty list
-        json.dumps([1, 2]),                                               # 10 not an object
-        json.dumps({"prompt": [{"content": "x"}]}),                      # 11 no role
-        json.dumps({"prompt": "x", "extra_info": 3}),                    # 12 extra_info not dict
+        json.dumps({"prompt": "ok"}),  # 1
+        "",  # 2 blank
+        json.dumps({"question": "q", "answer": "#### 1"}),  # 3 missing prompt (raw gsm8k)
+        json.dumps({"prompt": "   "}),  # 4 empty prompt
+        json.dumps({"prompt": 5}),  # 5 wrong type
+        json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),  # 6 bad role
+        "{not json",  # 7 invalid JSON
+        json.dumps({"prompt": [{"role": "user", "content": ["x"]}]}),  # 8 content not str
+        json.dumps({"prompt": []}),  # 9 empty list
+        json.dumps([1, 2]),  # 10 not an object
+        json.dumps({"prompt": [{"content": "x"}]}),  # 11 no role
+        json.dumps({"prompt": "x", "extra_info": 3}),  # 12 extra_info not dict
     ]
     p = _write_lines(tmp_path / "bad.jsonl", lines)
     with pytest.raises(DataError) as ei:
@@ -92,9 +98,16 @@ def test_malformed_rows_fatal_with_line_numbers(tmp_path):
     assert e.n_bad == 10
     assert str(p) in msg and "10 malformed row(s) of 11" in msg
     expect = {
-        3: "missing prompt", 4: "empty prompt", 5: "expected a string or a list", 6: "bad role 'robot'",
-        7: "invalid JSON", 8: "content is a list", 9: "empty list", 10: "expected a JSON object",
-        11: "has no 'role'", 12: "'extra_info' must be an object",
+        3: "missing prompt",
+        4: "empty prompt",
+        5: "expected a string or a list",
+        6: "bad role 'robot'",
+        7: "invalid JSON",
+        8: "content is a list",
+        9: "empty list",
+        10: "expected a JSON object",
+        11: "has no 'role'",
+        12: "'extra_info' must be an object",
     }
     assert len(e.problems) == len(expect)
     for problem, (line, what) in zip(e.problems, expect.items(), strict=True):
@@ -114,7 +127,9 @@ def test_skip_invalid_drops_and_counts(tmp_path, caplog):
     assert len(rows) == 2
     # on the tether logger (printed "WARNING tether: ..."), not a Python warning with a source line
     assert [(r.name, r.levelname) for r in caplog.records] == [("tether", "WARNING")]
-    assert "d.jsonl: skipped 1 malformed row(s); first: " in caplog.text and "d.jsonl: line 2: invalid JSON" in caplog.text
+    assert (
+        "d.jsonl: skipped 1 malformed row(s); first: " in caplog.text and "d.jsonl: line 2: invalid JSON" in caplog.text
+    )
 
 
 def test_error_list_is_capped(tmp_path):
@@ -124,10 +139,13 @@ def test_error_list_is_capped(tmp_path):
     assert ei.value.n_bad == 30 and len(ei.value.problems) == 20
 
 
-@pytest.mark.parametrize("content, match", [
-    ("", "empty dataset"),
-    ("\n\n", "empty dataset"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("", "empty dataset"),
+        ("\n\n", "empty dataset"),
+    ],
+)
 def test_empty_dataset(tmp_path, content, match):
     p = tmp_path / "d.jsonl"
     p.write_text(content)
@@ -189,8 +207,15 @@ def test_offline_response_and_score_columns(tmp_path):
     rows = load_rows(p, response_key="response", score_key="score")
     assert [(r.response, r.score) for r in rows] == [("r1", 1.0), ("", None)]
     assert "response" not in rows[0].extra_info and "score" not in rows[0].extra_info
-    write_records([{"prompt": "q", "response": "r", "score": "high"}, {"prompt": "q"},
-                   {"prompt": "q", "response": 3, "score": 1.0}, {"prompt": "q", "response": "r"}], p)
+    write_records(
+        [
+            {"prompt": "q", "response": "r", "score": "high"},
+            {"prompt": "q"},
+            {"prompt": "q", "response": 3, "score": 1.0},
+            {"prompt": "q", "response": "r"},
+        ],
+        p,
+    )
     with pytest.raises(DataError) as ei:
         load_rows(p, response_key="response", score_key="score")
     probs = ei.value.problems
@@ -202,8 +227,9 @@ def test_offline_response_and_score_columns(tmp_path):
 
 def test_nan_score_rejected():
     with pytest.raises(DataError, match="expected a finite number"):
-        rows_from_records([{"prompt": "q", "response": "r", "score": float("nan")}], "mem", response_key="response",
-                          score_key="score")
+        rows_from_records(
+            [{"prompt": "q", "response": "r", "score": float("nan")}], "mem", response_key="response", score_key="score"
+        )
 
 
 def test_rows_from_records_names_source():
@@ -239,7 +265,7 @@ def test_split_rows_deterministic():
     assert [r.index for r in va3] != [r.index for r in va1]
     assert split_rows(rows, 0.0) == (rows, [])
     assert len(split_rows(rows[:3], 0.01)[1]) == 1  # at least one validation row
-    assert len(split_rows(rows[:2], 0.9)[0]) == 1   # at least one training row
+    assert len(split_rows(rows[:2], 0.9)[0]) == 1  # at least one training row
     with pytest.raises(ValueError):
         split_rows(rows, 1.0)
     with pytest.raises(ValueError):

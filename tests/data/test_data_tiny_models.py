@@ -23,8 +23,9 @@ def test_tokenizer_chat_template_and_specials(chat_tokenizer_dir):
     assert len(tok) == 512
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
     assert (tok.pad_token_id, tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id) == (0, 1, 2)
-    text = tok.apply_chat_template([{"role": "user", "content": "Natalia sold 48 clips."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Natalia sold 48 clips."}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nNatalia sold 48 clips.<|im_end|>\n<|im_start|>assistant\n"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text  # byte-level BPE round trip

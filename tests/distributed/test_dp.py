@@ -24,10 +24,15 @@ def test_split_and_gather_restore_order_and_pad():
     B, T = 5, 3
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
     batch = RolloutBatch(
-        prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-        response_ids=torch.arange(B * T).view(B, T), response_mask=mask, group_ids=torch.zeros(B, dtype=torch.long),
-        rows=list(range(B)), prompts=[""] * B, responses=[str(i) for i in range(B)],
-    )  # fmt: skip
+        prompt_ids=torch.zeros(B, 2, dtype=torch.long),
+        prompt_mask=torch.ones(B, 2, dtype=torch.long),
+        response_ids=torch.arange(B * T).view(B, T),
+        response_mask=mask,
+        group_ids=torch.zeros(B, dtype=torch.long),
+        rows=list(range(B)),
+        prompts=[""] * B,
+        responses=[str(i) for i in range(B)],
+    )
     shards, parts = split_batch(batch, 2)
     assert [len(s) for s in shards] == [3, 3]  # padded to equal rows, so both ranks run as many forwards
     assert [real_rows(s) for s in shards] == [len(p) for p in parts]
@@ -45,10 +50,15 @@ def _batch(mask):
 
     B, T = mask.shape
     return RolloutBatch(
-        prompt_ids=torch.zeros(B, 2, dtype=torch.long), prompt_mask=torch.ones(B, 2, dtype=torch.long),
-        response_ids=torch.zeros(B, T, dtype=torch.long), response_mask=mask, group_ids=torch.zeros(B, dtype=torch.long),
-        rows=list(range(B)), prompts=[""] * B, responses=[""] * B,
-    )  # fmt: skip
+        prompt_ids=torch.zeros(B, 2, dtype=torch.long),
+        prompt_mask=torch.ones(B, 2, dtype=torch.long),
+        response_ids=torch.zeros(B, T, dtype=torch.long),
+        response_mask=mask,
+        group_ids=torch.zeros(B, dtype=torch.long),
+        rows=list(range(B)),
+        prompts=[""] * B,
+        responses=[""] * B,
+    )
 
 
 def test_shard_rows_name_each_ranks_real_rows_in_shard_order():
@@ -60,7 +70,8 @@ def test_shard_rows_name_each_ranks_real_rows_in_shard_order():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0]])
     batch = _batch(mask)
     batch.response_ids = torch.arange(15).view(5, 3)
-    # tokens 5, 3, 3, 3, 4 (2 prompt + response), LPT: 0 -> r0, 4 -> r1, 1 -> r1 (4 < 5), 2 -> r0 (5 < 7), 3 -> r1 (7 < 8)
+    # tokens 5, 3, 3, 3, 4 (2 prompt + response), LPT: 0 -> r0, 4 -> r1, 1 -> r1 (4 < 5), 2 -> r0 (5 < 7), 3 -> r1 (7 <
+    # 8)
     assert [DataParallel(r, 2).shard_rows(batch) for r in (0, 1)] == [[0, 2], [1, 3, 4]]
     for r in (0, 1):
         dp = DataParallel(r, 2)
@@ -119,10 +130,25 @@ def test_ray_keys_in_help_and_validated():
     from tether.config import ConfigError, describe_config, load_config
 
     text = describe_config()
-    for key in ("trainer.backend", "trainer.n_workers", "trainer.ray_address", "trainer.nnodes", "trainer.n_gpus_per_node",
-                "trainer.placement", "trainer.fsdp.param_dtype", "trainer.fsdp.cpu_offload", "trainer.fsdp.activation_checkpointing"):  # fmt: skip
+    for key in (
+        "trainer.backend",
+        "trainer.n_workers",
+        "trainer.ray_address",
+        "trainer.nnodes",
+        "trainer.n_gpus_per_node",
+        "trainer.placement",
+        "trainer.fsdp.param_dtype",
+        "trainer.fsdp.cpu_offload",
+        "trainer.fsdp.activation_checkpointing",
+    ):
         assert key in text, key
-    assert load_config(None, ["trainer.backend=ray", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.n_workers=16"]).trainer.n_workers == 16
+    assert (
+        load_config(
+            None, ["trainer.backend=ray", "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.n_workers=16"]
+        ).trainer.n_workers
+        == 16
+    )
     with pytest.raises(ConfigError, match="trainer.placement"):
         load_config(None, ["trainer.placement=spread"])
-    assert load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"]).rollout.vllm.replicas == 1  # vLLM replicas as Ray actors
+    # vLLM replicas as Ray actors
+    assert load_config(None, ["trainer.backend=ray", "rollout.engine=vllm"]).rollout.vllm.replicas == 1

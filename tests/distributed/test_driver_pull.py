@@ -14,7 +14,8 @@ from tether.distributed.ray_backend import RemoteActor
 
 
 class _Group:
-    """Records calls; ``full_state`` returns the workers' trainable weights: every entry the number of updates so far."""
+    """Records calls; ``full_state`` returns the workers' trainable weights: every entry the number of updates so
+    far."""
 
     def __init__(self, model):
         self.workers, self.calls, self.model = ["rank0"], [], model
@@ -47,7 +48,8 @@ def test_lazy_copy_is_pulled_once_per_read_after_updates(model):
     assert actor.model_as_is is model and actor.pulls == 0  # shapes (perf/mfu, checkpoint config): no pull
     assert not torch.equal(model.weight.detach(), torch.full((2, 3), 3.0))
     assert actor.model is model and actor.pulls == 1 and not actor.stale
-    assert torch.equal(model.weight, torch.full((2, 3), 3.0)) and torch.equal(model.bias, torch.full((2,), 3.0))  # the 3rd update's
+    # the 3rd update's
+    assert torch.equal(model.weight, torch.full((2, 3), 3.0)) and torch.equal(model.bias, torch.full((2,), 3.0))
     actor.model  # noqa: B018 - current: no second pull
     assert actor.pulls == 1 and group.calls.count("full_state") == 1
     _update(actor)
@@ -107,4 +109,5 @@ def test_checkpoint_metadata_pulls_only_for_lora_adapters(tmp_path):
     save_sharded_actor_meta(actor, _Tok(), tmp_path / "lora")
     assert actor.pulls == 1 and not actor.stale
     adapters = load_file(str(tmp_path / "lora" / "adapter_model.safetensors"))
-    assert len(adapters) == 2 and all(torch.equal(v, torch.ones_like(v)) for v in adapters.values())  # the 1st update's weights
+    # the 1st update's weights
+    assert len(adapters) == 2 and all(torch.equal(v, torch.ones_like(v)) for v in adapters.values())

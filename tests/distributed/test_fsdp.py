@@ -19,13 +19,25 @@ from tether.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8",
-         "data.embedded_val_size=4", "rollout.n=4",
-         "actor.share_prompt_prefix=false"]  # fmt: skip  # world size 2 runs the ordinary pass (no sharing at ws > 1): so does ws 1
+SMALL = [
+    "trainer.total_steps=3",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=4",
+    "rollout.n=4",
+    "actor.share_prompt_prefix=false",
+]  # world size 2 runs the ordinary pass (no sharing at ws > 1): so does ws 1
 AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-batches and padding rows
     **{f"grpo-{m}": [f"algo.loss_agg_mode={m}"] for m in AGG_MODES},
-    "kl-loss": ["kl.placement=both", "kl.loss_estimator=k3", "algo.entropy_coef=0.01", "kl.loss_agg_mode=seq-mean-token-mean"],
+    "kl-loss": [
+        "kl.placement=both",
+        "kl.loss_estimator=k3",
+        "algo.entropy_coef=0.01",
+        "kl.loss_agg_mode=seq-mean-token-mean",
+    ],
     "gae": ["algo.adv_estimator=gae", "critic.micro_batch_size=3"],
     "lora": ["actor.lora.rank=4"],
     "epochs": ["algo.ppo_epochs=2", "algo.mini_batch_size=8"],
@@ -37,8 +49,16 @@ VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-b
     "gspo": ["algo.policy_loss=gspo", "algo.mini_batch_size=8"],
     # padding-free forwards and token-budget micro-batches for actor, reference and critic; every rank also runs
     # one extra empty micro-batch per pass (see _rank_main), which must change nothing
-    "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
-               "critic.max_tokens_per_micro_batch=20", "kl.placement=both", "kl.loss_estimator=k3", "algo.entropy_coef=0.01"],
+    "packed": [
+        "algo.adv_estimator=gae",
+        "actor.padding_free=true",
+        "actor.max_tokens_per_micro_batch=20",
+        "critic.padding_free=true",
+        "critic.max_tokens_per_micro_batch=20",
+        "kl.placement=both",
+        "kl.loss_estimator=k3",
+        "algo.entropy_coef=0.01",
+    ],
 }
 #: Final weights: all but a few elements agree to 1e-6. The exceptions are elements whose gradient
 #: nearly cancels (|g| ~ AdamW's eps = 1e-8): there the two layouts' rounding of g (different
@@ -119,7 +139,9 @@ def _rank_main(rank: int, world: int, port: int, recs: dict, out_path: str) -> N
         opt_state = w.actor.optimizer.state
         res["dtypes"] = {
             "param": {str(p.dtype) for p in w.actor.model.parameters()},
-            "adam": {str(v.dtype) for st in opt_state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")},
+            "adam": {
+                str(v.dtype) for st in opt_state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")
+            },
             "sharded": all(type(p).__name__ == "DTensor" for p in w.actor.model.parameters()),
         }
         res["actor_final"] = w.full_state("actor")
@@ -143,9 +165,20 @@ def replay(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     recs = {}
     for name, extra in VARIANTS.items():
-        cfg = load_config(None, [*SMALL, "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", "trainer.loggers=[jsonl]",
-                                 "actor.micro_batch_size=3", "guard.target_kl=null",
-                                 f"trainer.output_dir={root / name}", *extra])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                *SMALL,
+                "trainer.val_freq=0",
+                "trainer.save_freq=0",
+                "trainer.report=false",
+                "trainer.loggers=[jsonl]",
+                "actor.micro_batch_size=3",
+                "guard.target_kl=null",
+                f"trainer.output_dir={root / name}",
+                *extra,
+            ],
+        )
         recs[name] = _record(cfg)
     out = root / "ws2.pt"
     torch.multiprocessing.spawn(_rank_main, args=(2, free_port(), recs, str(out)), nprocs=2, join=True)
@@ -177,7 +210,11 @@ def test_world_size_2_equals_1(replay, name):
             w, g = rec[f"{role}_final"], res[f"{role}_final"]
             assert set(g) == set(w)
             diffs = torch.cat([(g[k].float() - w[k].float()).abs().flatten() for k in w])
-            assert float((diffs > WEIGHT_ATOL).float().mean()) <= OUTLIER_FRAC, (name, role, int((diffs > WEIGHT_ATOL).sum()))
+            assert float((diffs > WEIGHT_ATOL).float().mean()) <= OUTLIER_FRAC, (
+                name,
+                role,
+                int((diffs > WEIGHT_ATOL).sum()),
+            )
             assert float(diffs.max()) <= OUTLIER_ATOL, (name, role, float(diffs.max()))
             if name in STRICT_WEIGHTS:  # every element to 1e-6
                 assert float(diffs.max()) <= WEIGHT_ATOL, (name, role, float(diffs.max()))

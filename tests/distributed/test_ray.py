@@ -17,12 +17,26 @@ from tether.trainer.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.threads=1",
-         "data.batch_size=4", "data.embedded_train_size=8", "data.embedded_val_size=4", "rollout.n=4", "trainer.val_n=2",
-         "algo.mini_batch_size=8", "actor.micro_batch_size=3", "trainer.report=false", "trainer.loggers=[jsonl]",
-         # worker groups of 2 ranks run the ordinary pass (actor.share_prompt_prefix falls back there), so the local run it is
-         # compared with does too: the shared pass equals it only to round-off, which Adam's first steps amplify past 1e-5
-         "actor.share_prompt_prefix=false"]  # fmt: skip
+SMALL = [
+    "trainer.total_steps=3",
+    "trainer.progress=false",
+    "trainer.val_freq=2",
+    "trainer.save_freq=2",
+    "trainer.threads=1",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=4",
+    "rollout.n=4",
+    "trainer.val_n=2",
+    "algo.mini_batch_size=8",
+    "actor.micro_batch_size=3",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    # worker groups of 2 ranks run the ordinary pass (actor.share_prompt_prefix falls back there), so the local run it
+    # is
+    # compared with does too: the shared pass equals it only to round-off, which Adam's first steps amplify past 1e-5
+    "actor.share_prompt_prefix=false",
+]
 NOT_COMPARED = ("timing/", "perf/")
 
 
@@ -56,7 +70,8 @@ def _compare(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
         assert keys == {k for k in rb if not k.startswith(NOT_COMPARED)}, ra["step"]
         for k in keys:
             va, vb = ra[k], rb[k]
-            if va is None or (isinstance(va, float) and math.isnan(va)):  # NaN is written as null (policy/entropy unmeasured)
+            # NaN is written as null (policy/entropy unmeasured)
+            if va is None or (isinstance(va, float) and math.isnan(va)):
                 assert vb is None or math.isnan(vb), (ra["step"], k)
             else:
                 assert vb == pytest.approx(va, abs=tol, rel=tol), (ra["step"], k, va, vb)
@@ -65,19 +80,40 @@ def _compare(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
 EQUAL_CASES = {
     "grpo": [],
     # no validation: the driver then holds neither a reference nor a critic model, only the policy
-    "gae-split-ref-reset": ["algo.adv_estimator=gae", "trainer.placement=split", "ref.reset_every=2", "trainer.val_freq=0"],
+    "gae-split-ref-reset": [
+        "algo.adv_estimator=gae",
+        "trainer.placement=split",
+        "ref.reset_every=2",
+        "trainer.val_freq=0",
+    ],
     "lora-gspo": ["actor.lora.rank=4", "algo.policy_loss=gspo"],  # and a sequence-level policy loss on the ranks
     "full-kl-ref-reset": ["kl.estimator=full", "ref.reset_every=2"],
-    # the driver generates batches (and their behaviour log-probs) while the workers train: three batches ahead, each weighed against the mismatched engine (TIS), with a rejection that takes responses out
+    # the driver generates batches (and their behaviour log-probs) while the workers train: three batches ahead, each
+    # weighed against the mismatched engine (TIS), with a rejection that takes responses out
     # of the all-reduced loss counts, and an off-policy-corrected k3 KL loss over two mini-batches; the (B, T) token
     # masks and α of the entropy controls and mask_truncated travel to the ranks with the batch and the spec
-    "async-3-rollout-correction": ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
-                                   "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05",
-                                   "kl.placement=both", "kl.loss_estimator=k3", "algo.mini_batch_size=8", "algo.top_entropy_quantile=0.5",
-                                   "algo.mask_truncated=true", "algo.entropy_target=2.5", "algo.entropy_coef=0.01"],
+    "async-3-rollout-correction": [
+        "rollout.async_steps=3",
+        "rollout.engine_temperature=1.5",
+        "algo.rollout_correction.level=token",
+        "algo.rollout_correction.reject=seq_mean_k3",
+        "algo.rollout_correction.reject_threshold=0.05",
+        "kl.placement=both",
+        "kl.loss_estimator=k3",
+        "algo.mini_batch_size=8",
+        "algo.top_entropy_quantile=0.5",
+        "algo.mask_truncated=true",
+        "algo.entropy_target=2.5",
+        "algo.entropy_coef=0.01",
+    ],
     # padding-free forwards and token-budget micro-batches (ranks pad to equal micro-batch counts)
-    "packed": ["algo.adv_estimator=gae", "actor.padding_free=true", "actor.max_tokens_per_micro_batch=20", "critic.padding_free=true",
-               "critic.max_tokens_per_micro_batch=20"],
+    "packed": [
+        "algo.adv_estimator=gae",
+        "actor.padding_free=true",
+        "actor.max_tokens_per_micro_batch=20",
+        "critic.padding_free=true",
+        "critic.max_tokens_per_micro_batch=20",
+    ],
 }
 
 
@@ -92,14 +128,18 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     copy of the final weights within 1e-5. HF rollouts generate on that copy, so it takes the
     workers' weights after each of the 3 updates and after a guard rollback's load (RemoteActor
     eager: 3 pulls + one per rollback; grpo rolls back at step 3)."""
-    local = Trainer(_cfg(tmp_path / "local", *(e for e in extra if not e.startswith(RAY_ONLY))))  # the local backend refuses Ray's keys
+    # the local backend refuses Ray's keys
+    local = Trainer(_cfg(tmp_path / "local", *(e for e in extra if not e.startswith(RAY_ONLY))))
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
     remote.fit()
     _compare(_metrics(tmp_path / "local"), _metrics(tmp_path / "ray"))
     wl, wr = dict(local.roles.actor.model.named_parameters()), dict(remote.roles.actor.model.named_parameters())
     assert max(float((wl[k] - wr[k]).abs().max()) for k in wl) < 1e-5
-    assert not remote.roles.actor.lazy and remote.roles.actor.pulls == 3 + _metrics(tmp_path / "ray")[-1]["guard/rollbacks"]
+    assert (
+        not remote.roles.actor.lazy
+        and remote.roles.actor.pulls == 3 + _metrics(tmp_path / "ray")[-1]["guard/rollbacks"]
+    )
     assert remote.roles.placement.groups == [] and ray.is_initialized()  # its groups are gone; the module's Ray is not
     if "trainer.val_freq=0" in extra:
         assert remote.roles.ref.local is None and not hasattr(remote.roles.critic, "model")
@@ -109,7 +149,9 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
 REUSE = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05"]
 
 
-@pytest.mark.parametrize("packing", [[], ["actor.padding_free=true", "actor.max_tokens_per_micro_batch=20"]], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    "packing", [[], ["actor.padding_free=true", "actor.max_tokens_per_micro_batch=20"]], ids=["padded", "packed"]
+)
 def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path, packing):
     """actor.reuse_update_logprobs under trainer.backend=ray: each rank's update measures the old
     log-probs and entropy of its own rows (micro-batches of 3, so the shards are padded), the driver
@@ -168,8 +210,11 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     trainer.train_step()  # checkpoint step 1
     at_1 = _weights(trainer.roles.actor.model)
     ray.kill(trainer.roles.placement.actor_group.workers[1])
-    with pytest.raises(WorkerDiedError, match=r"actor\+ref worker group: rank 1 died during compute_logprobs "
-                       r"\(ActorDiedError: The actor is dead because it was killed by `ray.kill`\.\)"):
+    with pytest.raises(
+        WorkerDiedError,
+        match=r"actor\+ref worker group: rank 1 died during compute_logprobs "
+        r"\(ActorDiedError: The actor is dead because it was killed by `ray.kill`\.\)",
+    ):
         trainer.train_step()
     trainer.roles.close()
     again = Trainer(cfg)  # the last checkpoint still loads, on fresh workers
@@ -197,8 +242,10 @@ def test_an_actor_that_fails_to_start_is_named_with_its_error(cluster):
     actor = ray.remote(FailsToStart).options(num_cpus=0).remote()
     with pytest.raises(ray.exceptions.RayActorError) as info:
         ray.get(actor.ping.remote())
-    assert death_cause(info.value) == ("its __init__ raised tether.config.ConfigError: rollout.vllm.tensor_parallel_size=3 "
-                                       "on the CPU backend needs a core per tp rank")  # fmt: skip
+    assert death_cause(info.value) == (
+        "its __init__ raised tether.config.ConfigError: rollout.vllm.tensor_parallel_size=3 "
+        "on the CPU backend needs a core per tp rank"
+    )
 
 
 def test_a_peers_error_after_a_rank_died_names_the_dead_rank(cluster):
@@ -223,7 +270,9 @@ def test_a_peers_error_after_a_rank_died_names_the_dead_rank(cluster):
         group._get([a.fail_soon.remote(), b.die_later.remote()], "save_checkpoint")
     msg = str(info.value)
     assert msg.startswith("actor+ref worker group: rank 1 died during save_checkpoint (ActorDiedError: ")
-    assert msg.endswith("(then rank 0 failed in save_checkpoint: RuntimeError: [gloo] Read error: Connection reset by peer)")
+    assert msg.endswith(
+        "(then rank 0 failed in save_checkpoint: RuntimeError: [gloo] Read error: Connection reset by peer)"
+    )
     with pytest.raises(WorkerDiedError, match=r"^actor\+ref worker group: rank 0 failed in step: RuntimeError"):
         group._get([a.fail_soon.remote()], "step")  # no peer died: the error itself
     ray.kill(a)
@@ -239,7 +288,9 @@ def test_gpus_asked_of_a_local_cpu_ray_are_refused_at_once(cluster, monkeypatch)
     local.started = True
     closed = []
     monkeypatch.setattr(local, "close", lambda: closed.append(True))
-    with pytest.raises(ConfigError, match=r"trainer.n_gpus_per_node=2, but the local Ray tether started finds 0 GPU\(s\)"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.n_gpus_per_node=2, but the local Ray tether started finds 0 GPU\(s\)"
+    ):
         local.check_gpus(2)
     assert closed == [True]  # the Ray it started is shut down before the error
     local.check_gpus(0)  # a CPU run asks for none
@@ -274,7 +325,9 @@ def _max_diff(a: dict, b: dict) -> float:
 def sharded_run(cluster, tmp_path_factory):
     """4 uninterrupted steps at world size 2, sharded checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("sharded")
-    t = Trainer(_cfg(root / "a", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", "trainer.keep_last=3"))
+    t = Trainer(
+        _cfg(root / "a", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", "trainer.keep_last=3")
+    )
     t.fit()
     return root, _metrics(root / "a"), _weights(t.roles.actor.model)
 
@@ -286,9 +339,24 @@ def test_sharded_checkpoint_layout_and_exact_resume(sharded_run, tmp_path):
     root, metrics, final = sharded_run
     ckpt = root / "a" / "checkpoints" / "step_000002"
     files = set(verify_checkpoint(ckpt)["files"])  # the manifest covers the shards
-    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/schedulers.pt", "actor/config.json", "trainer_state.json"} <= files
+    assert {
+        "dcp/.metadata",
+        "dcp/__0_0.distcp",
+        "dcp/__1_0.distcp",
+        "dcp/schedulers.pt",
+        "actor/config.json",
+        "trainer_state.json",
+    } <= files
     assert not any(f.endswith(".safetensors") for f in files) and "optim.pt" not in files  # no full copy
-    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    t = Trainer(
+        _cfg(
+            tmp_path / "b",
+            "trainer.backend=ray",
+            "trainer.n_workers=2",
+            "trainer.total_steps=4",
+            f"trainer.resume={ckpt}",
+        )
+    )
     assert t.step == 2
     t.fit()
     _compare(metrics[-2:], _metrics(tmp_path / "b")[-2:], tol=1e-6)
@@ -305,7 +373,15 @@ def test_resume_at_another_world_size(sharded_run, tmp_path, n_from, n_to):
     else:  # a world-size-1 run of 2 steps
         Trainer(_cfg(tmp_path / "ws1", "trainer.backend=ray", "trainer.n_workers=1", "trainer.total_steps=2")).fit()
         ckpt = tmp_path / "ws1" / "checkpoints" / "step_000002"
-    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", f"trainer.n_workers={n_to}", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    t = Trainer(
+        _cfg(
+            tmp_path / "b",
+            "trainer.backend=ray",
+            f"trainer.n_workers={n_to}",
+            "trainer.total_steps=4",
+            f"trainer.resume={ckpt}",
+        )
+    )
     loaded = _weights(t.roles.actor.model)
     pulled = t.roles.placement.actor_group.call("full_state", "actor", True)
     assert _max_diff({k: loaded[k] for k in pulled}, pulled) == 0.0  # the driver copy is the workers' weights
@@ -339,7 +415,14 @@ def test_backends_refuse_each_others_checkpoints(sharded_run, tmp_path):
         Trainer(_cfg(tmp_path / "local", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
     Trainer(_cfg(tmp_path / "l2", "trainer.total_steps=2")).fit()
     with pytest.raises(CheckpointError, match="written by trainer.backend=local"):
-        Trainer(_cfg(tmp_path / "r", "trainer.backend=ray", "trainer.total_steps=4", f"trainer.resume={tmp_path / 'l2' / 'checkpoints' / 'step_000002'}"))
+        Trainer(
+            _cfg(
+                tmp_path / "r",
+                "trainer.backend=ray",
+                "trainer.total_steps=4",
+                f"trainer.resume={tmp_path / 'l2' / 'checkpoints' / 'step_000002'}",
+            )
+        )
 
 
 def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
@@ -353,8 +436,14 @@ def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
 
     _, metrics, _ = sharded_run
     address = ray.get_runtime_context().gcs_address
-    args = [*SMALL, "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.ray_address={address}",
-            f"trainer.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [
+        *SMALL,
+        "trainer.backend=ray",
+        "trainer.n_workers=2",
+        "trainer.total_steps=4",
+        f"trainer.ray_address={address}",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
     cmd = [sys.executable, "-m", "tether.cli", "train", *args]
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV} | {"OMP_NUM_THREADS": "1"}
     killed = subprocess.run(cmd, env=env | {FAULT_ENV: "kill:4:weights"}, capture_output=True, text=True, timeout=600)
@@ -371,7 +460,15 @@ def test_rollback_restores_sharded_weights_and_keeps_the_lr(sharded_run, tmp_pat
     and AdamW moments of the step-2 checkpoint come back, the current (lowered) learning rate stays."""
     root, _, _ = sharded_run
     ckpt = root / "a" / "checkpoints" / "step_000002"
-    t = Trainer(_cfg(tmp_path / "b", "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.resume={ckpt}"))
+    t = Trainer(
+        _cfg(
+            tmp_path / "b",
+            "trainer.backend=ray",
+            "trainer.n_workers=2",
+            "trainer.total_steps=4",
+            f"trainer.resume={ckpt}",
+        )
+    )
     at_2 = _weights(t.roles.actor.model)
     lr = t.roles.actor.optimizer.param_groups[0]["lr"]
     t.train_step()
@@ -398,11 +495,28 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_
     run = tmp_path / "run"
     tmp = Path(os.environ.get("TMPDIR", Path(__file__).parents[2] / ".tmp"))
     ray_tmp = tmp if len(str(tmp / "ray")) <= 48 else Path(tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", TMPDIR=str(ray_tmp), PYTHONPATH=str(Path(__file__).parents[2] / "src"))
-    cmd = [sys.executable, "-m", "tether.cli", "train", "trainer.backend=ray", "trainer.n_workers=2", "trainer.threads=1",
-           "trainer.total_steps=100000", "trainer.save_freq=0", "trainer.val_freq=0", "trainer.progress=false", "trainer.report=false",
-           "trainer.loggers=[jsonl]", f"trainer.output_dir={run}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(
+        os.environ, RAY_AUTH_MODE="disabled", TMPDIR=str(ray_tmp), PYTHONPATH=str(Path(__file__).parents[2] / "src")
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tether.cli",
+        "train",
+        "trainer.backend=ray",
+        "trainer.n_workers=2",
+        "trainer.threads=1",
+        "trainer.total_steps=100000",
+        "trainer.save_freq=0",
+        "trainer.val_freq=0",
+        "trainer.progress=false",
+        "trainer.report=false",
+        "trainer.loggers=[jsonl]",
+        f"trainer.output_dir={run}",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((run / "metrics.jsonl").exists() and len(_metrics(run)) >= 2):
@@ -420,7 +534,9 @@ def test_sigterm_to_the_whole_process_group_still_checkpoints_and_exits_143(tmp_
     if "abandoning it without a new checkpoint" in err:
         # the signal reached the workers (or Ray's raylet) before the step's last call to them: the step is abandoned
         # as by a second signal, and the exit names the last complete checkpoint (none here: trainer.save_freq=0)
-        assert "the step in progress failed after it (WorkerDiedError" in err and "no checkpoint was written yet" in err, err[-3000:]
+        assert (
+            "the step in progress failed after it (WorkerDiedError" in err and "no checkpoint was written yet" in err
+        ), err[-3000:]
     else:  # the usual case: the step finished before the workers went, and was checkpointed
         assert f"tether train: stopped by SIGTERM after step {done}; checkpoint step {done} written" in err
         assert (run / "checkpoints" / f"step_{done:06d}").is_dir()
@@ -436,6 +552,8 @@ def test_a_sharded_checkpoints_failure_is_named_by_each_ranks_own_error():
 
     full = OSError(28, "No space left on device")
     e = CheckpointException("save failed", {1: (full, None), 0: (OSError(28, "No space left on device"), None)})
-    assert failure_text(e) == ("CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
-                               "rank 1: OSError: [Errno 28] No space left on device)")  # fmt: skip
+    assert failure_text(e) == (
+        "CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
+        "rank 1: OSError: [Errno 28] No space left on device)"
+    )
     assert failure_text(RuntimeError("boom")) == "RuntimeError: boom"

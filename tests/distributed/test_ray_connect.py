@@ -23,8 +23,17 @@ from tether.config import ConfigError  # noqa: E402
 from tether.distributed.ray_backend import RayCluster, probe_ray_address  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-ARGS = ["trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=1", "trainer.progress=false", "trainer.report=false",
-        "trainer.loggers=[jsonl]", "trainer.threads=1", "data.embedded_train_size=8", "data.embedded_val_size=4"]  # fmt: skip
+ARGS = [
+    "trainer.backend=ray",
+    "trainer.n_workers=2",
+    "trainer.total_steps=1",
+    "trainer.progress=false",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.threads=1",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=4",
+]
 
 
 @pytest.fixture
@@ -48,7 +57,14 @@ def loopback_kept(monkeypatch):
 
 def _env(**extra) -> dict:
     tmp = Path(os.environ.get("TMPDIR", ROOT / ".tmp"))
-    return dict(os.environ, RAY_AUTH_MODE="disabled", TMPDIR=str(tmp), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", **extra)
+    return dict(
+        os.environ,
+        RAY_AUTH_MODE="disabled",
+        TMPDIR=str(tmp),
+        PYTHONPATH=str(ROOT / "src"),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
 
 
 def test_a_listener_that_is_no_ray_gcs_fails_within_the_connect_timeout(silent_listener, loopback_kept, monkeypatch):
@@ -63,19 +79,29 @@ def test_a_listener_that_is_no_ray_gcs_fails_within_the_connect_timeout(silent_l
         RayCluster(address, 1)
     took = time.monotonic() - t0
     assert str(info.value) == (
-        f"trainer.ray_address='{address}': cannot connect to a Ray cluster there ({address} accepts connections, but no Ray GCS "
-        "answered within 1.5 s; is it the GCS port (6379 by default)? a Ray client port (10001) needs ray://); start one with "
-        "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null for a local Ray")  # fmt: skip
+        f"trainer.ray_address='{address}': cannot connect to a Ray cluster there ({address} accepts connections, but "
+        "no Ray GCS "
+        "answered within 1.5 s; is it the GCS port (6379 by default)? a Ray client port (10001) needs ray://); start "
+        "one with "
+        "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null for a "
+        "local Ray"
+    )
     assert 1.4 < took < 5 and init == []  # ray.init was never called
 
 
-@pytest.mark.parametrize("address, why", [
-    ("ray://127.0.0.1:1", "nothing listens at 127.0.0.1:1: Connection refused"),  # Ray client: the TCP check
-    ("127.0.0.1:1", "nothing listens at 127.0.0.1:1: Connection refused"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("ray://127.0.0.1:1", "nothing listens at 127.0.0.1:1: Connection refused"),  # Ray client: the TCP check
+        ("127.0.0.1:1", "nothing listens at 127.0.0.1:1: Connection refused"),
+    ],
+)
 def test_nothing_listening_fails_at_once(loopback_kept, address, why):
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=rf"^trainer.ray_address='{address}': cannot connect to a Ray cluster there \({why}\); start one"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^trainer.ray_address='{address}': cannot connect to a Ray cluster there \({why}\); start one",
+    ):
         RayCluster(address, 1)
     assert time.monotonic() - t0 < 1
 
@@ -88,12 +114,18 @@ def test_auto_without_a_cluster_or_with_a_stale_record_fails_at_once(loopback_ke
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])  # not another session's Ray running on this machine
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
-    with pytest.raises(ConfigError, match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(Could not find any "
-                       r"running Ray instance\. Please specify"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(Could not find any "
+        r"running Ray instance\. Please specify",
+    ):
         probe_ray_address("auto")
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: "127.0.0.1:1")
-    with pytest.raises(ConfigError, match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(nothing listens at "
-                       r"127\.0\.0\.1:1: Connection refused; `auto` resolved to it\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(nothing listens at "
+        r"127\.0\.0\.1:1: Connection refused; `auto` resolved to it\)",
+    ):
         probe_ray_address("auto")
 
 
@@ -105,13 +137,18 @@ def test_a_loopback_address_names_where_ray_really_connects():
     here = get_node_ip_address()
     if here == "127.0.0.1":
         pytest.skip("Ray keeps 127.0.0.1 on this machine")
-    with pytest.raises(ConfigError, match=rf"\(nothing listens at {here}:1: Connection refused; Ray connects there for 127\.0\.0\.1:1: "
-                       r"it replaces a loopback host by this machine's address\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=rf"\(nothing listens at {here}:1: Connection refused; Ray connects there for 127\.0\.0\.1:1: "
+        r"it replaces a loopback host by this machine's address\)",
+    ):
         probe_ray_address("127.0.0.1:1")
 
 
 def test_bad_addresses_are_named():
-    with pytest.raises(ConfigError, match=r"^trainer.ray_address='nonsense' is not a Ray address: expected auto, HOST:PORT"):
+    with pytest.raises(
+        ConfigError, match=r"^trainer.ray_address='nonsense' is not a Ray address: expected auto, HOST:PORT"
+    ):
         probe_ray_address("nonsense")
     with pytest.raises(ConfigError, match=r"^trainer.ray_address='ray://:x' is not a Ray client address"):
         probe_ray_address("ray://:x")
@@ -121,15 +158,26 @@ def test_bad_addresses_are_named():
 def test_cli_with_nothing_at_the_ray_address_exits_2_with_one_line_within_seconds(tmp_path):
     """The issue's command: one line naming trainer.ray_address and the address, exit status 2, no
     traceback and none of Ray's GCS connection warnings, well within 60 s (start-up included)."""
-    cmd = [sys.executable, "-m", "tether.cli", "train", *ARGS, "trainer.ray_address=127.0.0.1:1", f"trainer.output_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tether.cli",
+        "train",
+        *ARGS,
+        "trainer.ray_address=127.0.0.1:1",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
     t0 = time.monotonic()
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2, done.stderr[-3000:]
-    assert last.startswith("tether train: trainer.ray_address='127.0.0.1:1': cannot connect to a Ray cluster there (nothing listens at ")
+    assert last.startswith(
+        "tether train: trainer.ray_address='127.0.0.1:1': cannot connect to a Ray cluster there (nothing listens at "
+    )
     assert ":1: Connection refused" in last and "Traceback" not in done.stderr
-    assert "Failed to connect to GCS" not in done.stderr and "rpc_client" not in done.stderr  # Ray's connection loop never ran
+    # Ray's connection loop never ran
+    assert "Failed to connect to GCS" not in done.stderr and "rpc_client" not in done.stderr
     assert not (tmp_path / "run").exists()  # a failed start leaves no run directory
     assert took < 60, took
 
@@ -140,8 +188,17 @@ def test_cli_sigterm_while_waiting_for_the_gcs_ends_it_at_once(tmp_path, silent_
     120 s) ends the process at once: the probe waits in Python, and nothing has replaced the default
     SIGTERM action yet (Ray installs its handler in ray.init, which the probe comes before)."""
     port = silent_listener.getsockname()[1]
-    cmd = [sys.executable, "-m", "tether.cli", "train", *ARGS, f"trainer.ray_address=127.0.0.1:{port}", f"trainer.output_dir={tmp_path / 'run'}"]
-    env = _env(TETHER_RAY_CONNECT_TIMEOUT="120", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # Ray keeps 127.0.0.1 (see loopback_kept)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tether.cli",
+        "train",
+        *ARGS,
+        f"trainer.ray_address=127.0.0.1:{port}",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    # Ray keeps 127.0.0.1 (see loopback_kept)
+    env = _env(TETHER_RAY_CONNECT_TIMEOUT="120", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     conns = []
     try:

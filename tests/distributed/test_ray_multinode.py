@@ -1,4 +1,5 @@
-"""trainer.nnodes=2 on a real two-node Ray cluster on one machine (ray.cluster_utils.Cluster, both nodes on 127.0.0.1)."""
+"""trainer.nnodes=2 on a real two-node Ray cluster on one machine (ray.cluster_utils.Cluster, both nodes on
+127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def two_nodes(monkeypatch):
     from ray.cluster_utils import Cluster
 
     assert not ray.is_initialized()  # tether must attach itself, not find a Ray this process joined
-    # Ray's unix sockets live at <temp_dir>/session_<date>_<pid>/sockets/plasma_store, ~80 characters under temp_dir, and
-    # AF_UNIX paths stop at 107 bytes: the project's .tmp is short enough only in a shallow checkout (CI's clone was not)
+    # Ray's unix sockets live at <temp_dir>/session_<date>_<pid>/sockets/plasma_store, ~80 characters under temp_dir,
+    # and
+    # AF_UNIX paths stop at 107 bytes: the project's .tmp is short enough only in a shallow checkout (CI's clone was
+    # not)
     tmp = Path(os.environ.get("TMPDIR", Path(__file__).parents[2] / ".tmp"))
     tmp.mkdir(parents=True, exist_ok=True)
     own = Path(tempfile.mkdtemp(prefix="t2n-", dir=tmp if len(str(tmp)) <= 12 else "/tmp"))  # removed at the end
@@ -75,8 +78,17 @@ def test_two_nodes_one_rank_each_sharded_checkpoint_and_resume_equal_the_local_r
     local.fit()
 
     run = tmp_path / "ray"
-    cfg = load_config(None, [*SMALL, f"trainer.output_dir={run}", "trainer.backend=ray", "trainer.n_workers=2", "trainer.nnodes=2",
-                             f"trainer.ray_address={two_nodes.address}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            f"trainer.output_dir={run}",
+            "trainer.backend=ray",
+            "trainer.n_workers=2",
+            "trainer.nnodes=2",
+            f"trainer.ray_address={two_nodes.address}",
+        ],
+    )
     first = Trainer(cfg)
     assert not first.roles.placement.cluster.started  # attached, not a local Ray
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -109,18 +121,35 @@ def test_two_nodes_one_rank_each_sharded_checkpoint_and_resume_equal_the_local_r
 
     from tether.distributed.ray_backend import WorkerDiedError, spread_over_nodes
 
-    with pytest.raises(WorkerDiedError, match=r"^actor\+ref worker group: trainer.nnodes=3, but Ray found no 3 distinct nodes with room for "
-                       r"1 bundles of \{'CPU': 1\} each within 2 s \(2 alive node\(s\), available: "):  # fmt: skip
+    with pytest.raises(
+        WorkerDiedError,
+        match=r"^actor\+ref worker group: trainer.nnodes=3, but Ray found no 3 distinct nodes with room for "
+        r"1 bundles of \{'CPU': 1\} each within 2 s \(2 alive node\(s\), available: ",
+    ):
         spread_over_nodes("actor+ref", 3, 3, {"CPU": 1}, 2.0)
-    assert ray.util.placement_group_table() and all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    assert ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
 
 
 def test_nnodes_must_divide_the_ranks(tmp_path):
     """Ranks are spread evenly (n_workers / nnodes per node): a remainder is refused when the config loads."""
     from tether.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"trainer.n_workers=3 must be a multiple of trainer.nnodes=2 \(the same number of ranks on every node\)"):
-        load_config(None, [*SMALL, f"trainer.output_dir={tmp_path}", "trainer.backend=ray", "trainer.n_workers=3", "trainer.nnodes=2"])
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.n_workers=3 must be a multiple of trainer.nnodes=2 \(the same number of ranks on every node\)",
+    ):
+        load_config(
+            None,
+            [
+                *SMALL,
+                f"trainer.output_dir={tmp_path}",
+                "trainer.backend=ray",
+                "trainer.n_workers=3",
+                "trainer.nnodes=2",
+            ],
+        )
     assert not ray.is_initialized()
 
 
@@ -134,7 +163,10 @@ def test_nnodes_on_the_local_ray_tether_starts_is_refused_at_once(monkeypatch):
     closed = []
     monkeypatch.setattr(local, "close", lambda: closed.append(True))
     local.check_nodes(1)
-    with pytest.raises(ConfigError, match=r"^trainer.nnodes=2, but without trainer.ray_address tether starts a one-node local Ray; attach"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.nnodes=2, but without trainer.ray_address tether starts a one-node local Ray; attach",
+    ):
         local.check_nodes(2)
     assert closed == [True]  # shut down before the error
     local.started = False

@@ -76,7 +76,9 @@ def test_iter_full_weights_merges_lora_as_peft_does():
 
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_tiny_lm(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        _tiny_lm(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -88,35 +90,64 @@ def test_iter_full_weights_merges_lora_as_peft_does():
     for name, w in merged.items():
         assert torch.allclose(got[name], w, atol=1e-6, rtol=0), name
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert float((got[q] - model.get_base_model().state_dict()[q.replace(".weight", ".base_layer.weight")]).abs().max()) > 0.01
+    assert (
+        float((got[q] - model.get_base_model().state_dict()[q.replace(".weight", ".base_layer.weight")]).abs().max())
+        > 0.01
+    )
 
 
 def test_vllm_replica_keys_in_help_and_validated():
     text = describe_config()
-    for key in ("rollout.vllm.replicas", "rollout.vllm.tensor_parallel_size", "rollout.vllm.sync_bucket_mib", "rollout.vllm.sleep"):
+    for key in (
+        "rollout.vllm.replicas",
+        "rollout.vllm.tensor_parallel_size",
+        "rollout.vllm.sync_bucket_mib",
+        "rollout.vllm.sleep",
+    ):
         assert key in text, key
     ray = ["trainer.backend=ray", "rollout.engine=vllm"]
-    cfg = load_config(None, [*ray, "rollout.vllm.replicas=3", "rollout.vllm.tensor_parallel_size=2", "trainer.placement=split"])
-    assert (cfg.rollout.vllm.replicas, cfg.rollout.vllm.tensor_parallel_size, cfg.rollout.vllm.sync_bucket_mib) == (3, 2, 64.0)
+    cfg = load_config(
+        None, [*ray, "rollout.vllm.replicas=3", "rollout.vllm.tensor_parallel_size=2", "trainer.placement=split"]
+    )
+    assert (cfg.rollout.vllm.replicas, cfg.rollout.vllm.tensor_parallel_size, cfg.rollout.vllm.sync_bucket_mib) == (
+        3,
+        2,
+        64.0,
+    )
     with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=2 needs trainer.backend=ray"):
         load_config(None, ["rollout.vllm.replicas=2"])
     with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size=2 needs trainer.backend=ray"):
         load_config(None, ["rollout.vllm.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=hf"):  # settings that would be ignored
+    # settings that would be ignored
+    with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=hf"):
         load_config(None, ["trainer.backend=ray", "rollout.engine=hf", "rollout.vllm.replicas=3"])
-    with pytest.raises(ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=auto under trainer.backend=ray"):
-        load_config(None, ["trainer.backend=ray", "rollout.engine=auto", "rollout.vllm.replicas=3"])  # auto keeps HF under Ray
-    for key, value in (("n_workers", 2), ("nnodes", 2), ("n_gpus_per_node", 1), ("placement", "split"), ("ray_address", "auto")):
-        with pytest.raises(ConfigError, match=rf"trainer.{key}={value} needs trainer.backend=ray"):  # ignored before (issue 24)
+    with pytest.raises(
+        ConfigError, match=r"rollout.vllm.replicas=3 has no effect with rollout.engine=auto under trainer.backend=ray"
+    ):
+        # auto keeps HF under Ray
+        load_config(None, ["trainer.backend=ray", "rollout.engine=auto", "rollout.vllm.replicas=3"])
+    for key, value in (
+        ("n_workers", 2),
+        ("nnodes", 2),
+        ("n_gpus_per_node", 1),
+        ("placement", "split"),
+        ("ray_address", "auto"),
+    ):
+        # ignored before (issue 24)
+        with pytest.raises(ConfigError, match=rf"trainer.{key}={value} needs trainer.backend=ray"):
             load_config(None, [f"trainer.{key}={value}"])
     gpus = [*ray, "trainer.n_gpus_per_node=2"]
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 with trainer.placement=colocate on GPUs"):
         load_config(None, [*gpus, "rollout.vllm.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"replicas=3 with trainer.placement=colocate on GPUs: at most one replica per worker GPU \(2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"replicas=3 with trainer.placement=colocate on GPUs: at most one replica per worker GPU \(2\)",
+    ):
         load_config(None, [*gpus, "rollout.vllm.replicas=3"])
     with pytest.raises(ConfigError, match="rollout.vllm.sync_bucket_mib"):
         load_config(None, [*ray, "rollout.vllm.sync_bucket_mib=0"])
-    assert load_config(None, [*ray, "rollout.vllm.replicas=4"]).rollout.vllm.replicas == 4  # on CPUs replicas may outnumber workers
+    # on CPUs replicas may outnumber workers
+    assert load_config(None, [*ray, "rollout.vllm.replicas=4"]).rollout.vllm.replicas == 4
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +157,19 @@ def cluster():
 
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"))
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="tether-ray-", dir="/tmp"),
+    )
     yield ray
     ray.shutdown()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [True], ids=["lora"])  # the plain model's path: tests/vllm/test_ray_vllm.py, with a real vLLM
+# the plain model's path: tests/vllm/test_ray_vllm.py, with a real vLLM
+@pytest.mark.parametrize("lora", [True], ids=["lora"])
 def test_stream_weights_from_two_fsdp2_ranks(cluster, lora):
     """Two FSDP2 ranks (gloo, Ray actors) stream the embedded model with LoRA adapters (nonzero B)
     to two stand-in replicas in buckets of 16 KiB: each receives the merged HF-named weights of the

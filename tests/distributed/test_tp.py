@@ -21,7 +21,8 @@ from tether.distributed import ParallelDims
 from tether.testing import free_port
 
 
-# ---------------------------------------------------------------------- degrees, checked in one place (no process group)
+# ---------------------------------------------------------------------- degrees, checked in one place (no process
+# group)
 def test_parallel_dims_degrees():
     d = ParallelDims.from_world(8, tp=4)
     assert (d.dp_shard, d.tp) == (2, 4)
@@ -48,7 +49,10 @@ def test_head_counts_must_divide_tp():
     "overrides, message",
     [
         (["actor.tp_size=2"], "actor.tp_size=2 needs trainer.backend=ray"),
-        (["actor.tp_size=3", "trainer.backend=ray", "trainer.n_workers=4"], "actor.tp_size=3 must divide the worker group's 4 ranks"),
+        (
+            ["actor.tp_size=3", "trainer.backend=ray", "trainer.n_workers=4"],
+            "actor.tp_size=3 must divide the worker group's 4 ranks",
+        ),
         (["actor.tp_size=2", "trainer.backend=ray", "trainer.n_workers=2", "actor.lora.rank=4"], "with LoRA"),
     ],
 )
@@ -130,8 +134,16 @@ def _qwen2_checks(out: dict) -> None:
     from tether.models.vocab_parallel import kl_full
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=True, max_position_embeddings=64)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=30,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     ref = copy.deepcopy(model)
     with torch.no_grad():

@@ -43,8 +43,16 @@ CLIP = 1.0
 def _build():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(cfg).float()
@@ -65,12 +73,17 @@ def _full(t):
 
 
 def _train(model, opt_name: str) -> list[dict]:
-    """STEPS steps; per step the loss, grad norm (before clipping), full gradients (before clipping) and full weights after."""
+    """STEPS steps; per step the loss, grad norm (before clipping), full gradients (before clipping) and full weights
+    after."""
     from tether.models.vocab_parallel import logprobs_and_entropy
     from tether.workers.common import clip_grad_norm
 
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=LR[opt_name]) if opt_name == "sgd" else torch.optim.AdamW(params, lr=LR[opt_name], eps=EPS[opt_name])
+    opt = (
+        torch.optim.SGD(params, lr=LR[opt_name])
+        if opt_name == "sgd"
+        else torch.optim.AdamW(params, lr=LR[opt_name], eps=EPS[opt_name])
+    )
     out = []
     for ids in _batches():
         logits = model(input_ids=ids).logits
@@ -81,7 +94,14 @@ def _train(model, opt_name: str) -> list[dict]:
         gn = clip_grad_norm(params, CLIP)
         opt.step()
         opt.zero_grad()
-        out.append({"loss": float(loss.detach()), "grad_norm": gn, "grads": grads, "w": {n: _full(p) for n, p in model.named_parameters()}})
+        out.append(
+            {
+                "loss": float(loss.detach()),
+                "grad_norm": gn,
+                "grads": grads,
+                "w": {n: _full(p) for n, p in model.named_parameters()},
+            }
+        )
     return out
 
 
@@ -102,7 +122,10 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         parallelize(model, ParallelDims.from_world(2, tp=2), FSDPSettings())
         attn = model.model.layers[0].self_attn
         biases = {k: getattr(attn, k).bias for k in ("q_proj", "k_proj", "v_proj")}
-        res["layout"] = {k: (b.device_mesh.mesh_dim_names, str(b.placements[-1]), tuple(b.to_local().shape)) for k, b in biases.items()}
+        res["layout"] = {
+            k: (b.device_mesh.mesh_dim_names, str(b.placements[-1]), tuple(b.to_local().shape))
+            for k, b in biases.items()
+        }
         res[opt_name] = _train(model, opt_name)
     if rank == 0:
         torch.save(res, f"{root}/tp2.pt")
@@ -139,11 +162,25 @@ def _to_biased_qwen2(out) -> str:
     src = resolve_model_path("embedded")
     llama = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     c = llama.config
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "pad_token_id", "eos_token_id")  # fmt: skip
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "pad_token_id",
+        "eos_token_id",
+    )
     qwen = Qwen2ForCausalLM(Qwen2Config(**{k: getattr(c, k) for k in keys}, bos_token_id=None)).float()
     missing, unexpected = qwen.load_state_dict(llama.state_dict(), strict=False)
-    assert sorted(missing) == sorted(f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(c.num_hidden_layers) for p in "qkv")
+    assert sorted(missing) == sorted(
+        f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(c.num_hidden_layers) for p in "qkv"
+    )
     assert not unexpected
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -173,7 +210,9 @@ def test_trainer_replay_with_sgd_matches_one_process(tmp_path, monkeypatch):
     model = _to_biased_qwen2(tmp_path / "qwen2b")
     monkeypatch.setattr(torch.optim, "AdamW", _SGDForAdamW)
     rec = T._record(load_config(None, [*T.SMALL, f"trainer.output_dir={tmp_path / 'local'}", f"actor.model={model}"]))
-    torch.multiprocessing.spawn(_sgd_rank_main, args=(2, free_port(), rec, str(tmp_path), [("replay", "tp2", 2)]), nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        _sgd_rank_main, args=(2, free_port(), rec, str(tmp_path), [("replay", "tp2", 2)]), nprocs=2, join=True
+    )
     res = torch.load(tmp_path / "results_ws2.pt", weights_only=False)["tp2"]
     assert len(res["steps"]) == 3
     for s, (want, got) in enumerate(zip(rec["steps"], res["steps"], strict=True)):
@@ -204,7 +243,8 @@ def test_biases_are_sharded_with_their_columns(runs):
     _, tp = runs
     for k, (mesh, tp_placement, local) in tp["layout"].items():
         assert mesh == ("dp_shard", "tp"), k
-        assert tp_placement == "S(0)", k  # Shard(0) on tp: the bias follows its weight's output rows (whole heads per rank)
+        # Shard(0) on tp: the bias follows its weight's output rows (whole heads per rank)
+        assert tp_placement == "S(0)", k
         assert local == (32,), k  # 64 outputs over the 2 tp ranks (dp = 1)
 
 
@@ -241,7 +281,8 @@ def test_adamw_gap_is_its_normalisation_of_near_zero_gradients(runs):
     assert worst[2] < 1e-7, worst
 
 
-if __name__ == "__main__":  # the table in docs/distributed.md: PYTHONPATH=src python tests/distributed/test_tp_qwen2_bias.py
+# the table in docs/distributed.md: PYTHONPATH=src python tests/distributed/test_tp_qwen2_bias.py
+if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
@@ -250,7 +291,10 @@ if __name__ == "__main__":  # the table in docs/distributed.md: PYTHONPATH=src p
         port = free_port()
         torch.multiprocessing.spawn(_rank_main, args=(port, root), nprocs=2, join=True)
         tp = torch.load(f"{root}/tp2.pt", weights_only=False)
-    print(f"{'optimizer':10s} {'max|Δgrad|':>11s} {'max|Δw| 3 steps':>16s} {'elements>1e-6':>14s}  largest |Δw| at (|g| one process, tp=2)")
+    print(
+        f"{'optimizer':10s} {'max|Δgrad|':>11s} {'max|Δw| 3 steps':>16s} {'elements>1e-6':>14s}  largest |Δw| at (|g| "
+        "one process, tp=2)"
+    )
     for opt_name in LR:
         gd = max(_max_diff(a["grads"], b["grads"]) for a, b in zip(ref[opt_name], tp[opt_name], strict=True))
         a, b = ref[opt_name][-1]["w"], tp[opt_name][-1]["w"]
@@ -259,4 +303,6 @@ if __name__ == "__main__":  # the table in docs/distributed.md: PYTHONPATH=src p
         name = max(diffs, key=lambda n: float(diffs[n].max()))
         i = int(diffs[name].flatten().argmax())
         g0, g1 = (float(r[opt_name][0]["grads"][name].flatten()[i].abs()) for r in (ref, tp))
-        print(f"{opt_name:10s} {gd:11.2e} {float(diffs[name].max()):16.2e} {n_big:14d}  {name}[{i}] ({g0:.2e}, {g1:.2e})")
+        print(
+            f"{opt_name:10s} {gd:11.2e} {float(diffs[name].max()):16.2e} {n_big:14d}  {name}[{i}] ({g0:.2e}, {g1:.2e})"
+        )

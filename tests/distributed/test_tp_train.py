@@ -25,11 +25,29 @@ from tether.testing import free_port
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["trainer.total_steps=3", "trainer.progress=false", "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8",
-         "data.embedded_val_size=4", "rollout.n=4", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false",
-         "trainer.loggers=[jsonl]", "actor.micro_batch_size=3", "guard.target_kl=null", "kl.placement=loss", "kl.loss_estimator=k3",
-         "kl.coef=0.05", "algo.loss_agg_mode=token-mean", "algo.adv_estimator=gae", "critic.micro_batch_size=3",
-         "actor.share_prompt_prefix=false"]  # fmt: skip  # the meshes (world size > 1) run the ordinary pass: so does the local record
+SMALL = [
+    "trainer.total_steps=3",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=4",
+    "rollout.n=4",
+    "trainer.val_freq=0",
+    "trainer.save_freq=0",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "actor.micro_batch_size=3",
+    "guard.target_kl=null",
+    "kl.placement=loss",
+    "kl.loss_estimator=k3",
+    "kl.coef=0.05",
+    "algo.loss_agg_mode=token-mean",
+    "algo.adv_estimator=gae",
+    "critic.micro_batch_size=3",
+    # the meshes (world size > 1) run the ordinary pass: so does the local record
+    "actor.share_prompt_prefix=false",
+]
 #: replays: name -> (world size, tp); dp = world size / tp
 MESHES = {"tp2": (2, 2), "dp2": (2, 1), "dp2xtp2": (4, 2)}
 #: resumes: name -> (checkpoint written by, world size, tp of the group loading it)
@@ -75,14 +93,17 @@ def _worker(cfg, rank: int, world: int, port: int, tp: int):
 
 
 def _full_state(w) -> dict | None:
-    """{role: (full weights, full AdamW state {fqn: {step, exp_avg, exp_avg_sq}})} on rank 0, else None (collectives)."""
+    """{role: (full weights, full AdamW state {fqn: {step, exp_avg, exp_avg_sq}})} on rank 0, else None
+    (collectives)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     out = {}
     for role in ("actor", "critic"):
         worker = getattr(w, role)
         weights = w.full_state(role)
-        optim = get_optimizer_state_dict(worker.model, worker.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        optim = get_optimizer_state_dict(
+            worker.model, worker.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         out[role] = (weights, optim.get("state"))  # empty off rank 0
     return out if w.rank == 0 else None
 
@@ -95,7 +116,8 @@ def _rank_main(rank: int, world: int, port: int, rec: dict, root: str, jobs: lis
 
     from tether.distributed import gather_rows, split_batch
 
-    faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang (ranks in different collectives) fails, with every stack
+    # a hang (ranks in different collectives) fails, with every stack
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     torch.set_num_threads(1)
     results = {}
     for job in jobs:
@@ -109,13 +131,21 @@ def _rank_main(rank: int, world: int, port: int, rec: dict, root: str, jobs: lis
                 got = [None] * world
                 dist.all_gather_object(got, (lp, w.compute_values(shards[rank // tp])))
                 firsts = range(0, world, tp)  # the first tp rank of each dp rank
-                step = {"old_logprobs": gather_rows([got[r][0] for r in firsts], parts), "values": gather_rows([got[r][1] for r in firsts], parts)}
+                step = {
+                    "old_logprobs": gather_rows([got[r][0] for r in firsts], parts),
+                    "values": gather_rows([got[r][1] for r in firsts], parts),
+                }
                 step["critic"] = w.update_critic(s["batch"], s["critic_kw"])
                 step["actor"] = w.update_actor(s["batch"], s["spec"], s["step"])
                 steps.append(step)
             w.save_checkpoint(f"{root}/{name}")
             up = w.actor.model.model.layers[0].mlp.up_proj.weight
-            results[name] = {"steps": steps, "state": _full_state(w), "mesh": up.device_mesh.mesh_dim_names, "up_local": tuple(up.to_local().shape)}
+            results[name] = {
+                "steps": steps,
+                "state": _full_state(w),
+                "mesh": up.device_mesh.mesh_dim_names,
+                "up_local": tuple(up.to_local().shape),
+            }
         else:
             w.load_checkpoint(f"{root}/{job[3]}")
             results[name] = {"state": _full_state(w)}
@@ -139,7 +169,9 @@ def runs(tmp_path_factory):
         by_world.setdefault(world, []).append(("resume", name, tp, src))
     results = {}
     for world in (2, 4, 1):  # every checkpoint is written before it is read
-        torch.multiprocessing.spawn(_rank_main, args=(world, free_port(), rec, str(root), by_world[world]), nprocs=world, join=True)
+        torch.multiprocessing.spawn(
+            _rank_main, args=(world, free_port(), rec, str(root), by_world[world]), nprocs=world, join=True
+        )
         results |= torch.load(root / f"results_ws{world}.pt", weights_only=False)
     return rec, results
 
@@ -177,7 +209,10 @@ def test_tp_update_equals_one_process(runs, name):
 def test_dcp_checkpoint_resumes_at_another_mesh(runs, name):
     _, results = runs
     for role in ("actor", "critic"):
-        (w_saved, opt_saved), (w_loaded, opt_loaded) = results[RESUMES[name][0]]["state"][role], results[name]["state"][role]
+        (w_saved, opt_saved), (w_loaded, opt_loaded) = (
+            results[RESUMES[name][0]]["state"][role],
+            results[name]["state"][role],
+        )
         assert set(w_loaded) == set(w_saved)
         for k in w_saved:
             assert torch.equal(w_loaded[k], w_saved[k]), (name, role, k)

@@ -17,7 +17,10 @@ from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, find_gsm
 def gsm8k_dir() -> Path:
     d = find_gsm8k_dir(Path(__file__))
     if d is None:
-        pytest.skip("GSM8K data not found at ../shared/data/gsm8k (relative to the project root) and TETHER_GSM8K_DIR is not set")
+        pytest.skip(
+            "GSM8K data not found at ../shared/data/gsm8k (relative to the project root) and TETHER_GSM8K_DIR is not "
+            "set"
+        )
     return d
 
 
@@ -40,7 +43,10 @@ def gsm8k_files(gsm8k_dir, tmp_path_factory) -> dict[str, Path]:
     with open(gsm8k_dir / "example_model_solutions.jsonl") as f:
         for line in f:
             rec = json.loads(line)
-            labels = {rec[m]["is_correct"] for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")}
+            labels = {
+                rec[m]["is_correct"]
+                for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+            }
             if len(labels) == 2:
                 mixed.append(line)
             if len(mixed) == 3:

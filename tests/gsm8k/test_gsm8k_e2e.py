@@ -19,21 +19,34 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gsm8k.yaml"
 
 # The real config, shrunk to seconds on one CPU core.
 TINY = [
-    "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.micro_batch_size=16", "actor.lr=1e-3",
-    "actor.warmup_steps=0", "data.batch_size=2", "rollout.n=4", "rollout.max_new_tokens=24", "algo.mini_batch_size=8",
-    "trainer.total_steps=2", "trainer.val_freq=2", "trainer.val_n=2", "trainer.save_freq=0", "trainer.progress=false",
-    "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]",
-]  # fmt: skip
+    "actor.dtype=float32",
+    "actor.gradient_checkpointing=false",
+    "actor.micro_batch_size=16",
+    "actor.lr=1e-3",
+    "actor.warmup_steps=0",
+    "data.batch_size=2",
+    "rollout.n=4",
+    "rollout.max_new_tokens=24",
+    "algo.mini_batch_size=8",
+    "trainer.total_steps=2",
+    "trainer.val_freq=2",
+    "trainer.val_n=2",
+    "trainer.save_freq=0",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+]
 
 # A batch reward function: GSM8K correctness plus a small bonus for digits, so that a random model's
 # responses get different rewards and GRPO has non-zero advantages to learn from.
-REWARD_FN = '''
+REWARD_FN = """
 from tether.rewards import gsm8k_compute_score
 
 def gsm8k_plus_digits(data_sources, solution_strs, ground_truths, extra_infos):
     return [gsm8k_compute_score(s, g) + 0.1 * sum(c.isdigit() for c in s) / max(len(s), 1)
             for s, g in zip(solution_strs, ground_truths)]
-'''
+"""
 
 
 def _trainer(qwen2_dir, tmp_path, *overrides):
@@ -53,7 +66,8 @@ def _trainer(qwen2_dir, tmp_path, *overrides):
 def test_config_file_is_a_real_model_config():
     cfg = load_config(CONFIG)
     assert cfg.rollout.max_new_tokens == 512 and cfg.rollout.n == 8
-    assert cfg.algo.adv_estimator == "grpo" and (cfg.actor.dtype, cfg.actor.compute_dtype) == ("float32", "bfloat16")  # fp32 master weights
+    # fp32 master weights
+    assert cfg.algo.adv_estimator == "grpo" and (cfg.actor.dtype, cfg.actor.compute_dtype) == ("float32", "bfloat16")
     assert cfg.data.train_files.endswith(".parquet") and cfg.data.val_files.endswith(".parquet")
     assert cfg.actor.model.startswith("/path/to/")  # a placeholder the user replaces
 
@@ -63,9 +77,12 @@ def test_grpo_on_gsm8k(qwen2_dir, gsm8k_files, tmp_path):
     fn = tmp_path / "reward_fn.py"
     fn.write_text(REWARD_FN)
     trainer, batches = _trainer(
-        qwen2_dir, tmp_path, f"data.train_files={gsm8k_files['train']}", f"data.val_files={gsm8k_files['val']}",
+        qwen2_dir,
+        tmp_path,
+        f"data.train_files={gsm8k_files['train']}",
+        f"data.val_files={gsm8k_files['val']}",
         f"reward.function={fn}:gsm8k_plus_digits",
-    )  # fmt: skip
+    )
     before = {k: v.clone() for k, v in trainer.roles.actor.model.state_dict().items()}
     history = trainer.fit()
     assert len(history) == 2 and len(batches) == 2
@@ -85,8 +102,10 @@ def test_grpo_on_gsm8k(qwen2_dir, gsm8k_files, tmp_path):
             if 2 in ids:
                 assert ids.index(2) == n - 1 and all(t == 0 for t in ids[n:])
         # the sequence scores are the reward function's on the decoded responses
-        expected = [gsm8k_compute_score(r, row.ground_truth) + 0.1 * sum(c.isdigit() for c in r) / max(len(r), 1)
-                    for r, row in zip(batch.responses, batch.rows, strict=True)]
+        expected = [
+            gsm8k_compute_score(r, row.ground_truth) + 0.1 * sum(c.isdigit() for c in r) / max(len(r), 1)
+            for r, row in zip(batch.responses, batch.rows, strict=True)
+        ]
         assert batch.scores.tolist() == pytest.approx(expected, abs=1e-6)
         assert batch.old_logprobs.shape == batch.response_ids.shape
         assert bool((batch.old_logprobs[batch.response_mask.bool()] < 0).all())
@@ -107,10 +126,16 @@ def test_offline_on_gsm8k_solutions(qwen2_dir, gsm8k_files, tmp_path, scored_by)
     labels), and updates on the fixed responses."""
     score_key = ["data.score_key=score"] if scored_by == "dataset" else []
     trainer, batches = _trainer(
-        qwen2_dir, tmp_path, f"data.train_files={gsm8k_files['offline']}", f"data.val_files={gsm8k_files['val']}",
-        "rollout.mode=offline", "data.response_key=response", *score_key, "rollout.max_new_tokens=512",
+        qwen2_dir,
+        tmp_path,
+        f"data.train_files={gsm8k_files['offline']}",
+        f"data.val_files={gsm8k_files['val']}",
+        "rollout.mode=offline",
+        "data.response_key=response",
+        *score_key,
+        "rollout.max_new_tokens=512",
         "data.instruction_suffix=",
-    )  # fmt: skip
+    )
     before = {k: v.clone() for k, v in trainer.roles.actor.model.state_dict().items()}
     history = trainer.fit()
     labelled = {}
@@ -151,5 +176,8 @@ def test_cli_converts_model_solutions(gsm8k_dir, tmp_path, capsys):
     rows = load_rows(tmp_path / "out.jsonl", response_key="response", score_key="score")
     first = json.loads(src.read_text().splitlines()[0])
     assert len(rows) == 12 and rows[0].response == first["6b_finetuning"]["solution"]
-    assert [r.score for r in rows[:4]] == [float(first[m]["is_correct"]) for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")]
+    assert [r.score for r in rows[:4]] == [
+        float(first[m]["is_correct"])
+        for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+    ]
     assert main(["data", "gsm8k-solutions", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")]) == 2

@@ -270,9 +270,7 @@ def test_invariant_to_response_order_and_group_labels():
     for _ in range(5):
         rng.shuffle(order)
         relabel = {g: f"prompt-{(7 * g) % 11}" for g in set(gids)}
-        m = diversity_metrics(
-            [rs[i] for i in order], [relabel[gids[i]] for i in order], [prompts[i] for i in order]
-        )
+        m = diversity_metrics([rs[i] for i in order], [relabel[gids[i]] for i in order], [prompts[i] for i in order])
         assert m == base  # exact: sets and math.fsum make the order irrelevant
 
 

@@ -1,4 +1,5 @@
-"""``actor.attn_implementation``: tether's attention (``tether.models.attention``) against sdpa and a float64 reference."""
+"""``actor.attn_implementation``: tether's attention (``tether.models.attention``) against sdpa and a float64
+reference."""
 
 import math
 
@@ -26,7 +27,9 @@ def reference_attention(q, k, v, allowed):
 
 def qkv(B=3, H=4, H_kv=2, L=5, S=5, D=8, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=g, dtype=dtype) for shape in ((B, H, L, D), (B, H_kv, S, D), (B, H_kv, S, D)))
+    return tuple(
+        torch.randn(*shape, generator=g, dtype=dtype) for shape in ((B, H, L, D), (B, H_kv, S, D), (B, H_kv, S, D))
+    )
 
 
 def test_matmul_attention_causal_without_a_mask_equals_the_float64_reference():
@@ -54,25 +57,37 @@ def test_a_query_row_with_no_key_to_attend_gets_the_mean_of_the_values_not_nan()
     allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
     allowed[0, 0, 0] = False
     got = attention.matmul_attention(q, k, v, allowed, None, is_causal=True)
-    torch.testing.assert_close(got[0, 0], v[0].mean(1).repeat_interleave(2, 0), rtol=0, atol=1e-12)  # (H, D): head h reads v head h // 2
+    # (H, D): head h reads v head h // 2
+    torch.testing.assert_close(got[0, 0], v[0].mean(1).repeat_interleave(2, 0), rtol=0, atol=1e-12)
 
 
 def test_matmul_attention_decode_query_over_a_longer_cache():
     """One query token over S = 9 cached keys, no mask (every key) and with a (B, 1, 1, S) mask."""
     q, k, v = qkv(L=1, S=9)
-    torch.testing.assert_close(attention.matmul_attention(q, k, v, None, None, is_causal=True),
-                               reference_attention(q, k, v, torch.ones(3, 1, 9, dtype=torch.bool)), rtol=0, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        attention.matmul_attention(q, k, v, None, None, is_causal=True),
+        reference_attention(q, k, v, torch.ones(3, 1, 9, dtype=torch.bool)),
+        rtol=0,
+        atol=1e-12,
+    )
     allowed = torch.ones(3, 1, 9, dtype=torch.bool)
     allowed[0, :, :4] = False
-    torch.testing.assert_close(attention.matmul_attention(q, k, v, allowed[:, None], None, is_causal=True),
-                               reference_attention(q, k, v, allowed), rtol=0, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        attention.matmul_attention(q, k, v, allowed[:, None], None, is_causal=True),
+        reference_attention(q, k, v, allowed),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_matmul_attention_causal_drops_keys_past_the_query_length_as_sdpa_does():
-    """No mask, causal, S > L (a prefill into an empty static cache): only the first L keys, as sdpa_attention_forward crops."""
+    """No mask, causal, S > L (a prefill into an empty static cache): only the first L keys, as sdpa_attention_forward
+    crops."""
     q, k, v = qkv(L=4, S=7)
     want = reference_attention(q, k[:, :, :4], v[:, :, :4], torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 4, 4))
-    torch.testing.assert_close(attention.matmul_attention(q, k, v, None, None, is_causal=True), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        attention.matmul_attention(q, k, v, None, None, is_causal=True), want, rtol=0, atol=1e-12
+    )
 
 
 def test_matmul_attention_in_bf16_under_autocast_is_within_bf16_rounding():
@@ -82,7 +97,9 @@ def test_matmul_attention_in_bf16_under_autocast_is_within_bf16_rounding():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = attention.matmul_attention(q, k, v.bfloat16(), None, None, is_causal=True)
     assert got.dtype == torch.bfloat16
-    want = reference_attention(q, k, v.bfloat16().float(), torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 16, 16))
+    want = reference_attention(
+        q, k, v.bfloat16().float(), torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 16, 16)
+    )
     assert (got.double() - want).abs().max() < 2**-6
 
 
@@ -228,14 +245,18 @@ def test_an_unknown_attn_implementation_is_a_config_error_naming_the_key(qwen2_f
 def _cfg(setting, dtype="float32", compute="float32", fsdp=None):
     from types import SimpleNamespace
 
-    return SimpleNamespace(actor=SimpleNamespace(attn_implementation=setting, dtype=dtype, compute_dtype=compute),
-                           trainer=SimpleNamespace(fsdp=SimpleNamespace(param_dtype=fsdp)))  # fmt: skip
+    return SimpleNamespace(
+        actor=SimpleNamespace(attn_implementation=setting, dtype=dtype, compute_dtype=compute),
+        trainer=SimpleNamespace(fsdp=SimpleNamespace(param_dtype=fsdp)),
+    )
 
 
 def test_for_config_checks_the_name_before_any_model_loads():
     assert attention.for_config(_cfg("auto", compute="bfloat16"), "cpu") == "tether"
     assert attention.for_config(_cfg("auto", fsdp="bfloat16"), "cpu") == "tether"
-    assert attention.for_config(_cfg("flash_attention_2"), "cpu") == "flash_attention_2"  # known; installed or not is transformers' to say
-    assert attention.for_config(_cfg("kernels-community/flash-attn"), "cpu") == "kernels-community/flash-attn"  # a Hub kernel
+    # known; installed or not is transformers' to say
+    assert attention.for_config(_cfg("flash_attention_2"), "cpu") == "flash_attention_2"
+    # a Hub kernel
+    assert attention.for_config(_cfg("kernels-community/flash-attn"), "cpu") == "kernels-community/flash-attn"
     with pytest.raises(ConfigError, match=r"actor.attn_implementation='flash_nope' is not .* one of \[.*'sdpa'"):
         attention.for_config(_cfg("flash_nope"), "cpu")

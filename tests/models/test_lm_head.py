@@ -1,4 +1,5 @@
-"""``tether.models.patch_lm_head``: the actor's and the frozen reference's log-probs are bitwise equal at equal weights."""
+"""``tether.models.patch_lm_head``: the actor's and the frozen reference's log-probs are bitwise equal at equal
+weights."""
 
 import copy
 

@@ -32,7 +32,9 @@ def _batch(vocab, b=3, p=5, t=4, seed=0):
 def _naive(model, ids, mask, t, temperature):
     from tether.models import position_ids_from_mask
 
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False).logits
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+    ).logits
     logits = logits[:, -t - 1 : -1].double() / temperature  # every position's logits, then the response's
     return torch.log_softmax(logits, -1).gather(-1, ids[:, -t:, None]).squeeze(-1)
 
@@ -42,7 +44,9 @@ def test_head_runs_on_response_positions_only_and_logprobs_unchanged(tiny_lm):
     seen = []
     hook = tiny_lm.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     try:
-        lp, ent, logits = response_logprobs(tiny_lm, ids, mask, t, temperature=0.7, with_entropy=True, return_logits=True)
+        lp, ent, logits = response_logprobs(
+            tiny_lm, ids, mask, t, temperature=0.7, with_entropy=True, return_logits=True
+        )
     finally:
         hook.remove()
     assert seen == [(3, t, 32)]  # (B, T, H): the positions that score a response token, not the P+T positions

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("gsm8k_reward_agreement", ROOT / "benchmarks" / "gsm8k_reward_agreement.py")
+    spec = importlib.util.spec_from_file_location(
+        "gsm8k_reward_agreement", ROOT / "benchmarks" / "gsm8k_reward_agreement.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -33,7 +35,9 @@ def test_flexible_agreement_at_least_99_percent():
 
 
 def _mv_benchmark():
-    spec = importlib.util.spec_from_file_location("math_verify_agreement", ROOT / "benchmarks" / "math_verify_agreement.py")
+    spec = importlib.util.spec_from_file_location(
+        "math_verify_agreement", ROOT / "benchmarks" / "math_verify_agreement.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -10,7 +10,9 @@ from tether.rewards import GOLD_FUNCTIONS, GoldReward, RewardManager
 
 
 def _rows(n, ds="tether/digitsum", gt="3,6", **kw):
-    return [PromptRow(prompt=f"q{i}", data_source=ds, ground_truth=gt, extra_info={"i": i}, index=i, **kw) for i in range(n)]
+    return [
+        PromptRow(prompt=f"q{i}", data_source=ds, ground_truth=gt, extra_info={"i": i}, index=i, **kw) for i in range(n)
+    ]
 
 
 def _fn(tmp_path, body, name="gold"):
@@ -34,7 +36,13 @@ FLAKY = (
 def test_a_user_gold_scores_every_row(tmp_path):
     gold = GoldReward(_fn(tmp_path, CONST))
     res = gold(_rows(2) + _rows(1, ds="my/other"), ["p"] * 3, ["123", "456", "x"])
-    assert res.covered == [True] * 3 and res.scored == [True] * 3 and res.scores == [0.25] * 3 and res.errors == [] and res.unscored == 0
+    assert (
+        res.covered == [True] * 3
+        and res.scored == [True] * 3
+        and res.scores == [0.25] * 3
+        and res.errors == []
+        and res.unscored == 0
+    )
     assert gold.covers("anything") and gold.name().startswith("reward.val_function ")
 
 
@@ -54,7 +62,10 @@ def test_a_gold_that_breaks_the_manager_itself_marks_the_batch_unscored(tmp_path
 
 
 def test_a_gold_past_reward_timeout_s_counts_its_samples_unscored(tmp_path):
-    slow = "import time\ndef gold(data_sources, solution_strs, ground_truths, extra_infos):\n    time.sleep(3)\n    return [1.0] * len(solution_strs)\n"
+    slow = (
+        "import time\ndef gold(data_sources, solution_strs, ground_truths, extra_infos):\n"
+        "    time.sleep(3)\n    return [1.0] * len(solution_strs)\n"
+    )
     res = GoldReward(_fn(tmp_path, slow), timeout_s=0.05)(_rows(2), ["p"] * 2, ["1", "2"])
     assert res.unscored == 2 and "reward.timeout_s" in res.errors[0]
 
@@ -67,7 +78,10 @@ def test_builtin_gold_covers_only_registered_sources_and_ignores_dataset_scores(
     res = gold(rows, ["3,6="] * 3, ["123", "124", "123"])
     assert res.covered == [True, True, False] and res.scored == [True, True, False]
     assert res.scores == [1.0, 0.0, 0.0]  # the verifier's 1.0, not the dataset's score 0.0 for the row's own response
-    assert gold.check_rows(rows) == ["test/proxy"] and gold.name("test/proxy") == "built-in gold tether.tasks.digitsum:compute_score"
+    assert (
+        gold.check_rows(rows) == ["test/proxy"]
+        and gold.name("test/proxy") == "built-in gold tether.tasks.digitsum:compute_score"
+    )
     assert gold.name("tether/digitsum") == "none"
     monkeypatch.setitem(GOLD_FUNCTIONS, "test/broken", "no.such.module:fn")
     with pytest.raises(ValueError, match="no.such.module"):
@@ -108,5 +122,8 @@ def test_a_reward_model_gold_scores_raw_logits(tmp_path):
     res = gold(_rows(2), prompts, responses)
     tok = AutoTokenizer.from_pretrained(tmp_path / "big")
     with torch.no_grad():
-        want = [model(**tok(p + r, return_tensors="pt")).logits[0, 0].item() for p, r in zip(prompts, responses, strict=True)]
+        want = [
+            model(**tok(p + r, return_tensors="pt")).logits[0, 0].item()
+            for p, r in zip(prompts, responses, strict=True)
+        ]
     assert res.scored == [True, True] and res.scores == pytest.approx(want, rel=1e-5) and max(map(abs, want)) > 2

@@ -14,8 +14,9 @@ from tether.rewards import REWARD_FUNCTIONS, RewardManager, RunningMeanStd, regi
 
 
 def _rows(n, ds="openai/gsm8k", gt="18", **kw):
-    return [PromptRow(prompt=f"q{i}", data_source=ds, ground_truth=gt, extra_info={"i": i}, index=i, **kw)
-            for i in range(n)]
+    return [
+        PromptRow(prompt=f"q{i}", data_source=ds, ground_truth=gt, extra_info={"i": i}, index=i, **kw) for i in range(n)
+    ]
 
 
 def _user_fn(tmp_path, body, name="fn"):
@@ -67,8 +68,18 @@ def test_check_rows_fails_before_training():
 
 
 def test_builtin_per_sample_exceptions_nan_and_non_numbers():
-    returns = {"0": 1.0, "1": float("nan"), "2": "1.0", "3": None, "4": float("inf"), "5": True,
-               "6": np.float32(0.25), "7": torch.tensor(0.5), "8": {"score": 0.75, "acc": 1}, "9": [1.0]}
+    returns = {
+        "0": 1.0,
+        "1": float("nan"),
+        "2": "1.0",
+        "3": None,
+        "4": float("inf"),
+        "5": True,
+        "6": np.float32(0.25),
+        "7": torch.tensor(0.5),
+        "8": {"score": 0.75, "acc": 1},
+        "9": [1.0],
+    }
 
     def fn(solution_str, ground_truth, extra_info=None):
         if solution_str == "boom":
@@ -84,8 +95,12 @@ def test_builtin_per_sample_exceptions_nan_and_non_numbers():
     assert res.valid.tolist() == [True, False, False, False, False, True, True, True, True, False, False]
     assert res.scores.tolist() == [1.0, 0, 0, 0, 0, 1.0, 0.25, 0.5, 0.75, 0, 0]
     m = res.metrics
-    assert (m["reward/invalid_count"], m["reward/nonfinite_count"], m["reward/nonnumeric_count"],
-            m["reward/error_count"]) == (6, 2, 3, 1)
+    assert (
+        m["reward/invalid_count"],
+        m["reward/nonfinite_count"],
+        m["reward/nonnumeric_count"],
+        m["reward/error_count"],
+    ) == (6, 2, 3, 1)
     assert any(e.startswith("sample 10: RuntimeError: kaput") for e in res.errors)
     assert any(e.startswith("sample 1: non-finite reward nan") for e in res.errors)
     assert all(math.isfinite(v) for v in m.values())
@@ -101,25 +116,31 @@ def test_two_argument_builtin_is_supported():
 
 
 def test_user_batch_function(tmp_path):
-    spec = _user_fn(tmp_path, """
+    spec = _user_fn(
+        tmp_path,
+        """
 def fn(data_sources, solution_strs, ground_truths, extra_infos):
     assert isinstance(extra_infos[0], dict)
     return [len(s) / 10 for s in solution_strs]
-""")
+""",
+    )
     res = RewardManager(function=spec)(_rows(3, ds="anything"), ["p"] * 3, ["a", "bb", ""])
     assert res.scores.tolist() == pytest.approx([0.1, 0.2, 0.0])
     assert res.valid.all()
 
 
 def test_user_batch_function_raising_is_isolated_per_sample(tmp_path):
-    spec = _user_fn(tmp_path, """
+    spec = _user_fn(
+        tmp_path,
+        """
 CALLS = []
 def fn(data_sources, solution_strs, ground_truths, extra_infos):
     CALLS.append(len(solution_strs))
     if "bad" in solution_strs:
         raise ValueError("cannot score 'bad'")
     return [1.0 for _ in solution_strs]
-""")
+""",
+    )
     m = RewardManager(function=spec)
     res = m(_rows(4), ["p"] * 4, ["a", "bad", "c", "d"])
     assert res.valid.tolist() == [True, False, True, True]
@@ -130,12 +151,15 @@ def fn(data_sources, solution_strs, ground_truths, extra_infos):
     assert res.metrics["reward/error_count"] == 1
 
 
-@pytest.mark.parametrize("ret, what", [
-    ("[1.0, 2.0]", "a list of length 2 for 3 samples"),
-    ("1.0", "1.0 (float) for 3 samples"),
-    ("None", "None (NoneType) for 3 samples"),
-    ("__import__('numpy').ones((3, 1))", "a ndarray of shape (3, 1) for 3 samples"),
-])
+@pytest.mark.parametrize(
+    "ret, what",
+    [
+        ("[1.0, 2.0]", "a list of length 2 for 3 samples"),
+        ("1.0", "1.0 (float) for 3 samples"),
+        ("None", "None (NoneType) for 3 samples"),
+        ("__import__('numpy').ones((3, 1))", "a ndarray of shape (3, 1) for 3 samples"),
+    ],
+)
 def test_user_batch_function_wrong_shape_invalidates_batch(tmp_path, ret, what):
     spec = _user_fn(tmp_path, f"def fn(a, b, c, d):\n    return {ret}\n")
     res = RewardManager(function=spec)(_rows(3), ["p"] * 3, ["a", "b", "c"])
@@ -146,11 +170,14 @@ def test_user_batch_function_wrong_shape_invalidates_batch(tmp_path, ret, what):
 
 
 def test_user_batch_function_tensor_and_nan_elements(tmp_path):
-    spec = _user_fn(tmp_path, """
+    spec = _user_fn(
+        tmp_path,
+        """
 import torch
 def fn(a, b, c, d):
     return torch.tensor([1.0, float('nan'), -1.0])
-""")
+""",
+    )
     res = RewardManager(function=spec)(_rows(3), ["p"] * 3, ["a", "b", "c"])
     assert res.valid.tolist() == [True, False, True]
     assert res.metrics["reward/nonfinite_count"] == 1
@@ -315,7 +342,9 @@ def test_no_timeout_runs_on_the_calling_thread_and_reports_no_timeout_metric(tmp
     import threading
 
     seen = []
-    register_reward_function("test/thread", lambda s, g, e=None: seen.append(threading.current_thread()) or 1.0, overwrite=True)
+    register_reward_function(
+        "test/thread", lambda s, g, e=None: seen.append(threading.current_thread()) or 1.0, overwrite=True
+    )
     try:
         res = RewardManager()(_rows(1, ds="test/thread"), ["p"], ["x"])
         assert seen == [threading.main_thread()] and "reward/timeout_count" not in res.metrics
@@ -369,8 +398,10 @@ def test_sys_exit_and_keyboard_interrupt_in_reward_code_are_that_samples_error(t
     with StopSignals():
         res = m(_rows(3), ["p"] * 3, ["a", "exit", "interrupt"])
     assert res.valid.tolist() == [True, False, False] and res.metrics["reward/error_count"] == 2
-    assert res.errors[1] == ("sample 1: RuntimeError: the reward code raised sys.exit(0): counted as this sample's error "
-                             "(a reward function must return scores)")
+    assert res.errors[1] == (
+        "sample 1: RuntimeError: the reward code raised sys.exit(0): counted as this sample's error "
+        "(a reward function must return scores)"
+    )
     assert "raised KeyboardInterrupt" in res.errors[2]
 
 
@@ -378,7 +409,8 @@ def test_a_ctrl_c_outside_training_still_stops(tmp_path):
     """With Python's own SIGINT handler (tether eval, a script) a KeyboardInterrupt on the main thread is the user's."""
     import signal
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # an earlier test's library may have left its own
+    # an earlier test's library may have left its own
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         m = RewardManager(function=_user_fn(tmp_path, EXITING))
         with pytest.raises(KeyboardInterrupt):

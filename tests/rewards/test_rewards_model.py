@@ -26,8 +26,9 @@ def rm_dir(tok_dir, tmp_path_factory):
 
 
 def _rows(prompts):
-    return [PromptRow(prompt=p, data_source="x", ground_truth=None, extra_info={}, index=i)
-            for i, p in enumerate(prompts)]
+    return [
+        PromptRow(prompt=p, data_source="x", ground_truth=None, extra_info={}, index=i) for i, p in enumerate(prompts)
+    ]
 
 
 def _direct_scores(rm_dir, texts):
@@ -96,7 +97,11 @@ def test_reward_model_bad_directories(rm_dir, tok_dir, tmp_path):
     two = tmp_path / "two"
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(two)
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(two)
-    with pytest.raises(ValueError, match=r"is a sequence classifier with num_labels=2 .*a reward model must be a sequence classifier with one label"):
+    with pytest.raises(
+        ValueError,
+        match=r"is a sequence classifier with num_labels=2 .*a reward model must be a sequence classifier with one "
+        r"label",
+    ):
         RewardManager(reward_model=str(two))
 
 
@@ -104,16 +109,22 @@ def test_a_causal_lm_is_named_as_such_not_as_num_labels_2(tok_dir, tmp_path):
     from tether.testing import build_tiny_causal_lm
 
     lm = build_tiny_causal_lm(tmp_path / "lm", tok_dir)
-    with pytest.raises(ValueError, match=r"is a causal language model \(config.json architectures: Qwen2ForCausalLM\); "
-                                         r"a reward model must be a sequence classifier with one label") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"is a causal language model \(config.json architectures: Qwen2ForCausalLM\); "
+        r"a reward model must be a sequence classifier with one label",
+    ) as e:
         RewardManager(reward_model=str(lm))
     assert "num_labels=2" not in str(e.value)
     # a classifier config over weights without the head (a causal LM's weights): the head would be random
     cfg = json.loads((lm / "config.json").read_text())
     cfg["architectures"], cfg["num_labels"], cfg["id2label"] = ["Qwen2ForSequenceClassification"], 1, {"0": "LABEL_0"}
     (lm / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"its weights hold no classification head \(missing score.weight\): it would score "
-                                         "with a randomly initialised head"):
+    with pytest.raises(
+        ValueError,
+        match=r"its weights hold no classification head \(missing score.weight\): it would score "
+        "with a randomly initialised head",
+    ):
         RewardManager(reward_model=str(lm))
 
 
@@ -125,8 +136,11 @@ def test_a_head_size_mismatch_names_both_sizes(rm_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["id2label"], cfg["label2id"] = {"0": "bad", "1": "good"}, {"bad": 0, "good": 1}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"config.json says num_labels=2 \(id2label has 2 entries\) but the weights hold "
-                                         r"score.weight of shape \[1, 32\] \(1 label\(s\)\); a reward model must be") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"config.json says num_labels=2 \(id2label has 2 entries\) but the weights hold "
+        r"score.weight of shape \[1, 32\] \(1 label\(s\)\); a reward model must be",
+    ) as e:
         RewardManager(reward_model=str(d))
     assert "look at the above report" not in str(e.value)
 

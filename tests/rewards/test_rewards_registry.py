@@ -31,16 +31,26 @@ def test_builtins():
 
 
 def test_unknown_data_source_lists_known():
-    with pytest.raises(ValueError, match=r"no built-in reward function for data_source 'nope'; known: .*openai/gsm8k.*"
-                                         r"reward\.function="):
+    with pytest.raises(
+        ValueError,
+        match=r"no built-in reward function for data_source 'nope'; known: .*openai/gsm8k.*"
+        r"reward\.function=",
+    ):
         get_reward_function("nope")
 
 
 def test_import_is_lazy():
-    code = ("import sys, tether.rewards, tether.data; "
-            "print(any(m.startswith('tether.tasks') for m in sys.modules), 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(SRC), "PATH": ""}).stdout.split()
+    code = (
+        "import sys, tether.rewards, tether.data; "
+        "print(any(m.startswith('tether.tasks') for m in sys.modules), 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(SRC), "PATH": ""},
+    ).stdout.split()
     assert out == ["False", "False"]
 
 
@@ -60,12 +70,12 @@ def test_register_callable_and_path():
         REWARD_FUNCTIONS.pop("test/broken", None)
 
 
-USER_FILE = '''
+USER_FILE = """
 def my_reward(data_sources, solution_strs, ground_truths, extra_infos):
     return [float(s == str(g)) for s, g in zip(solution_strs, ground_truths)]
 
 NOT_CALLABLE = 3
-'''
+"""
 
 
 def test_load_user_function_from_file(tmp_path, monkeypatch):
@@ -105,8 +115,11 @@ def test_load_user_function_from_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_user_function("my_rewards_pkg_xyz:my_reward")(["d"], ["1"], [1], [{}]) == [1.0]
     # a built-in per-sample function takes 3 arguments, not the 4 lists: refused at load time
-    with pytest.raises(ValueError, match=r"'tether.rewards.math:gsm8k_compute_score' has signature "
-                       r"gsm8k_compute_score\(solution_str.*cannot take the four lists"):
+    with pytest.raises(
+        ValueError,
+        match=r"'tether.rewards.math:gsm8k_compute_score' has signature "
+        r"gsm8k_compute_score\(solution_str.*cannot take the four lists",
+    ):
         load_user_function("tether.rewards.math:gsm8k_compute_score")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_user_function("tether.rewards.math:nope")
@@ -116,7 +129,8 @@ def test_load_user_function_from_module(tmp_path, monkeypatch):
 
 def test_load_user_function_checks_the_signature(tmp_path):
     f = tmp_path / "sig.py"
-    f.write_text(textwrap.dedent('''
+    f.write_text(
+        textwrap.dedent("""
         from tether.rewards import batched
 
         def no_args():
@@ -134,14 +148,21 @@ def test_load_user_function_checks_the_signature(tmp_path):
 
         def five(a, b, c, d, e):
             return []
-    '''))
-    with pytest.raises(ValueError, match=r"'.*sig\.py:no_args' has signature no_args\(\), which cannot take the four "
-                       r"lists tether passes .*expected a batch function \(data_sources, solution_strs"):
+    """)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"'.*sig\.py:no_args' has signature no_args\(\), which cannot take the four "
+        r"lists tether passes .*expected a batch function \(data_sources, solution_strs",
+    ):
         load_user_function(f"{f}:no_args")
     with pytest.raises(ValueError, match=r"cannot take the four lists .*missing a required argument: 'e'"):
         load_user_function(f"{f}:five")
-    with pytest.raises(ValueError, match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*"
-                       r"Decorate it with @tether.rewards.batched"):
+    with pytest.raises(
+        ValueError,
+        match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*"
+        r"Decorate it with @tether.rewards.batched",
+    ):
         load_user_function(f"{f}:verl_style")
     assert load_user_function(f"{f}:decorated")(["d", "d"], ["1", "2"], ["1", "1"], [{}, {}]) == [1.0, 0.0]
     assert load_user_function(f"{f}:star")(["d"], ["1"], [1], [{}]) == [0.0]
@@ -159,7 +180,8 @@ def test_batched_adapter():
 def test_user_file_doc_example(tmp_path):
     """The example in docs/rewards.md works as written."""
     f = tmp_path / "my_reward.py"
-    f.write_text(textwrap.dedent('''
+    f.write_text(
+        textwrap.dedent("""
         import math
 
         def length_penalized_match(data_sources, solution_strs, ground_truths, extra_infos):
@@ -168,7 +190,8 @@ def test_user_file_doc_example(tmp_path):
                 correct = str(gt) in sol
                 scores.append((1.0 if correct else 0.0) - 0.001 * len(sol))
             return scores
-    '''))
+    """)
+    )
     fn = load_user_function(f"{f}:length_penalized_match")
     assert fn(["x"], ["42"], ["42"], [{}]) == [pytest.approx(0.998)]
 

@@ -1,4 +1,5 @@
-"""The hackable digit-sum task: the proxy by hand, the same prompts as the task, and its exact optima (proxy vs gold)."""
+"""The hackable digit-sum task: the proxy by hand, the same prompts as the task, and its exact optima (proxy vs
+gold)."""
 
 import numpy as np
 import pytest
@@ -30,7 +31,9 @@ def test_proxy_and_gold_by_hand(answer, proxy, gold):
 
 def test_rows_registry_and_config():
     rows, base = digitsum_hack.make_dataset("val"), digitsum.make_dataset("val")
-    assert [r["prompt"] for r in rows] == [r["prompt"] for r in base] and {r["data_source"] for r in rows} == {"tether/digitsum_hack"}
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in base] and {r["data_source"] for r in rows} == {
+        "tether/digitsum_hack"
+    }
     assert REWARD_FUNCTIONS["tether/digitsum_hack"] == "tether.tasks.digitsum_hack:compute_score"
     assert get_reward_function("tether/digitsum_hack") is digitsum_hack.compute_score
     assert embedded_task("digitsum_hack") is digitsum_hack and set(EMBEDDED_TASKS) == {"digitsum", "digitsum_hack"}

@@ -180,8 +180,13 @@ def test_sampling_agrees_with_enumeration(ref, space_4):
     enc = tok(["3,4="] * n, return_tensors="pt")
     torch.manual_seed(1234)
     out = model.generate(
-        **enc, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=4,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        **enc,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=4,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     # bins over the whole space: (first character, length, reward); bins expecting < 5 are pooled
@@ -242,10 +247,15 @@ def test_exact_space_problem_names_the_vocabulary():
 
     from tether.tasks.exact import exact_space_problem
 
-    tiny, big = SimpleNamespace(config=SimpleNamespace(vocab_size=15)), SimpleNamespace(config=SimpleNamespace(vocab_size=512))
+    tiny, big = (
+        SimpleNamespace(config=SimpleNamespace(vocab_size=15)),
+        SimpleNamespace(config=SimpleNamespace(vocab_size=512)),
+    )
     assert exact_space_problem(tiny, ["3,13="]) is None  # 1 + 14 + 14² + 14³ + 14⁴ = 41,371 responses
     msg = exact_space_problem(big, ["3,13="])
-    assert msg.startswith("exact/* metrics skipped: the model's vocabulary of 512 tokens gives 68317871105 responses of up to 4 tokens")
+    assert msg.startswith(
+        "exact/* metrics skipped: the model's vocabulary of 512 tokens gives 68317871105 responses of up to 4 tokens"
+    )
     assert "set data.train_files" in msg
 
 
@@ -260,5 +270,8 @@ def test_exact_metrics_are_skipped_with_one_warning_for_a_big_vocabulary(caplog)
     cache = ExactCache()
     args = dict(beta=0.05, temperature=1.0, n_samples=4, cache=cache)
     with caplog.at_level("WARNING", logger="tether"):
-        assert exact_metrics(model, None, None, prompts, **args) == {} and exact_metrics(model, None, None, prompts, **args) == {}
+        assert (
+            exact_metrics(model, None, None, prompts, **args) == {}
+            and exact_metrics(model, None, None, prompts, **args) == {}
+        )
     assert caplog.text.count("exact/* metrics skipped") == 1

@@ -69,10 +69,15 @@ def test_generate_with_left_padding():
     enc = tok(["3,4=", "3,13="], return_tensors="pt", padding=True)
     torch.manual_seed(0)
     out = model.generate(
-        **enc, do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=4,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        **enc,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=4,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert len(texts) == 2 and all(t.isdigit() for t in texts)
 
 
@@ -103,7 +108,10 @@ def test_tether_sft_without_out_leaves_the_shipped_reference_alone_and_says_what
     out, err = capsys.readouterr()
     assert (tmp_path / "runs" / "sft-reference" / "model.safetensors").is_file()
     assert (shipped.stat().st_mtime_ns, shipped.read_bytes()) == before
-    assert err.startswith("tether sft: 2 SFT steps into runs/sft-reference, about 0 s on one core") and "sft step     0  loss" in err
+    assert (
+        err.startswith("tether sft: 2 SFT steps into runs/sft-reference, about 0 s on one core")
+        and "sft step     0  loss" in err
+    )
     assert "use it: tether train actor.model=runs/sft-reference" in out
 
 

@@ -1,4 +1,5 @@
-"""rollout.async_steps=k: batches are generated k steps ahead, the next during each update, k steps stale, with their behaviour
+"""rollout.async_steps=k: batches are generated k steps ahead, the next during each update, k steps stale, with their
+behaviour
 policy's log-probs; bounded staleness (rollout.max_staleness, drop | wait); exact resume with k pending batches."""
 
 import json
@@ -16,10 +17,22 @@ from tether.trainer.async_rollout import PENDING_FILE, check_no_dropout, has_dro
 from tether.workers.actor import _forward_logprobs
 
 SMALL = [
-    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.seed=3",
-    "trainer.total_steps=5", "trainer.save_freq=2", "trainer.val_freq=2", "trainer.val_n=2", "trainer.keep_last=5",
-    "data.batch_size=4", "data.embedded_train_size=8", "data.embedded_val_size=2", "rollout.n=4", "actor.lr=1e-3",
-]  # fmt: skip
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.seed=3",
+    "trainer.total_steps=5",
+    "trainer.save_freq=2",
+    "trainer.val_freq=2",
+    "trainer.val_n=2",
+    "trainer.keep_last=5",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "data.embedded_val_size=2",
+    "rollout.n=4",
+    "actor.lr=1e-3",
+]
 NOT_COMPARED = ("timing/", "perf/")
 
 
@@ -54,7 +67,8 @@ def test_async_steps_defaults_to_0_and_is_0_to_4():
         (["rollout.engine=vllm"], "rollout.engine=vllm"),
         (["algo.filter_groups=true"], "algo.filter_groups=true"),
         (["kl.estimator=full"], "kl.estimator=full"),
-        (["kl.placement=loss", "kl.loss_estimator=full"], "kl.loss_estimator=full"),  # the key that is set, not kl.estimator
+        # the key that is set, not kl.estimator
+        (["kl.placement=loss", "kl.loss_estimator=full"], "kl.loss_estimator=full"),
     ],
 )
 def test_async_refuses_what_it_cannot_overlap(extra, named):
@@ -100,7 +114,9 @@ def test_snapshot_has_its_own_fp32_head():
 def _logprobs_under(trainer: Trainer, state: dict, batch) -> torch.Tensor:
     model = snapshot_model(trainer.roles.actor.model)
     model.load_state_dict(state)
-    return _forward_logprobs(model, batch, trainer.cfg.actor.micro_batch_size, trainer.cfg.rollout.temperature, False)[0]
+    return _forward_logprobs(model, batch, trainer.cfg.actor.micro_batch_size, trainer.cfg.rollout.temperature, False)[
+        0
+    ]
 
 
 @pytest.mark.slow
@@ -110,8 +126,15 @@ def test_old_logprobs_are_the_generating_policys(tmp_path, async_steps, source):
     that policy's to 1e-6 (to 2e-5 when they are generate's own KV-cache log-probs,
     actor.old_logprobs_source=rollout: measured 9.5e-6 at most, docs/performance.md), and, one
     mini-batch per step, policy/approx_kl is 0 at step 1 and > 0 at step 2 only when the batch is stale."""
-    t = Trainer(cfg(tmp_path / "run", f"rollout.async_steps={async_steps}", "algo.mini_batch_size=16", "trainer.val_freq=0",
-                    f"actor.old_logprobs_source={source}"))  # fmt: skip
+    t = Trainer(
+        cfg(
+            tmp_path / "run",
+            f"rollout.async_steps={async_steps}",
+            "algo.mini_batch_size=16",
+            "trainer.val_freq=0",
+            f"actor.old_logprobs_source={source}",
+        )
+    )
     theta = [{k: v.clone() for k, v in t.roles.actor.model.state_dict().items()}]
     seen = []
     compute = t.compute_logprobs
@@ -131,10 +154,15 @@ def test_old_logprobs_are_the_generating_policys(tmp_path, async_steps, source):
     assert gap[generating] <= (2e-5 if source == "rollout" else 1e-6), gap
     assert gap[current] > 1e-3, gap  # lr=1e-3 moved the policy: the test tells the two apart
     if source == "rollout":  # the job made no log-prob pass: generate's own log-probs, no entropy
-        assert batch.entropy is None and m2["rollout/old_logprobs_from_rollout"] == 1.0 and math.isnan(m2["policy/entropy"])
+        assert (
+            batch.entropy is None
+            and m2["rollout/old_logprobs_from_rollout"] == 1.0
+            and math.isnan(m2["policy/entropy"])
+        )
     assert abs(m1["policy/approx_kl"]) < (1e-5 if source == "rollout" else 1e-6)
     if async_steps:
-        assert m2["policy/approx_kl"] > 1e-4 and m2["kl/ref_mean"] == pytest.approx(0.0, abs=1e-6)  # θ_0 is the reference
+        # θ_0 is the reference
+        assert m2["policy/approx_kl"] > 1e-4 and m2["kl/ref_mean"] == pytest.approx(0.0, abs=1e-6)
     else:
         assert abs(m2["policy/approx_kl"]) < 1e-6
     t.async_rollout is None or t.async_rollout.close()
@@ -156,13 +184,22 @@ def assert_same_numbers(got: list[dict], want: list[dict]) -> None:
         g, w = numbers(g), numbers(w)
         assert g.keys() == w.keys()
         for k in w:
-            assert (math.isnan(g[k]) and math.isnan(w[k])) or g[k] == pytest.approx(w[k], abs=1e-6, rel=0), (w["step"], k, g[k], w[k])
+            assert (math.isnan(g[k]) and math.isnan(w[k])) or g[k] == pytest.approx(w[k], abs=1e-6, rel=0), (
+                w["step"],
+                k,
+                g[k],
+                w[k],
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [[], ["kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "guard.rollback_drop=0.01"], ["actor.old_logprobs_source=rollout"]],
+    [
+        [],
+        ["kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "guard.rollback_drop=0.01"],
+        ["actor.old_logprobs_source=rollout"],
+    ],
     ids=["grpo", "adaptive-rollback", "rollout-logprobs"],
 )
 def test_resume_equals_uninterrupted(tmp_path, extra):
@@ -192,8 +229,19 @@ def test_learns_the_embedded_task(tmp_path):
     """The default GRPO run on the digit-sum task with async_steps=1: 100 steps lift the exact
     success rate on the held-out prompts from the reference's 0.469 (measured: 0.88 at step 100,
     the synchronous run's: see docs/performance.md)."""
-    c = load_config(None, ["trainer.total_steps=100", "trainer.val_freq=100", "trainer.save_freq=0", "trainer.progress=false",
-                           "trainer.report=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}", "rollout.async_steps=1"])  # fmt: skip
+    c = load_config(
+        None,
+        [
+            "trainer.total_steps=100",
+            "trainer.val_freq=100",
+            "trainer.save_freq=0",
+            "trainer.progress=false",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "rollout.async_steps=1",
+        ],
+    )
     Trainer(c).fit()
     last = read_lines(tmp_path / "run")[-1]
     assert last["step"] == 100 and last["exact/ref_score_mean"] == pytest.approx(0.4694, abs=1e-3)
@@ -215,7 +263,8 @@ def test_a_checkpoint_without_a_pending_batch_warns_on_resume(tmp_path, caplog):
         ar.load(tmp_path / "step_000004")
     assert not ar._ready
     assert [r.getMessage() for r in caplog.records] == [
-        "resume: checkpoint step_000004 holds no pending batch (async_pending.safetensors): the next step's batch is generated from "
+        "resume: checkpoint step_000004 holds no pending batch (async_pending.safetensors): the next step's batch is "
+        "generated from "
         "the restored weights, not from the previous ones, so the run will not match an uninterrupted one"
     ]
 
@@ -226,7 +275,15 @@ def test_a_checkpoint_without_a_pending_batch_warns_on_resume(tmp_path, caplog):
 def test_batches_are_k_updates_stale_and_their_old_logprobs_the_generating_policys(tmp_path, k):
     """Step t's batch was generated by θ_{max(t-1-k, 0)}: its old_logprobs are that policy's to 1e-6, and
     rollout/staleness logs t - 1 - that version (0 at step 1, k from step k + 1 on)."""
-    t = Trainer(cfg(tmp_path / "run", f"rollout.async_steps={k}", "algo.mini_batch_size=16", "trainer.val_freq=0", "trainer.total_steps=6"))
+    t = Trainer(
+        cfg(
+            tmp_path / "run",
+            f"rollout.async_steps={k}",
+            "algo.mini_batch_size=16",
+            "trainer.val_freq=0",
+            "trainer.total_steps=6",
+        )
+    )
     thetas, seen = [], []
     compute = t.compute_logprobs
 
@@ -252,12 +309,21 @@ def test_batches_are_k_updates_stale_and_their_old_logprobs_the_generating_polic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, staleness, dropped", [("drop", [0, 1, 0, 0, 0], [0, 0, 1, 1, 1]), ("wait", [0, 1, 1, 1, 1], [0] * 5)])
+@pytest.mark.parametrize(
+    "policy, staleness, dropped", [("drop", [0, 1, 0, 0, 0], [0, 0, 1, 1, 1]), ("wait", [0, 1, 1, 1, 1], [0] * 5)]
+)
 def test_max_staleness_drops_or_waits(tmp_path, policy, staleness, dropped):
     """k = 3 with max_staleness = 1: under drop the batches of steps 3, 4 (from θ_0) and 5 (from θ_1) are 2-3 updates
     old at their step and regenerated there (staleness 0); under wait only one batch is kept ahead (staleness 1)."""
-    t = Trainer(cfg(tmp_path / "run", "rollout.async_steps=3", "rollout.max_staleness=1", f"rollout.staleness_policy={policy}",
-                    "trainer.val_freq=0"))  # fmt: skip
+    t = Trainer(
+        cfg(
+            tmp_path / "run",
+            "rollout.async_steps=3",
+            "rollout.max_staleness=1",
+            f"rollout.staleness_policy={policy}",
+            "trainer.val_freq=0",
+        )
+    )
     got = [t.train_step() for _ in range(5)]
     assert [m["rollout/staleness"] for m in got] == staleness
     assert [m["rollout/stale_dropped"] for m in got] == dropped
@@ -268,17 +334,25 @@ def test_max_staleness_drops_or_waits(tmp_path, policy, staleness, dropped):
 def test_resume_with_three_pending_batches_equals_uninterrupted(tmp_path):
     """rollout.async_steps=3 with rollout correction on (an engine at another temperature), killed after step 3:
     the step-2 checkpoint holds 3 pending batches, and the resumed run logs every non-timing metric the same."""
-    extra = ["rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token", "trainer.total_steps=6"]
+    extra = [
+        "rollout.async_steps=3",
+        "rollout.engine_temperature=1.5",
+        "algo.rollout_correction.level=token",
+        "trainer.total_steps=6",
+    ]
     full = Trainer(cfg(tmp_path / "full", *extra))
     full.fit()
     want = read_lines(tmp_path / "full")
     run = tmp_path / "run"
     crash_after(Trainer(cfg(run, *extra)), 3)
     resumed = Trainer(cfg(run, *extra))
-    assert resumed.step == 2 and [v for _, _, v in resumed.async_rollout._ready] == [0, 0, 1]  # batches 3, 4 from θ_0, 5 from θ_1
+    # batches 3, 4 from θ_0, 5 from θ_1
+    assert resumed.step == 2 and [v for _, _, v in resumed.async_rollout._ready] == [0, 0, 1]
     resumed.fit()
     got = read_lines(run)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(7))
     assert_same_numbers(got, want)
     steps = [r for r in want if r["step"] > 0]
-    assert [r["rollout/staleness"] for r in steps] == [0, 1, 2, 3, 3, 3] and all(0 < r["rollout_corr/ess"] < 1 for r in steps)
+    assert [r["rollout/staleness"] for r in steps] == [0, 1, 2, 3, 3, 3] and all(
+        0 < r["rollout_corr/ess"] < 1 for r in steps
+    )

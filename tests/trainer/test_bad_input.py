@@ -42,7 +42,9 @@ def test_tokenizer_without_pad_token_falls_back_to_eos_with_a_warning(small_cfg,
         m.pop("pad_token", None)
         st.write_text(json.dumps(m))
     with caplog.at_level(logging.WARNING, logger="tether"):
-        t = Trainer(small_cfg(f"actor.model={model_dir}", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.report=false"))
+        t = Trainer(
+            small_cfg(f"actor.model={model_dir}", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.report=false")
+        )
     assert t.tok.pad_token_id == t.tok.eos_token_id
     assert any("no pad token" in r.getMessage() and "no_pad" in r.getMessage() for r in caplog.records)
 
@@ -56,8 +58,12 @@ def test_empty_dataset_fails_before_training(small_cfg, tmp_path):
 
 def test_row_without_prompt_names_its_line(small_cfg, tmp_path):
     f = tmp_path / "bad.jsonl"
-    f.write_text(json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}) + "\n"
-                 + json.dumps({"data_source": "tether/digitsum"}) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
+        + "\n"
+        + json.dumps({"data_source": "tether/digitsum"})
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"bad.jsonl.*line 2"):
         Trainer(small_cfg(f"data.train_files={f}"))
 
@@ -74,7 +80,7 @@ def test_unknown_data_source_fails_before_training(small_cfg, tmp_path):
         Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))
 
 
-REWARD_FILE = '''
+REWARD_FILE = """
 import math
 
 CALLS = {"n": 0}
@@ -92,14 +98,23 @@ def flaky(data_sources, solution_strs, ground_truths, extra_infos):
         else:
             out.append(1.0 if len(s) == 3 else 0.0)
     return out
-'''
+"""
 
 
 @pytest.mark.slow
 def test_reward_function_that_raises_or_returns_nan_drops_and_counts(small_cfg, tmp_path):
     f = tmp_path / "flaky.py"
     f.write_text(REWARD_FILE)
-    t = Trainer(small_cfg(f"reward.function={f}:flaky", "trainer.total_steps=2", "trainer.val_freq=0", "trainer.report=false", "data.batch_size=8", "rollout.n=8"))
+    t = Trainer(
+        small_cfg(
+            f"reward.function={f}:flaky",
+            "trainer.total_steps=2",
+            "trainer.val_freq=0",
+            "trainer.report=false",
+            "data.batch_size=8",
+            "rollout.n=8",
+        )
+    )
     history = t.fit()
     for rec in history:
         assert math.isfinite(rec["reward/score_mean"])
@@ -121,7 +136,9 @@ def test_empty_responses_are_dropped_and_counted(small_cfg):
     from tether.rollout import response_mask_from_ids
 
     batch.response_mask = response_mask_from_ids(batch.response_ids, eos)
-    batch.responses = t.tok.batch_decode(torch.where(batch.response_mask.bool(), batch.response_ids, t.tok.pad_token_id), skip_special_tokens=True)
+    batch.responses = t.tok.batch_decode(
+        torch.where(batch.response_mask.bool(), batch.response_ids, t.tok.pad_token_id), skip_special_tokens=True
+    )
     assert batch.responses[:3] == ["", "", ""]
     t.score(batch)
     assert batch.extra["reward_metrics"]["rollout/empty_count"] == 3.0
@@ -172,8 +189,11 @@ def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):
     user.mkdir()
     (user / "notes.txt").write_text("mine")
     (user / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. "
-                       r"A run would overwrite them"):
+    with pytest.raises(
+        ConfigError,
+        match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. "
+        r"A run would overwrite them",
+    ):
         claim_run_dir(None, str(user))
     assert (user / "metrics.jsonl").read_text() == '{"step": 1}\n'
     # a run's directory (config.yaml or checkpoints/) is reused: resume
@@ -209,7 +229,10 @@ def test_a_reference_with_another_tokenizer_is_refused(small_cfg, tmp_path):
 
     tok = build_gsm8k_tokenizer(tmp_path / "tok", texts=synthetic_math_texts(100), vocab_size=300)
     other = build_tiny_causal_lm(tmp_path / "other", tok, arch="llama")
-    with pytest.raises(ConfigError, match=r"ref.model=.*other.* has a different tokenizer from actor.model \(vocabulary \d+ vs 15 tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ref.model=.*other.* has a different tokenizer from actor.model \(vocabulary \d+ vs 15 tokens",
+    ):
         Trainer(small_cfg(f"ref.model={other}"))
     with pytest.raises(ConfigError, match=r"critic.model=.*has a different tokenizer"):
         Trainer(small_cfg(f"critic.model={other}", "algo.adv_estimator=gae"))
@@ -228,17 +251,26 @@ def test_overlong_prompt_names_its_1_based_file_line(small_cfg, tmp_path):
     # Regression: an overlong prompt was "row 1" (0-based, blank lines not counted) while a malformed
     # row of the same file is "line N"; this one is on line 3 (line 2 is blank).
     ok = json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
-    long = json.dumps({"prompt": "3,13=" * 20, "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
+    long = json.dumps(
+        {"prompt": "3,13=" * 20, "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}
+    )
     f = tmp_path / "long.jsonl"
     f.write_text(ok + "\n\n" + long + "\n")
-    with pytest.raises(ConfigError, match=r"data.train_files: 1 prompt\(s\) longer than data.max_prompt_length=10: line 3 \(\d+ tokens\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.train_files: 1 prompt\(s\) longer than data.max_prompt_length=10: line 3 \(\d+ tokens\)",
+    ):
         Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null", "data.max_prompt_length=10"))
 
 
 def test_a_prompt_the_tokenizer_cannot_encode_names_its_row(small_cfg, tmp_path):
     f = tmp_path / "chars.jsonl"
-    f.write_text(json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}}) + "\n"
-                 + json.dumps({"prompt": "3,1x=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,1"}}) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "3,13=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,13"}})
+        + "\n"
+        + json.dumps({"prompt": "3,1x=", "data_source": "tether/digitsum", "reward_model": {"ground_truth": "3,1"}})
+        + "\n"
+    )
     with pytest.raises(ConfigError, match=r"data.train_files: line 2 \('3,1x='\) cannot be tokenized"):
         Trainer(small_cfg(f"data.train_files={f}", "data.val_files=null"))
 
@@ -252,9 +284,12 @@ def test_resume_off_on_an_earlier_run_is_refused_before_anything_changes(small_c
     (run / "config.yaml").write_text("kl:\n  coef: 0.05\n")
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     monkeypatch.setattr(trainer_module, "build_roles", lambda cfg: pytest.fail("models loaded before the refusal"))
-    with pytest.raises(ConfigError, match=r"^trainer.resume=off: trainer.output_dir='.*run' holds an earlier run \(1 checkpoint\(s\) "
-                       r"\(step_000020\) and metrics.jsonl with 2 line\(s\)\); a fresh start would mix with it\. Choose a new "
-                       r"trainer.output_dir, delete '.*run' to start over there, or continue it with trainer.resume=auto$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.resume=off: trainer.output_dir='.*run' holds an earlier run \(1 checkpoint\(s\) "
+        r"\(step_000020\) and metrics.jsonl with 2 line\(s\)\); a fresh start would mix with it\. Choose a new "
+        r"trainer.output_dir, delete '.*run' to start over there, or continue it with trainer.resume=auto$",
+    ):
         Trainer(small_cfg("trainer.resume=off", out=run))
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (run / "config.yaml").read_text() == "kl:\n  coef: 0.05\n"
@@ -282,16 +317,28 @@ def test_resuming_a_run_of_another_model_is_one_line(small_cfg, tmp_path):
     from tether.checkpoint import CheckpointError
     from tether.tasks.sft import build_reference
 
-    narrow = build_reference(tmp_path / "narrow", steps=1, batch_size=4, model_config={"hidden_size": 32, "intermediate_size": 64})
+    narrow = build_reference(
+        tmp_path / "narrow", steps=1, batch_size=4, model_config={"hidden_size": 32, "intermediate_size": 64}
+    )
     run = tmp_path / "run"
     Trainer(small_cfg(out=run)).ckpt.save(1, {})
     with pytest.raises(CheckpointError) as e:
         Trainer(small_cfg(f"actor.model={narrow}", out=run))
-    assert str(e.value) == (f"trainer.output_dir={str(run)!r} holds a run of actor.model='embedded' (step_000001), not "
-                            f"actor.model={str(narrow)!r}: its weights do not fit this model; choose a new trainer.output_dir")
-    with pytest.raises(CheckpointError, match=r"^trainer.resume='.*step_000001' is a checkpoint of a run of actor.model='embedded', not "
-                       r"actor.model='.*narrow': its weights do not fit this model; choose a new trainer.output_dir or a checkpoint of this model$"):
-        Trainer(small_cfg(f"actor.model={narrow}", f"trainer.resume={run / 'checkpoints' / 'step_000001'}", out=tmp_path / "other"))
+    assert str(e.value) == (
+        f"trainer.output_dir={str(run)!r} holds a run of actor.model='embedded' (step_000001), not "
+        f"actor.model={str(narrow)!r}: its weights do not fit this model; choose a new trainer.output_dir"
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"^trainer.resume='.*step_000001' is a checkpoint of a run of actor.model='embedded', not "
+        r"actor.model='.*narrow': its weights do not fit this model; choose a new trainer.output_dir or a checkpoint "
+        r"of this model$",
+    ):
+        Trainer(
+            small_cfg(
+                f"actor.model={narrow}", f"trainer.resume={run / 'checkpoints' / 'step_000001'}", out=tmp_path / "other"
+            )
+        )
 
 
 def test_config_diff_on_resume_compares_local_paths_absolute(tmp_path, monkeypatch, caplog):
@@ -306,5 +353,7 @@ def test_config_diff_on_resume_compares_local_paths_absolute(tmp_path, monkeypat
     with caplog.at_level("WARNING", logger="tether"):
         assert m._warn_config_changes(saved, tmp_path / "step_000001") == {}
         assert m._warn_config_changes(load_config(None, ["kl.coef=0.2"]).to_dict(), tmp_path / "step_000001") == {
-            "actor.model": ("embedded", str(tmp_path / "T" / "qwen")), "kl.coef": (0.2, 0.05)}
+            "actor.model": ("embedded", str(tmp_path / "T" / "qwen")),
+            "kl.coef": (0.2, 0.05),
+        }
     assert caplog.text.count("resume: the config differs") == 1

@@ -55,12 +55,30 @@ def test_write_then_verify_lists_every_file(tmp_path):
 @pytest.mark.parametrize(
     "damage, expected",
     [
-        pytest.param(lambda p: (p / "optim.pt").write_bytes((p / "optim.pt").read_bytes()[:-7]), r"file optim\.pt has \d+ bytes, expected \d+ \(truncated\?\)", id="truncated"),
-        pytest.param(lambda p: (p / "actor" / "model.safetensors").write_bytes(b"y" * 1000), r"file actor/model\.safetensors fails its sha256 check", id="same-size-flip"),
-        pytest.param(lambda p: (p / "trainer_state.json").unlink(), r"file trainer_state\.json is missing", id="missing"),
+        pytest.param(
+            lambda p: (p / "optim.pt").write_bytes((p / "optim.pt").read_bytes()[:-7]),
+            r"file optim\.pt has \d+ bytes, expected \d+ \(truncated\?\)",
+            id="truncated",
+        ),
+        pytest.param(
+            lambda p: (p / "actor" / "model.safetensors").write_bytes(b"y" * 1000),
+            r"file actor/model\.safetensors fails its sha256 check",
+            id="same-size-flip",
+        ),
+        pytest.param(
+            lambda p: (p / "trainer_state.json").unlink(), r"file trainer_state\.json is missing", id="missing"
+        ),
         pytest.param(lambda p: (p / MANIFEST).unlink(), r"step_\d+: incomplete \(no MANIFEST\.json", id="no-manifest"),
-        pytest.param(lambda p: (p / MANIFEST).write_text('{"files": {'), r"file MANIFEST\.json is corrupt", id="manifest-not-json"),
-        pytest.param(lambda p: (p / MANIFEST).write_text('{"files": {"../x": {"bytes": 1, "sha256": "0"}}}'), r"outside the checkpoint", id="manifest-escape"),
+        pytest.param(
+            lambda p: (p / MANIFEST).write_text('{"files": {'),
+            r"file MANIFEST\.json is corrupt",
+            id="manifest-not-json",
+        ),
+        pytest.param(
+            lambda p: (p / MANIFEST).write_text('{"files": {"../x": {"bytes": 1, "sha256": "0"}}}'),
+            r"outside the checkpoint",
+            id="manifest-escape",
+        ),
     ],
 )
 def test_damage_is_detected_and_names_the_file(tmp_path, damage, expected):
@@ -89,10 +107,14 @@ def test_an_interrupted_write_leaves_no_checkpoint(tmp_path):
         raise OSError("disk full")
 
     write_checkpoint(tmp_path, 2, _writers())
-    with pytest.raises(CheckpointWriteError, match=r"checkpoint step 4 not written to .*: OSError: disk full; the partial write was removed"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"checkpoint step 4 not written to .*: OSError: disk full; the partial write was removed",
+    ):
         write_checkpoint(tmp_path, 4, _writers() | {"state": boom})
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
-    assert not (tmp_path / ".tmp-step_000004").exists()  # removed (a SIGKILL leaves it: the next write or prune clears it)
+    # removed (a SIGKILL leaves it: the next write or prune clears it)
+    assert not (tmp_path / ".tmp-step_000004").exists()
     assert latest_valid_checkpoint(tmp_path) == tmp_path / "step_000002"
 
 
@@ -166,9 +188,17 @@ def test_load_torch_never_unpickles_arbitrary_objects(tmp_path):
 # ---------------------------------------------------------------------------------- with a trainer
 
 TINY = [
-    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
-    "trainer.save_freq=2", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=4", "algo.mini_batch_size=8",
-]  # fmt: skip
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.val_freq=0",
+    "trainer.save_freq=2",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "rollout.n=4",
+    "algo.mini_batch_size=8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +225,8 @@ def test_checkpoint_files_are_safetensors_json_and_tensor_only_torch(trained):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["data"] == {"epoch": 1, "index": 0, "n": 8}
     optim = load_torch(ckpt / "optim.pt")  # weights_only=True
-    assert set(optim) == {"actor", "actor_sched"} and optim["actor_sched"]["last_epoch"] == 4  # 2 steps x 2 mini-batches
+    # 2 steps x 2 mini-batches
+    assert set(optim) == {"actor", "actor_sched"} and optim["actor_sched"]["last_epoch"] == 4
 
 
 @pytest.mark.slow
@@ -246,7 +277,13 @@ def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path
     scores = iter([0.5, 0.9, 0.88, 0.87])  # steps 0, 2, 4, 5: validation every 2 steps and at the end
     monkeypatch.setattr(trainer_module, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
-    overrides = ["trainer.total_steps=5", "trainer.save_freq=1", "trainer.val_freq=2", "trainer.keep_last=1", "guard.rollback_drop=0.05"]
+    overrides = [
+        "trainer.total_steps=5",
+        "trainer.save_freq=1",
+        "trainer.val_freq=2",
+        "trainer.keep_last=1",
+        "guard.rollback_drop=0.05",
+    ]
     t = Trainer(load_config(None, [*TINY, f"trainer.output_dir={run}", *overrides]))
     kept = []
     save = t.ckpt.save
@@ -265,7 +302,9 @@ def test_retention_keeps_last_plus_best_and_labels_only_validated_steps(tmp_path
         ["step_000002", "step_000004"],  # 0.88: stable (within 5% of 0.9), not best
         ["step_000002", "step_000005"],
     ]
-    states = {s: json.loads((run / "checkpoints" / f"step_00000{s}" / "trainer_state.json").read_text()) for s in (2, 5)}
+    states = {
+        s: json.loads((run / "checkpoints" / f"step_00000{s}" / "trainer_state.json").read_text()) for s in (2, 5)
+    }
     assert states[2]["val_score"] == 0.9 and states[2]["best"] == {"step": 2, "score": 0.9}
     assert states[5]["val_score"] == 0.87 and states[5]["best"] == {"step": 2, "score": 0.9}
     assert states[5]["guard"]["stable_step"] == 5 and states[5]["guard"]["stable_score"] == 0.87
@@ -298,11 +337,15 @@ def test_export_says_what_a_path_is_when_it_is_not_a_checkpoint(tmp_path):
     (model / "adapter_config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="is a peft adapter directory, not a tether checkpoint"):
         resolve_checkpoint(model)
-    with pytest.raises(CheckpointError, match=r"is not a tether checkpoint \(no actor/ or MANIFEST.json\) nor a run directory"):
+    with pytest.raises(
+        CheckpointError, match=r"is not a tether checkpoint \(no actor/ or MANIFEST.json\) nor a run directory"
+    ):
         resolve_checkpoint(tmp_path)
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="run directory .* holds no checkpoint with complete actor weights: it has none yet"):
+    with pytest.raises(
+        CheckpointError, match="run directory .* holds no checkpoint with complete actor weights: it has none yet"
+    ):
         resolve_checkpoint(run)
     write_checkpoint(run / "checkpoints", 2, _writers())
     newest = write_checkpoint(run / "checkpoints", 4, _writers())
@@ -323,7 +366,9 @@ def test_export_a_run_directory_and_a_checkpoint_with_a_damaged_optimizer(traine
     shutil.copytree(out, run)
     latest = latest_valid_checkpoint(run / "checkpoints")
     assert main(["export", str(run), str(tmp_path / "from_run")]) == 0
-    assert (tmp_path / "from_run" / "model.safetensors").read_bytes() == (latest / "actor" / "model.safetensors").read_bytes()
+    assert (tmp_path / "from_run" / "model.safetensors").read_bytes() == (
+        latest / "actor" / "model.safetensors"
+    ).read_bytes()
     (latest / "optim.pt").write_bytes(b"not an optimizer")
     assert main(["export", str(latest), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (latest / "actor" / "model.safetensors").read_bytes()
@@ -364,5 +409,7 @@ def test_prune_cache_hashes_a_checkpoint_once_and_sees_a_rewrite(tmp_path, monke
     p = tmp_path / "step_000002" / "optim.pt"
     p.write_bytes(b"q" * p.stat().st_size)  # same size, new mtime
     os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
-    assert [m.name for m in prune_checkpoints(tmp_path, keep_last=2, protect=set(), verified=verified)] == ["corrupt-step_000002"]
+    assert [m.name for m in prune_checkpoints(tmp_path, keep_last=2, protect=set(), verified=verified)] == [
+        "corrupt-step_000002"
+    ]
     assert calls == ["step_000002"]

@@ -20,14 +20,24 @@ def _step_dirs(run):
     return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
-@pytest.mark.parametrize("fault, why", [
-    ("enospc", r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last checkpoint\), [\d.]+ GiB \(\d+ bytes\) free"),
-    ("erofs", "read-only file system: the directory cannot be written"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fault, why",
+    [
+        (
+            "enospc",
+            r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last checkpoint\), "
+            r"[\d.]+ GiB \(\d+ bytes\) free",
+        ),
+        ("erofs", "read-only file system: the directory cannot be written"),
+    ],
+)
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_cleanly(small_cfg, tmp_path, monkeypatch, fault, why):
     run = tmp_path / "run"
     monkeypatch.setenv(FAULT_ENV, f"{fault}:2:optim")  # after the weights are written: a partial checkpoint on disk
-    with pytest.raises(CheckpointWriteError, match=rf"checkpoint step 2 not written to {run / 'checkpoints'}: {why}; the partial write was removed"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=rf"checkpoint step 2 not written to {run / 'checkpoints'}: {why}; the partial write was removed",
+    ):
         Trainer(small_cfg(*QUICK, out=run)).fit()
     assert _step_dirs(run) == ["step_000001"]  # no .tmp-step_000002 left; step 1 is the resume point
 
@@ -38,10 +48,17 @@ def test_too_little_free_space_is_refused_before_writing(small_cfg, tmp_path, mo
     real = shutil.disk_usage
     usage = namedtuple("usage", "total used free")
     written = []
-    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10, 10) if (run / "checkpoints" / "step_000001").exists() else real(p))
+    monkeypatch.setattr(
+        ckpt_mod.shutil,
+        "disk_usage",
+        lambda p: usage(10**9, 10**9 - 10, 10) if (run / "checkpoints" / "step_000001").exists() else real(p),
+    )
     monkeypatch.setattr(ckpt_mod, "_seal", lambda *a, _seal=ckpt_mod._seal: written.append(a[3]) or _seal(*a))
-    with pytest.raises(CheckpointWriteError, match=r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last "
-                                                   r"checkpoint\), 0\.00 GiB \(10 bytes\) free"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last "
+        r"checkpoint\), 0\.00 GiB \(10 bytes\) free",
+    ):
         Trainer(small_cfg(*QUICK, out=run)).fit()
     assert _step_dirs(run) == ["step_000001"] and written == [1]  # step 2 never reached its writers
 
@@ -49,24 +66,42 @@ def test_too_little_free_space_is_refused_before_writing(small_cfg, tmp_path, mo
 def test_the_cli_says_it_in_one_line_and_how_to_continue(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     monkeypatch.setenv(FAULT_ENV, "enospc:2:weights")
-    args = ["train", *QUICK, "trainer.progress=false", "data.batch_size=4", "rollout.n=4", "algo.mini_batch_size=16",
-            "data.embedded_train_size=8", f"trainer.output_dir={run}"]  # fmt: skip
+    args = [
+        "train",
+        *QUICK,
+        "trainer.progress=false",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "algo.mini_batch_size=16",
+        "data.embedded_train_size=8",
+        f"trainer.output_dir={run}",
+    ]
     assert main(args) == 4
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("tether train: "))
-    assert "checkpoint step 2 not written" in line and "no space left on device" in line and "the last complete checkpoint is step 1" in line
+    assert (
+        "checkpoint step 2 not written" in line
+        and "no space left on device" in line
+        and "the last complete checkpoint is step 1" in line
+    )
     assert f"trainer.output_dir={run}" in err.split("To continue once the disk is fixed:", 1)[1]
 
 
 def test_a_ray_worker_groups_error_text_is_read_for_the_os_reason(tmp_path):
-    """Under trainer.backend=ray the ranks' DCP errors reach the driver as text (tether.distributed.ray_backend.failure_text)."""
+    """Under trainer.backend=ray the ranks' DCP errors reach the driver as text
+    (tether.distributed.ray_backend.failure_text)."""
     from tether.checkpoint import write_checkpoint
 
     def ranks_failed(d):
-        raise RuntimeError("actor group: save failed: CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
-                           "rank 1: OSError: [Errno 28] No space left on device)")  # fmt: skip
+        raise RuntimeError(
+            "actor group: save failed: CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
+            "rank 1: OSError: [Errno 28] No space left on device)"
+        )
 
-    with pytest.raises(CheckpointWriteError, match=r"checkpoint step 3 not written to .*: no space left on device: its size is unknown "
-                                                   r"\(no earlier checkpoint\), [\d.]+ GiB \(\d+ bytes\) free; the partial write was removed"):
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"checkpoint step 3 not written to .*: no space left on device: its size is unknown "
+        r"\(no earlier checkpoint\), [\d.]+ GiB \(\d+ bytes\) free; the partial write was removed",
+    ):
         write_checkpoint(tmp_path / "checkpoints", 3, {"weights": ranks_failed})
     assert list((tmp_path / "checkpoints").iterdir()) == []

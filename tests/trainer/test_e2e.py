@@ -25,9 +25,23 @@ def _finite_numbers(rec):
     "overrides",
     [
         pytest.param([], id="grpo-kl-in-reward"),
-        pytest.param(["algo.adv_estimator=gae", "kl.placement=both", "kl.loss_estimator=k3+", "algo.ppo_epochs=2", "algo.mini_batch_size=8"], id="ppo-gae-both"),
-        pytest.param(["algo.adv_estimator=rloo", "kl.placement=loss", "kl.estimator=low_var_kl", "kl.controller=adaptive"], id="rloo-kl-loss"),
-        pytest.param(["algo.adv_estimator=reinforce_plus_plus", "kl.estimator=full", "kl.controller=band"], id="rpp-full-kl"),
+        pytest.param(
+            [
+                "algo.adv_estimator=gae",
+                "kl.placement=both",
+                "kl.loss_estimator=k3+",
+                "algo.ppo_epochs=2",
+                "algo.mini_batch_size=8",
+            ],
+            id="ppo-gae-both",
+        ),
+        pytest.param(
+            ["algo.adv_estimator=rloo", "kl.placement=loss", "kl.estimator=low_var_kl", "kl.controller=adaptive"],
+            id="rloo-kl-loss",
+        ),
+        pytest.param(
+            ["algo.adv_estimator=reinforce_plus_plus", "kl.estimator=full", "kl.controller=band"], id="rpp-full-kl"
+        ),
     ],
 )
 def test_train_runs_end_to_end(small_cfg, tmp_path, overrides):
@@ -39,9 +53,19 @@ def test_train_runs_end_to_end(small_cfg, tmp_path, overrides):
     assert len(history) == 3
     after = trainer.roles.actor.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before), "the actor did not change"
-    assert all(torch.equal(ref_before[k], v) for k, v in trainer.roles.ref.model.state_dict().items()), "the reference moved"
+    assert all(torch.equal(ref_before[k], v) for k, v in trainer.roles.ref.model.state_dict().items()), (
+        "the reference moved"
+    )
     for rec in history:
-        for key in ("reward/score_mean", "kl/ref_mean", "kl/coef", "policy/entropy", "policy/pg_loss", "response/length_mean", "perf/tokens_per_s"):
+        for key in (
+            "reward/score_mean",
+            "kl/ref_mean",
+            "kl/coef",
+            "policy/entropy",
+            "policy/pg_loss",
+            "response/length_mean",
+            "perf/tokens_per_s",
+        ):
             assert math.isfinite(rec[key]), (key, rec[key])
     run = cfg.trainer.output_dir
     from pathlib import Path

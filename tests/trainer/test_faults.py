@@ -24,7 +24,7 @@ from tether.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 # A reward that is the task's own, optionally slowed down (so that a kill lands mid-run reliably).
-REWARD = '''
+REWARD = """
 import os
 import time
 from tether.tasks.digitsum import compute_score
@@ -32,20 +32,39 @@ from tether.tasks.digitsum import compute_score
 def reward(data_sources, solution_strs, ground_truths, extra_infos):
     time.sleep(float(os.environ.get("SLOW_REWARD_S", "0")))
     return [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
-'''
+"""
 
 
 def overrides(run: Path, reward: Path, *extra: str) -> list[str]:
     return [
-        "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
-        "trainer.total_steps=6", "trainer.save_freq=2", "trainer.keep_last=2", "data.batch_size=4", "data.embedded_train_size=8",
-        "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-3", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50",
-        f"reward.function={reward}:reward", f"trainer.output_dir={run}", *extra,
-    ]  # fmt: skip
+        "trainer.progress=false",
+        "trainer.threads=1",
+        "trainer.report=false",
+        "trainer.loggers=[jsonl]",
+        "trainer.val_freq=0",
+        "trainer.total_steps=6",
+        "trainer.save_freq=2",
+        "trainer.keep_last=2",
+        "data.batch_size=4",
+        "data.embedded_train_size=8",
+        "rollout.n=4",
+        "algo.mini_batch_size=8",
+        "actor.lr=1e-3",
+        "kl.controller=adaptive",
+        "kl.target=0.01",
+        "kl.horizon=50",
+        f"reward.function={reward}:reward",
+        f"trainer.output_dir={run}",
+        *extra,
+    ]
 
 
 def numbers(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if not k.startswith(("timing/", "perf/")) and (v is None or isinstance(v, (int, float)))}
+    return {
+        k: v
+        for k, v in rec.items()
+        if not k.startswith(("timing/", "perf/")) and (v is None or isinstance(v, (int, float)))
+    }
 
 
 def read_lines(run: Path) -> list[dict]:
@@ -66,7 +85,12 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
         g, w = numbers(g), numbers(w)
         assert g.keys() == w.keys(), g.keys() ^ w.keys()
         for k, v in w.items():
-            assert (v is None and g[k] is None) or math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6), (g["step"], k, g[k], v)
+            assert (v is None and g[k] is None) or math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6), (
+                g["step"],
+                k,
+                g[k],
+                v,
+            )
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +120,16 @@ def resume_and_finish(run: Path, reward: Path, extra: tuple[str, ...] = ()) -> s
 
 
 #: three batches generated ahead, each weighed against a mismatched engine (TIS) with rejection, and a k3 KL loss
-ASYNC_CORRECTED = ("rollout.async_steps=3", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
-                   "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05", "kl.placement=both",
-                   "kl.loss_estimator=k3", "algo.mini_batch_size=8")  # fmt: skip
+ASYNC_CORRECTED = (
+    "rollout.async_steps=3",
+    "rollout.engine_temperature=1.5",
+    "algo.rollout_correction.level=token",
+    "algo.rollout_correction.reject=seq_mean_k3",
+    "algo.rollout_correction.reject_threshold=0.05",
+    "kl.placement=both",
+    "kl.loss_estimator=k3",
+    "algo.mini_batch_size=8",
+)
 
 
 @pytest.mark.parametrize("extra", [(), ASYNC_CORRECTED], ids=["sync", "async-3-rollout-correction"])
@@ -160,7 +191,10 @@ def test_truncated_checkpoint_named_by_the_cli_and_auto_falls_back(tmp_path, set
     opt.write_bytes(opt.read_bytes()[:1000])
     assert main(["train", *overrides(run, reward), f"trainer.resume={opt.parent}"]) == 2
     err = capsys.readouterr().err
-    assert f"tether train: checkpoint {opt.parent}: file optim.pt has 1000 bytes, expected" in err and "(truncated?)" in err
+    assert (
+        f"tether train: checkpoint {opt.parent}: file optim.pt has 1000 bytes, expected" in err
+        and "(truncated?)" in err
+    )
     with pytest.raises(CheckpointError, match="optim.pt"):
         verify_checkpoint(opt.parent)
 
@@ -197,7 +231,7 @@ def test_sigterm_or_sigint_finishes_the_step_checkpoints_it_and_resumes_from_it(
 
 
 # A reward that hangs forever from its second batch on (a remote judge that stopped answering).
-HANG = '''
+HANG = """
 import os
 import time
 from tether.tasks.digitsum import compute_score
@@ -209,7 +243,7 @@ def reward(data_sources, solution_strs, ground_truths, extra_infos):
     if len(CALLS) >= 2:
         time.sleep(100000)
     return [compute_score(s, g) for s, g in zip(solution_strs, ground_truths)]
-'''
+"""
 
 
 def test_one_sigterm_stops_a_hung_step_after_the_grace_period(tmp_path):

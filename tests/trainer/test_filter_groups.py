@@ -24,27 +24,47 @@ def test_filter_groups_trains_only_on_prompts_whose_rewards_differ(small_cfg):
     assert t.sampler.epoch * 8 + t.sampler.index == sum(rec["rollout/prompts_drawn"] for rec in history)
 
 
-ZERO_REWARD = '''
+ZERO_REWARD = """
 def reward(data_sources, solution_strs, ground_truths, extra_infos):
     return [0.0 for _ in solution_strs]
-'''
+"""
 
 
 def test_a_run_that_learns_nothing_is_reported_live_and_by_the_doctor(small_cfg, tmp_path, caplog, capsys):
     fn = tmp_path / "zero.py"
     fn.write_text(ZERO_REWARD)
     run = tmp_path / "run"
-    cfg = small_cfg(f"reward.function={fn}:reward", "algo.filter_groups=true", "algo.filter_groups_max_draws=2",
-                    "trainer.total_steps=10", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", out=run)  # fmt: skip
+    cfg = small_cfg(
+        f"reward.function={fn}:reward",
+        "algo.filter_groups=true",
+        "algo.filter_groups_max_draws=2",
+        "trainer.total_steps=10",
+        "trainer.val_freq=0",
+        "trainer.save_freq=0",
+        "trainer.report=false",
+        out=run,
+    )
     with caplog.at_level(logging.WARNING, logger="tether"):
         history = Trainer(cfg).fit()
     assert len(history) == 10
-    for rec in history:  # never a prompt whose samples differ: two draws of 4 prompts, all dropped, the last one trained on
-        assert (rec["rollout/draws"], rec["rollout/prompts_drawn"], rec["rollout/filtered_groups"], rec["rollout/filter_exhausted"]) == (2, 8, 8, 1)
+    # never a prompt whose samples differ: two draws of 4 prompts, all dropped, the last one trained on
+    for rec in history:
+        assert (
+            rec["rollout/draws"],
+            rec["rollout/prompts_drawn"],
+            rec["rollout/filtered_groups"],
+            rec["rollout/filter_exhausted"],
+        ) == (2, 8, 8, 1)
         assert rec["rollout/zero_var_group_frac"] == 1.0
         assert rec["advantages/abs_mean"] == 0.0 and rec["policy/grad_norm"] == 0.0  # π = π_ref: KL 0, nothing to learn
-    assert "algo.filter_groups: after 2 draws (algo.filter_groups_max_draws=2) only 0 of data.batch_size=4 prompts" in caplog.text
-    assert "doctor: no learning signal over steps 1–10: 100% of prompts got the same reward for all their samples" in caplog.text
+    assert (
+        "algo.filter_groups: after 2 draws (algo.filter_groups_max_draws=2) only 0 of data.batch_size=4 prompts"
+        in caplog.text
+    )
+    assert (
+        "doctor: no learning signal over steps 1–10: 100% of prompts got the same reward for all their samples"
+        in caplog.text
+    )
     assert doctor(run) == 1
     out = capsys.readouterr().out
     assert "[warning] no_learning_signal (rollout/zero_var_group_frac)" in out

@@ -14,7 +14,10 @@ from tether.rewards import GOLD_FUNCTIONS
 
 CONST = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.25] * len(solution_strs)\n"
 # the gold of the brief: 1 for a response that starts with '1', else 0
-STARTS_WITH_1 = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [float(s.startswith('1')) for s in solution_strs]\n"
+STARTS_WITH_1 = (
+    "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n"
+    "    return [float(s.startswith('1')) for s in solution_strs]\n"
+)
 # raises on every response that starts with an even digit (retried sample by sample by the manager, those counted)
 FLAKY = (
     "from tether.rewards import batched\n"
@@ -24,7 +27,9 @@ FLAKY = (
     "        raise RuntimeError('cannot judge this one')\n"
     "    return 1.0\n"
 )
-ALWAYS_ONE = "def reward(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"
+ALWAYS_ONE = (
+    "def reward(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"
+)
 
 
 def _fn(tmp_path, body, name="gold"):
@@ -44,7 +49,16 @@ def _samples(t, n=2):
     from tether.evaluation.sampled import evaluate_prompts
 
     samples: list[dict] = []
-    m = evaluate_prompts(t.roles.engine, t.roles.reward, t.val_set, n=n, batch_size=8, samples=samples, gold=t.roles.gold, do_sample=False)
+    m = evaluate_prompts(
+        t.roles.engine,
+        t.roles.reward,
+        t.val_set,
+        n=n,
+        batch_size=8,
+        samples=samples,
+        gold=t.roles.gold,
+        do_sample=False,
+    )
     return m, samples
 
 
@@ -63,7 +77,9 @@ def test_a_gold_that_scores_responses_starting_with_1_is_hand_checkable(small_cf
     ones = [s["response"].startswith("1") for s in samples]
     assert 0 < sum(ones) < len(ones)  # both kinds: the test means something
     assert [s["gold"] for s in samples] == [float(x) for x in ones] and all(s["gold_scored"] for s in samples)
-    assert m["gold_mean"] == pytest.approx(sum(ones) / len(ones), abs=1e-15) and m["gold_pass@1"] == pytest.approx(m["gold_mean"], abs=1e-15)
+    assert m["gold_mean"] == pytest.approx(sum(ones) / len(ones), abs=1e-15) and m["gold_pass@1"] == pytest.approx(
+        m["gold_mean"], abs=1e-15
+    )
     assert m["gold_gap"] == pytest.approx(sum(s["score"] for s in samples) / len(samples) - m["gold_mean"], abs=1e-15)
     # pass@2: a prompt passes when either of its 2 samples starts with '1'
     by_prompt = [ones[i : i + 2] for i in range(0, len(ones), 2)]
@@ -80,11 +96,19 @@ def test_a_gold_that_raises_on_some_samples_counts_them_warns_and_does_not_crash
     assert [s["gold_scored"] for s in samples] == [s["response"][:1] not in "02468" for s in samples]
     assert m["gold_unscored_frac"] == bad / len(samples) and m["gold_mean"] == (len(samples) - bad) / len(samples)
     assert m["unscored_frac"] == 0.0  # the training reward is not affected
-    assert "val/gold_unscored_frac" in v and "could not be scored by the gold reward" in caplog.text and "cannot judge this one" in caplog.text
+    assert (
+        "val/gold_unscored_frac" in v
+        and "could not be scored by the gold reward" in caplog.text
+        and "cannot judge this one" in caplog.text
+    )
 
 
 def test_the_user_function_path_trains_on_one_reward_and_validates_on_another(small_cfg, tmp_path):
-    t = _trainer(small_cfg, f"reward.function={_fn(tmp_path, ALWAYS_ONE, 'reward')}", f"reward.val_function={_fn(tmp_path, CONST)}")
+    t = _trainer(
+        small_cfg,
+        f"reward.function={_fn(tmp_path, ALWAYS_ONE, 'reward')}",
+        f"reward.val_function={_fn(tmp_path, CONST)}",
+    )
     m = t.maybe_validate(force=True)
     assert m["val/score_mean"] == 1.0 and m["val/gold_mean"] == 0.25 and m["val/gold_gap"] == 0.75
 
@@ -100,7 +124,8 @@ def test_a_built_in_gold_of_the_data_source_is_used_and_per_source_metrics_are_l
     from tether.tasks.digitsum import make_dataset
 
     register_reward_function("test/digitsum-proxy", "tether.tasks.digitsum:compute_score", overwrite=True)
-    monkeypatch.setitem(GOLD_FUNCTIONS, "test/digitsum-proxy", "tether.tasks.digitsum:compute_score")  # gold = the proxy: gap 0
+    # gold = the proxy: gap 0
+    monkeypatch.setitem(GOLD_FUNCTIONS, "test/digitsum-proxy", "tether.tasks.digitsum:compute_score")
     rows = make_dataset("val")
     rows[2]["data_source"] = rows[3]["data_source"] = "test/digitsum-proxy"
     val = tmp_path / "val.jsonl"
@@ -112,7 +137,9 @@ def test_a_built_in_gold_of_the_data_source_is_used_and_per_source_metrics_are_l
     # over the covered samples only: the gold's source's mean, and the proxy minus the gold over the same samples
     assert m["val/gold_mean"] == m[f"val/{ds}/gold_mean"] and m["val/gold_gap"] == 0.0
     # reward.val_function covers every source
-    m2 = _trainer(small_cfg, f"data.val_files={val}", f"reward.val_function={_fn(tmp_path, CONST)}", out=tmp_path / "run2").maybe_validate(force=True)
+    m2 = _trainer(
+        small_cfg, f"data.val_files={val}", f"reward.val_function={_fn(tmp_path, CONST)}", out=tmp_path / "run2"
+    ).maybe_validate(force=True)
     assert m2["val/tether/digitsum/gold_mean"] == m2[f"val/{ds}/gold_mean"] == m2["val/gold_mean"] == 0.25
 
 
@@ -122,27 +149,48 @@ def test_config_refusals_name_the_keys(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="must be auto, gold or a validation metric"):
         load_config(None, ["guard.rollback_metric=golden"])
     # the embedded task's data source has no built-in gold: refused at config time, naming what is missing
-    with pytest.raises(ConfigError, match=r"guard.rollback_metric=gold watches val/gold_mean.*reward.val_function and reward.val_model are "
-                                          r"unset.*'tether/digitsum' have no built-in gold"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"guard.rollback_metric=gold watches val/gold_mean.*reward.val_function and reward.val_model are "
+        r"unset.*'tether/digitsum' have no built-in gold",
+    ):
         load_config(None, ["guard.rollback_metric=gold"])
-    assert load_config(None, ["guard.rollback_metric=gold", "reward.val_function=a.py:f"]).guard.rollback_metric == "gold"
+    assert (
+        load_config(None, ["guard.rollback_metric=gold", "reward.val_function=a.py:f"]).guard.rollback_metric == "gold"
+    )
     assert load_config(None, ["guard.rollback_metric=gold", "reward.val_model=/m"]).guard.rollback_metric == "gold"
     monkeypatch.setitem(GOLD_FUNCTIONS, "tether/digitsum", "tether.tasks.digitsum:compute_score")
-    assert load_config(None, ["guard.rollback_metric=gold"]).guard.rollback_metric == "gold"  # a built-in gold exists now
+    # a built-in gold exists now
+    assert load_config(None, ["guard.rollback_metric=gold"]).guard.rollback_metric == "gold"
     # data files: the sources are unknown until read; accepted here, refused at start-up (test below)
-    assert load_config(None, ["guard.rollback_metric=gold", "data.train_files=x.jsonl", "data.val_files=y.jsonl"]).guard.rollback_metric == "gold"
+    assert (
+        load_config(
+            None, ["guard.rollback_metric=gold", "data.train_files=x.jsonl", "data.val_files=y.jsonl"]
+        ).guard.rollback_metric
+        == "gold"
+    )
 
 
-def test_rollback_on_gold_with_data_files_and_no_gold_fails_at_start_up_before_models_load(small_cfg, tmp_path, monkeypatch):
+def test_rollback_on_gold_with_data_files_and_no_gold_fails_at_start_up_before_models_load(
+    small_cfg, tmp_path, monkeypatch
+):
     from tether.data import write_records
     from tether.tasks.digitsum import make_dataset
     from tether.trainer import Trainer
 
     write_records(make_dataset("train", 8), tmp_path / "train.jsonl")
     write_records(make_dataset("val"), tmp_path / "val.jsonl")
-    monkeypatch.setattr("tether.trainer.trainer.build_roles", lambda cfg: pytest.fail("models loaded before the gold check"))
-    cfg = small_cfg(f"data.train_files={tmp_path / 'train.jsonl'}", f"data.val_files={tmp_path / 'val.jsonl'}", "guard.rollback_metric=gold")
-    with pytest.raises(ConfigError, match=r"guard.rollback_metric=gold watches val/gold_mean.*'tether/digitsum' have no built-in gold"):
+    monkeypatch.setattr(
+        "tether.trainer.trainer.build_roles", lambda cfg: pytest.fail("models loaded before the gold check")
+    )
+    cfg = small_cfg(
+        f"data.train_files={tmp_path / 'train.jsonl'}",
+        f"data.val_files={tmp_path / 'val.jsonl'}",
+        "guard.rollback_metric=gold",
+    )
+    with pytest.raises(
+        ConfigError, match=r"guard.rollback_metric=gold watches val/gold_mean.*'tether/digitsum' have no built-in gold"
+    ):
         Trainer(cfg)
 
 
@@ -151,8 +199,11 @@ def test_the_rollback_guard_reads_the_gold_score():
     from tether.trainer.guards import GuardMonitor
 
     g = GuardMonitor(GuardConfig(rollback_metric="gold"))
-    assert g.validation_score({"val/score_mean": 0.9, "val/gold_mean": 0.5, "val/gold_sem": 0.1, "exact/score_mean": 0.8}) == (0.5, 0.1)
-    # a gold that failed on every sample gives no score (a failing gold never rolls back), nor does a validation without gold
+    assert g.validation_score(
+        {"val/score_mean": 0.9, "val/gold_mean": 0.5, "val/gold_sem": 0.1, "exact/score_mean": 0.8}
+    ) == (0.5, 0.1)
+    # a gold that failed on every sample gives no score (a failing gold never rolls back), nor does a validation
+    # without gold
     assert g.validation_score({"val/gold_mean": 0.0, "val/gold_sem": 0.0, "val/gold_unscored_frac": 1.0}) == (None, 0.0)
     assert g.validation_score({"val/score_mean": 0.9})[0] is None
 
@@ -167,10 +218,16 @@ def test_a_short_run_logs_the_gold_and_its_report_draws_it(small_cfg, tmp_path):
     t.fit()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "val/gold_mean" in r] == [0, 2, 3]
-    assert all(r["val/gold_gap"] == pytest.approx(r["val/score_mean"] - r["val/gold_mean"], abs=1e-12) for r in lines if "val/gold_mean" in r)
+    assert all(
+        r["val/gold_gap"] == pytest.approx(r["val/score_mean"] - r["val/gold_mean"], abs=1e-12)
+        for r in lines
+        if "val/gold_mean" in r
+    )
     figs = report_figures(lines)
     labels = [ln.get_label() for ln in figs["reward"].axes[0].get_lines()]
-    assert any(lb.startswith("val/gold_mean") for lb in labels) and (tmp_path / "run" / "report" / "reward.png").is_file()
+    assert (
+        any(lb.startswith("val/gold_mean") for lb in labels) and (tmp_path / "run" / "report" / "reward.png").is_file()
+    )
     import matplotlib.pyplot as plt
 
     for f in figs.values():
@@ -178,7 +235,8 @@ def test_a_short_run_logs_the_gold_and_its_report_draws_it(small_cfg, tmp_path):
 
 
 def test_a_reward_model_gold_on_the_embedded_task(small_cfg, tmp_path):
-    """reward.val_model: each sample's gold is the reward model's logit on its prompt + response (float32, as returned)."""
+    """reward.val_model: each sample's gold is the reward model's logit on its prompt + response (float32, as
+    returned)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -191,11 +249,14 @@ def test_a_reward_model_gold_on_the_embedded_task(small_cfg, tmp_path):
     with torch.no_grad():
         want = [model(**tok(s["prompt"] + s["response"], return_tensors="pt")).logits[0, 0].item() for s in samples]
     assert [s["gold"] for s in samples] == pytest.approx(want, abs=1e-5) and all(s["gold_scored"] for s in samples)
-    assert m["gold_mean"] == pytest.approx(sum(want) / len(want), abs=1e-5) and m["gold_gap"] == pytest.approx(m["score_mean"] - m["gold_mean"], abs=1e-12)
+    assert m["gold_mean"] == pytest.approx(sum(want) / len(want), abs=1e-5) and m["gold_gap"] == pytest.approx(
+        m["score_mean"] - m["gold_mean"], abs=1e-12
+    )
 
 
 def test_a_relative_gold_path_is_saved_absolute_in_the_runs_config(tmp_path, monkeypatch):
-    """As reward.function's: tether eval RUN (which reads reward.val_function from config.yaml) works from any directory."""
+    """As reward.function's: tether eval RUN (which reads reward.val_function from config.yaml) works from any
+    directory."""
     import yaml
 
     from tether.config import config_to_yaml
@@ -205,6 +266,10 @@ def test_a_relative_gold_path_is_saved_absolute_in_the_runs_config(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     saved = yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_function=gold.py:gold"])))["reward"]
     assert saved["val_function"] == f"{tmp_path / 'gold.py'}:gold"
-    assert yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_model=rm"])))["reward"]["val_model"] == str(tmp_path / "rm")
-    module = yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_function=my.module:gold"])))["reward"]["val_function"]
+    assert yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_model=rm"])))["reward"]["val_model"] == str(
+        tmp_path / "rm"
+    )
+    module = yaml.safe_load(config_to_yaml(load_config(None, ["reward.val_function=my.module:gold"])))["reward"][
+        "val_function"
+    ]
     assert module == "my.module:gold"  # a module: kept as written

@@ -48,14 +48,26 @@ def test_kl_above_max(caplog, action, expected, scale):
 
 def test_kl_above_max_stop():
     g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="stop"))
-    with pytest.raises(TrainingStopped, match=r"step 3: KL to the reference 2\.0000 nats/token > guard\.max_kl=0\.5 \(guard\.on_max_kl=stop\)"):
+    with pytest.raises(
+        TrainingStopped,
+        match=r"step 3: KL to the reference 2\.0000 nats/token > guard\.max_kl=0\.5 \(guard\.on_max_kl=stop\)",
+    ):
         g.before_update(3, 2.0, FINITE, beta=0.1)
-    assert g.stop_record() == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/kl_explosion": 1.0, "guard/stop": 1.0}
+    assert g.stop_record() == {
+        "guard/coef_scale": 1.0,
+        "guard/rollbacks": 0.0,
+        "guard/kl_explosion": 1.0,
+        "guard/stop": 1.0,
+    }
 
 
 @pytest.mark.parametrize(
     "kl, scores, what",
-    [(math.nan, FINITE, "no valid sample left"), (math.inf, FINITE, "KL to the reference (inf"), (0.1, torch.tensor([1.0, math.nan]), "non-finite scores")],
+    [
+        (math.nan, FINITE, "no valid sample left"),
+        (math.inf, FINITE, "KL to the reference (inf"),
+        (0.1, torch.tensor([1.0, math.nan]), "non-finite scores"),
+    ],
 )
 def test_nonfinite_skips_or_stops(caplog, kl, scores, what):
     g = GuardMonitor(GuardConfig())
@@ -69,16 +81,34 @@ def test_nonfinite_skips_or_stops(caplog, kl, scores, what):
 def test_after_step_reports_the_updates_own_events(caplog):
     caplog.set_level(logging.INFO, logger="tether")
     g = GuardMonitor(GuardConfig(target_kl=0.01))
-    out = g.after_step(4, {"guard/early_stop": 1.0, "policy/updates": 2.0, "guard/nonfinite_skip": 1.0, "reward/nonfinite_count": 3.0})
+    out = g.after_step(
+        4, {"guard/early_stop": 1.0, "policy/updates": 2.0, "guard/nonfinite_skip": 1.0, "reward/nonfinite_count": 3.0}
+    )
     assert out == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/nonfinite_reward": 3.0}
-    assert "guard/early_stop: step 4: policy/approx_kl > guard.target_kl=0.01" in caplog.text and "after 2 update(s)" in caplog.text
-    assert "guard/nonfinite_skip: step 4: a non-finite loss or gradient norm; 1 mini-batch update(s) not applied" in caplog.text
+    assert (
+        "guard/early_stop: step 4: policy/approx_kl > guard.target_kl=0.01" in caplog.text
+        and "after 2 update(s)" in caplog.text
+    )
+    assert (
+        "guard/nonfinite_skip: step 4: a non-finite loss or gradient norm; 1 mini-batch update(s) not applied"
+        in caplog.text
+    )
     assert "guard/nonfinite_reward: step 4: 3 non-finite reward(s); those samples were dropped" in caplog.text
-    assert g.after_step(5, {"guard/early_stop": 0.0, "guard/nonfinite_skip": 0.0, "reward/nonfinite_count": 0.0}) == {"guard/coef_scale": 1.0, "guard/rollbacks": 0.0}
+    assert g.after_step(5, {"guard/early_stop": 0.0, "guard/nonfinite_skip": 0.0, "reward/nonfinite_count": 0.0}) == {
+        "guard/coef_scale": 1.0,
+        "guard/rollbacks": 0.0,
+    }
     stop = GuardMonitor(GuardConfig(on_nonfinite="stop"))
     with pytest.raises(TrainingStopped, match="1 mini-batch update"):
         stop.after_step(4, {"guard/nonfinite_skip": 1.0, "reward/score_mean": 0.5})
-    assert stop.stop_record() == {"guard/nonfinite_skip": 1.0, "reward/score_mean": 0.5, "guard/coef_scale": 1.0, "guard/rollbacks": 0.0, "guard/nonfinite": 1.0, "guard/stop": 1.0}
+    assert stop.stop_record() == {
+        "guard/nonfinite_skip": 1.0,
+        "reward/score_mean": 0.5,
+        "guard/coef_scale": 1.0,
+        "guard/rollbacks": 0.0,
+        "guard/nonfinite": 1.0,
+        "guard/stop": 1.0,
+    }
 
 
 class _FakeTrainer:
@@ -115,7 +145,12 @@ def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
     g.mark_stable(4, 0.55)
     assert (g.stable_step, g.stable_score, t.restored) == (4, 0.55, [])
     t.validate(6, 0.49)  # floor 0.495
-    assert t.restored == [4] and g.rollbacks == 1 and g.coef_scale == 2.0 and t.roles.actor.optimizer.param_groups[0]["lr"] == 0.5
+    assert (
+        t.restored == [4]
+        and g.rollbacks == 1
+        and g.coef_scale == 2.0
+        and t.roles.actor.optimizer.param_groups[0]["lr"] == 0.5
+    )
     assert g.score_at(6) is None  # the restored weights are not the ones that scored 0.49
     g.mark_stable(6, g.score_at(6))
     assert g.stable_step == 4
@@ -127,7 +162,10 @@ def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
         t.validate(10, 0.2)
     msg = str(stop.value)
     assert "validation score 0.2000 at step 10" in msg and "stable checkpoint's (step 4: 0.5500" in msg
-    assert "already rolled back 2 time(s) (guard.max_rollbacks=2)" in msg and str(Path("run/checkpoints/step_000004")) in msg
+    assert (
+        "already rolled back 2 time(s) (guard.max_rollbacks=2)" in msg
+        and str(Path("run/checkpoints/step_000004")) in msg
+    )
     assert g.stop_record()["guard/rollback_limit"] == 1.0
 
 
@@ -135,7 +173,9 @@ def test_rollback_without_its_checkpoint_stops_cleanly():
     g = GuardMonitor(GuardConfig())
     t = _FakeTrainer(g, fail=True)
     g.mark_stable(2, 0.6)
-    with pytest.raises(TrainingStopped, match=r"cannot roll back: checkpoint run/checkpoints/step_000002: file optim\.pt is missing"):
+    with pytest.raises(
+        TrainingStopped, match=r"cannot roll back: checkpoint run/checkpoints/step_000002: file optim\.pt is missing"
+    ):
         t.validate(4, 0.1)
 
 
@@ -163,10 +203,20 @@ def test_state_round_trip_and_older_state():
 # ------------------------------------------------------------------------------------ real runs
 
 BASE = [
-    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.val_freq=0",
-    "trainer.save_freq=0", "trainer.resume=off", "trainer.total_steps=4", "data.batch_size=4", "data.embedded_train_size=8",
-    "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-4",
-]  # fmt: skip
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.val_freq=0",
+    "trainer.save_freq=0",
+    "trainer.resume=off",
+    "trainer.total_steps=4",
+    "data.batch_size=4",
+    "data.embedded_train_size=8",
+    "rollout.n=4",
+    "algo.mini_batch_size=8",
+    "actor.lr=1e-4",
+]
 
 
 def make(tmp_path, *extra) -> Trainer:
@@ -212,7 +262,6 @@ def huge_lr_at(t: Trainer, step: int, lr: float = 0.05) -> None:
     t.roles.actor.update = patched
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("action", ["raise_coef", "skip", "stop"])
 def test_injected_kl_explosion(tmp_path, caplog, action):
@@ -223,7 +272,10 @@ def test_injected_kl_explosion(tmp_path, caplog, action):
     assert "guard/kl_explosion" not in m1 and "guard/kl_explosion" not in m2
     before = params(t)
     if action == "stop":
-        with pytest.raises(TrainingStopped, match=r"step 3: KL to the reference \d+\.\d+ nats/token > guard\.max_kl=1\.0 \(guard\.on_max_kl=stop\)"):
+        with pytest.raises(
+            TrainingStopped,
+            match=r"step 3: KL to the reference \d+\.\d+ nats/token > guard\.max_kl=1\.0 \(guard\.on_max_kl=stop\)",
+        ):
             t.fit()
         assert same(before, params(t))
         last = lines(tmp_path)[-1]
@@ -280,15 +332,17 @@ def test_nan_rewards_are_dropped_counted_and_never_reach_the_weights(tmp_path, c
     assert m2["reward/all_invalid"] == 1.0 and m2["reward/nonfinite_count"] == 16.0 and m2["guard/empty_batch"] == 1.0
     assert "policy/updates" not in m2 and same(before, params(t))
     assert (
-        "guard/empty_batch: step 2: every sample of the batch was dropped (reward/nonfinite_count=16, reward/invalid_count=16)"
-        in caplog.text
+        "guard/empty_batch: step 2: every sample of the batch was dropped (reward/nonfinite_count=16, "
+        "reward/invalid_count=16)" in caplog.text
     )
     m3 = t.train_step()
     assert m3["guard/nonfinite_reward"] == 4.0 and m3["policy/updates"] == 2.0 and not same(before, params(t))
     assert_finite(t)
 
     stop = make(tmp_path / "stop", f"reward.function={fn}:reward", "guard.on_nonfinite=stop")
-    with pytest.raises(TrainingStopped, match=r"step 2: every sample of the batch was dropped.*guard\.on_nonfinite=stop"):
+    with pytest.raises(
+        TrainingStopped, match=r"step 2: every sample of the batch was dropped.*guard\.on_nonfinite=stop"
+    ):
         stop.fit()
     assert_finite(stop)
 
@@ -321,7 +375,9 @@ def test_a_hung_reward_function_is_abandoned_and_the_run_stops_after_the_empty_b
     assert "policy/updates" not in m2 and same(before, params(t))
     assert "did not return within reward.timeout_s=1 s: 16 of 16 sample(s) count as errors" in caplog.text
     t.train_step()
-    with pytest.raises(TrainingStopped, match="every sample was dropped .*reward/error_count=16.* for 3 steps in a row"):
+    with pytest.raises(
+        TrainingStopped, match="every sample was dropped .*reward/error_count=16.* for 3 steps in a row"
+    ):
         t.train_step()  # the consecutive-failure rule (reward.max_failed_steps, default 3)
     assert t.step == 4 and same(before, params(t))
 
@@ -348,10 +404,14 @@ def test_nan_advantages_and_kl_are_never_applied(tmp_path, caplog):
     before = params(t)
     m2 = t.train_step()
     assert m2["guard/nonfinite_skip"] == 2.0 and m2["policy/updates"] == 0.0 and same(before, params(t))
-    assert "guard/nonfinite_skip: step 2: a non-finite loss or gradient norm; 2 mini-batch update(s) not applied" in caplog.text
+    assert (
+        "guard/nonfinite_skip: step 2: a non-finite loss or gradient norm; 2 mini-batch update(s) not applied"
+        in caplog.text
+    )
     m3 = t.train_step()  # one of two mini-batches non-finite: guard.atomic_update undoes the other one's update too
     assert m3["guard/nonfinite_skip"] == 2.0 and m3["policy/updates"] == 0.0 and same(before, params(t))
-    assert m3["guard/undone_updates"] == 1.0  # the finite mini-batch was applied (before or after the skipped one), then undone
+    # the finite mini-batch was applied (before or after the skipped one), then undone
+    assert m3["guard/undone_updates"] == 1.0
     before = params(t)
     m4 = t.train_step()
     assert m4["guard/nonfinite"] == 1.0 and "policy/updates" not in m4 and same(before, params(t))
@@ -381,25 +441,47 @@ def test_rollback_restores_weights_raises_beta_lowers_lr_then_stops(tmp_path, ca
     scores = iter([0.5, 0.6, 0.3, 0.2])  # steps 0, 2, 4, 6
     monkeypatch.setattr(trainer_module, "validate", lambda *a, **k: {"val/score_mean": next(scores)})
     run = tmp_path / "run"
-    args = [*BASE, f"trainer.output_dir={run}", "trainer.total_steps=8", "trainer.val_freq=2", "trainer.save_freq=2", "trainer.keep_last=2", "actor.lr=1e-3"]
-    args += ["guard.max_rollbacks=1", "guard.rollback_drop=0.05", "guard.coef_factor=3", "guard.rollback_lr_factor=0.25", "kl.coef=0.05", "guard.target_kl=null"]
+    args = [
+        *BASE,
+        f"trainer.output_dir={run}",
+        "trainer.total_steps=8",
+        "trainer.val_freq=2",
+        "trainer.save_freq=2",
+        "trainer.keep_last=2",
+        "actor.lr=1e-3",
+    ]
+    args += [
+        "guard.max_rollbacks=1",
+        "guard.rollback_drop=0.05",
+        "guard.coef_factor=3",
+        "guard.rollback_lr_factor=0.25",
+        "kl.coef=0.05",
+        "guard.target_kl=null",
+    ]
     assert main(["train", *args]) == 3
     err = capsys.readouterr().err
     assert "tether train: stopped by a guard: validation score 0.2000 at step 6" in err
     assert "already rolled back 1 time(s) (guard.max_rollbacks=1)" in err and "step_000002" in err
-    assert "guard/rollback: validation score 0.3000 at step 4" in caplog.text and "restored step 2 (rollback 1/1)" in caplog.text
+    assert (
+        "guard/rollback: validation score 0.3000 at step 4" in caplog.text
+        and "restored step 2 (rollback 1/1)" in caplog.text
+    )
 
     recs = {r["step"]: r for r in lines(tmp_path)}
     assert sorted(recs) == [0, 1, 2, 3, 4, 5, 6]
     assert recs[4]["guard/rollback"] == 1.0 and recs[4]["guard/rollbacks"] == 1.0 and recs[4]["guard/coef_scale"] == 3.0
     assert recs[3]["kl/coef"] == 0.05 and recs[5]["kl/coef"] == pytest.approx(0.15, rel=1e-12)
-    assert recs[4]["kl/coef"] == 0.05 and recs[4]["kl/coef_next"] == pytest.approx(0.15, rel=1e-12)  # rolled back after its update
+    # rolled back after its update
+    assert recs[4]["kl/coef"] == 0.05 and recs[4]["kl/coef_next"] == pytest.approx(0.15, rel=1e-12)
     assert recs[3]["actor/lr"] == 1e-3 and recs[5]["actor/lr"] == pytest.approx(2.5e-4, rel=1e-12)
     assert recs[6]["guard/stop"] == 1.0 and recs[6]["guard/rollback_limit"] == 1.0
 
     ck = run / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000004", "step_000006"]  # 2 is the stable one
-    w2, w4 = load_file(ck / "step_000002" / "actor" / "model.safetensors"), load_file(ck / "step_000004" / "actor" / "model.safetensors")
+    w2, w4 = (
+        load_file(ck / "step_000002" / "actor" / "model.safetensors"),
+        load_file(ck / "step_000004" / "actor" / "model.safetensors"),
+    )
     assert w2.keys() == w4.keys() and all(torch.equal(w2[k], w4[k]) for k in w2)  # step 4 saved the restored weights
     o2, o4 = (torch.load(ck / f"step_00000{s}" / "optim.pt", weights_only=True) for s in (2, 4))
     for pid, st in o2["actor"]["state"].items():  # Adam moments restored too
@@ -449,7 +531,9 @@ def test_three_steps_without_a_valid_sample_stop_the_run(tmp_path):
     fn = tmp_path / "nan_reward.py"
     fn.write_text("def reward(ds, sols, gts, extras):\n    return [float('nan')] * len(sols)\n")
     t = make(tmp_path, f"reward.function={fn}:reward", "trainer.total_steps=6")
-    with pytest.raises(TrainingStopped, match=r"step 3: every sample was dropped \(reward/nonfinite_count=16.*for 3 steps in a row"):
+    with pytest.raises(
+        TrainingStopped, match=r"step 3: every sample was dropped \(reward/nonfinite_count=16.*for 3 steps in a row"
+    ):
         t.fit()
     assert t.step == 3
     assert_finite(t)

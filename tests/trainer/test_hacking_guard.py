@@ -12,8 +12,18 @@ pytestmark = pytest.mark.slow
 
 # the default run on the hackable task, validated and checkpointed every 10 steps: its gold peaks near step 20 and
 # the gold check fires at step 30 (docs/hacking.md)
-COMMON = ["data.embedded_task=digitsum_hack", "kl.coef=0", "trainer.total_steps=40", "trainer.val_freq=10", "trainer.save_freq=10",
-          "guard.rollback_drop=0", "guard.rollback_metric=gold", "trainer.report=false", "trainer.progress=false", "trainer.threads=1"]  # fmt: skip
+COMMON = [
+    "data.embedded_task=digitsum_hack",
+    "kl.coef=0",
+    "trainer.total_steps=40",
+    "trainer.val_freq=10",
+    "trainer.save_freq=10",
+    "guard.rollback_drop=0",
+    "guard.rollback_metric=gold",
+    "trainer.report=false",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
 
 
 def test_rollback_restores_a_stable_checkpoint_and_raises_beta_from_zero(tmp_path):

@@ -1,4 +1,5 @@
-"""Trainer.react: each new live finding is logged; a hacking one goes to the guard once a step; a resumed stop is not re-applied."""
+"""Trainer.react: each new live finding is logged; a hacking one goes to the guard once a step; a resumed stop is not
+re-applied."""
 
 from types import SimpleNamespace
 
@@ -11,11 +12,17 @@ def trainer_with(on_hacking: str):
     t = object.__new__(Trainer)
     t.cfg = SimpleNamespace(guard=SimpleNamespace(on_hacking=on_hacking))
     t.step, t.ckpt, t.roles, t.controller = 40, "ckpt", "roles", SimpleNamespace(value=0.0)
-    t.guard = SimpleNamespace(on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta)))
+    t.guard = SimpleNamespace(
+        on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta))
+    )
     return t, calls
 
 
-FOUND = [Finding("kl_rising", "kl/ref_mean", "m"), Finding("hacking_gold", "exact/gold_mean", "g"), Finding("hacking_proxy", "kl/ref_mean", "p")]
+FOUND = [
+    Finding("kl_rising", "kl/ref_mean", "m"),
+    Finding("hacking_gold", "exact/gold_mean", "g"),
+    Finding("hacking_proxy", "kl/ref_mean", "p"),
+]
 
 
 def test_both_hacking_checks_in_one_step_are_one_reaction(caplog):

@@ -1,4 +1,5 @@
-"""tether's own HF decode loop (``rollout.hf_decode=tether``) against ``model.generate``: the same tokens, bit for bit."""
+"""tether's own HF decode loop (``rollout.hf_decode=tether``) against ``model.generate``: the same tokens, bit for
+bit."""
 
 import pytest
 import torch
@@ -77,8 +78,15 @@ def test_tether_decode_equals_generate_under_bf16_autocast_and_several_eos_ids(m
     model, tok = load_reference()
     five = tok.convert_tokens_to_ids("5")
     prompt = tok(["3,13=", "2,7="] * 16, return_tensors="pt", padding=True)
-    kw = dict(compute_dtype="bfloat16", eos_token_ids=[five], temperature=0.9, top_p=1.0, top_k=0, return_logprobs=True,
-              returns_logprobs=True)  # fmt: skip
+    kw = dict(
+        compute_dtype="bfloat16",
+        eos_token_ids=[five],
+        temperature=0.9,
+        top_p=1.0,
+        top_k=0,
+        return_logprobs=True,
+        returns_logprobs=True,
+    )
     a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
     b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", monkeypatch=monkeypatch, **kw)
     _assert_same(a, b, True)
@@ -99,9 +107,13 @@ def test_under_bf16_autocast_the_cache_holds_bf16_and_tether_attention_decodes_a
         assert hf_decode.cache_dtype(model, torch.device("cpu")) == torch.bfloat16
     assert hf_decode.cache_dtype(model, torch.device("cpu")) is None  # no autocast: the states' own dtype
     calls = []
-    monkeypatch.setattr(attention, "matmul_attention", lambda *a, _f=attention.matmul_attention: calls.append(1) or _f(*a))
+    monkeypatch.setattr(
+        attention, "matmul_attention", lambda *a, _f=attention.matmul_attention: calls.append(1) or _f(*a)
+    )
     prompt = tok(["3,13=", "2,7=", "1,2="] * 8, return_tensors="pt", padding=True)
-    kw = dict(compute_dtype="bfloat16", temperature=0.9, top_p=1.0, top_k=0, return_logprobs=True, returns_logprobs=True)
+    kw = dict(
+        compute_dtype="bfloat16", temperature=0.9, top_p=1.0, top_k=0, return_logprobs=True, returns_logprobs=True
+    )
     a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
     b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", **kw)
     _assert_same(a, b, True)
@@ -138,7 +150,15 @@ def test_drop_finished_rows_keeps_every_token_bitwise(monkeypatch):
         shrunk.append(None if out is None else len(out))
         return out
 
-    kw = dict(eos_token_ids=eos, temperature=1.0, top_p=1.0, top_k=0, return_logprobs=True, returns_logprobs=True, max_new_tokens=6)
+    kw = dict(
+        eos_token_ids=eos,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        return_logprobs=True,
+        returns_logprobs=True,
+        max_new_tokens=6,
+    )
     a = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "generate", **kw)
     monkeypatch.setattr(hf_decode, "_compact", spy)
     b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", drop_finished=True, **kw)
@@ -182,11 +202,25 @@ def test_preallocated_layer_writes_in_place_and_returns_views():
 
 def test_calls_the_loop_cannot_serve_exactly_fall_back_to_generate():
     model, tok = load_reference()
-    base = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, pad_token_id=tok.pad_token_id,
-                eos_token_id=[tok.eos_token_id], use_cache=True)  # fmt: skip
+    base = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=4,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id],
+        use_cache=True,
+    )
     assert hf_decode.plan(model, base) is not None
-    for extra in ({"num_beams": 2}, {"num_return_sequences": 2}, {"stop_strings": ["7"]}, {"max_time": 5.0},
-                  {"cache_implementation": "static"}, {"output_scores": True}):  # fmt: skip
+    for extra in (
+        {"num_beams": 2},
+        {"num_return_sequences": 2},
+        {"stop_strings": ["7"]},
+        {"max_time": 5.0},
+        {"cache_implementation": "static"},
+        {"output_scores": True},
+    ):
         assert hf_decode.plan(model, {**base, **extra}) is None, extra
     # (share_prefill off: generate's beam search does not expand a cache passed in)
     engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, share_prefill=False)
@@ -209,9 +243,16 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
     from tether.workers import build as setup
 
     model, tok = load_reference()
-    assert load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is True
+    assert (
+        load_config(None, []).rollout.hf_decode == "tether" and load_config(None, []).rollout.hf_drop_finished is True
+    )
     for value in ("tether", "generate"):
-        engine = setup.build_engine(load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=false"]), model, tok, None)
+        engine = setup.build_engine(
+            load_config(None, ["rollout.engine=hf", f"rollout.hf_decode={value}", "rollout.hf_drop_finished=false"]),
+            model,
+            tok,
+            None,
+        )
         assert engine.hf_decode == value and engine.drop_finished is False
     with pytest.raises((ValidationError, ValueError), match="hf_decode"):
         load_config(None, ["rollout.hf_decode=fast"])
@@ -228,10 +269,20 @@ def test_tether_decode_equals_generate_on_a_gpt2_model(qwen2_padded, share, monk
     _, tok, p_ids, p_mask = qwen2_padded
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=256, pad_token_id=tok.pad_token_id,
-                            eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+        config = GPT2Config(
+            vocab_size=len(tok),
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            n_positions=256,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=None,
+        )
         model = GPT2LMHeadModel(config).eval()
-    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None
+    )
     kw = dict(share_prefill=share, return_logprobs=True, returns_logprobs=True, temperature=0.8, top_p=0.9, top_k=0)
     a = _run(model, tok, p_ids, p_mask, "generate", **kw)
     b = _run(model, tok, p_ids, p_mask, "tether", monkeypatch=monkeypatch, **kw)

@@ -1,4 +1,5 @@
-"""One run per directory (issue 24, item 3): a second tether train on a run directory in use is refused, naming the holder;
+"""One run per directory (issue 24, item 3): a second tether train on a run directory in use is refused, naming the
+holder;
 a lock left by a killed run is free at once."""
 
 import os

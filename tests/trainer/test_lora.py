@@ -14,7 +14,14 @@ from tether.workers import ReferenceWorker
 
 pytestmark = pytest.mark.slow
 
-LORA = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=1e-2", "trainer.val_freq=0", "trainer.report=false", "trainer.loggers=[jsonl]"]
+LORA = [
+    "actor.lora.rank=4",
+    "actor.lora.alpha=8",
+    "actor.lr=1e-2",
+    "trainer.val_freq=0",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+]
 
 
 def _split(model):
@@ -41,7 +48,9 @@ def test_lora_trains_adapters_and_the_reference_is_the_base_model(small_cfg):
     # π_ref = the base model: the adapter-disabled log-probs equal a fresh base model's, exactly
     batch = t.rollout()
     ref_lp = t.roles.ref.compute_logprobs(batch)
-    base_lp = ReferenceWorker(base_model, micro_batch_size=64, temperature=t.cfg.rollout.temperature).compute_logprobs(batch)
+    base_lp = ReferenceWorker(base_model, micro_batch_size=64, temperature=t.cfg.rollout.temperature).compute_logprobs(
+        batch
+    )
     mask = batch.response_mask.bool()
     torch.testing.assert_close(ref_lp[mask], base_lp[mask], rtol=0, atol=1e-6)
     actor_lp, _, _, _ = t.roles.actor.compute_logprobs(batch, with_entropy=False)
@@ -75,7 +84,15 @@ def test_lora_checkpoint_resume_and_export(small_cfg, tmp_path):
 
 
 def test_ref_reset_every_moves_the_reference_to_the_policy(small_cfg):
-    t = Trainer(small_cfg("ref.reset_every=2", "trainer.total_steps=3", "trainer.val_freq=0", "trainer.report=false", "trainer.loggers=[jsonl]"))
+    t = Trainer(
+        small_cfg(
+            "ref.reset_every=2",
+            "trainer.total_steps=3",
+            "trainer.val_freq=0",
+            "trainer.report=false",
+            "trainer.loggers=[jsonl]",
+        )
+    )
     ref, actor = t.roles.ref.model, t.roles.actor.model
     snap = lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}  # noqa: E731
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731

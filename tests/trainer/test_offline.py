@@ -35,8 +35,16 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def setup(model_dir):
-    records = [{"prompt": [{"role": "user", "content": p}], "data_source": "openai/gsm8k", "response": r, "score": float(i == 0)}
-               for p, rs in GROUPS.items() for i, r in enumerate(rs)]  # fmt: skip
+    records = [
+        {
+            "prompt": [{"role": "user", "content": p}],
+            "data_source": "openai/gsm8k",
+            "response": r,
+            "score": float(i == 0),
+        }
+        for p, rs in GROUPS.items()
+        for i, r in enumerate(rs)
+    ]
     random.Random(0).shuffle(records)
     rows = rows_from_records(records, "test", response_key="response", score_key="score")
     tok = load_tokenizer(model_dir)
@@ -48,7 +56,9 @@ def _runner(tok, model=None, max_new_tokens=64, eos_ids=None):
     engine = None
     if model is not None:
         engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6, do_sample=True)
-    return RolloutRunner(engine, tok, torch.device("cpu"), mode="offline", max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
+    return RolloutRunner(
+        engine, tok, torch.device("cpu"), mode="offline", max_new_tokens=max_new_tokens, eos_token_ids=eos_ids
+    )
 
 
 def test_offline_batch_takes_whole_groups(setup):
@@ -61,7 +71,9 @@ def test_offline_batch_takes_whole_groups(setup):
         sampled = list(dict.fromkeys(prompts.texts[i] for i in idx))  # distinct prompts, first-seen order
         expected_sizes = [sum(t == s for t in prompts.texts) for s in sampled]
         assert batch.group_ids.tolist() == [g for g, size in enumerate(expected_sizes) for _ in range(size)]
-        assert [batch.prompts[j] for j in range(len(batch))] == [s for s, size in zip(sampled, expected_sizes, strict=True) for _ in range(size)]
+        assert [batch.prompts[j] for j in range(len(batch))] == [
+            s for s, size in zip(sampled, expected_sizes, strict=True) for _ in range(size)
+        ]
         # every response of every sampled prompt, once
         for s in sampled:
             got = sorted(batch.rows[j].response for j in range(len(batch)) if batch.prompts[j] == s)
@@ -129,13 +141,26 @@ def _offline_rows(pairs):
 def test_filter_by_score_range_empty_and_duplicates_counts_each_reason():
     from tether.data.offline import filter_offline_rows
 
-    rows = _offline_rows([("q1", "a", 1.0), ("q1", "a", 1.0), ("q1", "  ", 1.0), ("q2", "b", -3.0), ("q2", "c", None),
-                          ("q2", "b", 0.5), ("q3", "a", 2.5)])  # fmt: skip
+    rows = _offline_rows(
+        [
+            ("q1", "a", 1.0),
+            ("q1", "a", 1.0),
+            ("q1", "  ", 1.0),
+            ("q2", "b", -3.0),
+            ("q2", "c", None),
+            ("q2", "b", 0.5),
+            ("q3", "a", 2.5),
+        ]
+    )
     kept, c = filter_offline_rows(rows, score_min=0.0, score_max=2.0, drop_duplicates=True)
     assert [(r.prompt, r.response) for r in kept] == [("q1", "a"), ("q2", "b")]
-    assert (c.total, c.score, c.empty, c.duplicate, c.dropped) == (7, 3, 1, 1, 5)  # scores -3, None, 2.5; "  "; q1/a again
+    # scores -3, None, 2.5; "  "; q1/a again
+    assert (c.total, c.score, c.empty, c.duplicate, c.dropped) == (7, 3, 1, 1, 5)
     assert c.first == {"duplicate": 1, "empty": 2, "score": 3}
-    assert c.describe((0.0, 2.0)) == "3 with a score missing or outside [0, 2], 1 empty response(s), 1 duplicate (prompt, response) pair(s)"
+    assert (
+        c.describe((0.0, 2.0))
+        == "3 with a score missing or outside [0, 2], 1 empty response(s), 1 duplicate (prompt, response) pair(s)"
+    )
     kept, c = filter_offline_rows(rows)  # defaults: only empty responses go
     assert len(kept) == 6 and (c.score, c.empty, c.duplicate) == (0, 1, 0)
     kept, c = filter_offline_rows(rows, drop_empty=False)
@@ -156,7 +181,10 @@ def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mod
     assert overlong_responses(rows, tok, limit) == [(1, n_long)]
     assert overlong_responses(rows, tok, limit - 1) == [(1, n_long), (2, limit - 1)]  # no room left for the EOS
     out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses=mode), limit)
-    msg = f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: record 2 ({n_long} tokens)"
+    msg = (
+        f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: "
+        f"record 2 ({n_long} tokens)"
+    )
     assert msg in caplog.text
     if mode == "drop":
         assert [r.response for r in out] == ["#### 7", "12 #### 12"] and "data.overlong_responses=drop" in caplog.text
@@ -170,24 +198,34 @@ def test_overlong_responses_error_and_nothing_left(model_dir):
 
     tok = load_tokenizer(model_dir)
     rows = _offline_rows([("q1", "#### 7 and more words here", 1.0), ("q1", "", 0.0)])
-    with pytest.raises(ConfigError, match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*record 1 .*data.overlong_responses=drop"):
+    with pytest.raises(
+        ConfigError,
+        match=r"1 of 1 offline response\(s\) do not fit rollout.max_new_tokens=2 .*record 1 "
+        r".*data.overlong_responses=drop",
+    ):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses="error"), 2)
-    with pytest.raises(ConfigError, match=r"would leave 0 of 1 rows, more than data.max_dropped_frac=0.5 of the data gone"):
+    with pytest.raises(
+        ConfigError, match=r"would leave 0 of 1 rows, more than data.max_dropped_frac=0.5 of the data gone"
+    ):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 2)
     with pytest.raises(ConfigError, match="no offline row left of 2 after data.filter and data.overlong_responses"):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", max_dropped_frac=1.0), 2)
 
 
 def test_a_length_limit_that_drops_most_of_the_data_is_refused(model_dir, caplog):
-    """Issue 24, item 12: a rollout.max_new_tokens shorter than the responses dropped 99.96% of the rows with one warning."""
+    """Issue 24, item 12: a rollout.max_new_tokens shorter than the responses dropped 99.96% of the rows with one
+    warning."""
     from tether.config import ConfigError
     from tether.data.loading import prepare_offline_rows
 
     tok = load_tokenizer(model_dir)
     long = " ".join(["7 + 7 = 14"] * 5)
     rows = _offline_rows([("q1", long, 1.0), ("q1", long, 0.0), ("q2", long, 1.0), ("q2", "#### 7", 1.0)])
-    with pytest.raises(ConfigError, match=r"3 of 4 offline response\(s\) do not fit rollout.max_new_tokens=5 .*would leave 1 of 4 rows, more "
-                                          r"than data.max_dropped_frac=0.5 of the data gone; raise rollout.max_new_tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=r"3 of 4 offline response\(s\) do not fit rollout.max_new_tokens=5 .*would leave 1 of 4 rows, more "
+        r"than data.max_dropped_frac=0.5 of the data gone; raise rollout.max_new_tokens",
+    ):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 5)
     out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", max_dropped_frac=0.75), 5)
     assert [r.response for r in out] == ["#### 7"] and "dropped: a whole response's label" in caplog.text
@@ -196,9 +234,13 @@ def test_a_length_limit_that_drops_most_of_the_data_is_refused(model_dir, caplog
 def test_filter_config_is_checked_before_anything_loads():
     from tether.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"data.filter.score_min \(1.0\) must not exceed data.filter.score_max \(0.0\)"):
+    with pytest.raises(
+        ConfigError, match=r"data.filter.score_min \(1.0\) must not exceed data.filter.score_max \(0.0\)"
+    ):
         load_config(None, ["data.filter.score_min=1", "data.filter.score_max=0"])
-    with pytest.raises(ConfigError, match="data.filter.score_min/score_max filter on the dataset's scores: set data.score_key"):
+    with pytest.raises(
+        ConfigError, match="data.filter.score_min/score_max filter on the dataset's scores: set data.score_key"
+    ):
         load_config(None, ["rollout.mode=offline", "data.response_key=response", "data.filter.score_min=0.5"])
     with pytest.raises(ConfigError, match="overlong_responses"):
         load_config(None, ["data.overlong_responses=cut"])

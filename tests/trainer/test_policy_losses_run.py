@@ -11,8 +11,13 @@ from tether.config import ConfigError, load_config
 from tether.trainer import Trainer
 
 QUIET = ["trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", "trainer.total_steps=2"]
-OWN = {"gspo": "policy/seq_ratio_abs_dev", "gspo_token": "policy/seq_ratio_abs_dev", "gmpo": "policy/seq_ratio_abs_dev",
-       "clip_cov": "policy/cov_selected_frac", "kl_cov": "policy/cov_selected_frac"}  # fmt: skip
+OWN = {
+    "gspo": "policy/seq_ratio_abs_dev",
+    "gspo_token": "policy/seq_ratio_abs_dev",
+    "gmpo": "policy/seq_ratio_abs_dev",
+    "clip_cov": "policy/cov_selected_frac",
+    "kl_cov": "policy/cov_selected_frac",
+}
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES)
@@ -30,20 +35,39 @@ def test_two_steps_of_every_mode_end_finite(small_cfg, tmp_path, name):
 
 def test_config_lists_refuses_and_resolves(tmp_path):
     cfg = load_config(None, ["algo.policy_loss=gspo"])
-    assert cfg.algo.agg_mode == "seq-mean-token-mean" and cfg.algo.policy_loss_hyper() == {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}
+    assert cfg.algo.agg_mode == "seq-mean-token-mean" and cfg.algo.policy_loss_hyper() == {
+        "clip_eps_low": 3e-4,
+        "clip_eps_high": 4e-4,
+    }
     assert load_config(None, ["algo.policy_loss=gspo", "algo.loss_agg_mode=token-mean"]).algo.agg_mode == "token-mean"
     assert load_config(None, []).algo.agg_mode == "token-mean"
-    assert load_config(None, ["algo.policy_loss=dppo_kl"]).algo.policy_loss_hyper() == {"delta_low": 0.05, "delta_high": 0.05, "is_cap": 20.0}
-    assert load_config(None, ["algo.policy_loss=cispo"]).algo.policy_loss_hyper() == {"clip_eps_low": None, "clip_eps_high": 0.2}
-    with pytest.raises(ConfigError, match=r"algo.sapo.tau_neg=2.0 has no effect with algo.policy_loss=vanilla \(read by sapo\)"):
+    assert load_config(None, ["algo.policy_loss=dppo_kl"]).algo.policy_loss_hyper() == {
+        "delta_low": 0.05,
+        "delta_high": 0.05,
+        "is_cap": 20.0,
+    }
+    assert load_config(None, ["algo.policy_loss=cispo"]).algo.policy_loss_hyper() == {
+        "clip_eps_low": None,
+        "clip_eps_high": 0.2,
+    }
+    with pytest.raises(
+        ConfigError, match=r"algo.sapo.tau_neg=2.0 has no effect with algo.policy_loss=vanilla \(read by sapo\)"
+    ):
         load_config(None, ["algo.sapo.tau_neg=2.0"])
-    with pytest.raises(ConfigError, match=r"algo.clip_eps_high=0.28 has no effect with algo.policy_loss=gspo .*algo.gspo"):
+    with pytest.raises(
+        ConfigError, match=r"algo.clip_eps_high=0.28 has no effect with algo.policy_loss=gspo .*algo.gspo"
+    ):
         load_config(None, ["algo.policy_loss=gspo", "algo.clip_eps_high=0.28"])
     with pytest.raises(ConfigError, match="clip_cov.lb"):
         load_config(None, ["algo.policy_loss=clip_cov", "algo.clip_cov.lb=6"])
     with pytest.raises(ConfigError, match="policy_loss"):
         load_config(None, ["algo.policy_loss=ppo"])
-    assert load_config(None, ["algo.policy_loss=clip_cov", "algo.clip_eps_high=0.28"]).algo.policy_loss_hyper()["clip_eps_high"] == 0.28
+    assert (
+        load_config(None, ["algo.policy_loss=clip_cov", "algo.clip_eps_high=0.28"]).algo.policy_loss_hyper()[
+            "clip_eps_high"
+        ]
+        == 0.28
+    )
 
 
 def test_help_config_lists_every_mode(capsys):
@@ -59,5 +83,11 @@ def test_help_config_lists_every_mode(capsys):
     for name in POLICY_LOSSES:
         assert name in out
     assert "gspo" in line or "vanilla" in line
-    for key in ("algo.gspo.clip_eps_low", "algo.sapo.tau_neg", "algo.dppo_kl.delta_high", "algo.kl_cov.coef", "algo.clip_cov.ub"):
+    for key in (
+        "algo.gspo.clip_eps_low",
+        "algo.sapo.tau_neg",
+        "algo.dppo_kl.delta_high",
+        "algo.kl_cov.coef",
+        "algo.clip_cov.ub",
+    ):
         assert key in out

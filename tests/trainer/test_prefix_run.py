@@ -11,21 +11,42 @@ from tether.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-KEYS = ("reward/score_mean", "kl/ref_mean", "policy/entropy", "policy/loss", "policy/pg_loss", "policy/approx_kl", "policy/clipfrac",
-        "policy/grad_norm", "ref/logprob_mean")  # fmt: skip
+KEYS = (
+    "reward/score_mean",
+    "kl/ref_mean",
+    "policy/entropy",
+    "policy/loss",
+    "policy/pg_loss",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "policy/grad_norm",
+    "ref/logprob_mean",
+)
 
 
 def _run(small_cfg, tmp_path, name, *overrides, steps=2):
-    t = Trainer(small_cfg("trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", "actor.micro_batch_size=8", *overrides,
-                          out=tmp_path / name))  # fmt: skip
+    t = Trainer(
+        small_cfg(
+            "trainer.val_freq=0",
+            "trainer.save_freq=0",
+            "trainer.report=false",
+            "actor.micro_batch_size=8",
+            *overrides,
+            out=tmp_path / name,
+        )
+    )
     return t, [t.train_step() for _ in range(steps)]
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        pytest.param(["kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05", "algo.mini_batch_size=16"], id="grpo-kl-loss-reuse"),
-        pytest.param(["kl.placement=reward", "algo.adv_estimator=gae", "critic.micro_batch_size=8"], id="gae-kl-reward"),
+        pytest.param(
+            ["kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05", "algo.mini_batch_size=16"], id="grpo-kl-loss-reuse"
+        ),
+        pytest.param(
+            ["kl.placement=reward", "algo.adv_estimator=gae", "critic.micro_batch_size=8"], id="gae-kl-reward"
+        ),
     ],
 )
 def test_shared_prompt_run_equals_the_ordinary_run(small_cfg, tmp_path, monkeypatch, overrides):
@@ -41,9 +62,20 @@ def test_shared_prompt_run_equals_the_ordinary_run(small_cfg, tmp_path, monkeypa
     for a, b in zip(h_shared, h_plain, strict=True):
         for k in keys:
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (k, a[k], b[k])
-    diffs = torch.cat([(p - q).abs().flatten() for p, q in zip(shared.roles.actor.model.state_dict().values(),
-                                                                 plain.roles.actor.model.state_dict().values(), strict=True)])  # fmt: skip
+    diffs = torch.cat(
+        [
+            (p - q).abs().flatten()
+            for p, q in zip(
+                shared.roles.actor.model.state_dict().values(),
+                plain.roles.actor.model.state_dict().values(),
+                strict=True,
+            )
+        ]
+    )
     # all but a few of the 133k weights agree to 1e-6; the exceptions are elements whose gradient nearly cancels,
     # where AdamW's g / (sqrt(v) + eps) turns the two passes' round-off into part of an lr step (measured: 7 elements
     # above 1e-6, the largest 2.2e-5, with lr 3e-4 per step)
-    assert float((diffs > 1e-6).float().mean()) < 1e-3 and float(diffs.max()) < 1e-4, (int((diffs > 1e-6).sum()), float(diffs.max()))
+    assert float((diffs > 1e-6).float().mean()) < 1e-3 and float(diffs.max()) < 1e-4, (
+        int((diffs > 1e-6).sum()),
+        float(diffs.max()),
+    )

@@ -20,15 +20,31 @@ from tether.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 BASE = [
-    "trainer.progress=false", "trainer.threads=1", "trainer.report=false", "trainer.loggers=[jsonl]", "trainer.seed=3",
-    "trainer.total_steps=5", "trainer.save_freq=2", "trainer.val_freq=2", "trainer.val_n=2", "trainer.keep_last=5",
-    "data.batch_size=4", "data.embedded_val_size=2", "rollout.n=4", "algo.mini_batch_size=8", "actor.lr=1e-3",
-]  # fmt: skip
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+    "trainer.seed=3",
+    "trainer.total_steps=5",
+    "trainer.save_freq=2",
+    "trainer.val_freq=2",
+    "trainer.val_n=2",
+    "trainer.keep_last=5",
+    "data.batch_size=4",
+    "data.embedded_val_size=2",
+    "rollout.n=4",
+    "algo.mini_batch_size=8",
+    "actor.lr=1e-3",
+]
 SKIP = ("timing/", "perf/")
 
 
 def numbers(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k not in ("step",) and not k.startswith(SKIP) and (v is None or isinstance(v, (int, float)))}
+    return {
+        k: v
+        for k, v in rec.items()
+        if k not in ("step",) and not k.startswith(SKIP) and (v is None or isinstance(v, (int, float)))
+    }
 
 
 def read_lines(run) -> list[dict]:
@@ -39,7 +55,7 @@ def assert_same_metrics(got: list[dict], want: list[dict], tol: float = 1e-6) ->
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want, strict=True):
         g, w = numbers(g), numbers(w)
-        assert g.keys() == w.keys(), (g.keys() ^ w.keys())
+        assert g.keys() == w.keys(), g.keys() ^ w.keys()
         for k in w:
             if w[k] is None or g[k] is None:
                 assert g[k] is None and w[k] is None, k
@@ -73,15 +89,72 @@ def crash_after(trainer: Trainer, n: int) -> None:
     "extra, stop_after, resume_at, data_pos, rollbacks",
     [
         # 8 prompts / 4 per step: an epoch every 2 steps, so the checkpoint at step 2 is exactly at a boundary
-        pytest.param(["data.embedded_train_size=8", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "reward.normalize=running"], 3, 2, {"epoch": 1, "index": 0}, True, id="epoch-boundary-adaptive-running-norm"),
+        pytest.param(
+            [
+                "data.embedded_train_size=8",
+                "kl.controller=adaptive",
+                "kl.target=0.01",
+                "kl.horizon=50",
+                "reward.normalize=running",
+            ],
+            3,
+            2,
+            {"epoch": 1, "index": 0},
+            True,
+            id="epoch-boundary-adaptive-running-norm",
+        ),
         # 12 prompts: the checkpoint at step 4 is 4 prompts into epoch 1; a critic and its optimizer
-        pytest.param(["data.embedded_train_size=12", "algo.adv_estimator=gae", "kl.controller=adaptive", "kl.target=0.01", "kl.horizon=50", "algo.ppo_epochs=2"], 4, 4, {"epoch": 1, "index": 4}, False, id="mid-epoch-gae-critic"),
+        pytest.param(
+            [
+                "data.embedded_train_size=12",
+                "algo.adv_estimator=gae",
+                "kl.controller=adaptive",
+                "kl.target=0.01",
+                "kl.horizon=50",
+                "algo.ppo_epochs=2",
+            ],
+            4,
+            4,
+            {"epoch": 1, "index": 4},
+            False,
+            id="mid-epoch-gae-critic",
+        ),
         # the reference is moved to the policy every 2 steps: its weights are part of the state
-        # rollout correction against a mismatched engine (TIS + rejection) and an off-policy-corrected k3 KL loss over 2 mini-batches
-        pytest.param(["data.embedded_train_size=8", "rollout.engine_temperature=1.5", "algo.rollout_correction.level=token",
-                      "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.05", "kl.placement=both",
-                      "kl.loss_estimator=k3", "algo.mini_batch_size=8"], 3, 2, {"epoch": 1, "index": 0}, False, id="rollout-correction"),
-        pytest.param(["data.embedded_train_size=8", "ref.reset_every=3", "kl.placement=both", "kl.loss_estimator=k3", "kl.controller=band", "kl.high=0.02", "kl.low=0.005"], 4, 4, {"epoch": 2, "index": 0}, True, id="ref-reset-band"),
+        # rollout correction against a mismatched engine (TIS + rejection) and an off-policy-corrected k3 KL loss over
+        # 2 mini-batches
+        pytest.param(
+            [
+                "data.embedded_train_size=8",
+                "rollout.engine_temperature=1.5",
+                "algo.rollout_correction.level=token",
+                "algo.rollout_correction.reject=seq_mean_k3",
+                "algo.rollout_correction.reject_threshold=0.05",
+                "kl.placement=both",
+                "kl.loss_estimator=k3",
+                "algo.mini_batch_size=8",
+            ],
+            3,
+            2,
+            {"epoch": 1, "index": 0},
+            False,
+            id="rollout-correction",
+        ),
+        pytest.param(
+            [
+                "data.embedded_train_size=8",
+                "ref.reset_every=3",
+                "kl.placement=both",
+                "kl.loss_estimator=k3",
+                "kl.controller=band",
+                "kl.high=0.02",
+                "kl.low=0.005",
+            ],
+            4,
+            4,
+            {"epoch": 2, "index": 0},
+            True,
+            id="ref-reset-band",
+        ),
     ],
 )
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, extra, stop_after, resume_at, data_pos, rollbacks):
@@ -108,14 +181,20 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, extra, stop_afte
     if "kl.controller=adaptive" in extra or "kl.controller=band" in extra:
         betas = [r["kl/coef"] for r in want if r["step"] > 0]
         assert len(set(betas)) >= 3, betas  # β moved, so matching it means its state was restored
-    for a, b in zip(full.roles.actor.model.state_dict().values(), resumed.roles.actor.model.state_dict().values(), strict=True):
+    for a, b in zip(
+        full.roles.actor.model.state_dict().values(), resumed.roles.actor.model.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     if full.roles.critic is not None:
-        for a, b in zip(full.roles.critic.model.state_dict().values(), resumed.roles.critic.model.state_dict().values(), strict=True):
+        for a, b in zip(
+            full.roles.critic.model.state_dict().values(), resumed.roles.critic.model.state_dict().values(), strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     if "ref.reset_every=3" in extra:
         assert (run / "checkpoints" / "step_000004" / "ref.safetensors").is_file()
-        for a, b in zip(full.roles.ref.model.state_dict().values(), resumed.roles.ref.model.state_dict().values(), strict=True):
+        for a, b in zip(
+            full.roles.ref.model.state_dict().values(), resumed.roles.ref.model.state_dict().values(), strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert resumed.controller.state_dict() == full.controller.state_dict()
     assert resumed.roles.reward.state_dict() == full.roles.reward.state_dict()
@@ -123,10 +202,15 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, extra, stop_afte
     if rollbacks:  # the tiny model's validation score drops at lr=1e-3: resumed runs roll back exactly alike
         assert full.guard.rollbacks >= 1 and any(r.get("guard/rollback") for r in want)
     assert resumed.sampler.state_dict() == full.sampler.state_dict()
-    assert (resumed.diagnostics._calls, resumed.diagnostics.history()) == (full.diagnostics._calls, full.diagnostics.history())
+    assert (resumed.diagnostics._calls, resumed.diagnostics.history()) == (
+        full.diagnostics._calls,
+        full.diagnostics.history(),
+    )
     if "algo.rollout_correction.level=token" in extra:  # the correction really weighted and rejected, in every step
         steps = [r for r in want if r["step"] > 0]
-        assert all(0 < r["rollout_corr/ess"] < 1 for r in steps) and any(r["rollout_corr/rejected_frac"] > 0 for r in steps)
+        assert all(0 < r["rollout_corr/ess"] < 1 for r in steps) and any(
+            r["rollout_corr/rejected_frac"] > 0 for r in steps
+        )
     if "reward.normalize=running" in extra:
         assert state["reward"]["running"]["count"] == 32  # 2 steps x 16 valid samples went into the normaliser
 
@@ -151,7 +235,9 @@ def test_auto_falls_back_past_a_corrupt_checkpoint_and_explicit_path_is_an_error
     f = run / "checkpoints" / "step_000004" / "actor" / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
-    with pytest.raises(CheckpointError, match=r"step_000004: file actor/model\.safetensors has \d+ bytes, expected \d+ \(truncated\?\)"):
+    with pytest.raises(
+        CheckpointError, match=r"step_000004: file actor/model\.safetensors has \d+ bytes, expected \d+ \(truncated\?\)"
+    ):
         Trainer(cfg(run, *extra, f"trainer.resume={run / 'checkpoints' / 'step_000004'}"))
 
     t = Trainer(cfg(run, *extra))
@@ -162,7 +248,9 @@ def test_auto_falls_back_past_a_corrupt_checkpoint_and_explicit_path_is_an_error
 
     for step in (2, 4):  # every checkpoint broken: auto refuses to silently start over
         (run / "checkpoints" / f"step_{step:06d}" / "rng.json").write_text("{}")
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint.*step_000004: file rng\.json.*step_000002: file rng\.json"):
+    with pytest.raises(
+        CheckpointError, match=r"no complete checkpoint.*step_000004: file rng\.json.*step_000002: file rng\.json"
+    ):
         Trainer(cfg(run, *extra))
 
 

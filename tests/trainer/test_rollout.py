@@ -6,7 +6,12 @@ from tether.tasks.sft import load_reference
 
 def test_response_mask_counts_up_to_and_including_the_first_eos():
     ids = torch.tensor([[5, 6, 2, 0, 0], [2, 0, 0, 0, 0], [5, 6, 7, 8, 9], [5, 9, 6, 2, 2]])
-    assert response_mask_from_ids(ids, 2).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert response_mask_from_ids(ids, 2).tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 0],
+    ]
     # several EOS ids (Qwen2.5 lists two in generation_config)
     assert response_mask_from_ids(ids, [2, 9]).tolist()[2:] == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
 
@@ -33,8 +38,19 @@ def test_full_kl_takes_ref_logprobs_from_the_same_reference_pass(tmp_path):
     from tether.models import response_logprobs
     from tether.trainer import Trainer
 
-    cfg = load_config(None, ["kl.estimator=full", "trainer.progress=false", "trainer.val_freq=0", "data.batch_size=4", "rollout.n=4",
-                             f"trainer.output_dir={tmp_path / 'run'}", "data.embedded_train_size=8", "trainer.total_steps=1"])
+    cfg = load_config(
+        None,
+        [
+            "kl.estimator=full",
+            "trainer.progress=false",
+            "trainer.val_freq=0",
+            "data.batch_size=4",
+            "rollout.n=4",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "data.embedded_train_size=8",
+            "trainer.total_steps=1",
+        ],
+    )
     t = Trainer(cfg)
     batch = t.rollout()
     t.compute_logprobs(batch)
@@ -76,7 +92,10 @@ def test_hf_sampled_logprobs_equal_the_trainers_forward():
     m = mask.bool()
     assert lp.shape == ids.shape and lp.dtype == torch.float32
     diff = (lp - want)[m].abs()
-    print(f"HF generate vs the trainer's forward, sampled-token log-probs (T=0.7, fp32): mean {diff.mean():.1e}, max {diff.max():.1e} nats")
+    print(
+        f"HF generate vs the trainer's forward, sampled-token log-probs (T=0.7, fp32): mean {diff.mean():.1e}, max "
+        f"{diff.max():.1e} nats"
+    )
     assert float(diff.max()) < 5e-5  # measured 9.5e-6: incremental KV-cache passes against one full forward
     assert float(lp[m].min()) < -0.5  # sampled tokens of real uncertainty: the comparison means something
 
@@ -109,7 +128,9 @@ def test_hf_generate_runs_in_inference_mode_but_returns_a_normal_tensor():
     p_ids, p_mask = _digitsum_prompts(tok, 8)
     ids = engine.generate(p_ids, p_mask)
     assert not ids.is_inference()
-    lp, _, _ = response_logprobs(model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, torch.ones_like(ids)], 1), ids.shape[1])
+    lp, _, _ = response_logprobs(
+        model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, torch.ones_like(ids)], 1), ids.shape[1]
+    )
     lp.sum().backward()
     assert model.get_input_embeddings().weight.grad is not None
     model.zero_grad(set_to_none=True)
@@ -142,8 +163,10 @@ def test_shared_prefill_samples_the_same_tokens_as_one_prefill_per_row():
         torch.manual_seed(5)
         out[share] = engine.generate(prompt["input_ids"], prompt["attention_mask"], return_logprobs=True)
     assert torch.equal(out[True][0], out[False][0])
-    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)  # the cache of a smaller batch: last bits (4e-6 measured)
-    assert engine._shared_prefill(prompt["input_ids"][4:7], prompt["attention_mask"][4:7]) is None  # no two equal rows: plain
+    # the cache of a smaller batch: last bits (4e-6 measured)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    # no two equal rows: plain
+    assert engine._shared_prefill(prompt["input_ids"][4:7], prompt["attention_mask"][4:7]) is None
 
 
 def test_shared_prefill_with_left_padding_on_a_qwen2_model(qwen2_padded):

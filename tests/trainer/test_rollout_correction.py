@@ -33,7 +33,8 @@ def test_token_truncation_weights_the_batch_and_logs_rollout_corr(small_cfg, tmp
     assert torch.allclose(batch.is_weights[m], ratio[m].clamp(max=2.0), rtol=1e-6, atol=0)
     assert (batch.is_weights[~m] == 0).all() and torch.equal(batch.loss_mask, m)
     mm = batch.extra["rollout_corr_metrics"]
-    assert mm["rollout_corr/k3_kl"] > 0.01, mm  # T = 1.5 against 1.0: a real gap (k1 is too noisy on 16 responses to assert)
+    # T = 1.5 against 1.0: a real gap (k1 is too noisy on 16 responses to assert)
+    assert mm["rollout_corr/k3_kl"] > 0.01, mm
     assert 0 < mm["rollout_corr/ess"] < 1
     assert mm["rollout_corr/weight_p05"] <= mm["rollout_corr/weight_p50"] <= mm["rollout_corr/weight_p95"]
 
@@ -55,30 +56,60 @@ def test_no_correction_no_weights_and_no_engine_logprobs(small_cfg, tmp_path):
 
 
 def test_rejection_takes_whole_responses_out_of_the_update(small_cfg, tmp_path):
-    t = Trainer(small_cfg(*QUIET, *MISMATCH, "algo.rollout_correction.reject=seq_mean_k3", "algo.rollout_correction.reject_threshold=0.02",
-                          out=tmp_path / "r"))  # fmt: skip
+    t = Trainer(
+        small_cfg(
+            *QUIET,
+            *MISMATCH,
+            "algo.rollout_correction.reject=seq_mean_k3",
+            "algo.rollout_correction.reject_threshold=0.02",
+            out=tmp_path / "r",
+        )
+    )
     batch = t.rollout()
     t.score(batch)
     t.compute_logprobs(batch)
     t.correct_rollout(batch)
     rejected = batch.response_mask.bool().any(-1) & ~batch.loss_mask.any(-1)
     assert 0 < int(rejected.sum()) < len(batch)
-    assert batch.extra["rollout_corr_metrics"]["rollout_corr/rejected_seq_frac"] == pytest.approx(float(rejected.sum()) / len(batch))
+    assert batch.extra["rollout_corr_metrics"]["rollout_corr/rejected_seq_frac"] == pytest.approx(
+        float(rejected.sum()) / len(batch)
+    )
     assert torch.equal(batch.update_mask.bool(), batch.loss_mask)
 
 
 def _actor(seed: int = 0) -> ActorWorker:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(default_reference_path(), dtype=torch.float32)
-    return ActorWorker(model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1e9, micro_batch_size=3, temperature=1.0)
+    return ActorWorker(
+        model,
+        lr=1e-2,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1e9,
+        micro_batch_size=3,
+        temperature=1.0,
+    )
 
 
 def _spec(**kw) -> ActorUpdateSpec:
     base = dict(
-        ppo_epochs=1, mini_batch_size=64, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, loss_agg_mode="token-mean", entropy_coef=0.0,
-        kl_loss_coef=0.1, kl_loss_estimator="k3", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0, value_clamp=10.0, target_kl=None,
-        seed=0, norm_constant=4.0,
-    )  # fmt: skip
+        ppo_epochs=1,
+        mini_batch_size=64,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coef=0.0,
+        kl_loss_coef=0.1,
+        kl_loss_estimator="k3",
+        kl_loss_agg_mode="token-mean",
+        log_ratio_clamp=20.0,
+        value_clamp=10.0,
+        target_kl=None,
+        seed=0,
+        norm_constant=4.0,
+    )
     return ActorUpdateSpec(**(base | kw))
 
 
@@ -89,7 +120,9 @@ def _prepared_batch(small_cfg, tmp_path):
     t.compute_logprobs(batch)
     t.apply_kl(batch)
     t.compute_advantages(batch)
-    batch.old_logprobs = batch.old_logprobs + 0.05 * torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(1))
+    batch.old_logprobs = batch.old_logprobs + 0.05 * torch.randn(
+        batch.old_logprobs.shape, generator=torch.Generator().manual_seed(1)
+    )
     return batch
 
 
@@ -132,13 +165,24 @@ def test_kl_off_policy_correction_changes_the_off_policy_kl_loss_only_through_th
     spec_none, spec_ratio = _spec(kl_off_policy_correction="none", mini_batch_size=8), _spec(mini_batch_size=8)
     none, ratio = _actor().update(batch, spec_none, step=1), _actor().update(batch, spec_ratio, step=1)
     assert none["actor/kl_loss"] != pytest.approx(ratio["actor/kl_loss"], rel=1e-3)
-    assert none["policy/pg_loss"] == pytest.approx(ratio["policy/pg_loss"], rel=1e-9)  # the first mini-batch is the same
+    # the first mini-batch is the same
+    assert none["policy/pg_loss"] == pytest.approx(ratio["policy/pg_loss"], rel=1e-9)
 
 
 def test_bypass_mode_measures_pi_theta_against_the_engine_in_the_update(small_cfg, tmp_path):
     run = tmp_path / "r"
-    Trainer(small_cfg(*QUIET, *MISMATCH, "actor.old_logprobs_source=rollout", "algo.rollout_correction.level=token",
-                      "algo.rollout_correction.mode=mask", "algo.rollout_correction.threshold=1.2", "algo.mini_batch_size=4", out=run)).fit()  # fmt: skip
+    Trainer(
+        small_cfg(
+            *QUIET,
+            *MISMATCH,
+            "actor.old_logprobs_source=rollout",
+            "algo.rollout_correction.level=token",
+            "algo.rollout_correction.mode=mask",
+            "algo.rollout_correction.threshold=1.2",
+            "algo.mini_batch_size=4",
+            out=run,
+        )
+    ).fit()
     for r in (r for r in metrics(run) if r["step"] > 0):
         assert r["rollout/old_logprobs_from_rollout"] == 1.0
         assert 0 < r["rollout_corr/masked_frac"] < 1  # tokens whose π_θ/π_rollout left [1/1.2, 1.2] gave no gradient
@@ -151,7 +195,14 @@ def test_bypass_mode_measures_pi_theta_against_the_engine_in_the_update(small_cf
     [
         (["algo.rollout_correction.reject=token_k3"], "reject_threshold"),
         (["algo.rollout_correction.level=token", "rollout.mode=offline", "data.response_key=response"], "offline"),
-        (["algo.rollout_correction.level=token", "algo.rollout_correction.batch_normalize=true", "actor.old_logprobs_source=rollout"], "batch_normalize"),
+        (
+            [
+                "algo.rollout_correction.level=token",
+                "algo.rollout_correction.batch_normalize=true",
+                "actor.old_logprobs_source=rollout",
+            ],
+            "batch_normalize",
+        ),
         (["algo.rollout_correction.level=tokn"], "level"),
         (["algo.rollout_correction.mode=mask", "algo.rollout_correction.lower=3"], "lower"),
         (["kl.off_policy_correction=yes"], "off_policy_correction"),
@@ -159,10 +210,23 @@ def test_bypass_mode_measures_pi_theta_against_the_engine_in_the_update(small_cf
         (["algo.rollout_correction.mode=mask"], r"mode=mask has no effect with level=none"),
         (["algo.rollout_correction.batch_normalize=true"], r"batch_normalize=True has no effect with level=none"),
         (["algo.rollout_correction.reject_threshold=0.1"], r"reject_threshold=0.1 has no effect with reject=none"),
-        (["algo.rollout_correction.level=token", "algo.rollout_correction.lower=0.5"], r"lower=0.5 is used by mode=mask"),
-        (["rollout.mode=offline", "data.response_key=response", "rollout.engine_temperature=1.5"], r"rollout.engine_temperature=1.5 has no effect"),
+        (
+            ["algo.rollout_correction.level=token", "algo.rollout_correction.lower=0.5"],
+            r"lower=0.5 is used by mode=mask",
+        ),
+        (
+            ["rollout.mode=offline", "data.response_key=response", "rollout.engine_temperature=1.5"],
+            r"rollout.engine_temperature=1.5 has no effect",
+        ),
         # a threshold below 1 under mask: the default lower 1/threshold is above it (it crashed at step 1)
-        (["algo.rollout_correction.level=token", "algo.rollout_correction.mode=mask", "algo.rollout_correction.threshold=0.5"], r"needs lower"),
+        (
+            [
+                "algo.rollout_correction.level=token",
+                "algo.rollout_correction.mode=mask",
+                "algo.rollout_correction.threshold=0.5",
+            ],
+            r"needs lower",
+        ),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(overrides, message):
@@ -171,7 +235,8 @@ def test_bad_settings_are_refused_naming_the_key(overrides, message):
 
 
 def test_a_threshold_below_one_truncates_without_a_lower_bound():
-    """truncate never uses lower: threshold=0.5 caps every weight at 0.5 (it crashed at step 1 on the default lower, 2)."""
+    """truncate never uses lower: threshold=0.5 caps every weight at 0.5 (it crashed at step 1 on the default lower,
+    2)."""
     cfg = load_config(None, ["algo.rollout_correction.level=token", "algo.rollout_correction.threshold=0.5"])
     assert cfg.algo.rollout_correction.lower is None
     from tether.algos import rollout_correction

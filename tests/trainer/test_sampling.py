@@ -15,11 +15,16 @@ def _draw(scores, t: int, p: int, tag: str) -> RolloutBatch:
     """Two prompts x two responses, responses of length t, prompts of length p."""
     b = len(scores)
     return RolloutBatch(
-        prompt_ids=torch.full((b, p), 5), prompt_mask=torch.ones(b, p, dtype=torch.long),
-        response_ids=torch.full((b, t), 7), response_mask=torch.ones(b, t, dtype=torch.long),
-        group_ids=torch.tensor([0, 0, 1, 1]), rows=[PromptRow(tag, "x", None, {}, i) for i in range(b)],
-        prompts=[f"{tag}{i // 2}" for i in range(b)], responses=["r"] * b, extra={"scripted": torch.tensor(scores, dtype=torch.float)},
-    )  # fmt: skip
+        prompt_ids=torch.full((b, p), 5),
+        prompt_mask=torch.ones(b, p, dtype=torch.long),
+        response_ids=torch.full((b, t), 7),
+        response_mask=torch.ones(b, t, dtype=torch.long),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        rows=[PromptRow(tag, "x", None, {}, i) for i in range(b)],
+        prompts=[f"{tag}{i // 2}" for i in range(b)],
+        responses=["r"] * b,
+        extra={"scripted": torch.tensor(scores, dtype=torch.float)},
+    )
 
 
 def _trainer(draws, batch_size=2, cap=10):
@@ -29,15 +34,24 @@ def _trainer(draws, batch_size=2, cap=10):
         batch.scores = batch.extra.pop("scripted")
         batch.extra["reward_metrics"] = {"reward/error_count": 1.0, "reward/raw_mean": float(batch.scores.mean())}
 
-    cfg = SimpleNamespace(data=SimpleNamespace(batch_size=batch_size), algo=SimpleNamespace(filter_groups_max_draws=cap))
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(batch_size=batch_size), algo=SimpleNamespace(filter_groups_max_draws=cap)
+    )
     return SimpleNamespace(cfg=cfg, rollout=lambda: next(it), score=score, tok=SimpleNamespace(pad_token_id=0), step=3)
 
 
 def _sample(t, timer) -> RolloutBatch:
     """dynamic_sample as Trainer.sample calls it."""
     c = t.cfg
-    return dynamic_sample(t.rollout, t.score, timer, batch_size=c.data.batch_size, max_draws=c.algo.filter_groups_max_draws,
-                          pad_id=t.tok.pad_token_id, step=t.step)  # fmt: skip
+    return dynamic_sample(
+        t.rollout,
+        t.score,
+        timer,
+        batch_size=c.data.batch_size,
+        max_draws=c.algo.filter_groups_max_draws,
+        pad_id=t.tok.pad_token_id,
+        step=t.step,
+    )
 
 
 class Timer:
@@ -60,10 +74,16 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ_until_the_batch_is_f
     assert out.response_ids.shape == (4, 5) and out.response_mask.sum(-1).tolist() == [3, 3, 5, 5]
     assert out.prompt_ids.shape == (4, 4) and out.prompt_mask.tolist()[0] == [0, 0, 1, 1]  # left-padded
     assert out.extra["sampling_metrics"] == {
-        "rollout/draws": 2.0, "rollout/prompts_drawn": 4.0, "rollout/filtered_groups": 2.0, "rollout/filter_exhausted": 0.0,
-    }  # fmt: skip
+        "rollout/draws": 2.0,
+        "rollout/prompts_drawn": 4.0,
+        "rollout/filtered_groups": 2.0,
+        "rollout/filter_exhausted": 0.0,
+    }
     # counts summed over draws, means averaged
-    assert out.extra["reward_metrics"] == {"reward/error_count": 2.0, "reward/raw_mean": pytest.approx((0.75 + 0.25) / 2)}
+    assert out.extra["reward_metrics"] == {
+        "reward/error_count": 2.0,
+        "reward/raw_mean": pytest.approx((0.75 + 0.25) / 2),
+    }
 
 
 def test_surplus_informative_groups_are_cut_to_the_batch_size():
@@ -73,14 +93,22 @@ def test_surplus_informative_groups_are_cut_to_the_batch_size():
 
 
 def test_the_draw_cap_ends_the_search_and_says_so(caplog):
-    t = _trainer([_draw([1, 1, 0, 0], 2, 2, "a"), _draw([0, 0, 0, 0], 2, 2, "b"), _draw([1, 1, 1, 1], 2, 2, "c")], cap=3)
+    t = _trainer(
+        [_draw([1, 1, 0, 0], 2, 2, "a"), _draw([0, 0, 0, 0], 2, 2, "b"), _draw([1, 1, 1, 1], 2, 2, "c")], cap=3
+    )
     with caplog.at_level(logging.WARNING, logger="tether"):
         out = _sample(t, Timer())
     assert out.prompts == ["c0", "c0", "c1", "c1"]  # nothing informative: the last draw, rewards flat
     assert out.extra["sampling_metrics"] == {
-        "rollout/draws": 3.0, "rollout/prompts_drawn": 6.0, "rollout/filtered_groups": 6.0, "rollout/filter_exhausted": 1.0,
-    }  # fmt: skip
-    assert "step 3: algo.filter_groups: after 3 draws (algo.filter_groups_max_draws=3) only 0 of data.batch_size=2 prompts" in caplog.text
+        "rollout/draws": 3.0,
+        "rollout/prompts_drawn": 6.0,
+        "rollout/filtered_groups": 6.0,
+        "rollout/filter_exhausted": 1.0,
+    }
+    assert (
+        "step 3: algo.filter_groups: after 3 draws (algo.filter_groups_max_draws=3) only 0 of data.batch_size=2 prompts"
+        in caplog.text
+    )
 
 
 def test_concat_rejects_a_field_set_in_some_batches_only():

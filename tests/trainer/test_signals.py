@@ -30,9 +30,15 @@ def test_exit_codes_follow_the_shell_convention():
 
 
 def test_resume_command_keeps_config_and_overrides_and_points_at_the_run():
-    cmd = resume_command("configs/gsm8k.yaml", ["kl.coef=0.1", "trainer.output_dir=runs/{time}", "data.instruction_suffix= step by step"], "runs/20260101-000000")
-    assert cmd == ("tether train configs/gsm8k.yaml kl.coef=0.1 'data.instruction_suffix= step by step' "
-                   "trainer.output_dir=runs/20260101-000000")
+    cmd = resume_command(
+        "configs/gsm8k.yaml",
+        ["kl.coef=0.1", "trainer.output_dir=runs/{time}", "data.instruction_suffix= step by step"],
+        "runs/20260101-000000",
+    )
+    assert cmd == (
+        "tether train configs/gsm8k.yaml kl.coef=0.1 'data.instruction_suffix= step by step' "
+        "trainer.output_dir=runs/20260101-000000"
+    )
     assert resume_command(None, [], "runs/x") == "tether train trainer.output_dir=runs/x"
 
 

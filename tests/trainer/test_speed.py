@@ -12,10 +12,30 @@ from tether.workers.build import actor_spec
 pytestmark = pytest.mark.slow
 
 # one epoch, one mini-batch of all 16 responses, KL in the loss: the old policy is the current one
-ONE_MINI = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05", "trainer.val_freq=0", "trainer.save_freq=0",
-            "trainer.report=false", "actor.micro_batch_size=8"]  # fmt: skip
-SAME = ("reward/score_mean", "kl/ref_mean", "kl/k3_mean", "kl/ref_mean_unclamped", "policy/entropy", "policy/loss", "policy/pg_loss",
-        "actor/kl_loss", "policy/approx_kl", "policy/clipfrac", "policy/grad_norm", "ref/logprob_mean")  # fmt: skip
+ONE_MINI = [
+    "algo.mini_batch_size=16",
+    "kl.placement=loss",
+    "kl.estimator=k3",
+    "kl.coef=0.05",
+    "trainer.val_freq=0",
+    "trainer.save_freq=0",
+    "trainer.report=false",
+    "actor.micro_batch_size=8",
+]
+SAME = (
+    "reward/score_mean",
+    "kl/ref_mean",
+    "kl/k3_mean",
+    "kl/ref_mean_unclamped",
+    "policy/entropy",
+    "policy/loss",
+    "policy/pg_loss",
+    "actor/kl_loss",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "policy/grad_norm",
+    "ref/logprob_mean",
+)
 
 
 def _run(small_cfg, tmp_path, name, *overrides, steps=2):
@@ -35,7 +55,9 @@ def test_reused_update_logprobs_give_the_same_run(small_cfg, tmp_path):
         for k in SAME:
             assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-7), (k, a[k], b[k])
         assert a["policy/approx_kl"] == 0.0 and a["policy/clipfrac"] == 0.0  # ratio exactly 1
-    for (k, p), q in zip(fast.roles.actor.model.state_dict().items(), slow.roles.actor.model.state_dict().values(), strict=True):
+    for (k, p), q in zip(
+        fast.roles.actor.model.state_dict().items(), slow.roles.actor.model.state_dict().values(), strict=True
+    ):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=k)
 
 
@@ -43,10 +65,12 @@ def test_reused_update_logprobs_give_the_same_run(small_cfg, tmp_path):
     "overrides",
     [
         pytest.param(["kl.placement=reward"], id="kl-in-reward"),  # the advantages need π_old's KL before the update
-        pytest.param(["algo.mini_batch_size=8"], id="two-mini-batches"),  # the second mini-batch's old policy is not its current one
+        # the second mini-batch's old policy is not its current one
+        pytest.param(["algo.mini_batch_size=8"], id="two-mini-batches"),
         pytest.param(["algo.ppo_epochs=2"], id="two-epochs"),
         pytest.param(["guard.on_max_kl=skip"], id="kl-guard-skips-before-update"),
-        pytest.param(["actor.lora.rank=4", "actor.lora.dropout=0.1"], id="lora-dropout"),  # train-mode forward ≠ eval pass
+        # train-mode forward ≠ eval pass
+        pytest.param(["actor.lora.rank=4", "actor.lora.dropout=0.1"], id="lora-dropout"),
     ],
 )
 def test_old_logprob_pass_kept_where_it_is_needed(small_cfg, tmp_path, overrides):

@@ -20,15 +20,30 @@ from tether.trainer.startup import check_context_length, position_limit
 # ---------------------------------------------------------------- 1, 2: trainer.backend=ray
 def test_backend_ray_without_ray_installed_names_the_extra(small_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ModuleNotFoundError, as without the extra
-    with pytest.raises(ConfigError, match=r"trainer.backend=ray needs Ray, which is not installed: pip install -e '\.\[ray\]' \(or `make install-ray`\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.backend=ray needs Ray, which is not installed: pip install -e '\.\[ray\]' \(or `make "
+        r"install-ray`\)",
+    ):
         Trainer(small_cfg("trainer.backend=ray"))
 
 
 def test_backend_ray_without_ray_is_one_line_and_exit_2_from_the_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)
-    rc = main(["train", "trainer.backend=ray", "trainer.progress=false", "data.embedded_train_size=8", f"trainer.output_dir={tmp_path / 'run'}"])
+    rc = main(
+        [
+            "train",
+            "trainer.backend=ray",
+            "trainer.progress=false",
+            "data.embedded_train_size=8",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == ["tether train: trainer.backend=ray needs Ray, which is not installed: pip install -e '.[ray]' (or `make install-ray`)"]
+    assert rc == 2 and err == [
+        "tether train: trainer.backend=ray needs Ray, which is not installed: pip install -e '.[ray]' (or `make "
+        "install-ray`)"
+    ]
     assert not (tmp_path / "run").exists()  # a failed start leaves no run directory
 
 
@@ -40,9 +55,14 @@ def test_unreachable_ray_address_names_the_key_and_the_address(monkeypatch):
         raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr("tether.distributed.ray_backend.probe_ray_address", lambda address: None)  # ray.init's own failure, here
+    # ray.init's own failure, here
+    monkeypatch.setattr("tether.distributed.ray_backend.probe_ray_address", lambda address: None)
     monkeypatch.setattr(ray, "init", refuse)
-    with pytest.raises(ConfigError, match=r"^trainer.ray_address='127.0.0.1:1': cannot connect to a Ray cluster there \(Failed to connect to Ray cluster at 127.0.0.1:1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.ray_address='127.0.0.1:1': cannot connect to a Ray cluster there \(Failed to connect to Ray "
+        r"cluster at 127.0.0.1:1\)",
+    ):
         RayCluster("127.0.0.1:1", 1)
 
 
@@ -67,7 +87,11 @@ def test_the_position_limit_is_read_from_config_json(tmp_path):
 def test_a_gpt2_style_limit_is_named_by_its_own_key(small_cfg, tmp_path):
     d = _model_dir(tmp_path, n_positions=30)
     prompts = PromptSet([None], ["a"], [[1] * 6])
-    with pytest.raises(ConfigError, match=r"is 31 tokens, beyond actor.model's n_positions=30 \(config.json\): lower rollout.max_new_tokens to at most 24"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is 31 tokens, beyond actor.model's n_positions=30 \(config.json\): lower rollout.max_new_tokens to at "
+        r"most 24",
+    ):
         check_context_length(small_cfg("rollout.max_new_tokens=25"), {"actor.model": d}, prompts)
 
 
@@ -75,22 +99,34 @@ def test_longest_prompt_plus_max_new_tokens_must_fit_the_positions(small_cfg, tm
     d = _model_dir(tmp_path, max_position_embeddings=32)
     prompts = PromptSet([None, None], ["a", "b"], [[1] * 5, [1] * 7])  # longest prompt: 7 tokens
     check_context_length(small_cfg("rollout.max_new_tokens=25"), {"actor.model": d}, prompts)  # 7 + 25 = 32: fits
-    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=26 plus the longest prompt \(7 tokens; data.max_prompt_length=512\) is 33 "
-                       r"tokens, beyond actor.model's max_position_embeddings=32 \(config.json\): lower rollout.max_new_tokens to at most 25"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.max_new_tokens=26 plus the longest prompt \(7 tokens; data.max_prompt_length=512\) is 33 "
+        r"tokens, beyond actor.model's max_position_embeddings=32 \(config.json\): lower rollout.max_new_tokens to at "
+        r"most 25",
+    ):
         check_context_length(small_cfg("rollout.max_new_tokens=26"), {"actor.model": d}, prompts)
 
 
 def test_every_scoring_model_is_checked_and_a_prompt_too_long_alone_says_so(small_cfg, tmp_path):
     actor = _model_dir(tmp_path, n_positions=64)
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "config.json").write_text(json.dumps({"n_positions": 8}))  # a reference with fewer positions than the actor
+    # a reference with fewer positions than the actor
+    (tmp_path / "r" / "config.json").write_text(json.dumps({"n_positions": 8}))
     prompts = PromptSet([None], ["a"], [[1] * 6])
     models = {"actor.model": actor, "ref.model": tmp_path / "r"}
-    with pytest.raises(ConfigError, match=r"is 10 tokens, beyond ref.model's n_positions=8 \(config.json\): lower rollout.max_new_tokens to at most 2$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"is 10 tokens, beyond ref.model's n_positions=8 \(config.json\): lower rollout.max_new_tokens to at "
+        r"most 2$",
+    ):
         check_context_length(small_cfg("rollout.max_new_tokens=4"), models, prompts)
     long = PromptSet([None], ["a"], [[1] * 70])
-    with pytest.raises(ConfigError, match=r"beyond actor.model's n_positions=64 \(config.json\): the prompts alone do not fit: lower "
-                       r"data.max_prompt_length below 64 \(data.overlong_prompts=drop drops longer ones\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"beyond actor.model's n_positions=64 \(config.json\): the prompts alone do not fit: lower "
+        r"data.max_prompt_length below 64 \(data.overlong_prompts=drop drops longer ones\)",
+    ):
         check_context_length(small_cfg("rollout.max_new_tokens=4"), {"actor.model": actor}, long)
 
 
@@ -111,7 +147,11 @@ def test_a_separate_reference_with_fewer_positions_is_refused_at_start(small_cfg
 
 def test_a_huge_max_new_tokens_is_refused_at_start(small_cfg):
     # the embedded reference has max_position_embeddings=32 (its config.json)
-    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=100000 plus the longest prompt .* beyond actor.model's max_position_embeddings=32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.max_new_tokens=100000 plus the longest prompt .* beyond actor.model's "
+        r"max_position_embeddings=32",
+    ):
         Trainer(small_cfg("rollout.max_new_tokens=100000"))
 
 
@@ -141,10 +181,10 @@ def test_max_failed_steps_is_a_config_value(small_cfg):
         small_cfg("reward.max_failed_steps=0")
 
 
-RAISING_REWARD = '''
+RAISING_REWARD = """
 def reward(data_sources, solution_strs, ground_truths, extra_infos):
     raise RuntimeError("broken reward")
-'''
+"""
 
 
 @pytest.mark.slow
@@ -152,9 +192,21 @@ def test_a_reward_that_always_raises_stops_a_short_run_with_exit_3_and_a_checkpo
     fn = tmp_path / "r_raise.py"
     fn.write_text(textwrap.dedent(RAISING_REWARD))
     run = tmp_path / "run"
-    rc = main(["train", f"reward.function={fn}:reward", "trainer.total_steps=2", "trainer.progress=false", "trainer.val_freq=0",
-               "trainer.threads=1", "data.batch_size=4", "data.embedded_train_size=8", "rollout.n=2", "trainer.report=false",
-               f"trainer.output_dir={run}"])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            f"reward.function={fn}:reward",
+            "trainer.total_steps=2",
+            "trainer.progress=false",
+            "trainer.val_freq=0",
+            "trainer.threads=1",
+            "data.batch_size=4",
+            "data.embedded_train_size=8",
+            "rollout.n=2",
+            "trainer.report=false",
+            f"trainer.output_dir={run}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 3, err
     assert "stopped by a guard: every sample of all 2 step(s) of this run was dropped" in err and "done:" not in err
@@ -166,8 +218,10 @@ def test_batch_larger_than_the_dataset_warns_once_naming_both(small_cfg, caplog)
     with caplog.at_level(logging.WARNING, logger="tether"):
         Trainer(small_cfg("data.batch_size=16", "data.embedded_train_size=8"))
     hits = [r.getMessage() for r in caplog.records if "data.batch_size" in r.getMessage()]
-    assert hits == ["data.batch_size=16 is larger than the training set (8 prompts): every step repeats prompts within its batch; "
-                    "lower data.batch_size or add data"]
+    assert hits == [
+        "data.batch_size=16 is larger than the training set (8 prompts): every step repeats prompts within its batch; "
+        "lower data.batch_size or add data"
+    ]
 
 
 def test_batch_within_the_dataset_does_not_warn(small_cfg, caplog):
@@ -184,7 +238,8 @@ def test_reuse_update_logprobs_says_why_it_is_not_in_effect(small_cfg, caplog):
     with caplog.at_level(logging.INFO, logger="tether"):
         Trainer(small_cfg("kl.placement=loss", "algo.ppo_epochs=2"))  # 4 prompts × 4 samples = 16 > mini_batch_size=8
     assert _reuse_lines(caplog) == [
-        "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): algo.ppo_epochs=2 (more than "
+        "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): "
+        "algo.ppo_epochs=2 (more than "
         "one epoch); data.batch_size × rollout.n = 16 responses > algo.mini_batch_size=8 (more than one mini-batch)"
     ]
 
@@ -192,7 +247,9 @@ def test_reuse_update_logprobs_says_why_it_is_not_in_effect(small_cfg, caplog):
 def test_reuse_update_logprobs_says_when_it_is_in_effect(small_cfg, caplog):
     with caplog.at_level(logging.INFO, logger="tether"):
         Trainer(small_cfg("kl.placement=loss", "algo.mini_batch_size=16"))
-    assert _reuse_lines(caplog) == ["actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"]
+    assert _reuse_lines(caplog) == [
+        "actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"
+    ]
 
 
 def test_reuse_update_logprobs_off_logs_nothing(small_cfg, caplog):
@@ -225,7 +282,9 @@ def test_gsm8k_on_an_already_converted_file_hints_so(tmp_path):
     src.write_text(json.dumps({"question": "1+1?", "answer": "2\n#### 2"}) + "\n")
     converted = tmp_path / "train_verl.jsonl"
     assert convert_gsm8k(src, converted) == 1
-    with pytest.raises(DataError, match=r"looks already converted to verl's schema .*data.train_files=.*train_verl.jsonl"):
+    with pytest.raises(
+        DataError, match=r"looks already converted to verl's schema .*data.train_files=.*train_verl.jsonl"
+    ):
         convert_gsm8k(converted, tmp_path / "again.jsonl")
     with pytest.raises(DataError) as e:  # a plain malformed file gets no such hint
         (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "1+1?"}) + "\n")
@@ -234,13 +293,20 @@ def test_gsm8k_on_an_already_converted_file_hints_so(tmp_path):
 
 
 def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_ray_starts(tmp_path):
-    """Issue 24, item 7: the embedded model has 4 attention heads; actor.tp_size=3 was found only inside the Ray workers."""
+    """Issue 24, item 7: the embedded model has 4 attention heads; actor.tp_size=3 was found only inside the Ray
+    workers."""
     import ray
 
     from tether.config import load_config
 
-    cfg = load_config(None, ["trainer.backend=ray", "trainer.n_workers=3", "actor.tp_size=3", f"trainer.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"actor.tp_size=3 must divide the model's num_attention_heads=4, num_key_value_heads=4 .*actor.model="):
+    cfg = load_config(
+        None,
+        ["trainer.backend=ray", "trainer.n_workers=3", "actor.tp_size=3", f"trainer.output_dir={tmp_path / 'run'}"],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"actor.tp_size=3 must divide the model's num_attention_heads=4, num_key_value_heads=4 .*actor.model=",
+    ):
         Trainer(cfg)
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
 
@@ -256,8 +322,11 @@ def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_pat
     kv, logits = rollout_bytes(shape, 10, 7, 4)
     assert kv == shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * 7 * 10 and logits == 2 * 4 * shape.vocab * 10
     cfg = load_config(None, ["data.batch_size=100000000", f"trainer.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"data.batch_size=100000000 x rollout.n=8 = 800000000 sequences of up to \d+ tokens need about "
-                                          r"[\d.]+ GiB to generate .* more than this cpu device's [\d.]+ GiB: lower data.batch_size or rollout.n"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.batch_size=100000000 x rollout.n=8 = 800000000 sequences of up to \d+ tokens need about "
+        r"[\d.]+ GiB to generate .* more than this cpu device's [\d.]+ GiB: lower data.batch_size or rollout.n",
+    ):
         Trainer(cfg)
     assert not (tmp_path / "run").exists() and device_memory_bytes(torch.device("cpu")) > 2**30
     default = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'ok'}"]))  # the default run is far inside

@@ -1,6 +1,5 @@
 """tether.trainer.stats.rollout_metrics: the logged β is the step's, not the next step's."""
 
-
 import pytest
 import torch
 
@@ -11,10 +10,15 @@ from tether.trainer.stats import rollout_metrics
 
 def _batch() -> RolloutBatch:
     b = RolloutBatch(
-        prompt_ids=torch.tensor([[5, 6], [5, 6]]), prompt_mask=torch.ones(2, 2, dtype=torch.long),
-        response_ids=torch.tensor([[7, 2], [8, 0]]), response_mask=torch.tensor([[1, 1], [1, 0]]), group_ids=torch.tensor([0, 0]),
-        rows=[PromptRow("p", "x", None, {}, 0)] * 2, prompts=["p"] * 2, responses=["a", "b"],
-    )  # fmt: skip
+        prompt_ids=torch.tensor([[5, 6], [5, 6]]),
+        prompt_mask=torch.ones(2, 2, dtype=torch.long),
+        response_ids=torch.tensor([[7, 2], [8, 0]]),
+        response_mask=torch.tensor([[1, 1], [1, 0]]),
+        group_ids=torch.tensor([0, 0]),
+        rows=[PromptRow("p", "x", None, {}, 0)] * 2,
+        prompts=["p"] * 2,
+        responses=["a", "b"],
+    )
     b.kl = torch.tensor([[0.1, 0.3], [0.2, 9.0]])  # per-response sums over valid tokens: 0.4, 0.2
     b.old_logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
     b.ref_logprobs = torch.tensor([[-1.1, -1.3], [-1.2, 0.0]])
@@ -54,8 +58,11 @@ def test_response_and_prompt_tokens_by_hand():
     b = _batch()  # responses [7, 2 (EOS)] and [8, pad]; prompts [5, 6] twice
     assert _response_tokens(b, eos_id=2) == [[7], [8]]
     assert _rows_where(b.prompt_ids, b.prompt_ids != 0) == [[5, 6], [5, 6]]
-    # holes, an EOS inside a response, a dropped row (mask 0), pad ids inside a prompt: as the per-token loop filters them
+    # holes, an EOS inside a response, a dropped row (mask 0), pad ids inside a prompt: as the per-token loop filters
+    # them
     ids = torch.tensor([[3, 2, 4, 5], [2, 2, 2, 2], [9, 8, 7, 6], [1, 0, 1, 0]])
     mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
-    loop = [[t for t, k in zip(r, m, strict=True) if k and t != 2] for r, m in zip(ids.tolist(), mask.tolist(), strict=True)]
+    loop = [
+        [t for t, k in zip(r, m, strict=True) if k and t != 2] for r, m in zip(ids.tolist(), mask.tolist(), strict=True)
+    ]
     assert _rows_where(ids, mask.bool() & (ids != 2)) == loop == [[3, 5], [], [], [1, 0, 1, 0]]

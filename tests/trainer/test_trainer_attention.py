@@ -18,7 +18,11 @@ def test_bf16_on_cpu_takes_tether_attention_and_an_fp32_head_by_default(small_cf
     assert (_attn(actor), _attn(ref), _attn(critic)) == ("tether", "tether", "tether")
     assert actor.get_output_embeddings()._tether_patch == ref.get_output_embeddings()._tether_patch == {"fp32": True}
     m = trainer.train_step()
-    assert math.isfinite(m["kl/ref_mean"]) and math.isfinite(m["policy/pg_loss"]) and math.isfinite(m["critic/values_mean"])
+    assert (
+        math.isfinite(m["kl/ref_mean"])
+        and math.isfinite(m["policy/pg_loss"])
+        and math.isfinite(m["critic/values_mean"])
+    )
 
 
 def test_float32_keeps_the_models_own_attention(small_cfg):

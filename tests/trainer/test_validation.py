@@ -34,7 +34,11 @@ def test_val_max_prompts_config():
 def test_validation_uses_the_capped_subset_with_a_progress_bar(small_cfg, capsys):
     from tether.trainer import Trainer
 
-    t = Trainer(small_cfg("trainer.val_max_prompts=3", "data.embedded_val_size=12", "trainer.progress=true", "trainer.report=false"))
+    t = Trainer(
+        small_cfg(
+            "trainer.val_max_prompts=3", "data.embedded_val_size=12", "trainer.progress=true", "trainer.report=false"
+        )
+    )
     m = t.maybe_validate(force=True)
     assert m["val/prompts"] == 3 and m["val/samples"] == 3 * 2
     assert {"val/pass@1", "val/pass@2", "val/maj@2", "val/mean@2", "val/score_sem", "val/truncated_frac"} <= set(m)
@@ -83,7 +87,9 @@ def test_samples_the_reward_could_not_score_are_counted_and_warned(small_cfg, tm
     from tether.evaluation.sampled import evaluate_prompts
 
     with caplog.at_level(logging.WARNING, logger="tether"):
-        m = evaluate_prompts(t.roles.engine, t.roles.reward, t.val_set, n=2, batch_size=8, samples=samples, do_sample=False)
+        m = evaluate_prompts(
+            t.roles.engine, t.roles.reward, t.val_set, n=2, batch_size=8, samples=samples, do_sample=False
+        )
         v = t.maybe_validate(force=True)
     bad = sum(s["response"][:1] in "02468" for s in samples)
     assert 0 < bad < len(samples)  # the test means something: some scored, some not

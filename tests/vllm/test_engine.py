@@ -39,7 +39,15 @@ def test_missing_vllm_is_a_clear_config_error(tiny, tmp_path, monkeypatch):
     assert "tether[vllm]" in msg and "make install-vllm" in msg
     from tether.cli import main
 
-    rc = main(["train", f"actor.model={tiny}", "rollout.engine=vllm", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false"])
+    rc = main(
+        [
+            "train",
+            f"actor.model={tiny}",
+            "rollout.engine=vllm",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.progress=false",
+        ]
+    )
     assert rc == 2 and not (tmp_path / "run").exists()  # stopped before any model loaded
 
 
@@ -58,12 +66,18 @@ def test_cpu_backend_refuses_a_head_size_its_kernels_lack(monkeypatch, tmp_path,
     from tether.tasks.sft import default_reference_path
 
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
-    with pytest.raises(ConfigError, match=r"actor.model='.*digitsum_ref' has attention head size 16.*supported: 32, 64"):
+    with pytest.raises(
+        ConfigError, match=r"actor.model='.*digitsum_ref' has attention head size 16.*supported: 32, 64"
+    ):
         check_vllm_engine(default_reference_path())
     from tether.cli import main
 
     rc = main(["train", "rollout.engine=vllm", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false"])
-    assert rc == 2 and "actor.model='embedded' (" in (err := capsys.readouterr().err) and "digitsum_ref) has attention head size 16" in err
+    assert (
+        rc == 2
+        and "actor.model='embedded' (" in (err := capsys.readouterr().err)
+        and "digitsum_ref) has attention head size 16" in err
+    )
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert check_vllm_engine(default_reference_path()) == "gpu"  # head sizes are checked on the CPU backend only
@@ -129,7 +143,9 @@ class FakeLLM:
         self.calls = []
         self.direct_load = direct_load
         runner = SimpleNamespace(model=SimpleNamespace(load_weights=self._load))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
+        self.llm_engine = SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+        )
         if rpc:
             self.collective_rpc = self._rpc
 
@@ -168,26 +184,35 @@ def test_generate_pads_keeps_eos_and_maps_settings(tiny):
 
     tok = load_tokenizer(tiny)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    llm = FakeLLM([
-        _done([5, 6, eos], eos),        # stop token kept in token_ids
-        _done([7]),                     # EOS stop, token dropped by this version: added back
-        SimpleNamespace(token_ids=[8, 9, 10, 11], finish_reason="length", stop_reason=None),  # truncated: no EOS
-        _done([12], "####"),            # a stop string: no EOS added
-    ])  # fmt: skip
-    engine = VLLMRolloutEngine.from_llm(llm, _params, tok, returns_logprobs=False, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=4)
+    llm = FakeLLM(
+        [
+            _done([5, 6, eos], eos),  # stop token kept in token_ids
+            _done([7]),  # EOS stop, token dropped by this version: added back
+            SimpleNamespace(token_ids=[8, 9, 10, 11], finish_reason="length", stop_reason=None),  # truncated: no EOS
+            _done([12], "####"),  # a stop string: no EOS added
+        ]
+    )
+    engine = VLLMRolloutEngine.from_llm(
+        llm, _params, tok, returns_logprobs=False, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=4
+    )
     prompt_ids = torch.tensor([[pad, 3, 4], [3, 4, 5], [pad, pad, 3], [3, 3, 3]])
     out = engine.generate(prompt_ids, (prompt_ids != pad).long())
     assert out.tolist() == [[5, 6, eos, pad], [7, eos, pad, pad], [8, 9, 10, 11], [12, pad, pad, pad]]
     prompts, params = llm.calls[0]
     assert [p["prompt_token_ids"] for p in prompts] == [[3, 4], [3, 4, 5], [3], [3, 3, 3]]  # left padding stripped
-    assert params == dict(n=1, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=4, stop_token_ids=[eos], detokenize=False)
+    assert params == dict(
+        n=1, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=4, stop_token_ids=[eos], detokenize=False
+    )
     engine.generate(prompt_ids, (prompt_ids != pad).long(), do_sample=False, max_new_tokens=2)
-    assert llm.calls[1][1] == dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=2, stop_token_ids=[eos], detokenize=False)
+    assert llm.calls[1][1] == dict(
+        n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=2, stop_token_ids=[eos], detokenize=False
+    )
     with pytest.raises(TypeError, match="num_beams"):
         engine.generate(prompt_ids, prompt_ids, num_beams=2)
     with pytest.raises(ValueError, match="does not return log-probs"):
         engine.generate(prompt_ids, prompt_ids, return_logprobs=True)
-    # sync (an old vLLM: only the in-process runner): the actor's weights under HF names reach the vLLM model; the prefix cache is dropped
+    # sync (an old vLLM: only the in-process runner): the actor's weights under HF names reach the vLLM model; the
+    # prefix cache is dropped
     model = load_causal_lm(tiny)
     engine.sync_weights(model)
     assert engine.last_sync == "model_runner" and llm.prefix_resets == 1
@@ -201,10 +226,12 @@ def test_generate_returns_the_sampled_tokens_logprobs(tiny):
     tok = load_tokenizer(tiny)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     lp = lambda pairs: [{t: SimpleNamespace(logprob=v, rank=1)} for t, v in pairs]  # noqa: E731 - vLLM's per-token {id: Logprob}
-    llm = FakeLLM([
-        _done([5, 6, eos], eos, lp([(5, -0.5), (6, -1.25), (eos, -0.01)])),
-        _done([7], None, lp([(7, -2.0)])),  # EOS dropped by vLLM and put back: its log-prob is unknown
-    ])  # fmt: skip
+    llm = FakeLLM(
+        [
+            _done([5, 6, eos], eos, lp([(5, -0.5), (6, -1.25), (eos, -0.01)])),
+            _done([7], None, lp([(7, -2.0)])),  # EOS dropped by vLLM and put back: its log-prob is unknown
+        ]
+    )
     engine = VLLMRolloutEngine.from_llm(llm, _params, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
     prompt_ids = torch.tensor([[3, 4], [pad, 3]])
     ids, logprobs = engine.generate(prompt_ids, (prompt_ids != pad).long(), return_logprobs=True)
@@ -223,7 +250,9 @@ def test_rollout_runner_carries_engine_logprobs_into_the_batch(tiny):
     tok = load_tokenizer(tiny)
     eos = tok.eos_token_id
     lp = lambda pairs: [{t: SimpleNamespace(logprob=v)} for t, v in pairs]  # noqa: E731
-    llm = FakeLLM([_done([5, eos], eos, lp([(5, -0.5), (eos, -0.25)])), _done([6, eos], eos, lp([(6, -1.5), (eos, -0.75)]))])
+    llm = FakeLLM(
+        [_done([5, eos], eos, lp([(5, -0.5), (eos, -0.25)])), _done([6, eos], eos, lp([(6, -1.5), (eos, -0.75)]))]
+    )
     engine = VLLMRolloutEngine.from_llm(llm, _params, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
     prompts = PromptSet(ids=[[3, 4, 5]], texts=["p"], rows=[None])
     batch = RolloutRunner(engine, tok, torch.device("cpu")).rollout(prompts, [0], n=2)
@@ -238,11 +267,17 @@ def test_sync_uses_reload_weights_where_direct_loading_fails(tiny):
     from tether.models import load_causal_lm, load_tokenizer
 
     llm = FakeLLM(rpc=True, direct_load=False)
-    engine = VLLMRolloutEngine.from_llm(llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2)
+    engine = VLLMRolloutEngine.from_llm(
+        llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
+    )
     model = load_causal_lm(tiny)
     engine.sync_weights(model)
     engine.sync_weights(model)
-    assert engine.last_sync == "reload_weights" and llm.loads == ["reload_weights", "reload_weights"] and llm.prefix_resets == 2
+    assert (
+        engine.last_sync == "reload_weights"
+        and llm.loads == ["reload_weights", "reload_weights"]
+        and llm.prefix_resets == 2
+    )
     assert [n for n, _ in llm.loaded] == list(model.state_dict())
 
 
@@ -250,8 +285,12 @@ def test_sync_falls_back_to_the_model_runner_on_a_vllm_without_reload_weights(ti
     from tether.models import load_causal_lm, load_tokenizer
 
     llm = FakeLLM(rpc=True)
-    llm.collective_rpc = lambda method, **kw: (_ for _ in ()).throw(AttributeError(f"'Worker' object has no attribute {method!r}"))
-    engine = VLLMRolloutEngine.from_llm(llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2)
+    llm.collective_rpc = lambda method, **kw: (_ for _ in ()).throw(
+        AttributeError(f"'Worker' object has no attribute {method!r}")
+    )
+    engine = VLLMRolloutEngine.from_llm(
+        llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
+    )
     engine.sync_weights(load_causal_lm(tiny))
     assert engine.last_sync == "model_runner" and llm.loads == ["model_runner"]
 
@@ -259,13 +298,20 @@ def test_sync_falls_back_to_the_model_runner_on_a_vllm_without_reload_weights(ti
 def test_sync_without_a_known_path_names_what_it_tried(tiny):
     from tether.models import load_tokenizer
 
-    engine = VLLMRolloutEngine.from_llm(SimpleNamespace(), _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2)
+    engine = VLLMRolloutEngine.from_llm(
+        SimpleNamespace(), _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
+    )
     with pytest.raises(RuntimeError, match="model_runner.model"):
         engine.sync_weights(torch.nn.Linear(2, 2))
     broken = FakeLLM(rpc=True, direct_load=False)
     broken.collective_rpc = lambda method, **kw: (_ for _ in ()).throw(KeyError("model.norm.weight"))
-    engine = VLLMRolloutEngine.from_llm(broken, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2)
-    with pytest.raises(RuntimeError, match=r"tried: reload_weights \(KeyError: 'model.norm.weight'\); model_runner \(AttributeError: 'Parameter'"):
+    engine = VLLMRolloutEngine.from_llm(
+        broken, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"tried: reload_weights \(KeyError: 'model.norm.weight'\); model_runner \(AttributeError: 'Parameter'",
+    ):
         engine.sync_weights(torch.nn.Linear(2, 2))
 
 
@@ -279,7 +325,9 @@ def test_logprob_diff_metrics_by_hand():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
     m = logprob_diff_metrics(rollout, old, mask)
     # counted tokens with a known engine log-prob: |−1 − (−1.1)| = 0.1, |−2 − (−1.5)| = 0.5, 0 → mean 0.2, max 0.5
-    assert m["rollout/logprob_diff_mean"] == pytest.approx(0.2, abs=1e-7) and m["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-7)
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(0.2, abs=1e-7) and m[
+        "rollout/logprob_diff_max"
+    ] == pytest.approx(0.5, abs=1e-7)
     none = logprob_diff_metrics(rollout, old, torch.zeros_like(mask))
     assert math.isnan(none["rollout/logprob_diff_mean"]) and math.isnan(none["rollout/logprob_diff_max"])
 
@@ -314,7 +362,9 @@ def fake_vllm(monkeypatch):
 def _engine(tiny, **kw):
     from tether.models import load_tokenizer
 
-    return VLLMRolloutEngine(tiny, load_tokenizer(tiny), temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, dtype="float32", **kw)
+    return VLLMRolloutEngine(
+        tiny, load_tokenizer(tiny), temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, dtype="float32", **kw
+    )
 
 
 def test_engine_sizes_the_kv_cache_per_backend(tiny, fake_vllm, monkeypatch):
@@ -322,7 +372,12 @@ def test_engine_sizes_the_kv_cache_per_backend(tiny, fake_vllm, monkeypatch):
     eng = _engine(tiny)
     kw = fake_vllm.made[-1]
     assert kw["kv_cache_memory_bytes"] == 2**30 and kw["logprobs_mode"] == "processed_logprobs" and eng.returns_logprobs
-    assert kw["model"] == str(tiny) and kw["dtype"] == "float32" and kw["enforce_eager"] is True and "max_model_len" not in kw
+    assert (
+        kw["model"] == str(tiny)
+        and kw["dtype"] == "float32"
+        and kw["enforce_eager"] is True
+        and "max_model_len" not in kw
+    )
     _engine(tiny, kv_cache_gib=0.25, max_model_len=64)
     assert fake_vllm.made[-1]["kv_cache_memory_bytes"] == 2**28 and fake_vllm.made[-1]["max_model_len"] == 64
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own knob (GiB) wins over tether's default
@@ -338,9 +393,14 @@ def test_cpu_tensor_parallel_ranks_get_a_core_set_each_on_fewer_numa_nodes():
     assert vllm_mod.cpu_threads_bind(1, cores=[0, 1], numa_nodes=1) is None  # one rank: vLLM's own binding
     assert vllm_mod.cpu_threads_bind(2, cores=[0, 1], numa_nodes=2) is None  # a NUMA node per rank
     assert vllm_mod.cpu_threads_bind(2, cores=[0, 1], numa_nodes=1) == "0|1"
-    assert vllm_mod.cpu_threads_bind(2, cores=[7, 2, 3, 4, 5], numa_nodes=1) == "2,3|4,5"  # sorted; the odd core is left out
+    # sorted; the odd core is left out
+    assert vllm_mod.cpu_threads_bind(2, cores=[7, 2, 3, 4, 5], numa_nodes=1) == "2,3|4,5"
     assert vllm_mod.cpu_threads_bind(4, cores=list(range(8)), numa_nodes=2) == "0,1|2,3|4,5|6,7"
-    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size=2 on the CPU backend needs a core per tp rank; this process may use 1 core"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.vllm.tensor_parallel_size=2 on the CPU backend needs a core per tp rank; this process may use "
+        r"1 core",
+    ):
         vllm_mod.cpu_threads_bind(2, cores=[0], numa_nodes=1)
 
 
@@ -371,11 +431,29 @@ def test_rollout_vllm_config_reaches_the_engine(tiny, monkeypatch):
 
     made = {}
     monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: made.update(kw, path=path))
-    cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.5", "rollout.vllm.max_model_len=96",
-                             "rollout.vllm.gpu_memory_utilization=0.6", "rollout.temperature=0.8"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={tiny}",
+            "rollout.engine=vllm",
+            "rollout.vllm.kv_cache_gib=0.5",
+            "rollout.vllm.max_model_len=96",
+            "rollout.vllm.gpu_memory_utilization=0.6",
+            "rollout.temperature=0.8",
+        ],
+    )
     setup.build_engine(cfg, load_causal_lm(tiny), load_tokenizer(tiny), tiny)
-    assert made["path"] == tiny and made["kv_cache_gib"] == 0.5 and made["max_model_len"] == 96 and made["gpu_memory_utilization"] == 0.6
-    assert made["temperature"] == 0.8 and made["dtype"] == "float32" and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
+    assert (
+        made["path"] == tiny
+        and made["kv_cache_gib"] == 0.5
+        and made["max_model_len"] == 96
+        and made["gpu_memory_utilization"] == 0.6
+    )
+    assert (
+        made["temperature"] == 0.8
+        and made["dtype"] == "float32"
+        and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
+    )
     with pytest.raises(ConfigError, match="rollout.vllm.gpu_memory_utilization"):
         load_config(None, ["rollout.vllm.gpu_memory_utilization=1.5"])
     with pytest.raises(ConfigError, match="rollout.vllm.kv_cache_gib"):
@@ -411,8 +489,13 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
             ids = super().generate(prompt_ids, prompt_mask, **kw)
             mask = response_mask_from_ids(ids, self.eos_token_ids)
             with torch.no_grad():
-                lp = response_logprobs(self.model, torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1), ids.shape[1],
-                                       temperature=self.kwargs["temperature"])[0]  # fmt: skip
+                lp = response_logprobs(
+                    self.model,
+                    torch.cat([prompt_ids, ids], 1),
+                    torch.cat([prompt_mask, mask], 1),
+                    ids.shape[1],
+                    temperature=self.kwargs["temperature"],
+                )[0]
             return (ids, lp + 0.01) if return_logprobs else ids
 
     def run(engine_cls, name):
@@ -424,12 +507,26 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
             return e
 
         monkeypatch.setattr(setup, "build_engine", patched)
-        cfg = load_config(None, ["trainer.progress=false", "trainer.val_freq=0", "trainer.report=false", "data.batch_size=4", "rollout.n=4",
-                                 "rollout.temperature=0.8", "data.embedded_train_size=8", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / name}"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                "trainer.progress=false",
+                "trainer.val_freq=0",
+                "trainer.report=false",
+                "data.batch_size=4",
+                "rollout.n=4",
+                "rollout.temperature=0.8",
+                "data.embedded_train_size=8",
+                "trainer.total_steps=2",
+                f"trainer.output_dir={tmp_path / name}",
+            ],
+        )
         return Trainer(cfg).fit()
 
     for h in run(ReportingHF, "reporting"):
-        assert h["rollout/logprob_diff_mean"] == pytest.approx(0.01, abs=1e-5) and h["rollout/logprob_diff_max"] == pytest.approx(0.01, abs=1e-5)
+        assert h["rollout/logprob_diff_mean"] == pytest.approx(0.01, abs=1e-5) and h[
+            "rollout/logprob_diff_max"
+        ] == pytest.approx(0.01, abs=1e-5)
     assert not any(k.startswith("rollout/logprob_diff") for h in run(HFRolloutEngine, "plain") for k in h)
 
 
@@ -447,7 +544,8 @@ def test_auto_engine_picks_vllm_only_where_it_runs_the_model(tiny, monkeypatch):
     engine, why = resolve_engine("auto", default_reference_path())
     assert engine == "hf" and "attention head size 16" in why
     assert resolve_engine("auto", tiny, async_steps=1)[0] == "hf"  # async generates on an HF policy snapshot
-    assert resolve_engine("auto", tiny, backend="ray")[0] == "hf"  # vLLM replicas as Ray actors only when asked for (rollout.engine=vllm)
+    # vLLM replicas as Ray actors only when asked for (rollout.engine=vllm)
+    assert resolve_engine("auto", tiny, backend="ray")[0] == "hf"
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     engine, why = resolve_engine("auto", tiny)

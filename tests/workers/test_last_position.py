@@ -29,13 +29,30 @@ from tether.workers.packing import MicroBatching, PackedLayout
 TOL = 1e-6
 
 
-def _full_input_logprobs(model, input_ids, attention_mask, response_len, *, temperature=1.0, with_entropy=False, return_logits=False,
-                         compute_dtype="float32"):  # fmt: skip
+def _full_input_logprobs(
+    model,
+    input_ids,
+    attention_mask,
+    response_len,
+    *,
+    temperature=1.0,
+    with_entropy=False,
+    return_logits=False,
+    compute_dtype="float32",
+):
     """The pass before issue 13's change: every one of the P+T columns fed, the LM head on the last T+1."""
     pos = position_ids_from_mask(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False, logits_to_keep=response_len + 1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=pos,
+        use_cache=False,
+        logits_to_keep=response_len + 1,
+    )
     logits = out.logits[:, -response_len - 1 : -1, :]  # (B, T, V)
-    lp, ent = logprobs_and_entropy_from_logits(logits, input_ids[:, -response_len:], temperature, with_entropy=with_entropy)
+    lp, ent = logprobs_and_entropy_from_logits(
+        logits, input_ids[:, -response_len:], temperature, with_entropy=with_entropy
+    )
     return lp, ent, (logits if return_logits else None)
 
 
@@ -45,7 +62,12 @@ _new_value_forward = ValueModel.forward
 def _full_input_value_forward(self, input_ids, attention_mask, response_len, **kw):
     if kw.get("shared") is not None or kw.get("keep") is not None:
         return _new_value_forward(self, input_ids, attention_mask, response_len, **kw)
-    out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    out = self.backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
     return self.value_head(out.last_hidden_state[:, -response_len - 1 : -1, :]).squeeze(-1).float()
 
 
@@ -96,8 +118,14 @@ def test_packed_layout_feeds_each_sequence_without_its_last_response_token():
     # [0], [1], [5], [3, 4, 2] (3 + 3 + 2 = 8): 32 positions (whole sequences: 5 rows of 9 = 45; padded: 6 x 13 = 78)
     assert tuple(lay.input_ids.shape) == (4, 8)
     assert lay.position_ids[3].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
-    assert lay.input_ids[3].tolist() == b.prompt_ids[3, -1:].tolist() + b.response_ids[3, :2].tolist() + \
-        b.prompt_ids[4, -2:].tolist() + b.response_ids[4, :1].tolist() + b.prompt_ids[2, -2:].tolist()
+    assert (
+        lay.input_ids[3].tolist()
+        == b.prompt_ids[3, -1:].tolist()
+        + b.response_ids[3, :2].tolist()
+        + b.prompt_ids[4, -2:].tolist()
+        + b.response_ids[4, :1].tolist()
+        + b.prompt_ids[2, -2:].tolist()
+    )
     assert int(lay.keep.sum()) == sum([6, 2, 0, 3, 2, 5]) == 18  # every response token is still scored
     assert lay.keep[3].tolist() == [True, True, True, False, True, True, False, False]
     model = _lm()
@@ -135,8 +163,14 @@ LAYOUTS = {
 def test_no_grad_passes_equal_the_full_input(name, full_input):
     micro = LAYOUTS[name]
     model, b = _lm64(), _grouped_batch()
-    ref = ReferenceWorker(copy.deepcopy(model), micro_batch_size=micro.size, temperature=0.7, max_tokens_per_micro_batch=micro.max_tokens,
-                          padding_free=micro.padding_free, share_prompt_prefix=micro.share_prefix)  # fmt: skip
+    ref = ReferenceWorker(
+        copy.deepcopy(model),
+        micro_batch_size=micro.size,
+        temperature=0.7,
+        max_tokens_per_micro_batch=micro.max_tokens,
+        padding_free=micro.padding_free,
+        share_prompt_prefix=micro.share_prefix,
+    )
     with torch.no_grad():  # the reference differs from the actor
         for p in ref.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -144,10 +178,15 @@ def test_no_grad_passes_equal_the_full_input(name, full_input):
     actor.micro = ref.micro = micro
     got = actor.compute_logprobs(b, with_entropy=True, full_kl_ref=ref) + (ref.compute_logprobs(b),)
     full_input()  # the reference implementation, on the padded row-count layout
-    want_actor, want_ref = _actor(model, MicroBatching(64)), ReferenceWorker(ref.model, micro_batch_size=64, temperature=0.7)
+    want_actor, want_ref = (
+        _actor(model, MicroBatching(64)),
+        ReferenceWorker(ref.model, micro_batch_size=64, temperature=0.7),
+    )
     want = want_actor.compute_logprobs(b, with_entropy=True, full_kl_ref=want_ref) + (want_ref.compute_logprobs(b),)
     m = b.response_mask
-    for what, g, w in zip(["logprobs", "entropy", "kl_full", "ref_logprobs (full kl)", "ref_logprobs"], got, want, strict=True):
+    for what, g, w in zip(
+        ["logprobs", "entropy", "kl_full", "ref_logprobs (full kl)", "ref_logprobs"], got, want, strict=True
+    ):
         assert _max_diff(g, w, m) <= TOL, (name, what, _max_diff(g, w, m))
     assert float(want[2].max()) > 1e-3  # the exact KL is not trivially 0 (the reference was perturbed)
 
@@ -164,7 +203,9 @@ def _update(micro: MicroBatching, **spec_kw):
     return metrics, dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("kw", [{}, {"kl_loss_estimator": "full"}, {"reuse_logprobs": True}], ids=["k3", "full-kl", "reuse"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"kl_loss_estimator": "full"}, {"reuse_logprobs": True}], ids=["k3", "full-kl", "reuse"]
+)
 @pytest.mark.parametrize("name", ["padded", "padded-micro2", "shared-prompt", "packed", "packed-budget"])
 def test_update_equals_the_full_input(name, kw, full_input):
     torch.manual_seed(1)
@@ -172,7 +213,14 @@ def test_update_equals_the_full_input(name, kw, full_input):
     full_input()
     torch.manual_seed(1)
     want, want_w = _update(MicroBatching(64), **kw)
-    for key in ("policy/loss", "policy/pg_loss", "actor/kl_loss", "policy/clipfrac", "policy/approx_kl", "policy/grad_norm"):
+    for key in (
+        "policy/loss",
+        "policy/pg_loss",
+        "actor/kl_loss",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "policy/grad_norm",
+    ):
         assert abs(got[key] - want[key]) <= TOL * max(1.0, abs(want[key])), (name, key, got[key], want[key])
     if kw.get("reuse_logprobs"):
         m = _grouped_batch().response_mask
@@ -185,7 +233,14 @@ def test_update_equals_the_full_input(name, kw, full_input):
 
 def _critic(micro: MicroBatching) -> CriticWorker:
     torch.manual_seed(0)
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = ValueModel(Qwen2Model(Qwen2Config(**kw, attn_implementation="sdpa")), 32).double()
     torch.nn.init.normal_(model.value_head.weight, std=0.5)  # a non-zero head, so the values depend on the body
     critic = CriticWorker(model, lr=1e-3, grad_clip=1e9, micro_batch_size=micro.size, value_clip=0.2, norm_constant=6.0)
@@ -207,5 +262,7 @@ def test_critic_values_and_update_equal_the_full_input(name, full_input):
     assert float(want_v.abs().max()) > 1e-2  # real values
     for key in ("value/loss", "value/clipfrac", "value/grad_norm"):  # relative: the gradient norm is ~100
         assert abs(got[key] - want[key]) <= TOL * max(1.0, abs(want[key])), (name, key, got[key], want[key])
-    worst = max(float((p - q).abs().max()) for p, q in zip(got_c.model.parameters(), want_c.model.parameters(), strict=True))
+    worst = max(
+        float((p - q).abs().max()) for p, q in zip(got_c.model.parameters(), want_c.model.parameters(), strict=True)
+    )
     assert worst <= TOL, (name, worst)

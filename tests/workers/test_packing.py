@@ -27,9 +27,15 @@ def _batch(plen=PLEN, rlen=RLEN, P=7, T=6, seed=0) -> RolloutBatch:
     pids = torch.randint(1, V, (B, P), generator=g) * pm  # pad id 0
     rids = torch.randint(1, V, (B, T), generator=g) * rm
     b = RolloutBatch(
-        prompt_ids=pids, prompt_mask=pm, response_ids=rids, response_mask=rm, group_ids=torch.arange(B) // 2,
-        rows=[PromptRow("p", "x", None, {}, 0)] * B, prompts=["p"] * B, responses=["r"] * B,
-    )  # fmt: skip
+        prompt_ids=pids,
+        prompt_mask=pm,
+        response_ids=rids,
+        response_mask=rm,
+        group_ids=torch.arange(B) // 2,
+        rows=[PromptRow("p", "x", None, {}, 0)] * B,
+        prompts=["p"] * B,
+        responses=["r"] * B,
+    )
     b.old_logprobs = -torch.rand(B, T, generator=g) * 3 - 1
     b.ref_logprobs = -torch.rand(B, T, generator=g) * 3 - 1
     b.advantages = torch.randn(B, T, generator=g)
@@ -40,7 +46,14 @@ def _batch(plen=PLEN, rlen=RLEN, P=7, T=6, seed=0) -> RolloutBatch:
 
 def _lm(arch: str = "qwen2", attn: str = "sdpa", seed: int = 0):
     torch.manual_seed(seed)
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw, attn_implementation=attn))
     else:
@@ -50,24 +63,45 @@ def _lm(arch: str = "qwen2", attn: str = "sdpa", seed: int = 0):
 
 def _spec(**kw) -> ActorUpdateSpec:
     base = dict(
-        ppo_epochs=1, mini_batch_size=64, clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, loss_agg_mode="token-mean",
-        entropy_coef=0.01, kl_loss_coef=0.1, kl_loss_estimator="k3", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0,
-        value_clamp=10.0, target_kl=None, seed=0, norm_constant=6.0,
-    )  # fmt: skip
+        ppo_epochs=1,
+        mini_batch_size=64,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coef=0.01,
+        kl_loss_coef=0.1,
+        kl_loss_estimator="k3",
+        kl_loss_agg_mode="token-mean",
+        log_ratio_clamp=20.0,
+        value_clamp=10.0,
+        target_kl=None,
+        seed=0,
+        norm_constant=6.0,
+    )
     return ActorUpdateSpec(**(base | kw))
 
 
 def _actor(model, micro: MicroBatching) -> ActorWorker:
     return ActorWorker(
-        model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1e9, micro_batch_size=micro.size,
-        temperature=0.7, max_tokens_per_micro_batch=micro.max_tokens, padding_free=micro.padding_free,
-    )  # fmt: skip
+        model,
+        lr=1e-3,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1e9,
+        micro_batch_size=micro.size,
+        temperature=0.7,
+        max_tokens_per_micro_batch=micro.max_tokens,
+        padding_free=micro.padding_free,
+    )
 
 
 # ----------------------------------------------------------------------------------------- planning
 def test_token_budget_groups_by_hand():
     b = _batch()  # valid tokens per row: 9, 9, 2, 4, 4, 9 -> sorted: rows 0, 1, 5 (9), 3, 4 (4), 2 (2)
-    # padding-free, budget 18: 37 tokens -> k = 3 micro-batches, each row to the least-loaded: 0, 1, 5 open them (9 each),
+    # padding-free, budget 18: 37 tokens -> k = 3 micro-batches, each row to the least-loaded: 0, 1, 5 open them (9
+    # each),
     # 3 -> the first (13), 4 -> the second (13), 2 -> the third (11)
     assert token_budget_groups(b, 18, padding_free=True) == [[0, 3], [1, 4], [5, 2]]
     # budget 12: k = 4: 0, 1, 5, 3 (9, 9, 9, 4); 4 -> the fourth (8); 2 -> the fourth (10)
@@ -90,7 +124,8 @@ def test_packed_layout_by_hand():
     # token is only scored, never fed, so they feed 4, 1 and 2 tokens
     b = _batch(plen=[2, 1, 2], rlen=[3, 1, 0], P=2, T=3)
     lay = PackedLayout.of(b)
-    # cap = 4 tokens; first-fit decreasing (4, 2, 1): row 0 alone in row 0; rows 2 then 1 share row 1 (3 tokens + a 1-token tail)
+    # cap = 4 tokens; first-fit decreasing (4, 2, 1): row 0 alone in row 0; rows 2 then 1 share row 1 (3 tokens + a
+    # 1-token tail)
     assert lay.input_ids.shape == (2, 4) and (lay.b, lay.t) == (3, 3)
     assert lay.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
     assert lay.input_ids[0].tolist() == b.prompt_ids[0].tolist() + b.response_ids[0, :2].tolist()
@@ -120,8 +155,13 @@ def test_packed_logprobs_and_entropy_equal_padded(arch, attn):
     lay = PackedLayout.of(b)
     assert lay.input_ids.shape[0] < len(b)  # sequences really share rows (else the test proves nothing)
     pad = _actor(model, MicroBatching(64)).compute_logprobs(b)
-    for micro in (MicroBatching(64, padding_free=True), MicroBatching(2, padding_free=True), MicroBatching(64, 12, padding_free=True),
-                  MicroBatching(64, 20), MicroBatching(1)):  # fmt: skip
+    for micro in (
+        MicroBatching(64, padding_free=True),
+        MicroBatching(2, padding_free=True),
+        MicroBatching(64, 12, padding_free=True),
+        MicroBatching(64, 20),
+        MicroBatching(1),
+    ):
         got = _actor(model, micro).compute_logprobs(b)
         m = b.response_mask
         assert _masked_max_diff(got[0], pad[0], m) <= 1e-5, micro
@@ -142,7 +182,8 @@ def test_full_kl_and_ref_logprobs_equal_padded():
     for k in range(5):
         assert _masked_max_diff(out[True][k], out[False][k], m) <= 1e-5, k
     assert float((out[False][2] * m).sum()) > 0.01  # two different random models: KL > 0
-    assert _masked_max_diff(out[True][3], out[True][4], m) <= 1e-6  # the full-KL pass's ref log-probs = the reference pass's
+    # the full-KL pass's ref log-probs = the reference pass's
+    assert _masked_max_diff(out[True][3], out[True][4], m) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------- the update
@@ -152,7 +193,13 @@ def _step(model_fn, micro: MicroBatching, spec: ActorUpdateSpec, ref_fn=None):
     actor = _actor(model, micro)
     ref = None
     if ref_fn is not None:
-        ref = ReferenceWorker(ref_fn(), micro_batch_size=micro.size, temperature=0.7, max_tokens_per_micro_batch=micro.max_tokens, padding_free=micro.padding_free)
+        ref = ReferenceWorker(
+            ref_fn(),
+            micro_batch_size=micro.size,
+            temperature=0.7,
+            max_tokens_per_micro_batch=micro.max_tokens,
+            padding_free=micro.padding_free,
+        )
     model.train()
     sums, finite = actor._mini_batch_step(b, spec, ref)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -183,7 +230,8 @@ SPLITS = [
 def test_update_metrics_and_gradients_do_not_depend_on_the_split(micro, tol):
     spec = _spec()
     base = _step(_lm, ROW_COUNT, spec)
-    assert abs(base[0]["policy/loss"]) > 1e-3 and base[0]["policy/clipfrac"] > 0  # old_logprobs differ: some tokens clip
+    # old_logprobs differ: some tokens clip
+    assert abs(base[0]["policy/loss"]) > 1e-3 and base[0]["policy/clipfrac"] > 0
     _assert_same(_step(_lm, micro, spec), base, tol)
 
 
@@ -257,7 +305,10 @@ def test_empty_micro_batches_change_nothing():
     actor = _actor(model, micro)
     actor.dp = _TwoMoreMicroBatches()
     model.train()
-    sums, finite, = actor._mini_batch_step(b, spec, None)
+    (
+        sums,
+        finite,
+    ) = actor._mini_batch_step(b, spec, None)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert actor.dp.calls == [len(token_budget_groups(b, 20, padding_free=True))]
     _assert_same((sums, finite, grads), base, 1e-7)
@@ -267,16 +318,33 @@ def test_empty_micro_batches_change_nothing():
 # ---------------------------------------------------------------------------------------- the critic
 def _critic(micro: MicroBatching) -> CriticWorker:
     torch.manual_seed(0)
-    backbone = Qwen2Model(Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    backbone = Qwen2Model(
+        Qwen2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     vm = ValueModel(backbone, 32)
     torch.nn.init.normal_(vm.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(3))
     return CriticWorker(
-        vm, lr=1e-3, grad_clip=1e9, micro_batch_size=micro.size, value_clip=0.2, norm_constant=6.0,
-        max_tokens_per_micro_batch=micro.max_tokens, padding_free=micro.padding_free,
-    )  # fmt: skip
+        vm,
+        lr=1e-3,
+        grad_clip=1e9,
+        micro_batch_size=micro.size,
+        value_clip=0.2,
+        norm_constant=6.0,
+        max_tokens_per_micro_batch=micro.max_tokens,
+        padding_free=micro.padding_free,
+    )
 
 
-@pytest.mark.parametrize("micro", [MicroBatching(64, padding_free=True), MicroBatching(2, 14, padding_free=True), MicroBatching(64, 20)])
+@pytest.mark.parametrize(
+    "micro", [MicroBatching(64, padding_free=True), MicroBatching(2, 14, padding_free=True), MicroBatching(64, 20)]
+)
 def test_critic_values_and_update_equal_padded(micro):
     b = _batch()
     base, other = _critic(ROW_COUNT), _critic(micro)
@@ -286,7 +354,10 @@ def test_critic_values_and_update_equal_padded(micro):
     grads = []
     for c in (base, other):  # record the gradients the optimizer step sees
         step = c.optimizer.step
-        c.optimizer.step = lambda c=c, step=step: (grads.append([p.grad.clone() for p in c.model.parameters()]), step())[1]
+        c.optimizer.step = lambda c=c, step=step: (
+            grads.append([p.grad.clone() for p in c.model.parameters()]),
+            step(),
+        )[1]
     out = [c.update(b, ppo_epochs=1, mini_batch_size=64, agg_mode="token-mean", seed=0, step=0) for c in (base, other)]
     assert out[0]["value/clipfrac"] > 0 and out[0]["value/grad_norm"] > 1e-3
     for k in out[0]:
@@ -304,7 +375,9 @@ def test_padding_free_refuses_custom_model_code():
         def forward(self, **kw):
             raise AssertionError("never called")
 
-    with pytest.raises(ValueError, match=r"actor.padding_free=true supports Hugging Face's own model classes only \(.*Custom"):
+    with pytest.raises(
+        ValueError, match=r"actor.padding_free=true supports Hugging Face's own model classes only \(.*Custom"
+    ):
         _actor(Custom(), MicroBatching(4, padding_free=True))
     _actor(Custom(), MicroBatching(4))  # the padded path takes any model
 

@@ -22,7 +22,10 @@ def ref():
 
 def test_a_policy_round_trips_full_and_lora(ref, tmp_path):
     path, tok = ref
-    for name, make in {"full": lambda: load_causal_lm(path), "lora": lambda: apply_lora(load_causal_lm(path), LORA)}.items():
+    for name, make in {
+        "full": lambda: load_causal_lm(path),
+        "lora": lambda: apply_lora(load_causal_lm(path), LORA),
+    }.items():
         a, b = make(), make()
         with torch.no_grad():
             for p in a.parameters():
@@ -38,11 +41,17 @@ def test_lora_and_full_checkpoints_say_which_they_are(ref, tmp_path):
     path, tok = ref
     save_policy(load_causal_lm(path), tok, tmp_path / "full")
     save_policy(apply_lora(load_causal_lm(path), LORA), tok, tmp_path / "lora")
-    with pytest.raises(CheckpointError, match=r"actor/adapter_model.safetensors is missing \(it holds a full model: it was saved without "
-                       r"actor.lora; resume it with actor.lora.rank=0\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"actor/adapter_model.safetensors is missing \(it holds a full model: it was saved without "
+        r"actor.lora; resume it with actor.lora.rank=0\)$",
+    ):
         load_policy(apply_lora(load_causal_lm(path), LORA), tmp_path / "full", tmp_path)
-    with pytest.raises(CheckpointError, match=r"actor/ holds LoRA adapters \(saved with actor.lora.rank > 0\), not a full model: resume it "
-                       r"with its actor.lora settings$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"actor/ holds LoRA adapters \(saved with actor.lora.rank > 0\), not a full model: resume it "
+        r"with its actor.lora settings$",
+    ):
         load_policy(load_causal_lm(path), tmp_path / "lora", tmp_path)
 
 
@@ -51,13 +60,17 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(tmp_path):
     (tmp_path / "optim.pt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"optim.pt is a file, not a checkpoint directory"):
         verify_checkpoint(tmp_path / "optim.pt")
-    with pytest.raises(CheckpointError, match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), "
-                       r"or set trainer.output_dir='.*run' with trainer.resume=auto to continue the run$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), "
+        r"or set trainer.output_dir='.*run' with trainer.resume=auto to continue the run$",
+    ):
         verify_checkpoint(tmp_path / "run")
 
 
 def test_eval_reads_a_checkpoint_whose_actor_verifies_as_export_does(ref, tmp_path, caplog):
-    """tether eval needs only the actor's files: an optim.pt that fails its checksum is a warning (as for tether export), a
+    """tether eval needs only the actor's files: an optim.pt that fails its checksum is a warning (as for tether
+    export), a
     damaged actor file is the error."""
     from tether.checkpoint import write_checkpoint
     from tether.config import ConfigError
@@ -65,8 +78,14 @@ def test_eval_reads_a_checkpoint_whose_actor_verifies_as_export_does(ref, tmp_pa
     from tether.export import resolve_checkpoint
 
     path, tok = ref
-    ckpt = write_checkpoint(tmp_path / "run" / "checkpoints", 2, {
-        "weights": lambda d: save_policy(load_causal_lm(path), tok, d / "actor"), "optim": lambda d: (d / "optim.pt").write_bytes(b"0" * 8)})  # fmt: skip
+    ckpt = write_checkpoint(
+        tmp_path / "run" / "checkpoints",
+        2,
+        {
+            "weights": lambda d: save_policy(load_causal_lm(path), tok, d / "actor"),
+            "optim": lambda d: (d / "optim.pt").write_bytes(b"0" * 8),
+        },
+    )
     (ckpt / "optim.pt").write_bytes(b"1" * 8)  # same size, another checksum
     assert resolve_policy(ckpt)[:2] == (ckpt / "actor", "model") and resolve_checkpoint(ckpt) == ckpt
     assert resolve_policy(tmp_path / "run")[:2] == (ckpt / "actor", "model")
@@ -77,11 +96,16 @@ def test_eval_reads_a_checkpoint_whose_actor_verifies_as_export_does(ref, tmp_pa
 
 
 def test_a_critic_the_run_does_not_use_is_named_when_a_checkpoint_loads(tmp_path, caplog):
-    """A GAE checkpoint resumed by a run without a critic: its critic is left out, with a warning (later checkpoints lack it)."""
+    """A GAE checkpoint resumed by a run without a critic: its critic is left out, with a warning (later checkpoints
+    lack it)."""
     from tether.workers.roles import LocalPlacement, Roles
 
     loaded = []
-    actor = SimpleNamespace(load=lambda d, c: loaded.append("actor"), load_optimizer_state=lambda s, schedule: loaded.append("optim"), model="m")
+    actor = SimpleNamespace(
+        load=lambda d, c: loaded.append("actor"),
+        load_optimizer_state=lambda s, schedule: loaded.append("optim"),
+        model="m",
+    )
     engine = SimpleNamespace(sync_weights=lambda m: loaded.append(("sync", m)))
     roles = Roles(None, actor, None, None, engine, None, torch.device("cpu"), None)
     (tmp_path / "critic.safetensors").write_bytes(b"x")

@@ -25,9 +25,15 @@ V = 61
 
 def _model(seed: int = 0):
     cfg = Qwen2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        tie_word_embeddings=True, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -48,9 +54,15 @@ def _batch(seed: int = 0) -> RolloutBatch:
     rmask = (torch.arange(T)[None] < lengths[:, None]).long()
     rids = torch.randint(1, V, (10, T), generator=g).masked_fill(rmask == 0, 0)
     b = RolloutBatch(
-        prompt_ids=prompts[which], prompt_mask=pmask[which], response_ids=rids, response_mask=rmask, group_ids=which,
-        rows=[PromptRow("p", "x", None, {}, 0)] * 10, prompts=["p"] * 10, responses=["r"] * 10,
-    )  # fmt: skip
+        prompt_ids=prompts[which],
+        prompt_mask=pmask[which],
+        response_ids=rids,
+        response_mask=rmask,
+        group_ids=which,
+        rows=[PromptRow("p", "x", None, {}, 0)] * 10,
+        prompts=["p"] * 10,
+        responses=["r"] * 10,
+    )
     b.advantages = torch.randn(10, 1, generator=g).expand(10, T).clone()
     b.old_logprobs = -torch.rand(10, T, generator=g) * 3
     b.ref_logprobs = -torch.rand(10, T, generator=g) * 3
@@ -86,12 +98,20 @@ def _both(model, b: RolloutBatch):
     plain = response_logprobs(model, ids, mask, t, with_entropy=True, return_logits=True)
     groups = prompt_groups(b.prompt_ids, b.prompt_mask)
     shared = shared_prefix_logprobs(
-        model, b.prompt_ids, b.prompt_mask, b.response_ids[:, :t], b.response_mask[:, :t], groups, with_entropy=True, return_logits=True
-    )  # fmt: skip
+        model,
+        b.prompt_ids,
+        b.prompt_mask,
+        b.response_ids[:, :t],
+        b.response_mask[:, :t],
+        groups,
+        with_entropy=True,
+        return_logits=True,
+    )
     return plain, shared, b.response_mask[:, :t].bool()
 
 
-@pytest.mark.parametrize("rows", [list(range(10)), [1, 3, 6, 8], [2, 8, 5]])  # everything; one group; short responses (t = 5)
+# everything; one group; short responses (t = 5)
+@pytest.mark.parametrize("rows", [list(range(10)), [1, 3, 6, 8], [2, 8, 5]])
 def test_shared_prefix_equals_the_ordinary_pass(rows):
     model = _model().eval()
     b = _batch().select(rows)
@@ -125,9 +145,16 @@ def test_actor_and_reference_passes_are_bitwise_equal_with_equal_weights(share):
     model = _scaled_model()
     ref = ReferenceWorker(copy.deepcopy(model), micro_batch_size=4, share_prompt_prefix=share)
     actor = ActorWorker(
-        model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1.0, micro_batch_size=4, temperature=1.0,
+        model,
+        lr=1e-3,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1.0,
+        micro_batch_size=4,
+        temperature=1.0,
         share_prompt_prefix=share,
-    )  # fmt: skip
+    )
     b = _batch()
     old, _, _, _ = actor.compute_logprobs(b, with_entropy=True)
     ref_lp = ref.compute_logprobs(b)
@@ -156,7 +183,8 @@ def test_prompt_groups_none_when_the_prompt_pass_would_be_one_token():
     # the prompt pass runs P - 1 columns for U prompts: under 2 tokens, nothing is shared
     assert prompt_groups(torch.tensor([[5, 6], [5, 6]]), torch.ones(2, 2, dtype=torch.long)) is None  # U = 1, P - 1 = 1
     assert prompt_groups(torch.tensor([[0, 6], [0, 6]]), torch.tensor([[0, 1], [0, 1]])) is None
-    assert prompt_groups(torch.tensor([[0, 5, 6]] * 2), torch.tensor([[0, 1, 1]] * 2)) is not None  # P - 1 = 2, padding included
+    # P - 1 = 2, padding included
+    assert prompt_groups(torch.tensor([[0, 5, 6]] * 2), torch.tensor([[0, 1, 1]] * 2)) is not None
     two = prompt_groups(torch.tensor([[5, 6], [7, 6], [5, 6]]), torch.ones(3, 2, dtype=torch.long))  # U = 2, P - 1 = 1
     assert two is not None and two[1].tolist() == [0, 1, 0]
 
@@ -192,15 +220,29 @@ def test_gradients_through_the_shared_prefix():
 
 def _spec(**kw) -> ActorUpdateSpec:
     base = dict(
-        ppo_epochs=1, mini_batch_size=10, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0, loss_agg_mode="token-mean", entropy_coef=0.01,
-        kl_loss_coef=0.1, kl_loss_estimator="k3", kl_loss_agg_mode="token-mean", log_ratio_clamp=20.0, value_clamp=10.0, target_kl=None,
-        seed=0, norm_constant=6.0,
-    )  # fmt: skip
+        ppo_epochs=1,
+        mini_batch_size=10,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip_c=3.0,
+        loss_agg_mode="token-mean",
+        entropy_coef=0.01,
+        kl_loss_coef=0.1,
+        kl_loss_estimator="k3",
+        kl_loss_agg_mode="token-mean",
+        log_ratio_clamp=20.0,
+        value_clamp=10.0,
+        target_kl=None,
+        seed=0,
+        norm_constant=6.0,
+    )
     base.update(kw)
     return ActorUpdateSpec(**base)
 
 
-def _update(share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: bool = False, max_tokens: int | None = None):
+def _update(
+    share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: bool = False, max_tokens: int | None = None
+):
     """One update of a fresh actor (and its reference) on ``_batch()``: (metrics, gradients, ref_logprobs);
     ``max_tokens``: micro-batches by that token budget (``actor.max_tokens_per_micro_batch``)."""
     model = _model()
@@ -214,13 +256,31 @@ def _update(share: bool, spec: ActorUpdateSpec, micro_batch_size: int, lora: boo
         for n, p in model.named_parameters():  # LoRA's B starts at 0: move it so the adapters change the logits
             if "lora_B" in n:
                 p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
-        ref = ReferenceWorker(adapter_host=model, micro_batch_size=micro_batch_size, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens)
+        ref = ReferenceWorker(
+            adapter_host=model,
+            micro_batch_size=micro_batch_size,
+            share_prompt_prefix=share,
+            max_tokens_per_micro_batch=max_tokens,
+        )
     else:
-        ref = ReferenceWorker(_model(seed=1), micro_batch_size=micro_batch_size, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens)
+        ref = ReferenceWorker(
+            _model(seed=1),
+            micro_batch_size=micro_batch_size,
+            share_prompt_prefix=share,
+            max_tokens_per_micro_batch=max_tokens,
+        )
     actor = ActorWorker(
-        model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0, grad_clip=1e9, micro_batch_size=micro_batch_size,
-        temperature=1.0, share_prompt_prefix=share, max_tokens_per_micro_batch=max_tokens,
-    )  # fmt: skip
+        model,
+        lr=1e-2,
+        weight_decay=0.0,
+        betas=(0.9, 0.999),
+        warmup_steps=0,
+        grad_clip=1e9,
+        micro_batch_size=micro_batch_size,
+        temperature=1.0,
+        share_prompt_prefix=share,
+        max_tokens_per_micro_batch=max_tokens,
+    )
     # plain SGD at lr 1: each parameter moves by exactly its gradient (AdamW would turn a gradient that is 0 in
     # exact arithmetic, such as the key biases', into ±lr of round-off noise)
     actor.optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
@@ -251,7 +311,9 @@ def _assert_same_update(a, b):
 
 
 @pytest.mark.parametrize("micro_batch_size", [10, 4])  # one micro-batch; several, which split the groups
-@pytest.mark.parametrize("kw", [{}, {"kl_loss_estimator": "full"}, {"reuse_logprobs": True}], ids=["k3", "full-kl", "reuse"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"kl_loss_estimator": "full"}, {"reuse_logprobs": True}], ids=["k3", "full-kl", "reuse"]
+)
 def test_update_equals_the_ordinary_path(micro_batch_size, kw):
     spec = _spec(**kw)
     a, b = _update(False, spec, micro_batch_size), _update(True, spec, micro_batch_size)
@@ -270,10 +332,13 @@ def test_share_prefix_with_token_budget_equals_plain(monkeypatch, kw):
     assert token_budget_groups(_batch(), 40, padding_free=False) == [[6, 3, 0], [1, 9, 5], [8, 2, 4, 7]]
     shared = []
     real = prefix.shared_prefix_logprobs
-    monkeypatch.setattr(prefix, "shared_prefix_logprobs", lambda m, pi, *a, **k: shared.append(pi.shape[0]) or real(m, pi, *a, **k))
+    monkeypatch.setattr(
+        prefix, "shared_prefix_logprobs", lambda m, pi, *a, **k: shared.append(pi.shape[0]) or real(m, pi, *a, **k)
+    )
     spec = _spec(**kw)
     plain, budget = _update(False, spec, 10), _update(True, spec, 10, max_tokens=40)
-    assert shared and max(shared) == 4  # the shared pass ran, on budget micro-batches (the plain one's would be 10 rows)
+    # the shared pass ran, on budget micro-batches (the plain one's would be 10 rows)
+    assert shared and max(shared) == 4
     assert plain[0]["policy/grad_norm"] > 1e-3
     _assert_same_update(plain, budget)
 
@@ -281,12 +346,18 @@ def test_share_prefix_with_token_budget_equals_plain(monkeypatch, kw):
 def test_share_prefix_with_padding_free_is_refused():
     from tether.workers.packing import MicroBatching
 
-    with pytest.raises(ValueError, match=r"actor\.share_prompt_prefix=true cannot be combined with actor\.padding_free=true"):
+    with pytest.raises(
+        ValueError, match=r"actor\.share_prompt_prefix=true cannot be combined with actor\.padding_free=true"
+    ):
         TetherConfig.model_validate({"actor": {"share_prompt_prefix": True, "padding_free": True}})
     with pytest.raises(ValueError, match=r"critic\.padding_free=true"):
-        TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "gae"}})
+        TetherConfig.model_validate(
+            {"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "gae"}}
+        )
     # without a critic, critic.padding_free is unused: accepted
-    TetherConfig.model_validate({"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "grpo"}})
+    TetherConfig.model_validate(
+        {"actor": {"share_prompt_prefix": True}, "critic": {"padding_free": True}, "algo": {"adv_estimator": "grpo"}}
+    )
     with pytest.raises(ValueError, match="share_prompt_prefix cannot be combined with padding_free"):
         MicroBatching(4, padding_free=True, share_prefix=True)
 
@@ -294,12 +365,14 @@ def test_share_prefix_with_padding_free_is_refused():
 def test_the_default_gives_way_to_padding_free():
     from tether.config import ActorConfig, load_config
 
-    assert load_config(None, []).actor.share_prompt_prefix is True  # on by default (bitwise actor = reference: issue 13)
+    # on by default (bitwise actor = reference: issue 13)
+    assert load_config(None, []).actor.share_prompt_prefix is True
     cfg = load_config(None, ["actor.padding_free=true"])  # left unset: off, as packed rows cannot share
     assert (cfg.actor.padding_free, cfg.actor.share_prompt_prefix) == (True, False)
     gae = load_config(None, ["critic.padding_free=true", "algo.adv_estimator=gae"])
     assert gae.actor.share_prompt_prefix is False
-    grpo = load_config(None, ["critic.padding_free=true", "algo.adv_estimator=grpo"])  # no critic: critic.padding_free is unused
+    # no critic: critic.padding_free is unused
+    grpo = load_config(None, ["critic.padding_free=true", "algo.adv_estimator=grpo"])
     assert grpo.actor.share_prompt_prefix is True
     # a section given as an object: its unset default gives way too, an explicit true is refused
     assert TetherConfig(actor=ActorConfig(padding_free=True)).actor.share_prompt_prefix is False
@@ -319,7 +392,9 @@ def test_update_with_lora_and_the_adapter_disabled_reference():
 def test_gradient_checkpointing_update_takes_the_ordinary_pass(monkeypatch):
     calls = []
     real = prefix.shared_prefix_logprobs
-    monkeypatch.setattr(prefix, "shared_prefix_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or real(*a, **k))
+    monkeypatch.setattr(
+        prefix, "shared_prefix_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled()) or real(*a, **k)
+    )
     model = _model()
     model.gradient_checkpointing_enable()
     b = _batch()
@@ -359,7 +434,9 @@ def _critic(share: bool):
         backbone.load_state_dict(_model().model.state_dict())
         vm = ValueModel(backbone, 32)
         torch.nn.init.normal_(vm.value_head.weight)  # the head starts at 0: give the backbone a gradient
-    critic = CriticWorker(vm, lr=1.0, grad_clip=1e9, micro_batch_size=4, value_clip=0.2, norm_constant=6.0, share_prompt_prefix=share)
+    critic = CriticWorker(
+        vm, lr=1.0, grad_clip=1e9, micro_batch_size=4, value_clip=0.2, norm_constant=6.0, share_prompt_prefix=share
+    )
     critic.optimizer = torch.optim.SGD(vm.parameters(), lr=1.0)  # the parameter change is the gradient
     return critic
 
@@ -376,7 +453,9 @@ def test_critic_values_and_update_equal_the_ordinary_path(monkeypatch):
         b.returns = b.values + torch.randn(b.values.shape, generator=torch.Generator().manual_seed(4))
         before = [p.detach().clone() for p in critic.model.parameters()]
         metrics = critic.update(b, ppo_epochs=1, mini_batch_size=10, agg_mode="token-mean", seed=0, step=1)
-        out.append((b.values, metrics, [p0 - p.detach() for p0, p in zip(before, critic.model.parameters(), strict=True)]))
+        out.append(
+            (b.values, metrics, [p0 - p.detach() for p0, p in zip(before, critic.model.parameters(), strict=True)])
+        )
     (v0, m0, g0), (v1, m1, g1) = out
     assert False in calls and True in calls  # the shared path ran in the no-grad pass and in the update
     torch.testing.assert_close(v1, v0, rtol=0, atol=1e-5)

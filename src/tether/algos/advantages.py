@@ -100,9 +100,7 @@ def _scan(x: torch.Tensor, c: float, block: int) -> torch.Tensor:  # (N, T) -> (
     # Value at each block start = its local sum + c^L * value at the next block start. The carry
     # is (N, nb), 1/L of the data, so it runs in float64 for accuracy at no real cost.
     starts = _scan(local[:, :, 0].double(), c**block, block)  # (N, nb)
-    after = torch.nn.functional.pad(starts[:, 1:], (0, 1)).to(
-        x.dtype
-    )  # (N, nb): value at the next block start
+    after = torch.nn.functional.pad(starts[:, 1:], (0, 1)).to(x.dtype)  # (N, nb): value at the next block start
     tail = torch.pow(  # c^(L - i), i = 0..L-1
         torch.tensor(c, dtype=torch.float64, device=x.device),
         torch.arange(block, 0, -1, device=x.device, dtype=torch.float64),
@@ -167,9 +165,7 @@ def _check_bt(mask: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"response_mask must be (B, T), got {tuple(mask.shape)}")
     for name, x in tensors.items():
         if tuple(x.shape) != tuple(mask.shape):
-            raise ValueError(
-                f"{name} must have the shape of response_mask {tuple(mask.shape)}, got {tuple(x.shape)}"
-            )
+            raise ValueError(f"{name} must have the shape of response_mask {tuple(mask.shape)}, got {tuple(x.shape)}")
     return as_bool_mask(mask)
 
 
@@ -484,9 +480,7 @@ def compute_reinforce_pp_advantages(
     dtype = _float_dtype(token_level_rewards)
     dtype = _compute_dtype(token_level_rewards)
     r_c, pos = _compact(token_level_rewards, m, dtype)
-    returns = _expand(reverse_discounted_cumsum(r_c, gamma), pos, m.to(dtype)).to(
-        _float_dtype(token_level_rewards)
-    )
+    returns = _expand(reverse_discounted_cumsum(r_c, gamma), pos, m.to(dtype)).to(_float_dtype(token_level_rewards))
     return masked_whiten(returns, m), returns
 
 
@@ -588,9 +582,7 @@ def _adv_grpo(inputs: AdvantageInputs):
 
 def _adv_drgrpo(inputs: AdvantageInputs):
     ids = _need_groups("drgrpo", inputs)
-    return compute_grpo_advantages(
-        _scores(inputs), inputs.response_mask, ids, norm_by_std="none", eps=inputs.eps
-    )
+    return compute_grpo_advantages(_scores(inputs), inputs.response_mask, ids, norm_by_std="none", eps=inputs.eps)
 
 
 def _adv_rloo(inputs: AdvantageInputs):
@@ -598,9 +590,7 @@ def _adv_rloo(inputs: AdvantageInputs):
 
 
 def _adv_rpp(inputs: AdvantageInputs):
-    return compute_reinforce_pp_advantages(
-        inputs.token_level_rewards, inputs.response_mask, gamma=inputs.gamma
-    )
+    return compute_reinforce_pp_advantages(inputs.token_level_rewards, inputs.response_mask, gamma=inputs.gamma)
 
 
 def _adv_rpp_baseline(inputs: AdvantageInputs):
@@ -638,7 +628,5 @@ def compute_advantages(estimator: str, inputs: AdvantageInputs) -> tuple[torch.T
     """
     fn = _REGISTRY.get(estimator)
     if fn is None:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ADVANTAGE_ESTIMATORS)}")
     return fn(inputs)

@@ -81,9 +81,7 @@ class KLController:
         if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
             raise ValueError(f"beta_min ({beta_min!r}) must be <= beta_max ({beta_max!r})")
         if self._coef_must_be_in_bounds and self._clamp(coef) != coef:
-            raise ValueError(
-                f"coef ({coef!r}) must lie within [beta_min, beta_max] = [{beta_min!r}, {beta_max!r}]"
-            )
+            raise ValueError(f"coef ({coef!r}) must lie within [beta_min, beta_max] = [{beta_min!r}, {beta_max!r}]")
         self._value = coef
         self.n_updates = 0
 
@@ -357,9 +355,7 @@ class ScheduledKLController(KLController):
                 n, b = stage
                 last = i == len(stages) - 1
                 if isinstance(n, bool) or int(n) != n or n < (0 if last else 1):
-                    raise ValueError(
-                        f"stages[{i}] num_steps must be an integer >= {0 if last else 1}, got {n!r}"
-                    )
+                    raise ValueError(f"stages[{i}] num_steps must be an integer >= {0 if last else 1}, got {n!r}")
                 b = _finite(f"stages[{i}] beta", b)
                 if b < 0:
                     raise ValueError(f"stages[{i}] beta must be >= 0, got {b!r}")
@@ -377,9 +373,7 @@ class ScheduledKLController(KLController):
                 or int(total_steps) != total_steps
                 or total_steps < 1
             ):
-                raise ValueError(
-                    f"total_steps must be an integer >= 1 for kind={kind!r}, got {total_steps!r}"
-                )
+                raise ValueError(f"total_steps must be an integer >= 1 for kind={kind!r}, got {total_steps!r}")
             self.total_steps = int(total_steps)
         super().__init__(coef, beta_min=beta_min, beta_max=beta_max)
         self.coef = self._value

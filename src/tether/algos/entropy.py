@@ -47,7 +47,8 @@ def entropy_quantile_threshold(entropy: torch.Tensor, mask: torch.Tensor, q: flo
         return float("nan")
     v = torch.sort(values).values
     p = q * (n - 1)
-    if abs(p - round(p)) < 1e-9:  # 1 - rho's float rounding (1 - 0.9 = 0.0999...98) must not move p off an order statistic
+    # 1 - rho's float rounding (1 - 0.9 = 0.0999...98) must not move p off an order statistic
+    if abs(p - round(p)) < 1e-9:
         p = float(round(p))
     lo = math.floor(p)
     hi = min(lo + 1, n - 1)

@@ -214,7 +214,9 @@ def off_policy_kl_penalty(
         raise ValueError(f"is_log_ratio_clamp must be > 0, got {is_log_ratio_clamp!r}")
     kl = kl_penalty(logprobs, ref_logprobs, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
     name = canonical_kl_estimator(estimator)
-    log_rho = (logprobs.to(kl.dtype) - old_logprobs.detach().to(kl.dtype)).clamp(-is_log_ratio_clamp, is_log_ratio_clamp)
+    log_rho = (logprobs.to(kl.dtype) - old_logprobs.detach().to(kl.dtype)).clamp(
+        -is_log_ratio_clamp, is_log_ratio_clamp
+    )
     rho = torch.exp(log_rho)  # (B, T) π_θ/π_old, differentiable through logprobs
     if name in _VALUE_ESTIMATORS:
         return rho * kl
@@ -267,9 +269,7 @@ def token_level_rewards_from_kl(
     way (``token_level_scores`` at ``response_length - 1``).
     """
     if kl.dim() != 2 or tuple(kl.shape) != tuple(response_mask.shape):
-        raise ValueError(
-            f"kl {tuple(kl.shape)} and response_mask {tuple(response_mask.shape)} must both be (B, T)"
-        )
+        raise ValueError(f"kl {tuple(kl.shape)} and response_mask {tuple(response_mask.shape)} must both be (B, T)")
     if tuple(scores.shape) != (kl.shape[0],):
         raise ValueError(f"scores must have shape (B,) = ({kl.shape[0]},), got {tuple(scores.shape)}")
     if not isinstance(coef, torch.Tensor) and coef < 0:
@@ -317,9 +317,7 @@ def apply_kl_penalty(
 
     Source: verl ``ray_trainer.apply_kl_penalty`` without its hidden controller update.
     """
-    kl = kl_penalty(
-        logprobs, ref_logprobs, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp
-    )
+    kl = kl_penalty(logprobs, ref_logprobs, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp)
     return token_level_rewards_from_kl(scores, kl, response_mask, coef)
 
 

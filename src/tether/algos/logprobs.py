@@ -74,9 +74,7 @@ def _zero_nan_(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
-def _log_probs(
-    chunk: torch.Tensor, temperature: float, dtype: torch.dtype, lse: torch.Tensor
-) -> torch.Tensor:
+def _log_probs(chunk: torch.Tensor, temperature: float, dtype: torch.dtype, lse: torch.Tensor) -> torch.Tensor:
     """Private (kb, kt, V) log-softmax of ``chunk / temperature`` given its logsumexp (kb, kt)."""
     z, private = _scaled(chunk, temperature, dtype)
     return z.sub_(lse[..., None]) if private else z - lse[..., None]
@@ -171,9 +169,7 @@ def _as_btv(logits: torch.Tensor, ids: torch.Tensor | None):
         raise ValueError(f"logits must have shape (..., V), got {tuple(logits.shape)}")
     lead = tuple(logits.shape[:-1])
     if ids is not None and tuple(ids.shape) != lead:
-        raise ValueError(
-            f"ids must have shape {lead} to match logits {tuple(logits.shape)}, got {tuple(ids.shape)}"
-        )
+        raise ValueError(f"ids must have shape {lead} to match logits {tuple(logits.shape)}, got {tuple(ids.shape)}")
     if logits.dim() == 2:  # (N, V) -> (1, N, V)
         x = logits.unsqueeze(0)
     elif logits.dim() == 3:
@@ -233,9 +229,7 @@ def logprobs_from_logits(
     Chunked and differentiable; see :func:`logprobs_and_entropy_from_logits` for details,
     errors and source.
     """
-    return logprobs_and_entropy_from_logits(
-        logits, ids, temperature, with_entropy=False, chunk_size=chunk_size
-    )[0]
+    return logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=False, chunk_size=chunk_size)[0]
 
 
 def entropy_from_logits(
@@ -269,9 +263,7 @@ class _FullKL(torch.autograd.Function):
         out = torch.empty(b, t, dtype=dtype, device=logits.device)
         for bs, ts in _chunks(b, t, rows):
             logp = _FullKL._log_softmax(logits[bs, ts], temperature, dtype)  # (kb, kt, V)
-            diff = (
-                _FullKL._log_softmax(ref_logits[bs, ts], temperature, dtype).neg_().add_(logp)
-            )  # log p - log q
+            diff = _FullKL._log_softmax(ref_logits[bs, ts], temperature, dtype).neg_().add_(logp)  # log p - log q
             out[bs, ts] = _zero_nan_(diff.mul_(logp.exp_())).sum(-1)  # Σ p (log p - log q), 0 log 0 = 0
             del logp, diff
         ctx.save_for_backward(logits, ref_logits, out)

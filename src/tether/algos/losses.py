@@ -56,9 +56,7 @@ def _check_pair(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
     if mask.dim() != 2:
         raise ValueError(f"response_mask must be (B, T), got {tuple(mask.shape)}")
     if tuple(x.shape) != tuple(mask.shape):
-        raise ValueError(
-            f"{name} must have the shape of response_mask {tuple(mask.shape)}, got {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name} must have the shape of response_mask {tuple(mask.shape)}, got {tuple(x.shape)}")
 
 
 def agg_loss(
@@ -342,12 +340,17 @@ def kl_loss(
     else:
         _check_pair("old_logprobs", old_logprobs, response_mask)
         old = torch.where(m, old_logprobs, zero.to(old_logprobs.dtype))
-        kl = off_policy_kl_penalty(lp, ref, old, estimator, log_ratio_clamp=log_ratio_clamp, value_clamp=value_clamp,
-                                   is_log_ratio_clamp=is_log_ratio_clamp)  # fmt: skip
+        kl = off_policy_kl_penalty(
+            lp,
+            ref,
+            old,
+            estimator,
+            log_ratio_clamp=log_ratio_clamp,
+            value_clamp=value_clamp,
+            is_log_ratio_clamp=is_log_ratio_clamp,
+        )
     if weights is not None:
         _check_pair("weights", weights, response_mask)
         kl = kl * torch.where(m, weights.detach().to(kl.dtype), torch.zeros((), dtype=kl.dtype, device=kl.device))
-    loss = agg_loss(
-        kl, m, agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=norm_constant
-    )
+    loss = agg_loss(kl, m, agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=norm_constant)
     return loss, {"policy/kl_loss": float(loss.detach())}

@@ -24,9 +24,7 @@ def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def masked_sum(
-    x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False
-) -> torch.Tensor:
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False) -> torch.Tensor:
     """Sum of ``x`` over the positions where ``mask`` is non-zero.
 
     Args:
@@ -52,9 +50,7 @@ def masked_count(mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False) 
     return m.sum(dim=dim, keepdim=keepdim)
 
 
-def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False
-) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, *, keepdim: bool = False) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is non-zero.
 
     Args:
@@ -98,14 +94,10 @@ def masked_var(
     sq = masked_sum(centred * centred, m, dim, keepdim=keepdim)
     n = masked_count(m, dim, keepdim=keepdim).to(sq.dtype)
     denom = (n - 1.0) if unbiased else n
-    return torch.where(
-        denom > 0, sq / denom.clamp(min=1.0), torch.zeros((), dtype=sq.dtype, device=sq.device)
-    )
+    return torch.where(denom > 0, sq / denom.clamp(min=1.0), torch.zeros((), dtype=sq.dtype, device=sq.device))
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Whiten ``x`` with the mean and unbiased variance of its counted positions.
 
     ``out = (x - mean) / sqrt(var + eps)`` on counted positions (``+ mean`` again when

@@ -25,7 +25,8 @@ Metrics (floats, over this call's valid tokens), for every mode: ``policy/pg_los
 ``policy/clipfrac`` (the fraction of tokens whose gradient the mode's trust region cut or capped),
 ``policy/clipfrac_lower`` (the lower side where a mode has one, else 0), ``policy/approx_kl``
 (mean log π_old − log π, nats per token, the k1 estimate of KL(π_old‖π_θ)). Sequence-level modes add
-``policy/seq_ratio_mean`` and ``policy/seq_ratio_abs_dev`` (mean |s − 1|), each response weighted by its tokens; ``clip_cov`` and ``kl_cov``
+``policy/seq_ratio_mean`` and ``policy/seq_ratio_abs_dev`` (mean |s − 1|), each response weighted by its tokens;
+``clip_cov`` and ``kl_cov``
 add ``policy/cov_selected_frac``.
 """
 
@@ -73,7 +74,10 @@ def _seq_ratio_metrics(s: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
     """The sequence ratios' mean and mean distance from 1, each response weighted by its valid tokens (so that the
     actor's token-share average over micro-batches and ranks is exact)."""
     s = s.detach().to(torch.float64).unsqueeze(-1).expand(m.shape)
-    return {"policy/seq_ratio_mean": float(masked_mean(s, m)) if bool(m.any()) else 1.0, "policy/seq_ratio_abs_dev": _frac((s - 1).abs(), m)}
+    return {
+        "policy/seq_ratio_mean": float(masked_mean(s, m)) if bool(m.any()) else 1.0,
+        "policy/seq_ratio_abs_dev": _frac((s - 1).abs(), m),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ modes
@@ -101,7 +105,10 @@ def _gspo_token(lp, old, adv, m, *, log_ratio_clamp, clip_eps_low, clip_eps_high
     log_st = (lp - lp.detach()) + log_s.detach().unsqueeze(-1)
     st = torch.exp(log_st)
     unclipped, clipped = -adv * st, -adv * st.clamp(1 - clip_eps_low, 1 + clip_eps_high)
-    return torch.maximum(unclipped, clipped), {"policy/clipfrac": _frac(clipped > unclipped, m), **_seq_ratio_metrics(torch.exp(log_s), m)}
+    return torch.maximum(unclipped, clipped), {
+        "policy/clipfrac": _frac(clipped > unclipped, m),
+        **_seq_ratio_metrics(torch.exp(log_s), m),
+    }
 
 
 def _gmpo(lp, old, adv, m, *, log_ratio_clamp, clip_eps_low, clip_eps_high, **_):
@@ -120,8 +127,10 @@ def _gmpo(lp, old, adv, m, *, log_ratio_clamp, clip_eps_low, clip_eps_high, **_)
     loss_tok = (-a * s).unsqueeze(-1).expand_as(lp)
     cut = lr != lr_c
     return loss_tok, {
-        "policy/clipfrac": _frac(cut & (adv > 0), m), "policy/clipfrac_lower": _frac(cut & (adv < 0), m), **_seq_ratio_metrics(s, m),
-    }  # fmt: skip
+        "policy/clipfrac": _frac(cut & (adv > 0), m),
+        "policy/clipfrac_lower": _frac(cut & (adv < 0), m),
+        **_seq_ratio_metrics(s, m),
+    }
 
 
 def _cispo(lp, old, adv, m, *, log_ratio_clamp, clip_eps_low, clip_eps_high, **_):
@@ -157,8 +166,21 @@ def _cov(adv, lp, m):
     return (a - masked_mean(a, m)) * (l_ - masked_mean(l_, m))
 
 
-def _clip_cov(lp, old, adv, m, *, log_ratio_clamp, clip_eps_low, clip_eps_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
-              generator=None, **_):  # fmt: skip
+def _clip_cov(
+    lp,
+    old,
+    adv,
+    m,
+    *,
+    log_ratio_clamp,
+    clip_eps_low,
+    clip_eps_high,
+    clip_cov_ratio,
+    clip_cov_lb,
+    clip_cov_ub,
+    generator=None,
+    **_,
+):
     """Clip-Cov (Cui et al. 2025, arXiv 2505.22617, eq. 11): PPO's clipped surrogate, and in addition
     max(1, ⌊r·N⌋) tokens drawn at random from those the clip left alone whose covariance term
     (A − Ā)(log π − mean log π) lies in (lb, ub) lose their gradient (their loss is 0, as verl). Defaults
@@ -251,7 +273,9 @@ _MODES: dict[str, _Mode] = {
     "gmpo": _Mode(_gmpo, "seq-mean-token-mean", {"clip_eps_low": 0.4, "clip_eps_high": 0.4}),
     "cispo": _Mode(_cispo, "token-mean", {"clip_eps_low": None, "clip_eps_high": 0.2}),
     "sapo": _Mode(_sapo, "seq-mean-token-mean", {"tau_pos": 1.0, "tau_neg": 1.05}),
-    "clip_cov": _Mode(_clip_cov, "token-mean", {**_PPO_HYPER, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}),
+    "clip_cov": _Mode(
+        _clip_cov, "token-mean", {**_PPO_HYPER, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
+    ),
     "kl_cov": _Mode(_kl_cov, "token-mean", {"kl_cov_ratio": 2e-4, "kl_cov_coef": 0.1}),
     "dppo_tv": _Mode(_dppo_tv, "token-mean", {"delta_low": 0.2, "delta_high": 0.2, "is_cap": 20.0}),
     "dppo_kl": _Mode(_dppo_kl, "token-mean", {"delta_low": 0.05, "delta_high": 0.05, "is_cap": 20.0}),
@@ -272,7 +296,9 @@ def _check_hyper(name: str, hyper: dict) -> dict:
     allowed = POLICY_LOSS_HYPER[name]
     unknown = sorted(set(hyper) - set(allowed))
     if unknown:
-        raise ValueError(f"policy loss {name!r} takes no {', '.join(unknown)}; its hyper-parameters: {', '.join(allowed) or 'none'}")
+        raise ValueError(
+            f"policy loss {name!r} takes no {', '.join(unknown)}; its hyper-parameters: {', '.join(allowed) or 'none'}"
+        )
     h = {**allowed, **hyper}
     for k, v in h.items():
         if k == "clip_eps_low" and v is None and name == "cispo":
@@ -292,7 +318,9 @@ def _check_hyper(name: str, hyper: dict) -> dict:
     if name == "gmpo" and not h["clip_eps_low"] > 0:
         raise ValueError(f"policy loss 'gmpo': clip_eps_low (log space) must be > 0, got {h['clip_eps_low']!r}")
     if name == "clip_cov" and not h["clip_cov_lb"] < h["clip_cov_ub"]:
-        raise ValueError(f"policy loss 'clip_cov': clip_cov_lb ({h['clip_cov_lb']}) must be below clip_cov_ub ({h['clip_cov_ub']})")
+        raise ValueError(
+            f"policy loss 'clip_cov': clip_cov_lb ({h['clip_cov_lb']}) must be below clip_cov_ub ({h['clip_cov_ub']})"
+        )
     return h
 
 
@@ -346,9 +374,18 @@ def policy_loss(
     agg = POLICY_LOSS_AGG[name] if agg_mode is None else agg_mode
     if name == "vanilla":
         return ppo_policy_loss(
-            logprobs, old_logprobs, advantages, response_mask, agg_mode=agg, total_tokens=total_tokens, total_seqs=total_seqs,
-            norm_constant=norm_constant, log_ratio_clamp=log_ratio_clamp, weights=weights, **h,
-        )  # fmt: skip
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            agg_mode=agg,
+            total_tokens=total_tokens,
+            total_seqs=total_seqs,
+            norm_constant=norm_constant,
+            log_ratio_clamp=log_ratio_clamp,
+            weights=weights,
+            **h,
+        )
     for n, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         _check_pair(n, x, response_mask)
     if not log_ratio_clamp > 0:

@@ -56,20 +56,29 @@ IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "geometric")
 """``algo.rollout_correction.level`` values: what each weight is the ratio of."""
 
 IS_MODES: tuple[str, ...] = ("truncate", "mask")
-"""``algo.rollout_correction.mode`` values: TIS (truncate at ``threshold``) or MIS/IcePop (zero outside [lower, threshold])."""
+"""``algo.rollout_correction.mode`` values: TIS (truncate at ``threshold``) or MIS/IcePop (zero outside [lower,
+threshold])."""
 
 REJECT_CRITERIA: tuple[str, ...] = (
     "none",
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 """``algo.rollout_correction.reject`` values (verl's ``rollout_rs`` names)."""
 
 
 def _divergence(delta: torch.Tensor, kind: str, log_ratio_clamp: float) -> torch.Tensor:
-    """(B, T) single-sample estimate of KL(π_rollout‖π_old) at each sampled token, nats; δ = log π_old − log π_rollout."""
+    """(B, T) single-sample estimate of KL(π_rollout‖π_old) at each sampled token, nats; δ = log π_old − log
+    π_rollout."""
     if kind == "k1":
         return -delta
     if kind == "k2":
@@ -77,7 +86,9 @@ def _divergence(delta: torch.Tensor, kind: str, log_ratio_clamp: float) -> torch
     return _k3(-delta.clamp(-log_ratio_clamp, log_ratio_clamp))  # k3 = e^δ − 1 − δ ≥ 0, accurate near 0
 
 
-def _reject_keep(delta: torch.Tensor, m: torch.Tensor, criterion: str, threshold: float, log_ratio_clamp: float) -> torch.Tensor:
+def _reject_keep(
+    delta: torch.Tensor, m: torch.Tensor, criterion: str, threshold: float, log_ratio_clamp: float
+) -> torch.Tensor:
     """(B, T) bool: the valid tokens ``criterion`` keeps (a sequence criterion keeps or drops whole rows)."""
     scope, _, kind = criterion.rpartition("_")
     stat = _divergence(delta, kind, log_ratio_clamp)  # (B, T)
@@ -154,17 +165,27 @@ def rollout_correction(
     """
     for name, x in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
         if tuple(x.shape) != tuple(response_mask.shape) or x.dim() != 2:
-            raise ValueError(f"{name} {tuple(x.shape)} must have the (B, T) shape of response_mask {tuple(response_mask.shape)}")
-    for name, value, valid in (("level", level, IS_LEVELS), ("mode", mode, IS_MODES), ("reject", reject, REJECT_CRITERIA)):
+            raise ValueError(
+                f"{name} {tuple(x.shape)} must have the (B, T) shape of response_mask {tuple(response_mask.shape)}"
+            )
+    for name, value, valid in (
+        ("level", level, IS_LEVELS),
+        ("mode", mode, IS_MODES),
+        ("reject", reject, REJECT_CRITERIA),
+    ):
         if value not in valid:
             raise ValueError(f"unknown rollout-correction {name} {value!r}; valid: {', '.join(valid)}")
     if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold > 0):
         raise ValueError(f"threshold must be a finite number > 0, got {threshold!r}")
     lo = 1.0 / threshold if lower is None else lower
     if mode == "mask" and level != "none" and not 0 < lo <= threshold:
-        raise ValueError(f"mode='mask' needs lower in (0, threshold={threshold}], got {lower!r}"
-                         + (" (the default 1/threshold is above a threshold below 1: set lower)" if lower is None else ""))
-    if reject != "none" and not (reject_threshold is not None and math.isfinite(reject_threshold) and reject_threshold > 0):
+        raise ValueError(
+            f"mode='mask' needs lower in (0, threshold={threshold}], got {lower!r}"
+            + (" (the default 1/threshold is above a threshold below 1: set lower)" if lower is None else "")
+        )
+    if reject != "none" and not (
+        reject_threshold is not None and math.isfinite(reject_threshold) and reject_threshold > 0
+    ):
         raise ValueError(f"reject={reject!r} needs reject_threshold > 0 (nats), got {reject_threshold!r}")
 
     m = as_bool_mask(response_mask)

@@ -47,8 +47,18 @@ from tether.rewards.math import extract_last_boxed
 
 from .rows import MAX_REPORTED_ERRORS, DataError, not_an_object, read_records, write_records
 
-__all__ = ["AIME_DATA_SOURCE", "CONVERTERS", "GPQA_DATA_SOURCE", "MATH500_DATA_SOURCE", "TEMPLATES", "convert_aime", "convert_gpqa",
-           "convert_math500", "fill_template", "gpqa_options"]  # fmt: skip
+__all__ = [
+    "AIME_DATA_SOURCE",
+    "CONVERTERS",
+    "GPQA_DATA_SOURCE",
+    "MATH500_DATA_SOURCE",
+    "TEMPLATES",
+    "convert_aime",
+    "convert_gpqa",
+    "convert_math500",
+    "fill_template",
+    "gpqa_options",
+]
 
 AIME_DATA_SOURCE = "aime"
 MATH500_DATA_SOURCE = "HuggingFaceH4/MATH-500"
@@ -79,7 +89,10 @@ def fill_template(template: str, **fields: str) -> str:
 def _check_template(template: str, kind: str) -> None:
     missing = [p for p in _PLACEHOLDERS[kind] if "{" + p + "}" not in template]
     if missing:
-        raise DataError(f"the {kind} template needs the placeholder(s) {', '.join('{' + p + '}' for p in missing)}; got {template!r}")
+        raise DataError(
+            f"the {kind} template needs the placeholder(s) {', '.join('{' + p + '}' for p in missing)}; got "
+            f"{template!r}"
+        )
 
 
 def _read_source(src: Path) -> list[tuple[str, Any]]:
@@ -97,7 +110,8 @@ def _read_source(src: Path) -> list[tuple[str, Any]]:
     if not src.is_file():
         raise DataError(f"{src}: no such file")
     try:
-        text = src.read_bytes().decode("utf-8")  # the whole file at once: the error's position is the file's byte offset
+        # the whole file at once: the error's position is the file's byte offset
+        text = src.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{src}: not a UTF-8 text file, so not .csv: {e}; re-save it as UTF-8") from e
     if text.startswith("\ufeff"):
@@ -128,7 +142,11 @@ def _convert(src: str | Path, out: str | Path, make_row: Callable[[int, dict], d
         else:
             records.append(row)
     if bad:
-        raise DataError(f"{src}: {len(bad)} malformed row(s):\n  " + "\n  ".join(bad[:MAX_REPORTED_ERRORS]), bad[:MAX_REPORTED_ERRORS], len(bad))
+        raise DataError(
+            f"{src}: {len(bad)} malformed row(s):\n  " + "\n  ".join(bad[:MAX_REPORTED_ERRORS]),
+            bad[:MAX_REPORTED_ERRORS],
+            len(bad),
+        )
     if not records:
         raise DataError(f"{src}: empty dataset (no rows)")
     return write_records(records, out)
@@ -138,8 +156,14 @@ def _text(v: Any) -> str | None:
     return v.strip() if isinstance(v, str) and v.strip() else None
 
 
-def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES["aime"], data_source: str = AIME_DATA_SOURCE,
-                 split: str = "test") -> int:  # fmt: skip
+def convert_aime(
+    src: str | Path,
+    out: str | Path,
+    *,
+    template: str = TEMPLATES["aime"],
+    data_source: str = AIME_DATA_SOURCE,
+    split: str = "test",
+) -> int:
     """Convert an AIME file (``problem``/``question``, ``answer``) to verl-schema rows.
 
     Returns:
@@ -164,14 +188,25 @@ def convert_aime(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
             return str(e)
         extra = {"split": split, "index": i, "problem": problem}
         extra |= {k: _field(rec, k) for k in ("id", "year", "url") if _field(rec, k) is not None}
-        return {"data_source": data_source, "prompt": [{"role": "user", "content": fill_template(template, problem=problem)}],
-                "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(gt)}, "extra_info": extra}  # fmt: skip
+        return {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": fill_template(template, problem=problem)}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(gt)},
+            "extra_info": extra,
+        }
 
     return _convert(src, out, row)
 
 
-def convert_math500(src: str | Path, out: str | Path, *, template: str = TEMPLATES["math500"], data_source: str = MATH500_DATA_SOURCE,
-                    split: str = "test") -> int:  # fmt: skip
+def convert_math500(
+    src: str | Path,
+    out: str | Path,
+    *,
+    template: str = TEMPLATES["math500"],
+    data_source: str = MATH500_DATA_SOURCE,
+    split: str = "test",
+) -> int:
     """Convert a MATH / MATH-500 file (``problem``, ``answer`` or a ``solution`` with ``\\boxed{}``).
 
     Returns:
@@ -196,13 +231,20 @@ def convert_math500(src: str | Path, out: str | Path, *, template: str = TEMPLAT
             return "no 'answer' (and no \\boxed{} answer in 'solution')"
         extra = {"split": split, "index": i, "problem": problem}
         extra |= {k: _field(rec, k) for k in ("subject", "level", "unique_id") if _field(rec, k) is not None}
-        return {"data_source": data_source, "prompt": [{"role": "user", "content": fill_template(template, problem=problem)}],
-                "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": extra}  # fmt: skip
+        return {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": fill_template(template, problem=problem)}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": extra,
+        }
 
     return _convert(src, out, row)
 
 
-def gpqa_options(question: str, correct: str, incorrect: list[str], seed: int = 0) -> tuple[dict[str, str], str, list[int]]:
+def gpqa_options(
+    question: str, correct: str, incorrect: list[str], seed: int = 0
+) -> tuple[dict[str, str], str, list[int]]:
     """The four options of a GPQA question in their shuffled order.
 
     Returns:
@@ -216,8 +258,15 @@ def gpqa_options(question: str, correct: str, incorrect: list[str], seed: int = 
     return choices, "ABCD"[perm.index(0)], perm
 
 
-def convert_gpqa(src: str | Path, out: str | Path, *, template: str = TEMPLATES["gpqa"], data_source: str = GPQA_DATA_SOURCE,
-                 seed: int = 0, split: str = "test") -> int:  # fmt: skip
+def convert_gpqa(
+    src: str | Path,
+    out: str | Path,
+    *,
+    template: str = TEMPLATES["gpqa"],
+    data_source: str = GPQA_DATA_SOURCE,
+    seed: int = 0,
+    split: str = "test",
+) -> int:
     """Convert a GPQA file (``Question``, ``Correct Answer``, ``Incorrect Answer 1..3``; csv, jsonl,
     json or parquet) to verl-schema rows with the options shuffled per question (:func:`gpqa_options`).
 
@@ -235,17 +284,40 @@ def convert_gpqa(src: str | Path, out: str | Path, *, template: str = TEMPLATES[
         q = _text(_field(rec, "Question"))
         correct = _text(_field(rec, "Correct Answer"))
         wrong = [_text(_field(rec, f"Incorrect Answer {j}")) for j in (1, 2, 3)]
-        missing = [name for name, v in (("Question", q), ("Correct Answer", correct), *((f"Incorrect Answer {j}", w) for j, w in
-                   zip((1, 2, 3), wrong, strict=True))) if v is None]  # fmt: skip
+        missing = [
+            name
+            for name, v in (
+                ("Question", q),
+                ("Correct Answer", correct),
+                *((f"Incorrect Answer {j}", w) for j, w in zip((1, 2, 3), wrong, strict=True)),
+            )
+            if v is None
+        ]
         if missing:
             return f"missing or empty field(s) {missing}"
         choices, letter, perm = gpqa_options(q, correct, wrong, seed)
-        extra = {"split": split, "index": i, "question": q, "choices": choices, "correct_answer": correct, "permutation": perm,
-                 "shuffle_seed": seed}  # fmt: skip
-        extra |= {k.lower().replace(" ", "_"): _field(rec, k) for k in ("Record ID", "Subdomain", "High-level domain") if _field(rec, k)}
+        extra = {
+            "split": split,
+            "index": i,
+            "question": q,
+            "choices": choices,
+            "correct_answer": correct,
+            "permutation": perm,
+            "shuffle_seed": seed,
+        }
+        extra |= {
+            k.lower().replace(" ", "_"): _field(rec, k)
+            for k in ("Record ID", "Subdomain", "High-level domain")
+            if _field(rec, k)
+        }
         content = fill_template(template, question=q, **choices)
-        return {"data_source": data_source, "prompt": [{"role": "user", "content": content}], "ability": "science",
-                "reward_model": {"style": "rule", "ground_truth": letter}, "extra_info": extra}  # fmt: skip
+        return {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": content}],
+            "ability": "science",
+            "reward_model": {"style": "rule", "ground_truth": letter},
+            "extra_info": extra,
+        }
 
     return _convert(src, out, row)
 

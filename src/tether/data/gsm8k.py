@@ -77,10 +77,19 @@ def _load_src(src: Path, required: tuple[str, ...]) -> list[tuple[str, dict]]:
         out.append((loc, rec))
     if problems:
         converted = any(isinstance(rec, dict) and "prompt" in rec and "reward_model" in rec for _, rec in located)
-        hint = (f"\n{src} looks already converted to verl's schema (it has 'prompt' and 'reward_model'): train on it "
-                f"directly with data.train_files={src}") if converted else ""
-        raise DataError(f"{src}: {len(problems)} malformed row(s):\n  " + "\n  ".join(problems[:20]) + hint,
-                        problems[:20], len(problems))
+        hint = (
+            (
+                f"\n{src} looks already converted to verl's schema (it has 'prompt' and 'reward_model'): train on it "
+                f"directly with data.train_files={src}"
+            )
+            if converted
+            else ""
+        )
+        raise DataError(
+            f"{src}: {len(problems)} malformed row(s):\n  " + "\n  ".join(problems[:20]) + hint,
+            problems[:20],
+            len(problems),
+        )
     if not out:
         raise DataError(f"{src}: empty dataset (no rows)")
     return out
@@ -120,16 +129,19 @@ def convert_gsm8k(
             bad.append(f"{src}: {loc}: 'answer' has no '#### <number>' final line")
             continue
         q = rec["question"]
-        records.append({
-            "data_source": GSM8K_DATA_SOURCE,
-            "prompt": [{"role": "user", "content": q + instruction_suffix}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": gt},
-            "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": q},
-        })
+        records.append(
+            {
+                "data_source": GSM8K_DATA_SOURCE,
+                "prompt": [{"role": "user", "content": q + instruction_suffix}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": gt},
+                "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": q},
+            }
+        )
     if bad:
-        raise DataError(f"{src}: {len(bad)} row(s) without a final answer:\n  " + "\n  ".join(bad[:20]),
-                        bad[:20], len(bad))
+        raise DataError(
+            f"{src}: {len(bad)} row(s) without a final answer:\n  " + "\n  ".join(bad[:20]), bad[:20], len(bad)
+        )
     return write_records(records, out)
 
 
@@ -175,16 +187,23 @@ def convert_gsm8k_solutions(
                 bad.append(f"{src}: {loc}: no solution under {m!r}")
                 continue
             ok = bool(sol.get("is_correct"))
-            records.append({
-                "data_source": GSM8K_DATA_SOURCE,
-                "prompt": [{"role": "user", "content": rec["question"] + instruction_suffix}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": gt},
-                "extra_info": {"split": "test", "index": i, "question": rec["question"], "model": m,
-                               "is_correct": ok},
-                "response": sol["solution"],
-                "score": 1.0 if ok else 0.0,
-            })
+            records.append(
+                {
+                    "data_source": GSM8K_DATA_SOURCE,
+                    "prompt": [{"role": "user", "content": rec["question"] + instruction_suffix}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": gt},
+                    "extra_info": {
+                        "split": "test",
+                        "index": i,
+                        "question": rec["question"],
+                        "model": m,
+                        "is_correct": ok,
+                    },
+                    "response": sol["solution"],
+                    "score": 1.0 if ok else 0.0,
+                }
+            )
     if bad:
         raise DataError(f"{src}: {len(bad)} problem(s):\n  " + "\n  ".join(bad[:20]), bad[:20], len(bad))
     return write_records(records, out)

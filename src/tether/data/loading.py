@@ -42,7 +42,9 @@ def _embedded_rows(split: str, n: int, seed: int, task: str = "digitsum") -> lis
 
 def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """(train rows, val rows) from the data config. Raises DataError/ConfigError before training."""
-    kwargs = dict(prompt_key=cfg.prompt_key, response_key=cfg.response_key, score_key=cfg.score_key, skip_invalid=cfg.skip_invalid)
+    kwargs = dict(
+        prompt_key=cfg.prompt_key, response_key=cfg.response_key, score_key=cfg.score_key, skip_invalid=cfg.skip_invalid
+    )
     if cfg.train_files == EMBEDDED:
         train = _embedded_rows("train", cfg.embedded_train_size, seed, cfg.embedded_task)
     else:
@@ -50,7 +52,8 @@ def load_prompt_rows(cfg: DataConfig, seed: int) -> tuple[list[PromptRow], list[
     if cfg.val_files == EMBEDDED or (cfg.val_files is None and cfg.train_files == EMBEDDED):
         val = _embedded_rows("val", cfg.embedded_val_size, seed, cfg.embedded_task)
     elif cfg.val_files is not None:
-        val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key, skip_invalid=cfg.skip_invalid)  # validation generates: no response/score columns
+        # validation generates: no response/score columns
+        val = load_rows(cfg.val_files, prompt_key=cfg.prompt_key, skip_invalid=cfg.skip_invalid)
     elif cfg.val_fraction > 0:
         train, val = split_rows(train, cfg.val_fraction, seed)
     else:
@@ -67,28 +70,50 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
             than ``data.max_dropped_frac`` of the rows overlong with ``drop``, or no row left.
     """
     f = cfg.filter
-    kept, counts = filter_offline_rows(rows, score_min=f.score_min, score_max=f.score_max, drop_empty=f.drop_empty, drop_duplicates=f.drop_duplicates)
+    kept, counts = filter_offline_rows(
+        rows, score_min=f.score_min, score_max=f.score_max, drop_empty=f.drop_empty, drop_duplicates=f.drop_duplicates
+    )
     if counts.dropped:
-        log.warning("data.filter: dropped %d of %d offline rows: %s", counts.dropped, counts.total, counts.describe((f.score_min, f.score_max)))
+        log.warning(
+            "data.filter: dropped %d of %d offline rows: %s",
+            counts.dropped,
+            counts.total,
+            counts.describe((f.score_min, f.score_max)),
+        )
     long = overlong_responses(kept, tokenizer, max_new_tokens)
     if long:
         shown = ", ".join(f"{kept[i].where} ({n} tokens)" for i, n in long[:5])
-        msg = f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} with their EOS: {shown}"
+        msg = (
+            f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} "
+            f"with their EOS: {shown}"
+        )
         mode = cfg.overlong_responses
         if mode == "error":
             raise ConfigError(msg + " (raise rollout.max_new_tokens, or set data.overlong_responses=drop or truncate)")
         if mode == "truncate":
-            log.warning("%s; they are cut there without an EOS and keep the whole response's score (data.overlong_responses=truncate)", msg)
+            log.warning(
+                "%s; they are cut there without an EOS and keep the whole response's score "
+                "(data.overlong_responses=truncate)",
+                msg,
+            )
         elif len(long) > cfg.max_dropped_frac * len(kept):
-            raise ConfigError(f"{msg}: dropping them would leave {len(kept) - len(long)} of {len(kept)} rows, more than "
-                              f"data.max_dropped_frac={cfg.max_dropped_frac:g} of the data gone; raise rollout.max_new_tokens, or set "
-                              "data.overlong_responses=truncate (or data.max_dropped_frac=1 to train on what is left)")  # fmt: skip
+            raise ConfigError(
+                f"{msg}: dropping them would leave {len(kept) - len(long)} of {len(kept)} rows, more than "
+                f"data.max_dropped_frac={cfg.max_dropped_frac:g} of the data gone; raise rollout.max_new_tokens, or "
+                "set "
+                "data.overlong_responses=truncate (or data.max_dropped_frac=1 to train on what is left)"
+            )
         else:
             drop = {i for i, _ in long}
             kept = [r for i, r in enumerate(kept) if i not in drop]
-            log.warning("%s; dropped: a whole response's label does not belong to its prefix (data.overlong_responses=drop)", msg)
+            log.warning(
+                "%s; dropped: a whole response's label does not belong to its prefix (data.overlong_responses=drop)",
+                msg,
+            )
     if not kept and rows:
-        raise ConfigError(f"data.train_files: no offline row left of {len(rows)} after data.filter and data.overlong_responses")
+        raise ConfigError(
+            f"data.train_files: no offline row left of {len(rows)} after data.filter and data.overlong_responses"
+        )
     return kept
 
 
@@ -101,16 +126,25 @@ def prepare_prompts(rows: list[PromptRow], tokenizer, cfg: DataConfig, what: str
         DataError: multi-turn chat prompts and a tokenizer without a chat template
             (:func:`~tether.data.check_chat_template`, which also warns once about single-turn ones).
     """
-    check_chat_template(rows, tokenizer, apply_chat_template=cfg.apply_chat_template, what="MODEL_OR_CHECKPOINT" if what == "DATA" else "actor.model")
+    check_chat_template(
+        rows,
+        tokenizer,
+        apply_chat_template=cfg.apply_chat_template,
+        what="MODEL_OR_CHECKPOINT" if what == "DATA" else "actor.model",
+    )
     texts, ids, kept, overlong = [], [], [], []
     for row in rows:
         try:
-            text = render_prompt(row, tokenizer, apply_chat_template=cfg.apply_chat_template, instruction_suffix=cfg.instruction_suffix)
+            text = render_prompt(
+                row, tokenizer, apply_chat_template=cfg.apply_chat_template, instruction_suffix=cfg.instruction_suffix
+            )
             # a chat template already holds the special tokens it wants (no double BOS)
             templated = isinstance(row.prompt, list) and cfg.apply_chat_template and has_chat_template(tokenizer)
             tok = tokenizer(text, add_special_tokens=not templated)["input_ids"]
         except Exception as e:  # noqa: BLE001 - tokenizers raise plain Exceptions (e.g. a character with no token)
-            raise ConfigError(f"{what}: {row.where} ({str(row.prompt)[:60]!r}) cannot be tokenized by the model's tokenizer: {e}") from None
+            raise ConfigError(
+                f"{what}: {row.where} ({str(row.prompt)[:60]!r}) cannot be tokenized by the model's tokenizer: {e}"
+            ) from None
         if len(tok) > cfg.max_prompt_length:
             overlong.append((row.where, len(tok)))
             continue

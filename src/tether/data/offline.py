@@ -37,9 +37,17 @@ class OfflineFilterCounts:
         return self.score + self.empty + self.duplicate
 
     def describe(self, score_range: tuple[float | None, float | None]) -> str:
-        lo, hi = ("-inf" if score_range[0] is None else f"{score_range[0]:g}"), ("inf" if score_range[1] is None else f"{score_range[1]:g}")
-        parts = [f"{self.score} with a score missing or outside [{lo}, {hi}]" if any(b is not None for b in score_range) else "",
-                 f"{self.empty} empty response(s)" if self.empty else "", f"{self.duplicate} duplicate (prompt, response) pair(s)" if self.duplicate else ""]
+        lo, hi = (
+            ("-inf" if score_range[0] is None else f"{score_range[0]:g}"),
+            ("inf" if score_range[1] is None else f"{score_range[1]:g}"),
+        )
+        parts = [
+            f"{self.score} with a score missing or outside [{lo}, {hi}]"
+            if any(b is not None for b in score_range)
+            else "",
+            f"{self.empty} empty response(s)" if self.empty else "",
+            f"{self.duplicate} duplicate (prompt, response) pair(s)" if self.duplicate else "",
+        ]
         return ", ".join(p for p in parts if p) or "nothing"
 
 
@@ -70,7 +78,11 @@ def filter_offline_rows(
     kept = []
     for r in rows:
         reason = None
-        if bounded and (r.score is None or (score_min is not None and r.score < score_min) or (score_max is not None and r.score > score_max)):
+        if bounded and (
+            r.score is None
+            or (score_min is not None and r.score < score_min)
+            or (score_max is not None and r.score > score_max)
+        ):
             reason = "score"
         elif drop_empty and not (r.response or "").strip():
             reason = "empty"

@@ -27,7 +27,14 @@ from typing import Any
 
 from .rows import MAX_REPORTED_ERRORS, DataError, PromptRow
 
-__all__ = ["check_chat_template", "check_prompt_lengths", "has_chat_template", "is_multi_turn", "render_prompt", "render_prompts"]
+__all__ = [
+    "check_chat_template",
+    "check_prompt_lengths",
+    "has_chat_template",
+    "is_multi_turn",
+    "render_prompt",
+    "render_prompts",
+]
 
 log = logging.getLogger("tether")
 _warned_no_template: set[str] = set()  # tokenizers already warned about (once per process)
@@ -46,7 +53,9 @@ def is_multi_turn(messages: list[dict]) -> bool:
     return roles.count("user") > 1 or any(r in ("assistant", "tool") for r in roles)
 
 
-def check_chat_template(rows: list[PromptRow], tokenizer: Any, *, apply_chat_template: bool = True, what: str = "actor.model") -> None:
+def check_chat_template(
+    rows: list[PromptRow], tokenizer: Any, *, apply_chat_template: bool = True, what: str = "actor.model"
+) -> None:
     """Say what happens to chat prompts when the tokenizer has no chat template, before any work.
 
     With ``apply_chat_template`` and chat-message prompts but no ``tokenizer.chat_template``: a
@@ -65,23 +74,34 @@ def check_chat_template(rows: list[PromptRow], tokenizer: Any, *, apply_chat_tem
     if not chats:
         return
     name = str(getattr(tokenizer, "name_or_path", "") or what)
-    how = ("set a template in the model directory (a \"chat_template\" entry in tokenizer_config.json, or a "
-           "chat_template.jinja file; e.g. tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR))")
+    how = (
+        'set a template in the model directory (a "chat_template" entry in tokenizer_config.json, or a '
+        "chat_template.jinja file; e.g. tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR))"
+    )
     multi = [r for r in chats if is_multi_turn(r.prompt)]
     if multi:
         first = multi[0]
         roles = ", ".join(str(m.get("role")) for m in first.prompt)
         raise DataError(
-            f"{len(multi)} prompt(s) are multi-turn conversations (first: {first.where}, roles {roles}) but the tokenizer of "
-            f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, {how}; "
-            "or give single-turn prompts", [r.where for r in multi[:MAX_REPORTED_ERRORS]], len(multi))
+            f"{len(multi)} prompt(s) are multi-turn conversations (first: {first.where}, roles {roles}) but the "
+            "tokenizer of "
+            f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, "
+            f"{how}; "
+            "or give single-turn prompts",
+            [r.where for r in multi[:MAX_REPORTED_ERRORS]],
+            len(multi),
+        )
     if name not in _warned_no_template:
         _warned_no_template.add(name)
         log.warning(
-            "the tokenizer of %s (%s) has no chat template: the %d chat prompt(s) are rendered as their message contents "
+            "the tokenizer of %s (%s) has no chat template: the %d chat prompt(s) are rendered as their message "
+            "contents "
             "joined by a blank line, roles dropped and no generation prompt (right for a base model, wrong for a chat "
             "model). To use a template, %s; data.apply_chat_template=false uses the joined text without this warning.",
-            what, name, len(chats), how,
+            what,
+            name,
+            len(chats),
+            how,
         )
 
 
@@ -143,8 +163,10 @@ def render_prompts(
     instruction_suffix: str = "",
 ) -> list[str]:
     """:func:`render_prompt` over a list of rows."""
-    return [render_prompt(r, tokenizer, apply_chat_template=apply_chat_template,
-                          instruction_suffix=instruction_suffix) for r in rows]
+    return [
+        render_prompt(r, tokenizer, apply_chat_template=apply_chat_template, instruction_suffix=instruction_suffix)
+        for r in rows
+    ]
 
 
 def check_prompt_lengths(
@@ -185,8 +207,9 @@ def check_prompt_lengths(
     long: list[str] = []
     n_long = 0
     for r in rows:
-        text = render_prompt(r, tokenizer, apply_chat_template=apply_chat_template,
-                             instruction_suffix=instruction_suffix)
+        text = render_prompt(
+            r, tokenizer, apply_chat_template=apply_chat_template, instruction_suffix=instruction_suffix
+        )
         kw = {"add_special_tokens": False} if templated and isinstance(r.prompt, list) else {}
         n = len(tokenizer(text, **kw)["input_ids"])
         if n > max_prompt_length:
@@ -198,7 +221,11 @@ def check_prompt_lengths(
     if n_long and (not drop or not keep):
         raise DataError(
             f"{n_long} prompt(s) of {len(rows)} longer than max_prompt_length={max_prompt_length} tokens: "
-            + "; ".join(long) + (" ..." if n_long > len(long) else ""), long, n_long)
+            + "; ".join(long)
+            + (" ..." if n_long > len(long) else ""),
+            long,
+            n_long,
+        )
     if n_long:
         log.warning("dropped %d prompt(s) longer than %d tokens: %s", n_long, max_prompt_length, "; ".join(long[:3]))
     return keep

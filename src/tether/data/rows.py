@@ -304,13 +304,14 @@ def _check_prompt(prompt: Any, key: str) -> str | None:
             if "role" not in m:
                 return f"{key!r} message {j} has no 'role'"
             if m["role"] not in VALID_ROLES:
-                return (f"{key!r} message {j} has bad role {m['role']!r}; expected one of "
-                        f"{sorted(VALID_ROLES)}")
+                return f"{key!r} message {j} has bad role {m['role']!r}; expected one of {sorted(VALID_ROLES)}"
             if "content" not in m:
                 return f"{key!r} message {j} has no 'content'"
             if not isinstance(m["content"], str):
-                return (f"{key!r} message {j} content is a {type(m['content']).__name__}, expected a string "
-                        "(multimodal content parts are not supported)")
+                return (
+                    f"{key!r} message {j} content is a {type(m['content']).__name__}, expected a string "
+                    "(multimodal content parts are not supported)"
+                )
         if not any(m["content"].strip() for m in prompt):
             return f"empty prompt (every message in {key!r} has empty content)"
         return None
@@ -388,8 +389,16 @@ def _row_from_record(
             score = float(s)
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
-    return PromptRow(prompt=prompt, data_source=ds, ground_truth=gt, extra_info=extra, index=index,
-                     response=response, score=score, locator=locator)
+    return PromptRow(
+        prompt=prompt,
+        data_source=ds,
+        ground_truth=gt,
+        extra_info=extra,
+        index=index,
+        response=response,
+        score=score,
+        locator=locator,
+    )
 
 
 def _build(
@@ -406,8 +415,15 @@ def _build(
     problems: list[str] = []
     n_bad = 0
     for index, (loc, rec) in enumerate(located):
-        r = _row_from_record(rec, index, loc, default_data_source=default_data_source, prompt_key=prompt_key,
-                             response_key=response_key, score_key=score_key)
+        r = _row_from_record(
+            rec,
+            index,
+            loc,
+            default_data_source=default_data_source,
+            prompt_key=prompt_key,
+            response_key=response_key,
+            score_key=score_key,
+        )
         if isinstance(r, str):
             n_bad += 1
             if len(problems) < MAX_REPORTED_ERRORS:
@@ -419,12 +435,14 @@ def _build(
         raise DataError(
             f"{source}: {n_bad} malformed row(s) of {len(located)} (fix them, or load with "
             f"data.skip_invalid=true (skip_invalid=True in Python) to drop them):\n  " + "\n  ".join(problems) + more,
-            problems, n_bad,
+            problems,
+            n_bad,
         )
     if not rows:
         if n_bad:
-            raise DataError(f"{source}: empty dataset: all {n_bad} row(s) are malformed; first: {problems[0]}",
-                            problems, n_bad)
+            raise DataError(
+                f"{source}: empty dataset: all {n_bad} row(s) are malformed; first: {problems[0]}", problems, n_bad
+            )
         raise DataError(f"{source}: empty dataset (no rows)")
     return LoadReport(rows=rows, n_skipped=n_bad, problems=problems, source=source)
 
@@ -455,8 +473,15 @@ def rows_from_records(
         DataError: malformed records (unless ``skip_invalid``), or no valid rows.
     """
     located = [(f"record {i}", r) for i, r in enumerate(records, start=1)]
-    rep = _build(located, source, default_data_source=default_data_source, prompt_key=prompt_key,
-                 response_key=response_key, score_key=score_key, skip_invalid=skip_invalid)
+    rep = _build(
+        located,
+        source,
+        default_data_source=default_data_source,
+        prompt_key=prompt_key,
+        response_key=response_key,
+        score_key=score_key,
+        skip_invalid=skip_invalid,
+    )
     _warn_skipped(rep)
     return rep.rows
 
@@ -473,8 +498,15 @@ def load_rows_report(
     """Like :func:`load_rows`, but return a :class:`LoadReport` with the skipped count and problems
     instead of warning."""
     located = read_records(path)
-    return _build(located, str(path), default_data_source=default_data_source, prompt_key=prompt_key,
-                  response_key=response_key, score_key=score_key, skip_invalid=skip_invalid)
+    return _build(
+        located,
+        str(path),
+        default_data_source=default_data_source,
+        prompt_key=prompt_key,
+        response_key=response_key,
+        score_key=score_key,
+        skip_invalid=skip_invalid,
+    )
 
 
 def _warn_skipped(rep: LoadReport) -> None:
@@ -511,8 +543,14 @@ def load_rows(
             malformed rows (each named by file and 1-based line / record number, the first
             :data:`MAX_REPORTED_ERRORS` listed) unless ``skip_invalid``, or an empty dataset.
     """
-    rep = load_rows_report(path, default_data_source=default_data_source, prompt_key=prompt_key,
-                           response_key=response_key, score_key=score_key, skip_invalid=skip_invalid)
+    rep = load_rows_report(
+        path,
+        default_data_source=default_data_source,
+        prompt_key=prompt_key,
+        response_key=response_key,
+        score_key=score_key,
+        skip_invalid=skip_invalid,
+    )
     _warn_skipped(rep)
     return rep.rows
 
@@ -520,7 +558,9 @@ def load_rows(
 # ----------------------------------------------------------------------------------- splitting
 
 
-def split_rows(rows: Sequence[PromptRow], val_fraction: float, seed: int = 0) -> tuple[list[PromptRow], list[PromptRow]]:
+def split_rows(
+    rows: Sequence[PromptRow], val_fraction: float, seed: int = 0
+) -> tuple[list[PromptRow], list[PromptRow]]:
     """Deterministic train / validation split.
 
     ``n_val = round(len(rows) * val_fraction)``, at least 1 when ``val_fraction > 0``, and at most

@@ -14,4 +14,13 @@ Nothing here imports Ray at module level: the local backend never needs it.
 from tether.distributed.dp import DataParallel, balanced_partition, gather_rows, split_batch
 from tether.distributed.parallel import FSDPSettings, ParallelDims, apply_fsdp, parallelize
 
-__all__ = ["DataParallel", "FSDPSettings", "ParallelDims", "apply_fsdp", "balanced_partition", "gather_rows", "parallelize", "split_batch"]
+__all__ = [
+    "DataParallel",
+    "FSDPSettings",
+    "ParallelDims",
+    "apply_fsdp",
+    "balanced_partition",
+    "gather_rows",
+    "parallelize",
+    "split_batch",
+]

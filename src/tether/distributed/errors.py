@@ -17,7 +17,9 @@ def death_cause(e: BaseException, limit: int = 300) -> str:
     if getattr(e, "actor_init_failed", False) and lines:
         return f"its __init__ raised {lines[-1]}"  # the remote traceback's last line: 'module.Error: message'
     fields = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
-    text = " ".join(line for line in lines if not line.startswith(fields) and "died unexpectedly before finishing" not in line)
+    text = " ".join(
+        line for line in lines if not line.startswith(fields) and "died unexpectedly before finishing" not in line
+    )
     if not text:
         return type(e).__name__
     return f"{type(e).__name__}: {text[:limit]}{'…' if len(text) > limit else ''}"

@@ -38,9 +38,14 @@ class ParallelDims:
 
     def __post_init__(self):
         if min(self.dp_shard, self.world_size, self.tp) < 1:
-            raise ValueError(f"parallel degrees must be >= 1, got dp_shard={self.dp_shard}, tp={self.tp}, world_size={self.world_size}")
+            raise ValueError(
+                f"parallel degrees must be >= 1, got dp_shard={self.dp_shard}, tp={self.tp}, "
+                f"world_size={self.world_size}"
+            )
         if self.dp_shard * self.tp != self.world_size:
-            raise ValueError(f"dp_shard={self.dp_shard} x tp={self.tp} must multiply to the world size {self.world_size}")
+            raise ValueError(
+                f"dp_shard={self.dp_shard} x tp={self.tp} must multiply to the world size {self.world_size}"
+            )
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1) -> ParallelDims:
@@ -50,7 +55,9 @@ class ParallelDims:
             ValueError: tp does not divide the world size (naming both).
         """
         if tp < 1 or world_size % tp:
-            raise ValueError(f"tp_size={tp} must divide the worker group's world size {world_size} (dp = world size / tp_size)")
+            raise ValueError(
+                f"tp_size={tp} must divide the worker group's world size {world_size} (dp = world size / tp_size)"
+            )
         return cls(dp_shard=world_size // tp, world_size=world_size, tp=tp)
 
     def dp_rank(self, rank: int) -> int:
@@ -72,11 +79,16 @@ class ParallelDims:
         if self.tp == 1:
             return
 
-        counts = {"num_attention_heads": config.num_attention_heads,
-                  "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip
+        counts = {
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        }
         bad = [f"{k}={v}" for k, v in counts.items() if v % self.tp]
         if bad:
-            raise ConfigError(f"{role}.tp_size={self.tp} must divide the model's {', '.join(bad)} (tensor parallelism gives each rank whole attention heads)")
+            raise ConfigError(
+                f"{role}.tp_size={self.tp} must divide the model's {', '.join(bad)} (tensor parallelism gives each "
+                "rank whole attention heads)"
+            )
 
     def build_mesh(self, device_type: str):
         """The (dp_shard, tp) DeviceMesh over the default process group (1-D (dp_shard,) when tp = 1);
@@ -112,7 +124,9 @@ class FSDPSettings:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(
-            param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None, reduce_dtype=DTYPES[self.reduce_dtype], output_dtype=None
+            param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
+            reduce_dtype=DTYPES[self.reduce_dtype],
+            output_dtype=None,
         )
 
 
@@ -129,7 +143,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         names |= set(getattr(m, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(f"{type(model).__name__}: no transformer blocks found (no _no_split_modules); cannot shard it per block")
+        raise ValueError(
+            f"{type(model).__name__}: no transformer blocks found (no _no_split_modules); cannot shard it per block"
+        )
     return blocks
 
 
@@ -154,7 +170,8 @@ def apply_fsdp(model: nn.Module, mesh, settings: FSDPSettings) -> nn.Module:
 
     kwargs = dict(mesh=mesh, mp_policy=settings.mixed_precision(), reshard_after_forward=settings.reshard_after_forward)
     if settings.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs an accelerator
+        # pinning needs an accelerator
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -172,13 +189,21 @@ def _tp_plan(model: nn.Module) -> tuple[nn.Module, dict]:
 
     decoder = next((m for m in model.modules() if hasattr(m, "embed_tokens") and hasattr(m, "layers")), None)
     if decoder is None:
-        raise ValueError(f"{type(model).__name__}: no decoder with embed_tokens and layers; tensor parallelism knows Qwen2/Llama-style models only")
-    plan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}  # vocabulary-parallel embedding
+        raise ValueError(
+            f"{type(model).__name__}: no decoder with embed_tokens and layers; tensor parallelism knows "
+            "Qwen2/Llama-style models only"
+        )
+    # vocabulary-parallel embedding
+    plan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     layer = {
-        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-    }  # fmt: skip
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
     return decoder, {"plan": plan, "layer": layer}
 
 
@@ -214,8 +239,14 @@ def apply_tp(model: nn.Module, tp_mesh, src_data_rank: int | None = 0) -> nn.Mod
     return model
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, settings: FSDPSettings, device_type: str = "cpu", mesh=None,
-                src_data_rank: int | None = 0) -> nn.Module:  # fmt: skip
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    settings: FSDPSettings,
+    device_type: str = "cpu",
+    mesh=None,
+    src_data_rank: int | None = 0,
+) -> nn.Module:
     """Tensor parallelism (tp > 1; ``src_data_rank`` as :func:`apply_tp`'s), activation
     checkpointing (optional), then FSDP2 on the dp sub-mesh, over ``model`` in place; returns it."""
     mesh = mesh if mesh is not None else dims.build_mesh(device_type)

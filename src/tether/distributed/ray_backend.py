@@ -71,9 +71,11 @@ RAY_CLIENT_PORT = 10001  # a ``ray://host`` address without a port: Ray client's
 
 
 def _connect_error(address: str, why: str) -> ConfigError:
-    return ConfigError(f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({why}); start one with "
-                       "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null "
-                       "for a local Ray")  # fmt: skip
+    return ConfigError(
+        f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({why}); start one with "
+        "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null "
+        "for a local Ray"
+    )
 
 
 def _wait_interruptibly(done, deadline: float, step_s: float = 0.05) -> bool:
@@ -98,10 +100,13 @@ def _ray_target(address: str) -> tuple[str | None, bool]:
         ConfigError: ``auto`` finds no cluster, or the address is not ``host:port`` / ``ray://host[:port]``.
     """
     if address.startswith("ray://"):
-        hostport = address[len("ray://"):].split("/", 1)[0]
+        hostport = address[len("ray://") :].split("/", 1)[0]
         host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(RAY_CLIENT_PORT))
         if not host or not port.isdigit():
-            raise ConfigError(f"trainer.ray_address={address!r} is not a Ray client address: expected ray://HOST[:PORT] (port {RAY_CLIENT_PORT} by default)")
+            raise ConfigError(
+                f"trainer.ray_address={address!r} is not a Ray client address: expected ray://HOST[:PORT] (port "
+                f"{RAY_CLIENT_PORT} by default)"
+            )
         return f"{host}:{port}", True
     try:
         from ray._private.services import canonicalize_bootstrap_address  # what ray.init itself calls
@@ -112,8 +117,10 @@ def _ray_target(address: str) -> tuple[str | None, bool]:
     except ConnectionError as e:  # auto: no cluster recorded or running on this machine
         raise _connect_error(address, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     except ValueError:
-        raise ConfigError(f"trainer.ray_address={address!r} is not a Ray address: expected auto, HOST:PORT (the cluster's GCS, "
-                          f"port 6379 by default) or ray://HOST[:PORT] (Ray client, port {RAY_CLIENT_PORT})") from None  # fmt: skip
+        raise ConfigError(
+            f"trainer.ray_address={address!r} is not a Ray address: expected auto, HOST:PORT (the cluster's GCS, "
+            f"port 6379 by default) or ray://HOST[:PORT] (Ray client, port {RAY_CLIENT_PORT})"
+        ) from None
     return target, False
 
 
@@ -157,8 +164,11 @@ def probe_ray_address(address: str, timeout_s: float | None = None) -> None:
         return
     answered = _gcs_answers(target, deadline)
     if answered == "silent":
-        raise _connect_error(address, f"{target} accepts connections, but no Ray GCS answered within {timeout_s:g} s{note}; is it the "
-                                      "GCS port (6379 by default)? a Ray client port (10001) needs ray://")  # fmt: skip
+        raise _connect_error(
+            address,
+            f"{target} accepts connections, but no Ray GCS answered within {timeout_s:g} s{note}; is it the "
+            "GCS port (6379 by default)? a Ray client port (10001) needs ray://",
+        )
     if answered is not None:
         raise _connect_error(address, f"{target} answers, but not as a Ray GCS: {answered}{note}")
 
@@ -218,7 +228,9 @@ class RayCluster:
             try:
                 ray.init(address=address, log_to_driver=False)
             except (ConnectionError, TimeoutError, RuntimeError) as e:  # Ray raises these after its own retries
-                raise _connect_error(address, str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from None
+                raise _connect_error(
+                    address, str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                ) from None
             return
         ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False, log_to_driver=False)
         self.started = True
@@ -236,8 +248,11 @@ class RayCluster:
         have = ray.cluster_resources().get("GPU", 0) if self.started and per_node else per_node
         if have < per_node:
             self.close()
-            raise ConfigError(f"trainer.n_gpus_per_node={per_node}, but the local Ray tether started finds {have:g} GPU(s) on this "
-                              "machine; set trainer.n_gpus_per_node=0 for a CPU run, or attach to a cluster with GPUs (trainer.ray_address)")  # fmt: skip
+            raise ConfigError(
+                f"trainer.n_gpus_per_node={per_node}, but the local Ray tether started finds {have:g} GPU(s) on this "
+                "machine; set trainer.n_gpus_per_node=0 for a CPU run, or attach to a cluster with GPUs "
+                "(trainer.ray_address)"
+            )
 
     def check_nodes(self, nnodes: int) -> None:
         """Refuse ``trainer.nnodes`` > 1 on the one-node local Ray this object started, at once (its
@@ -248,8 +263,10 @@ class RayCluster:
         """
         if self.started and nnodes > 1:
             self.close()
-            raise ConfigError(f"trainer.nnodes={nnodes}, but without trainer.ray_address tether starts a one-node local Ray; "
-                              "attach to a cluster of that many nodes (trainer.ray_address) or set trainer.nnodes=1")  # fmt: skip
+            raise ConfigError(
+                f"trainer.nnodes={nnodes}, but without trainer.ray_address tether starts a one-node local Ray; "
+                "attach to a cluster of that many nodes (trainer.ray_address) or set trainer.nnodes=1"
+            )
 
     def close(self) -> None:
         import ray
@@ -299,7 +316,8 @@ def spread_over_nodes(name: str, n: int, nnodes: int, bundle: dict, timeout_s: f
     except ray.exceptions.GetTimeoutError:
         alive = sum(1 for node in ray.nodes() if node.get("Alive"))
         raise WorkerDiedError(
-            f"{name} worker group: trainer.nnodes={nnodes}, but Ray found no {nnodes} distinct nodes with room for {per} bundles of "
+            f"{name} worker group: trainer.nnodes={nnodes}, but Ray found no {nnodes} distinct nodes with room for "
+            f"{per} bundles of "
             f"{bundle} each within {timeout_s:g} s ({alive} alive node(s), available: {ray.available_resources()}); "
             "add nodes or lower trainer.nnodes"
         ) from None
@@ -338,21 +356,31 @@ class WorkerGroup:
             remove_placement_group(self.pg)
             avail = ray.available_resources()
             raise WorkerDiedError(
-                f"{name} worker group: Ray could not place {n} bundles of {bundle}{f' on the {nnodes} nodes it chose' if selectors else ''} "
+                f"{name} worker group: Ray could not place {n} bundles of "
+                f"{bundle}{f' on the {nnodes} nodes it chose' if selectors else ''} "
                 f"(available: {avail}); lower trainer.n_workers or add nodes"
             ) from None
         if selectors:
-            log.info("%s worker group: %d ranks on %d nodes, %d per node (ranks %s)", name, n, nnodes, n // nnodes,
-                     ", ".join(f"{i}: {sel[NODE_ID_LABEL][:8]}" for i, sel in enumerate(selectors)))  # fmt: skip
+            log.info(
+                "%s worker group: %d ranks on %d nodes, %d per node (ranks %s)",
+                name,
+                n,
+                nnodes,
+                n // nnodes,
+                ", ".join(f"{i}: {sel[NODE_ID_LABEL][:8]}" for i, sel in enumerate(selectors)),
+            )
 
         def on(i, **kw):
-            return dict(scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i), **kw)
+            return dict(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i), **kw
+            )
 
         addr, port = ray.get(ray.remote(_node_address).options(**on(0, num_cpus=0)).remote())
         cls = ray.remote(RankWorker)
         lora_ref = ray.put(lora_state) if lora_state is not None else None
         self.workers = [
-            cls.options(**on(i, num_cpus=1, num_gpus=gpus), name=None).remote(cfg, i, n, addr, port, roles, lora_ref) for i in range(n)
+            cls.options(**on(i, num_cpus=1, num_gpus=gpus), name=None).remote(cfg, i, n, addr, port, roles, lora_ref)
+            for i in range(n)
         ]
         self._get([w.ping.remote() for w in self.workers], "start")
 
@@ -377,17 +405,27 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(r)
                 except died as e:
-                    raise WorkerDiedError(f"{self.name} worker group: rank {rank} died during {what} ({death_cause(e)}); the run cannot continue") from None
+                    raise WorkerDiedError(
+                        f"{self.name} worker group: rank {rank} died during {what} ({death_cause(e)}); the run cannot "
+                        "continue"
+                    ) from None
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     failed = f"rank {rank} failed in {what}: {failure_text(cause)}"
-                    later, _ = ray.wait(list(pending), num_returns=len(pending), timeout=self.DEATH_GRACE_S) if pending else ([], [])
+                    later, _ = (
+                        ray.wait(list(pending), num_returns=len(pending), timeout=self.DEATH_GRACE_S)
+                        if pending
+                        else ([], [])
+                    )
                     for other in later:
                         try:
                             ray.get(other)
                         except died as d:
-                            raise WorkerDiedError(f"{self.name} worker group: rank {pending[other]} died during {what} ({death_cause(d)}); "
-                                                  f"the run cannot continue (then {failed})") from None  # fmt: skip
+                            raise WorkerDiedError(
+                                f"{self.name} worker group: rank {pending[other]} died during {what} "
+                                f"({death_cause(d)}); "
+                                f"the run cannot continue (then {failed})"
+                            ) from None
                         except ray.exceptions.RayTaskError:
                             pass
                     raise WorkerDiedError(f"{self.name} worker group: {failed}") from None
@@ -400,10 +438,15 @@ class WorkerGroup:
         mode = getattr(RankWorker, method).dispatch_mode
         if mode == DP_SPLIT:  # one shard per dp rank, sent to each of its tp ranks; the tp ranks' results are equal
             shards, parts = split_batch(args[0], self.n // self.tp)
-            refs = [getattr(w, method).remote(shards[i // self.tp], *args[1:], **kwargs) for i, w in enumerate(self.workers)]
+            refs = [
+                getattr(w, method).remote(shards[i // self.tp], *args[1:], **kwargs) for i, w in enumerate(self.workers)
+            ]
             outs = self._get(refs, method)[:: self.tp]
             if isinstance(outs[0], tuple):
-                return tuple(None if outs[0][j] is None else gather_rows([o[j] for o in outs], parts) for j in range(len(outs[0])))
+                return tuple(
+                    None if outs[0][j] is None else gather_rows([o[j] for o in outs], parts)
+                    for j in range(len(outs[0]))
+                )
             return gather_rows(outs, parts)
         assert mode == ALL, mode
         args = tuple(ray.put(a) if isinstance(a, RolloutBatch) else a for a in args)  # one copy in the object store
@@ -460,7 +503,8 @@ class RemoteActor:
 
     def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
         metrics = self.group.call("update_actor", batch, spec, step)
-        for k in ("_old_logprobs", "_entropy"):  # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
+        # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
+        for k in ("_old_logprobs", "_entropy"):
             if k in metrics:
                 metrics[k] = metrics[k].to(batch.response_mask.device)
         self.weights_changed()
@@ -472,7 +516,8 @@ class RemoteActor:
             self.pull_weights()
 
     def weights_changed(self) -> None:
-        """The group's weights moved (an update, a checkpoint load): pull them now (eager) or mark the copy stale (lazy)."""
+        """The group's weights moved (an update, a checkpoint load): pull them now (eager) or mark the copy stale
+        (lazy)."""
         if self.lazy:
             self.stale = True
         else:
@@ -481,8 +526,10 @@ class RemoteActor:
     def pull_weights(self) -> None:
         """The driver's copy takes the actor group's trainable weights."""
         if self.group.workers is None:
-            raise RuntimeError("the driver's copy of the policy is stale and the actor worker group is closed: "
-                               "read the trained weights from the run's last checkpoint (`tether export`)")
+            raise RuntimeError(
+                "the driver's copy of the policy is stale and the actor worker group is closed: "
+                "read the trained weights from the run's last checkpoint (`tether export`)"
+            )
         state = self.group.call("full_state", "actor", True)
         self.pulls += 1
         with torch.no_grad():
@@ -562,14 +609,18 @@ class RayBackend:
     trains_in_process = False  # the updates run on the workers
 
     def __init__(self, cfg, local_roles):
-        self.update_param_dtype = cfg.trainer.fsdp.param_dtype  # FSDP2 gathers parameters in it for the update's matmuls
+        # FSDP2 gathers parameters in it for the update's matmuls
+        self.update_param_dtype = cfg.trainer.fsdp.param_dtype
         n = world_size(cfg)
         has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
         vllm_bundles = cfg.rollout.vllm.replicas if cfg.rollout.engine == "vllm" and not colocated_vllm(cfg) else 0
         nnodes = cfg.trainer.nnodes
         if n % nnodes:
-            raise ConfigError(f"trainer.n_workers={n} must be a multiple of trainer.nnodes={nnodes}: each node runs n_workers / nnodes ranks of a worker group")
+            raise ConfigError(
+                f"trainer.n_workers={n} must be a multiple of trainer.nnodes={nnodes}: each node runs n_workers / "
+                "nnodes ranks of a worker group"
+            )
         self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + vllm_bundles)
         self.cluster.check_gpus(cfg.trainer.n_gpus_per_node)
         self.cluster.check_nodes(nnodes)
@@ -582,13 +633,17 @@ class RayBackend:
         self.groups: list[WorkerGroup] = []
         try:
             actor_roles = ("actor", "critic") if has_critic and not split else ("actor",)
-            self.actor_group = self._group("+".join(["actor", "ref", *actor_roles[1:]]), cfg, n, actor_roles, lora_state)
+            self.actor_group = self._group(
+                "+".join(["actor", "ref", *actor_roles[1:]]), cfg, n, actor_roles, lora_state
+            )
             self.critic_group = None
             if has_critic:
                 self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
             if cfg.rollout.engine == "vllm":
                 eos = generation_eos_ids(local_roles.actor.model)
-                self.rollout = VLLMReplicaGroup(cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group)
+                self.rollout = VLLMReplicaGroup(
+                    cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group
+                )
         except BaseException:
             self.close()
             raise
@@ -621,7 +676,8 @@ class RayBackend:
         the policy's.
 
         Raises:
-            CheckpointError: a checkpoint of the local backend (no ``dcp/``), or a split critic's ``dcp_critic/`` missing.
+            CheckpointError: a checkpoint of the local backend (no ``dcp/``), or a split critic's ``dcp_critic/``
+                missing.
         """
         if not (path / "dcp" / ".metadata").is_file():
             raise CheckpointError(
@@ -629,7 +685,9 @@ class RayBackend:
                 "resume it with trainer.backend=local (or start a new run from its `tether export`)"
             )
         if self._critic_group_separate() and not (path / "dcp_critic" / ".metadata").is_file():
-            raise CheckpointError(f"checkpoint {path}: dcp_critic/ is missing (was it saved with trainer.placement=colocate?)")
+            raise CheckpointError(
+                f"checkpoint {path}: dcp_critic/ is missing (was it saved with trainer.placement=colocate?)"
+            )
         self.actor_group.call("load_checkpoint", str(path / "dcp"), with_ref, schedule)
         if self._critic_group_separate():
             self.critic_group.call("load_checkpoint", str(path / "dcp_critic"), False, schedule)

@@ -55,7 +55,9 @@ def split_rows(n_rows: int, n_replicas: int) -> list[tuple[int, int]]:
     return out
 
 
-def merge_responses(parts: list[tuple[torch.Tensor, torch.Tensor | None]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def merge_responses(
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the replicas' ``(response_ids (B_i, T_i), logprobs (B_i, T_i) or None)`` along
     the rows, in order, right-padding to the longest T with ``pad_token_id`` (log-probs with 0, as
     the engine pads them). Returns ``(response_ids (B, T), logprobs (B, T) or None)``."""
@@ -89,11 +91,23 @@ class VLLMReplica:
             torch.set_num_threads(cfg.trainer.threads)
         self.tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.actor.trust_remote_code)
         self.engine = VLLMRolloutEngine(
-            model_path, self.tokenizer, temperature=r.engine_temperature or r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            do_sample=r.do_sample, dtype=cfg.actor.dtype, seed=cfg.trainer.seed + index, trust_remote_code=cfg.actor.trust_remote_code,
-            gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gib=v.kv_cache_gib, max_model_len=v.max_model_len,
-            eos_token_ids=eos_token_ids, tensor_parallel_size=self.tp, enable_sleep_mode=self._sleeps(cfg),
-        )  # fmt: skip
+            model_path,
+            self.tokenizer,
+            temperature=r.engine_temperature or r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            do_sample=r.do_sample,
+            dtype=cfg.actor.dtype,
+            seed=cfg.trainer.seed + index,
+            trust_remote_code=cfg.actor.trust_remote_code,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_gib=v.kv_cache_gib,
+            max_model_len=v.max_model_len,
+            eos_token_ids=eos_token_ids,
+            tensor_parallel_size=self.tp,
+            enable_sleep_mode=self._sleeps(cfg),
+        )
         if self.engine.last_sync is None and hasattr(self.engine.llm, "collective_rpc") and self.tp == 1:
             self.engine.last_sync = "reload_weights"  # vLLM 0.1x+: stream from the first push on (no trial list)
         self._queue: queue.Queue | None = None
@@ -108,8 +122,16 @@ class VLLMReplica:
     def ping(self) -> str:
         return self.engine.backend or "?"
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, return_logprobs: bool, overrides: dict, seed: int | None = None):
-        """``VLLMRolloutEngine.generate`` on these rows with sampling seed ``seed``; ``(response_ids, logprobs or None)`` on the CPU."""
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        return_logprobs: bool,
+        overrides: dict,
+        seed: int | None = None,
+    ):
+        """``VLLMRolloutEngine.generate`` on these rows with sampling seed ``seed``;
+        ``(response_ids, logprobs or None)`` on the CPU."""
         self.wake_up()
         out = self.engine.generate(prompt_ids, prompt_mask, return_logprobs=return_logprobs, seed=seed, **overrides)
         return out if return_logprobs else (out, None)
@@ -214,7 +236,8 @@ class VLLMReplicaGroup:
             except ray.exceptions.GetTimeoutError:
                 self.close()
                 raise WorkerDiedError(
-                    f"rollout (vLLM) replicas: Ray could not place {self.n} bundles of {bundle} (available: {ray.available_resources()}); "
+                    f"rollout (vLLM) replicas: Ray could not place {self.n} bundles of {bundle} (available: "
+                    f"{ray.available_resources()}); "
                     "lower rollout.vllm.replicas or use trainer.placement=colocate"
                 ) from None
             bundles = list(range(self.n))
@@ -222,11 +245,11 @@ class VLLMReplicaGroup:
         env = {k: val for k, val in os.environ.items() if _FORWARDED_ENV.match(k)}
         cls = ray.remote(VLLMReplica)
         self.replicas = [
-            cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **res).remote(
-                cfg, i, str(model_path), list(eos_token_ids), env
-            )
+            cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b), **res
+            ).remote(cfg, i, str(model_path), list(eos_token_ids), env)
             for i, b in enumerate(bundles)
-        ]  # fmt: skip
+        ]
         self._get([r.ping.remote() for r in self.replicas], "start")
 
     def _get(self, refs, what: str):
@@ -240,11 +263,15 @@ class VLLMReplicaGroup:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
                 raise WorkerDiedError(f"rollout (vLLM) replica {i} failed in {what}: {failure_text(cause)}") from None
             except ray.exceptions.RayActorError as e:
-                raise WorkerDiedError(f"rollout (vLLM) replica {i} died during {what} ({death_cause(e)}); the run cannot continue") from None
+                raise WorkerDiedError(
+                    f"rollout (vLLM) replica {i} died during {what} ({death_cause(e)}); the run cannot continue"
+                ) from None
         return out
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides
+    ):
         """As :meth:`VLLMRolloutEngine.generate`: one response per row (B, T) on ``prompt_ids``'
         device, and with ``return_logprobs`` the sampled tokens' log-probs (B, T), nats. Rows are
         split into contiguous chunks across the replicas (:func:`split_rows`) and merged back in order.
@@ -254,8 +281,10 @@ class VLLMReplicaGroup:
         ranges = split_rows(prompt_ids.shape[0], self.n)
         p_ids, p_mask = prompt_ids.cpu(), prompt_mask.cpu()
         base = draw_seed()
-        refs = [r.generate.remote(p_ids[a:b], p_mask[a:b], return_logprobs, overrides, base + i)
-                for i, (r, (a, b)) in enumerate(zip(self.replicas, ranges, strict=False))]  # fmt: skip
+        refs = [
+            r.generate.remote(p_ids[a:b], p_mask[a:b], return_logprobs, overrides, base + i)
+            for i, (r, (a, b)) in enumerate(zip(self.replicas, ranges, strict=False))
+        ]
         parts = self._get(refs, "generate")
         if self.sleeps:
             self._get([r.sleep.remote() for r in self.replicas], "sleep")
@@ -277,8 +306,17 @@ class VLLMReplicaGroup:
         stats["seconds"] = time.perf_counter() - t0
         self.last_sync = stats.pop("path")
         self.last_sync_stats = stats
-        log.debug("weight sync to %d vLLM replica(s): %.1f MiB in %d tensors / %d buckets, %.3f s (gather %.3f s, send %.3f s)",
-                  self.n, stats["bytes"] / 2**20, stats["tensors"], stats["buckets"], stats["seconds"], stats["gather_s"], stats["send_s"])  # fmt: skip
+        log.debug(
+            "weight sync to %d vLLM replica(s): %.1f MiB in %d tensors / %d buckets, %.3f s (gather %.3f s, send %.3f "
+            "s)",
+            self.n,
+            stats["bytes"] / 2**20,
+            stats["tensors"],
+            stats["buckets"],
+            stats["seconds"],
+            stats["gather_s"],
+            stats["send_s"],
+        )
 
     def close(self) -> None:
         import contextlib

@@ -1,4 +1,5 @@
-"""Streaming the actor's weights from its FSDP2 shards to vLLM replicas (``trainer.backend=ray``, ``rollout.engine=vllm``).
+"""Streaming the actor's weights from its FSDP2 shards to vLLM replicas (``trainer.backend=ray``,
+``rollout.engine=vllm``).
 
 Weight sync (:func:`stream_weights`, run by every rank of the actor group after each update): the
 FSDP2 parameters are all-gathered one tensor at a time (``DTensor.full_tensor``, a collective in the
@@ -29,7 +30,9 @@ def _block_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group ``(name, tensor)`` pairs into lists of at most ``max_bytes`` bytes, consuming the
     iterator lazily. A bucket is closed before a tensor that would overflow it, except that the
     tensors of one transformer block (``...layers.<i>.``) are never split across buckets (so a
@@ -80,7 +83,9 @@ def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
         if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
             active = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A]
             if any(getattr(mod, "use_dora", {}).get(a) for a in active):
-                raise ValueError(f"weight sync to vLLM: {name} is a DoRA adapter, which is not supported (use plain LoRA)")
+                raise ValueError(
+                    f"weight sync to vLLM: {name} is a DoRA adapter, which is not supported (use plain LoRA)"
+                )
             if active and not getattr(mod, "merged", False):
                 adapted[name] = (mod, active)
     pending: dict[str, dict] = {}  # module -> gathered base weight and adapter tensors, until complete
@@ -88,7 +93,9 @@ def iter_full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
         t = _full(v).detach()
         if "modules_to_save" in key:
             continue
-        owner = key.split(".base_layer.")[0] if ".base_layer." in key else re.sub(r"\.lora_[AB]\.[^.]+\.weight$", "", key)
+        owner = (
+            key.split(".base_layer.")[0] if ".base_layer." in key else re.sub(r"\.lora_[AB]\.[^.]+\.weight$", "", key)
+        )
         if owner in adapted and (key.endswith(".base_layer.weight") or ".lora_" in key):
             mod, active = adapted[owner]
             parts = pending.setdefault(owner, {})

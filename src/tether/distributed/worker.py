@@ -53,17 +53,23 @@ def register(mode: str):
 
 def batch_to(batch: RolloutBatch, device) -> RolloutBatch:
     """The batch with every tensor field on ``device``."""
-    moved = {f.name: getattr(batch, f.name).to(device) for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)}
+    moved = {
+        f.name: getattr(batch, f.name).to(device)
+        for f in fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
     return replace(batch, **moved)
 
 
 def fsdp_settings(cfg) -> FSDPSettings:
     f = cfg.trainer.fsdp
     return FSDPSettings(
-        param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype, cpu_offload=f.cpu_offload,
+        param_dtype=f.param_dtype,
+        reduce_dtype=f.reduce_dtype,
+        cpu_offload=f.cpu_offload,
         activation_checkpointing=f.activation_checkpointing or cfg.actor.gradient_checkpointing,
         reshard_after_forward=f.reshard_after_forward,
-    )  # fmt: skip
+    )
 
 
 class RankWorker:
@@ -83,7 +89,9 @@ class RankWorker:
             driver's adapters), or None.
     """
 
-    def __init__(self, cfg, rank: int, world_size: int, master_addr: str, master_port: int, roles=("actor",), lora_state=None):
+    def __init__(
+        self, cfg, rank: int, world_size: int, master_addr: str, master_port: int, roles=("actor",), lora_state=None
+    ):
         import torch.distributed as dist
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -119,23 +127,36 @@ class RankWorker:
         if not self._on_meta():
             return load_causal_lm(path, dtype=self.cfg.actor.dtype, trust_remote_code=trc)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype])
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype]
+            )
 
     def _parallelize(self, model):
-        """Tensor parallelism (actor.tp_size > 1; its head counts checked first) and FSDP2 over ``model``; a meta-device model is then materialised and every rank takes rank 0's
+        """Tensor parallelism (actor.tp_size > 1; its head counts checked first) and FSDP2 over ``model``; a
+        meta-device model is then materialised and every rank takes rank 0's
         weights (``set_model_state_dict(..., broadcast_from_rank0=True)``) and buffers (rotary tables)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
         self.dims.check_model(config, "actor")
-        attention.set_attn_implementation(model if hasattr(model, "set_attn_implementation") else model.backbone, attention.for_config(self.cfg, self.device))
+        attention.set_attn_implementation(
+            model if hasattr(model, "set_attn_implementation") else model.backbone,
+            attention.for_config(self.cfg, self.device),
+        )
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
         # rank 0 holds real weights, the others meta tensors: tensor parallelism must not scatter rank 0's
         # (a collective the meta ranks skip, so they hung in the broadcast below); the broadcast sets them all
         src = None if self.world_size > 1 else 0
-        model = parallelize(model if meta else model.to(self.device), self.dims, self.settings, self.device.type, mesh=self.mesh, src_data_rank=src)
+        model = parallelize(
+            model if meta else model.to(self.device),
+            self.dims,
+            self.settings,
+            self.device.type,
+            mesh=self.mesh,
+            src_data_rank=src,
+        )
         if self.world_size > 1:
             if meta:
                 model.to_empty(device=self.device)
@@ -146,8 +167,10 @@ class RankWorker:
 
     @property
     def _share_prefix(self) -> bool:
-        """actor.share_prompt_prefix on one rank, as the local backend. On several: the ordinary pass, since FSDP2 needs the
-        same forward calls (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own (a
+        """actor.share_prompt_prefix on one rank, as the local backend. On several: the ordinary pass, since FSDP2
+        needs the
+        same forward calls (and so collectives) on every rank, and whether a shard repeats a prompt is each rank's own
+        (a
         mismatch aborts gloo)."""
         return self.cfg.actor.share_prompt_prefix and self.world_size == 1
 
@@ -205,7 +228,9 @@ class RankWorker:
         """The actor's (old_logprobs, entropy, kl_full, ref_logprobs) for this rank's shard (see
         ``ActorWorker.compute_logprobs``); padding rows removed, on the CPU."""
         n = real_rows(shard)
-        out = self.actor.compute_logprobs(batch_to(shard, self.device), with_entropy=with_entropy, full_kl_ref=self.ref if full_kl else None)
+        out = self.actor.compute_logprobs(
+            batch_to(shard, self.device), with_entropy=with_entropy, full_kl_ref=self.ref if full_kl else None
+        )
         return tuple(None if x is None else x[:n].cpu() for x in out)
 
     @register(DP_SPLIT)
@@ -304,7 +329,11 @@ class RankWorker:
         state = self._dcp_state(with_ref)
         dcp.save(state, checkpoint_id=path)
         if self.rank == 0:
-            scheds = {n: getattr(self, n).scheduler.state_dict() for n in ("actor", "critic") if getattr(self, n) is not None and getattr(self, n).scheduler}
+            scheds = {
+                n: getattr(self, n).scheduler.state_dict()
+                for n in ("actor", "critic")
+                if getattr(self, n) is not None and getattr(self, n).scheduler
+            }
             torch.save(scheds, os.path.join(path, "schedulers.pt"))
         return sorted(state)
 
@@ -321,7 +350,12 @@ class RankWorker:
         for name in ("actor", "critic"):
             if name in state:
                 worker = getattr(self, name)
-                set_state_dict(worker.model, worker.optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
+                set_state_dict(
+                    worker.model,
+                    worker.optimizer,
+                    model_state_dict=state[name]["model"],
+                    optim_state_dict=state[name]["optim"],
+                )
         if "ref" in state:
             set_model_state_dict(self.ref.model, state["ref"]["model"])
         scheds = torch.load(os.path.join(path, "schedulers.pt"), weights_only=True)

@@ -12,4 +12,12 @@ from tether.evaluation.exact import EXACT_FINAL, ExactCache, evaluate_final, exa
 from tether.evaluation.sampled import evaluate_prompts
 from tether.evaluation.validation import validate
 
-__all__ = ["EXACT_FINAL", "ExactCache", "evaluate_final", "evaluate_prompts", "exact_metrics", "exact_prompts", "validate"]
+__all__ = [
+    "EXACT_FINAL",
+    "ExactCache",
+    "evaluate_final",
+    "evaluate_prompts",
+    "exact_metrics",
+    "exact_prompts",
+    "validate",
+]

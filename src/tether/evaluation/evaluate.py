@@ -159,8 +159,10 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
         return p, "adapter", run
     if (p / "config.json").is_file():
         return p, "model", run
-    raise ConfigError(f"{p} is neither a model directory (config.json), a peft adapter (adapter_config.json), "
-                      "a tether checkpoint (actor/) nor a run directory (checkpoints/)")
+    raise ConfigError(
+        f"{p} is neither a model directory (config.json), a peft adapter (adapter_config.json), "
+        "a tether checkpoint (actor/) nor a run directory (checkpoints/)"
+    )
 
 
 def load_policy(path: str | Path, *, dtype: str = "float32", device: str = "cpu"):
@@ -185,7 +187,6 @@ def _load_resolved(where: Path, kind: str, dtype: str, device: str):
             base = json.loads((where / "adapter_config.json").read_text()).get("base_model_name_or_path")
             raise ConfigError(f"cannot load the adapter in {where} on its base model {base!r}: {e}") from None
     elif (where.parent / "dcp").is_dir() and not any(where.glob("*.safetensors")):  # trainer.backend=ray: sharded
-
         model = load_sharded_actor(where.parent).to(DTYPES[dtype])
     else:
         model = load_causal_lm(where, dtype=dtype)
@@ -207,23 +208,51 @@ def _run_defaults(cfg) -> dict[str, Any]:
     if cfg is None:
         return {}
     return {
-        "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "max_new_tokens": cfg.rollout.max_new_tokens,
-        "n": cfg.trainer.val_n, "reward_function": cfg.reward.function, "reward_model": cfg.reward.model,
-        "val_function": cfg.reward.val_function, "val_model": cfg.reward.val_model,
-        "prompt_key": cfg.data.prompt_key, "apply_chat_template": cfg.data.apply_chat_template,
-        "instruction_suffix": cfg.data.instruction_suffix, "max_prompt_length": cfg.data.max_prompt_length,
-        "engine": cfg.rollout.engine, "beta": cfg.kl.coef,
-    }  # fmt: skip
+        "temperature": cfg.rollout.temperature,
+        "top_p": cfg.rollout.top_p,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "n": cfg.trainer.val_n,
+        "reward_function": cfg.reward.function,
+        "reward_model": cfg.reward.model,
+        "val_function": cfg.reward.val_function,
+        "val_model": cfg.reward.val_model,
+        "prompt_key": cfg.data.prompt_key,
+        "apply_chat_template": cfg.data.apply_chat_template,
+        "instruction_suffix": cfg.data.instruction_suffix,
+        "max_prompt_length": cfg.data.max_prompt_length,
+        "engine": cfg.rollout.engine,
+        "beta": cfg.kl.coef,
+    }
 
 
-DEFAULTS = {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, "prompt_key": "prompt",
-            "apply_chat_template": True, "instruction_suffix": "", "max_prompt_length": 2048, "engine": "hf",
-            "beta": 0.05}  # fmt: skip
+DEFAULTS = {
+    "n": 4,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "max_new_tokens": 512,
+    "prompt_key": "prompt",
+    "apply_chat_template": True,
+    "instruction_suffix": "",
+    "max_prompt_length": 2048,
+    "engine": "hf",
+    "beta": 0.05,
+}
 EMBEDDED_DATA = ("embedded", "embedded:val", "embedded:train")
 
 #: exact/* values shown in the table for the embedded task (all of them go to the JSON)
-EXACT_SHOWN = ("exact/score_mean", "exact/ref_score_mean", "exact/opt_score_mean", "exact/gold_mean", "exact/ref_gold_mean", "exact/kl_ref_tok",
-               "exact/kl_ref_seq", "exact/objective", "exact/opt_objective", "exact/correct_effective_answers", "exact/n_prompts")  # fmt: skip
+EXACT_SHOWN = (
+    "exact/score_mean",
+    "exact/ref_score_mean",
+    "exact/opt_score_mean",
+    "exact/gold_mean",
+    "exact/ref_gold_mean",
+    "exact/kl_ref_tok",
+    "exact/kl_ref_seq",
+    "exact/objective",
+    "exact/opt_objective",
+    "exact/correct_effective_answers",
+    "exact/n_prompts",
+)
 
 
 def _adapter_base(where: Path) -> Path | None:
@@ -255,8 +284,15 @@ class EvalReward:
     need is never loaded.
     """
 
-    def __init__(self, function: str | None, reward_model: str | None, *, given: bool = False, device: str = "cpu",
-                 timeout_s: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        function: str | None,
+        reward_model: str | None,
+        *,
+        given: bool = False,
+        device: str = "cpu",
+        timeout_s: float | None = None,
+    ):
         self.function = function or None
         self.reward_model = str(Path(reward_model).expanduser()) if reward_model else None
         self.given = given and bool(self.function or self.reward_model)
@@ -353,17 +389,25 @@ class EvalReward:
                 if k.endswith("_count"):
                     counts[k] = counts.get(k, 0.0) + v
             n_clipped += res.metrics.get("reward/clip_frac", 0.0) * int(res.valid.sum())
-            errors += [re.sub(r"^sample (\d+)", lambda m, ix=ix: f"sample {ix[int(m.group(1))]}", e) for e in res.errors]
+            errors += [
+                re.sub(r"^sample (\d+)", lambda m, ix=ix: f"sample {ix[int(m.group(1))]}", e) for e in res.errors
+            ]
         ok = raw[valid].double()
         n_valid = int(valid.sum())
-        metrics = counts | {"reward/all_invalid": float(b > 0 and n_valid == 0), "reward/clip_frac": n_clipped / n_valid if n_valid else 0.0,
-                            "reward/raw_mean": float(ok.mean()) if n_valid else 0.0,
-                            "reward/raw_std": float(ok.std(unbiased=False)) if n_valid else 0.0}  # fmt: skip
+        metrics = counts | {
+            "reward/all_invalid": float(b > 0 and n_valid == 0),
+            "reward/clip_frac": n_clipped / n_valid if n_valid else 0.0,
+            "reward/raw_mean": float(ok.mean()) if n_valid else 0.0,
+            "reward/raw_std": float(ok.std(unbiased=False)) if n_valid else 0.0,
+        }
         return RewardResult(scores=scores, valid=valid, raw_scores=raw, metrics=metrics, errors=errors[:MAX_ERRORS])
 
     def state_dict(self) -> dict:
         """The managers' states (running normalisation), restored by :meth:`load_state_dict`."""
-        return {"builtin": self.builtin.state_dict() if self.builtin else None, "other": self._other.state_dict() if self._other else None}
+        return {
+            "builtin": self.builtin.state_dict() if self.builtin else None,
+            "other": self._other.state_dict() if self._other else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for mgr, st in ((self.builtin, state.get("builtin")), (self._other, state.get("other"))):
@@ -397,9 +441,23 @@ class Evaluator:
         base = DEFAULTS | {k: v for k, v in _run_defaults(self.cfg).items() if v is not None}
         if self.data in EMBEDDED_DATA and self.cfg is None:
             base["max_new_tokens"] = MAX_NEW_TOKENS  # the task's own response length: k digits + EOS
-        r = {name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name) for name in
-             ("n", "temperature", "top_p", "max_new_tokens", "reward_function", "reward_model", "val_function", "val_model",
-              "prompt_key", "apply_chat_template", "instruction_suffix", "max_prompt_length")}  # fmt: skip
+        r = {
+            name: getattr(s, name) if getattr(s, name, None) is not None else base.get(name)
+            for name in (
+                "n",
+                "temperature",
+                "top_p",
+                "max_new_tokens",
+                "reward_function",
+                "reward_model",
+                "val_function",
+                "val_model",
+                "prompt_key",
+                "apply_chat_template",
+                "instruction_suffix",
+                "max_prompt_length",
+            )
+        }
         if s.reward_function or s.reward_model:  # a reward given here replaces the run's (function or model)
             r["reward_function"], r["reward_model"] = s.reward_function, s.reward_model
         if s.val_function or s.val_model:  # so does a gold reward
@@ -415,45 +473,80 @@ class Evaluator:
             r["ks"] = sorted({1, *ks})
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        bad = [f"--max-new-tokens must be >= 1, got {r['max_new_tokens']}" if r["max_new_tokens"] < 1 else "",
-               f"--batch-size must be >= 1, got {s.batch_size}" if s.batch_size < 1 else "",
-               f"--temperature must be > 0, got {r['temperature']} (for greedy decoding use --greedy)" if not r["temperature"] > 0 else "",
-               f"--top-p must be in (0, 1], got {r['top_p']}" if not 0 < r["top_p"] <= 1 else ""]  # fmt: skip
+        bad = [
+            f"--max-new-tokens must be >= 1, got {r['max_new_tokens']}" if r["max_new_tokens"] < 1 else "",
+            f"--batch-size must be >= 1, got {s.batch_size}" if s.batch_size < 1 else "",
+            f"--temperature must be > 0, got {r['temperature']} (for greedy decoding use --greedy)"
+            if not r["temperature"] > 0
+            else "",
+            f"--top-p must be in (0, 1], got {r['top_p']}" if not 0 < r["top_p"] <= 1 else "",
+        ]
         if any(bad):
             raise ConfigError("; ".join(b for b in bad if b))
         r["engine"] = self._pick_engine(s.engine, base["engine"])
         self.beta = float(base["beta"])
-        s.resolved = self.resolved = r | {"greedy": s.greedy, "batch_size": s.batch_size, "device": str(device), "dtype": s.dtype,
-                                          "seed": s.seed, "run": str(run) if run else None}  # fmt: skip
+        s.resolved = self.resolved = r | {
+            "greedy": s.greedy,
+            "batch_size": s.batch_size,
+            "device": str(device),
+            "dtype": s.dtype,
+            "seed": s.seed,
+            "run": str(run) if run else None,
+        }
         if self.data in EMBEDDED_DATA:  # the embedded task's prompts, no file needed
-
             split = self.data.partition(":")[2] or "val"
-            task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # a run's data.embedded_task
+            # a run's data.embedded_task
+            task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")
             rows = rows_from_records(task.make_dataset(split), source=f"embedded:{split}")
         else:
             rows = load_rows(data, prompt_key=r["prompt_key"])
-        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None  # the run's reward.timeout_s
-        self.reward = EvalReward(r["reward_function"], r["reward_model"], given=bool(s.reward_function or s.reward_model),
-                                 device=str(device), timeout_s=timeout)  # fmt: skip
+        # the run's reward.timeout_s
+        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None
+        self.reward = EvalReward(
+            r["reward_function"],
+            r["reward_model"],
+            given=bool(s.reward_function or s.reward_model),
+            device=str(device),
+            timeout_s=timeout,
+        )
 
-        self.gold = GoldReward(r["val_function"], str(Path(r["val_model"]).expanduser()) if r["val_model"] else None, timeout_s=timeout,
-                               device=str(device))  # fmt: skip
+        self.gold = GoldReward(
+            r["val_function"],
+            str(Path(r["val_model"]).expanduser()) if r["val_model"] else None,
+            timeout_s=timeout,
+            device=str(device),
+        )
         rows = self._scorable_rows(rows, s.limit)
         data_cfg = DataConfig(
-            train_files=str(data), prompt_key=r["prompt_key"], apply_chat_template=r["apply_chat_template"],
-            instruction_suffix=r["instruction_suffix"], max_prompt_length=r["max_prompt_length"], overlong_prompts="drop",
-        )  # fmt: skip
+            train_files=str(data),
+            prompt_key=r["prompt_key"],
+            apply_chat_template=r["apply_chat_template"],
+            instruction_suffix=r["instruction_suffix"],
+            max_prompt_length=r["max_prompt_length"],
+            overlong_prompts="drop",
+        )
         self.prompts = prepare_prompts(rows, tok, data_cfg, "DATA")
         self.indices = distinct_prompt_indices(self.prompts)
         if s.limit is not None:
             self.indices = self.indices[: s.limit]
         self.reward.check_rows([self.prompts.rows[i] for i in self.indices])
-        self.resolved["scorers"] = self.scorers = {ds: self.reward.scorer(ds) for ds in dict.fromkeys(
-            [self.prompts.rows[i].data_source for i in self.indices] + list(self.no_ground_truth))}  # fmt: skip
-        self.resolved["gold"] = {ds: self.gold.name(ds) for ds in self.gold.check_rows([self.prompts.rows[i] for i in self.indices])}
-        if (run_reward := self.reward.fallback_name()) and (mine := sorted(ds for ds in self.scorers if self.reward.uses_builtin(ds))):
-            log.info("tether eval: data_source %s scored by the built-in verifier, not by the run's training reward %s",
-                     ", ".join(mine), run_reward)  # fmt: skip
+        self.resolved["scorers"] = self.scorers = {
+            ds: self.reward.scorer(ds)
+            for ds in dict.fromkeys(
+                [self.prompts.rows[i].data_source for i in self.indices] + list(self.no_ground_truth)
+            )
+        }
+        self.resolved["gold"] = {
+            ds: self.gold.name(ds) for ds in self.gold.check_rows([self.prompts.rows[i] for i in self.indices])
+        }
+        if (run_reward := self.reward.fallback_name()) and (
+            mine := sorted(ds for ds in self.scorers if self.reward.uses_builtin(ds))
+        ):
+            log.info(
+                "tether eval: data_source %s scored by the built-in verifier, not by the run's training reward %s",
+                ", ".join(mine),
+                run_reward,
+            )
         self.engine = None
         self._ref = None
         self._no_ref = False  # reference() found none (checked once)
@@ -485,10 +578,18 @@ class Evaluator:
             n = sum(self.no_ground_truth.values())
             which = "; ".join(f"{ds}: {len(v)} row(s), first {v[0]}" for ds, v in skipped.items())
             if not kept:
-                raise DataError(f"{self.data}: nothing to evaluate: no row has a reward_model.ground_truth its verifier can use "
-                                f"({n} row(s) checked; {which})")  # fmt: skip
-            log.warning("tether eval: %d row(s) of %s left out: no reward_model.ground_truth their verifier can use, so they cannot be "
-                        "scored (not counted in pass@k; no_ground_truth): %s", n, self.data, which)  # fmt: skip
+                raise DataError(
+                    f"{self.data}: nothing to evaluate: no row has a reward_model.ground_truth its verifier can use "
+                    f"({n} row(s) checked; {which})"
+                )
+            log.warning(
+                "tether eval: %d row(s) of %s left out: no reward_model.ground_truth their verifier can use, so they "
+                "cannot be "
+                "scored (not counted in pass@k; no_ground_truth): %s",
+                n,
+                self.data,
+                which,
+            )
         return kept
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
@@ -516,7 +617,9 @@ class Evaluator:
             return resolve_model_path(self.settings.ref, "--ref")
         if self.cfg is None:
             return resolve_model_path(EMBEDDED) if self.data in EMBEDDED_DATA else None
-        return resolve_model_path(self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model")
+        return resolve_model_path(
+            self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model"
+        )
 
     def reference(self):
         """The frozen reference model (loaded once), or None when there is none (or, for the embedded
@@ -528,8 +631,11 @@ class Evaluator:
                 return None
 
             if not self.settings.ref and self.cfg is None and not _same_vocab(self.tok, path):
-                log.warning("eval: the policy's tokenizer is not the embedded task's, so its shipped reference %s cannot be "
-                            "the reference: no kl_ref, and exact/ref_* are the policy's own (give --ref DIR)", path)
+                log.warning(
+                    "eval: the policy's tokenizer is not the embedded task's, so its shipped reference %s cannot be "
+                    "the reference: no kl_ref, and exact/ref_* are the policy's own (give --ref DIR)",
+                    path,
+                )
                 self._no_ref = True
                 return None
             self._ref = load_causal_lm(path, dtype=self.settings.dtype).to(self.device).eval()
@@ -539,9 +645,16 @@ class Evaluator:
         """The run's config (or the defaults) with this evaluation's sampling settings and engine: what
         the trainer's engine builder reads (``rollout.*``, ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``)."""
         r, s = self.resolved, self.settings
-        overrides = [f"rollout.engine={r['engine']}", f"rollout.temperature={r['temperature']}", f"rollout.top_p={r['top_p']}", "rollout.top_k=0",
-                     f"rollout.max_new_tokens={r['max_new_tokens']}", f"rollout.do_sample={str(not r['greedy']).lower()}",
-                     f"actor.dtype={s.dtype}", f"trainer.seed={s.seed}"]  # fmt: skip
+        overrides = [
+            f"rollout.engine={r['engine']}",
+            f"rollout.temperature={r['temperature']}",
+            f"rollout.top_p={r['top_p']}",
+            "rollout.top_k=0",
+            f"rollout.max_new_tokens={r['max_new_tokens']}",
+            f"rollout.do_sample={str(not r['greedy']).lower()}",
+            f"actor.dtype={s.dtype}",
+            f"trainer.seed={s.seed}",
+        ]
         return load_config(self.run / "config.yaml" if self.cfg is not None else None, overrides)
 
     def _runner(self, model, model_path: Path | None):
@@ -557,12 +670,25 @@ class Evaluator:
                 self.engine.sync_weights(model)
         else:
             self.engine.sync_weights(model)
-        return RolloutRunner(self.engine, self.tok, self.device, max_new_tokens=r["max_new_tokens"], eos_token_ids=generation_eos_ids(model))
+        return RolloutRunner(
+            self.engine,
+            self.tok,
+            self.device,
+            max_new_tokens=r["max_new_tokens"],
+            eos_token_ids=generation_eos_ids(model),
+        )
 
     # ---------------------------------------------------------------------------------- evaluation
 
-    def __call__(self, model, *, model_path: Path | None = None, samples: list[dict] | None = None,
-                 by_source: dict | None = None, is_reference: bool = False) -> dict[str, float]:  # fmt: skip
+    def __call__(
+        self,
+        model,
+        *,
+        model_path: Path | None = None,
+        samples: list[dict] | None = None,
+        by_source: dict | None = None,
+        is_reference: bool = False,
+    ) -> dict[str, float]:
         """Evaluate ``model`` (an HF causal LM); returns the metrics of
         :func:`tether.evaluation.sampled.evaluate_prompts`, with ``kl_ref_*`` when a reference is known
         and decoding samples (``is_reference``: the model is the reference, KL 0 without a forward),
@@ -574,12 +700,28 @@ class Evaluator:
         runner = self._runner(model, model_path)
         probe = None
         if self.settings.kl and not r["greedy"] and not is_reference and self.reference() is not None:
-            probe = KLProbe(ReferenceWorker(model, micro_batch_size=self.settings.batch_size, temperature=r["temperature"]),
-                            ReferenceWorker(self.reference(), micro_batch_size=self.settings.batch_size, temperature=r["temperature"]))  # fmt: skip
+            probe = KLProbe(
+                ReferenceWorker(model, micro_batch_size=self.settings.batch_size, temperature=r["temperature"]),
+                ReferenceWorker(
+                    self.reference(), micro_batch_size=self.settings.batch_size, temperature=r["temperature"]
+                ),
+            )
         torch.manual_seed(self.settings.seed)
-        m = evaluate_prompts(runner, self.reward, self.prompts, n=r["n"], ks=r["ks"], batch_size=self.settings.batch_size,
-                             indices=self.indices, samples=samples, by_source=by_source, kl_probe=probe,
-                             progress=self.settings.progress, do_sample=not r["greedy"], gold=self.gold)  # fmt: skip
+        m = evaluate_prompts(
+            runner,
+            self.reward,
+            self.prompts,
+            n=r["n"],
+            ks=r["ks"],
+            batch_size=self.settings.batch_size,
+            indices=self.indices,
+            samples=samples,
+            by_source=by_source,
+            kl_probe=probe,
+            progress=self.settings.progress,
+            do_sample=not r["greedy"],
+            gold=self.gold,
+        )
         if is_reference and self.settings.kl and not r["greedy"]:
             m |= {"kl_ref_mean": 0.0, "kl_ref_k3_mean": 0.0, "kl_ref_seq_mean": 0.0}
         if self.no_ground_truth:
@@ -601,18 +743,34 @@ class Evaluator:
             log.warning("%s", problem)
             return {}
 
-        task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")  # its proxy reward and gold
-        return evaluate_policy(model, ref, self.tok, prompts, max(self.beta, 1e-6), temperature=self.resolved["temperature"],
-                               n_samples=self.resolved["n"], ref_cache=self._exact_ref_cache if ref is not model else None,
-                               reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None))  # fmt: skip
+        # its proxy reward and gold
+        task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")
+        return evaluate_policy(
+            model,
+            ref,
+            self.tok,
+            prompts,
+            max(self.beta, 1e-6),
+            temperature=self.resolved["temperature"],
+            n_samples=self.resolved["n"],
+            ref_cache=self._exact_ref_cache if ref is not model else None,
+            reward_fn=task.compute_score,
+            gold_fn=getattr(task, "gold_score", None),
+        )
 
 
 def _same_vocab(tok, path: Path) -> bool:
     return tok.get_vocab() == load_tokenizer(path).get_vocab()
 
 
-def evaluate(model_or_checkpoint: str | Path, data: str | Path, settings: EvalSettings | None = None, *,
-             samples: list[dict] | None = None, by_source: dict | None = None) -> dict[str, float]:
+def evaluate(
+    model_or_checkpoint: str | Path,
+    data: str | Path,
+    settings: EvalSettings | None = None,
+    *,
+    samples: list[dict] | None = None,
+    by_source: dict | None = None,
+) -> dict[str, float]:
     """Evaluate a policy on a dataset; returns the metrics of
     :func:`tether.evaluation.sampled.evaluate_prompts` (``pass@k``, ``maj@k``, ``mean@n``,
     ``length_mean``, diversity, ``kl_ref_mean`` when the run's reference is known, ``exact/*`` on the
@@ -666,7 +824,9 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
     try:
         steps = [int(x) for x in which.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"--checkpoints must be all, latest or a list of steps (e.g. 100,200), got {which!r}") from None
+        raise ConfigError(
+            f"--checkpoints must be all, latest or a list of steps (e.g. 100,200), got {which!r}"
+        ) from None
     have = dict(ok)
     missing = [st for st in steps if st not in have]
     if missing or not steps:
@@ -674,8 +834,14 @@ def select_checkpoints(run_dir: Path, which: str) -> list[tuple[int, Path]]:
     return [(st, have[st]) for st in sorted(set(steps))]
 
 
-def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSettings | None = None, *, which: str = "all",
-                         out_dir: str | Path | None = None) -> list[dict]:  # fmt: skip
+def evaluate_checkpoints(
+    run_dir: str | Path,
+    data: str | Path,
+    settings: EvalSettings | None = None,
+    *,
+    which: str = "all",
+    out_dir: str | Path | None = None,
+) -> list[dict]:
     """Evaluate the reference (as step 0) and every selected checkpoint of a run with one
     :class:`Evaluator` (one engine, weights pushed per checkpoint); write ``eval/curve.png``
     (accuracy against step and against the KL to the reference of the eval prompts' own samples),
@@ -716,14 +882,37 @@ def evaluate_checkpoints(run_dir: str | Path, data: str | Path, settings: EvalSe
         by_source: dict = {}
         m = ev(model, model_path=path, samples=samples, by_source=by_source, is_reference=is_ref)
         seconds = time.perf_counter() - t0
-        res = {"step": st, "checkpoint": str(ckpt) if ckpt else f"reference {ref_path}", "metrics": m, "by_source": by_source,
-               "seconds": round(seconds, 3)}  # fmt: skip
-        write_json(out / f"step_{st:06d}.json", res["checkpoint"], str(data), m, ev.resolved, seconds, samples, by_source=by_source)
+        res = {
+            "step": st,
+            "checkpoint": str(ckpt) if ckpt else f"reference {ref_path}",
+            "metrics": m,
+            "by_source": by_source,
+            "seconds": round(seconds, 3),
+        }
+        write_json(
+            out / f"step_{st:06d}.json",
+            res["checkpoint"],
+            str(data),
+            m,
+            ev.resolved,
+            seconds,
+            samples,
+            by_source=by_source,
+        )
         results.append(res)
-        log.info("tether eval: step %d: pass@1 %.4f, KL %.4f nats/token (%.1fs)", st, m["pass@1"], m.get("kl_ref_mean", float("nan")), seconds)
+        log.info(
+            "tether eval: step %d: pass@1 %.4f, KL %.4f nats/token (%.1fs)",
+            st,
+            m["pass@1"],
+            m.get("kl_ref_mean", float("nan")),
+            seconds,
+        )
         if not is_ref:
             del model
-    write_text(out / "curve.json", json.dumps({"run": str(run), "data": str(data), "settings": ev.resolved, "results": results}, indent=2) + "\n")
+    write_text(
+        out / "curve.json",
+        json.dumps({"run": str(run), "data": str(data), "settings": ev.resolved, "results": results}, indent=2) + "\n",
+    )
     write_text(out / "curve.md", curve_table(results, ev.resolved) + "\n")
     plot_curve(results, ev.resolved, out / "curve.png")
     return results
@@ -752,12 +941,20 @@ def curve_table(results: list[dict], settings: dict) -> str:
     and k3 on the eval samples), response length and truncation rate."""
     keys = _curve_keys(settings, results) + [f"mean@{settings['n']}"]
     exact = all("exact/score_mean" in r["metrics"] for r in results)
-    head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"] + (["exact pass@1", "exact kl_ref (nats/tok)"] if exact else [])
+    head = ["step", *keys, "kl_ref (nats/tok)", "kl_ref k3", "length", "truncated"] + (
+        ["exact pass@1", "exact kl_ref (nats/tok)"] if exact else []
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         m = r["metrics"]
-        cells = [str(r["step"]), *(f"{m[k]:.4f}" for k in keys), f"{m.get('kl_ref_mean', float('nan')):.4f}",
-                 f"{m.get('kl_ref_k3_mean', float('nan')):.4f}", f"{m['length_mean']:.1f}", f"{m['truncated_frac']:.3f}"]  # fmt: skip
+        cells = [
+            str(r["step"]),
+            *(f"{m[k]:.4f}" for k in keys),
+            f"{m.get('kl_ref_mean', float('nan')):.4f}",
+            f"{m.get('kl_ref_k3_mean', float('nan')):.4f}",
+            f"{m['length_mean']:.1f}",
+            f"{m['truncated_frac']:.3f}",
+        ]
         if exact:
             cells += [f"{m['exact/score_mean']:.4f}", f"{m['exact/kl_ref_tok']:.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -787,7 +984,13 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
     if all("exact/score_mean" in r["metrics"] for r in results):  # the embedded task: the same without sampling noise
         ys = [r["metrics"]["exact/score_mean"] for r in results]
         a.plot(steps, ys, ls="--", marker=".", label="exact pass@1")
-        b.plot([r["metrics"]["exact/kl_ref_tok"] for r in results], ys, ls="--", marker=".", label="exact pass@1 vs exact KL")
+        b.plot(
+            [r["metrics"]["exact/kl_ref_tok"] for r in results],
+            ys,
+            ls="--",
+            marker=".",
+            label="exact pass@1 vs exact KL",
+        )
     for x, y, st in zip(kl, [r["metrics"]["pass@1"] for r in results], steps, strict=True):
         b.annotate(str(st), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     a.set_xlabel("step")
@@ -811,9 +1014,25 @@ def plot_curve(results: list[dict], settings: dict, path: Path) -> Path:
 
 def _first_rows(settings: dict) -> list[str]:
     n, ks = settings.get("n", 1), settings.get("ks", [1])
-    return ([f"pass@{k}" for k in ks] + [f"maj@{k}" for k in ks if k > 1] + [f"mean@{n}", "gold_mean", "gold_gap"]
-            + ["answered_frac", "unscored_frac", "kl_ref_mean", "kl_ref_k3_mean", "kl_ref_seq_mean", "length_mean", "length_max", "truncated_frac",
-               "score_sem", "prompts", "samples", "no_ground_truth"])  # fmt: skip
+    return (
+        [f"pass@{k}" for k in ks]
+        + [f"maj@{k}" for k in ks if k > 1]
+        + [f"mean@{n}", "gold_mean", "gold_gap"]
+        + [
+            "answered_frac",
+            "unscored_frac",
+            "kl_ref_mean",
+            "kl_ref_k3_mean",
+            "kl_ref_seq_mean",
+            "length_mean",
+            "length_max",
+            "truncated_frac",
+            "score_sem",
+            "prompts",
+            "samples",
+            "no_ground_truth",
+        ]
+    )
 
 
 def format_table(metrics: dict[str, float], settings: dict, by_source: dict | None = None) -> str:
@@ -821,19 +1040,30 @@ def format_table(metrics: dict[str, float], settings: dict, by_source: dict | No
     holding two or more data sources, one column per source. The diversity and ``exact/*``
     metrics follow (only the headline ``exact/*`` values; the JSON holds all)."""
     first = [m for m in _first_rows(settings) if m in metrics]
-    rest = sorted(m for m in metrics if m not in first and m != "score_mean" and (not m.startswith("exact/") or m in EXACT_SHOWN))
+    rest = sorted(
+        m for m in metrics if m not in first and m != "score_mean" and (not m.startswith("exact/") or m in EXACT_SHOWN)
+    )
     names = first + rest
     cols = [("all", metrics)] + (list(by_source.items()) if by_source and len(by_source) > 1 else [])
     width = max(len(n) for n in names)
     cw = [max(8, len(c)) for c, _ in cols]
-    lines = [f"{'metric':<{width}}  " + "  ".join(f"{c:>{w}}" for (c, _), w in zip(cols, cw, strict=True)),
-             f"{'-' * width}  " + "  ".join("-" * w for w in cw)]  # fmt: skip
+    lines = [
+        f"{'metric':<{width}}  " + "  ".join(f"{c:>{w}}" for (c, _), w in zip(cols, cw, strict=True)),
+        f"{'-' * width}  " + "  ".join("-" * w for w in cw),
+    ]
     for n in names:
         cells = []
         for (_, m), w in zip(cols, cw, strict=True):
             v = m.get(n)
-            shown = "" if v is None else (f"{v:.0f}" if n in ("prompts", "samples", "length_max", "exact/n_prompts", "no_ground_truth")
-                                          else (f"{v:.4f}" if math.isfinite(v) else str(v)))  # fmt: skip
+            shown = (
+                ""
+                if v is None
+                else (
+                    f"{v:.0f}"
+                    if n in ("prompts", "samples", "length_max", "exact/n_prompts", "no_ground_truth")
+                    else (f"{v:.4f}" if math.isfinite(v) else str(v))
+                )
+            )
             cells.append(f"{shown:>{w}}")
         lines.append(f"{n:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)
@@ -856,8 +1086,18 @@ def _gold_words(settings: dict) -> str:
 _TEXT_KEYS = ("prompt", "response")
 
 
-def write_json(path: str | Path, model: str, data: str, metrics: dict, settings: dict, seconds: float, samples: list | None,
-               *, by_source: dict | None = None, texts: bool = True) -> Path:  # fmt: skip
+def write_json(
+    path: str | Path,
+    model: str,
+    data: str,
+    metrics: dict,
+    settings: dict,
+    seconds: float,
+    samples: list | None,
+    *,
+    by_source: dict | None = None,
+    texts: bool = True,
+) -> Path:
     """``{"model", "data", "settings", "metrics", "by_source", "seconds", "samples"}`` as indented JSON;
     ``texts=False`` leaves each sample's prompt and response text out (ids, answers, scores stay).
 
@@ -867,8 +1107,14 @@ def write_json(path: str | Path, model: str, data: str, metrics: dict, settings:
         OutputWriteError: the write failed (no space left, a read-only file system, ...).
     """
     out = Path(path)
-    doc = {"model": str(model), "data": str(data), "settings": settings, "metrics": metrics, "by_source": by_source or {},
-           "seconds": round(seconds, 3)}  # fmt: skip
+    doc = {
+        "model": str(model),
+        "data": str(data),
+        "settings": settings,
+        "metrics": metrics,
+        "by_source": by_source or {},
+        "seconds": round(seconds, 3),
+    }
     if samples is not None:
         doc["samples"] = samples if texts else [{k: v for k, v in r.items() if k not in _TEXT_KEYS} for r in samples]
     return write_text(out, json.dumps(doc, indent=2) + "\n")
@@ -882,11 +1128,26 @@ def _settings_from_args(args) -> EvalSettings:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return EvalSettings(
-        n=args.n, ks=ks, greedy=args.greedy, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, limit=args.limit, reward_function=args.reward_function, reward_model=args.reward_model,
-        val_function=args.val_function, val_model=args.val_model,
-        engine=args.engine, ref=args.ref, kl=not args.no_kl, device=args.device, dtype=args.dtype, seed=args.seed, progress=not args.no_progress,
-    )  # fmt: skip
+        n=args.n,
+        ks=ks,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        reward_function=args.reward_function,
+        reward_model=args.reward_model,
+        val_function=args.val_function,
+        val_model=args.val_model,
+        engine=args.engine,
+        ref=args.ref,
+        kl=not args.no_kl,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
 
 
 def main_eval(args) -> int:
@@ -901,14 +1162,19 @@ def main_eval(args) -> int:
         s = _settings_from_args(args)
         if args.checkpoints is not None:
             out_dir = Path(args.out) if args.out else Path(args.model) / "eval"
-            if (args.out or Path(args.model).is_dir()) and (problem := output_problem(out_dir, "dir", "--out" if args.out else "the output directory")):
+            if (args.out or Path(args.model).is_dir()) and (
+                problem := output_problem(out_dir, "dir", "--out" if args.out else "the output directory")
+            ):
                 raise ConfigError(problem)
             results = evaluate_checkpoints(args.model, args.data, s, which=args.checkpoints, out_dir=out_dir)
             print(curve_table(results, s.resolved))
             print(f"scored by {describe_scorers(s.resolved.get('scorers', {}))}{_gold_words(s.resolved)}")
             print(f"written to {out_dir} (curve.png, curve.md, curve.json, step_*.json)")
             return 0
-        if args.out and (problem := output_problem(args.out, "file", "--out") or output_problem(Path(args.out).with_suffix(".txt"), "file", "--out's table")):
+        if args.out and (
+            problem := output_problem(args.out, "file", "--out")
+            or output_problem(Path(args.out).with_suffix(".txt"), "file", "--out's table")
+        ):
             raise ConfigError(problem)
         samples: list[dict] = []
         by_source: dict = {}
@@ -922,17 +1188,26 @@ def main_eval(args) -> int:
     seconds = time.perf_counter() - t0
     r = s.resolved
     mode = "greedy" if r["greedy"] else f"sampled, temperature {r['temperature']}, top_p {r['top_p']}"
-    left_out = f"; {metrics['no_ground_truth']:.0f} row(s) without a usable ground truth left out" if metrics.get("no_ground_truth") else ""
-    text = (f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most {r['max_new_tokens']} tokens, "
-            f"engine {r['engine']}), {seconds:.1f}s; scored by {describe_scorers(r.get('scorers', {}))}{_gold_words(r)}{left_out}\n"
-            + format_table(metrics, r, by_source))  # fmt: skip
+    left_out = (
+        f"; {metrics['no_ground_truth']:.0f} row(s) without a usable ground truth left out"
+        if metrics.get("no_ground_truth")
+        else ""
+    )
+    text = (
+        f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most "
+        f"{r['max_new_tokens']} tokens, "
+        f"engine {r['engine']}), {seconds:.1f}s; scored by "
+        f"{describe_scorers(r.get('scorers', {}))}{_gold_words(r)}{left_out}\n" + format_table(metrics, r, by_source)
+    )
     print(text)
     if args.out:
         path = Path(args.out)
         try:
             with atomic_output(path.with_suffix(".txt"), "file") as txt:  # renamed into place after the JSON
                 txt.write_text(text + "\n")
-                write_json(path, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples)
+                write_json(
+                    path, args.model, args.data, metrics, r, seconds, samples, by_source=by_source, texts=args.samples
+                )
         except OutputWriteError as e:
             print(f"tether eval: {e}", file=sys.stderr)
             return 4
@@ -940,5 +1215,20 @@ def main_eval(args) -> int:
     return 0
 
 
-__all__ = ["DEFAULTS", "EvalReward", "EvalSettings", "Evaluator", "curve_table", "describe_scorers", "evaluate", "evaluate_checkpoints", "format_table", "load_policy",
-           "main_eval", "plot_curve", "resolve_policy", "select_checkpoints", "write_json"]  # fmt: skip
+__all__ = [
+    "DEFAULTS",
+    "EvalReward",
+    "EvalSettings",
+    "Evaluator",
+    "curve_table",
+    "describe_scorers",
+    "evaluate",
+    "evaluate_checkpoints",
+    "format_table",
+    "load_policy",
+    "main_eval",
+    "plot_curve",
+    "resolve_policy",
+    "select_checkpoints",
+    "write_json",
+]

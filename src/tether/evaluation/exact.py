@@ -40,8 +40,18 @@ class ExactCache:
         self.ref.clear()
 
 
-def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperature: float, n_samples: int, cache: ExactCache,
-                  task: str = "digitsum") -> dict[str, float]:  # fmt: skip
+def exact_metrics(
+    policy,
+    ref,
+    tok,
+    prompts: list[str],
+    *,
+    beta: float,
+    temperature: float,
+    n_samples: int,
+    cache: ExactCache,
+    task: str = "digitsum",
+) -> dict[str, float]:
     """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on ``prompts`` (the
     distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
 
@@ -65,9 +75,17 @@ def exact_metrics(policy, ref, tok, prompts: list[str], *, beta: float, temperat
     with ref.as_reference():
         mod = embedded_task(task)
         out = evaluate_policy(
-            policy, ref.module, tok, prompts, max(beta, 1e-6), temperature=temperature, n_samples=n_samples, ref_cache=cache.ref,
-            reward_fn=mod.compute_score, gold_fn=getattr(mod, "gold_score", None),
-        )  # fmt: skip
+            policy,
+            ref.module,
+            tok,
+            prompts,
+            max(beta, 1e-6),
+            temperature=temperature,
+            n_samples=n_samples,
+            ref_cache=cache.ref,
+            reward_fn=mod.compute_score,
+            gold_fn=getattr(mod, "gold_score", None),
+        )
     policy.train(was_training)
     return out
 
@@ -122,9 +140,17 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     beta = max(beta if beta is not None else cfg.kl.coef, 1e-6)
     task = embedded_task(cfg.data.embedded_task)  # the run's training reward (a proxy has a gold_score too)
     metrics = evaluate_policy(
-        policy, ref, tok, exact_prompts(which), beta, temperature=cfg.rollout.temperature, n_samples=cfg.rollout.n,
-        ref_cache=ref_cache, reward_fn=task.compute_score, gold_fn=getattr(task, "gold_score", None),
-    )  # fmt: skip
+        policy,
+        ref,
+        tok,
+        exact_prompts(which),
+        beta,
+        temperature=cfg.rollout.temperature,
+        n_samples=cfg.rollout.n,
+        ref_cache=ref_cache,
+        reward_fn=task.compute_score,
+        gold_fn=getattr(task, "gold_score", None),
+    )
     metrics["exact/beta"] = beta
     cache.write_text(json.dumps({"checkpoint": ckpt.name, "prompts": which, "metrics": metrics}, indent=1))
     return metrics

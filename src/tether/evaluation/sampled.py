@@ -87,10 +87,24 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 @torch.no_grad()
-def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_size: int, ks: list[int] | None = None,
-                     indices: list[int] | None = None, samples: list[dict] | None = None, by_source: dict | None = None,
-                     kl_probe: KLProbe | None = None, progress: bool = False, desc: str = "eval", k: int | None = None,
-                     gold=None, **gen_overrides) -> dict[str, float]:  # fmt: skip
+def evaluate_prompts(
+    runner,
+    reward,
+    prompts,
+    *,
+    n: int | None = None,
+    batch_size: int,
+    ks: list[int] | None = None,
+    indices: list[int] | None = None,
+    samples: list[dict] | None = None,
+    by_source: dict | None = None,
+    kl_probe: KLProbe | None = None,
+    progress: bool = False,
+    desc: str = "eval",
+    k: int | None = None,
+    gold=None,
+    **gen_overrides,
+) -> dict[str, float]:
     """Sample ``n`` responses per prompt, score them, and summarise: the evaluation shared by the
     trainer's validation (every ``trainer.val_freq`` steps) and ``tether eval``.
 
@@ -154,17 +168,26 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
             if g is not None and len(gold_errors) < 3:
                 gold_errors += g.errors[: 3 - len(gold_errors)]
             s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
-            ended = torch.isin(batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)).any(-1)
+            ended = torch.isin(
+                batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)
+            ).any(-1)
             lengths = batch.response_mask.sum(-1).tolist()
             kl = kl_probe(batch) if kl_probe is not None else None
             tokens += response_tokens(batch, eos)
             groups += (batch.group_ids.cpu() + start).tolist()
             for j, row in enumerate(batch.rows):
                 sc = float(s[j])
-                rec = {"index": row.index, "sample": j % n, "data_source": row.data_source,
-                       "answer": extract_answer(row.data_source, batch.responses[j], row.extra_info),
-                       "score": sc, "correct": sc >= CORRECT_THRESHOLD, "scored": bool(res.valid[j]), "length": int(lengths[j]),
-                       "truncated": not bool(ended[j])}  # fmt: skip
+                rec = {
+                    "index": row.index,
+                    "sample": j % n,
+                    "data_source": row.data_source,
+                    "answer": extract_answer(row.data_source, batch.responses[j], row.extra_info),
+                    "score": sc,
+                    "correct": sc >= CORRECT_THRESHOLD,
+                    "scored": bool(res.valid[j]),
+                    "length": int(lengths[j]),
+                    "truncated": not bool(ended[j]),
+                }
                 if g is not None and g.covered[j]:
                     rec["gold"], rec["gold_scored"] = g.scores[j], g.scored[j]
                 if kl is not None:
@@ -182,10 +205,15 @@ def evaluate_prompts(runner, reward, prompts, *, n: int | None = None, batch_siz
     if out.get("gold_unscored_frac"):
         covered = [r for r in records if "gold" in r]
         logging.getLogger("tether").warning(
-            "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): gold_mean counts them 0 "
-            "(gold_unscored_frac); first: %s", desc, sum(not r["gold_scored"] for r in covered), len(covered),
-            gold.name(covered[0]["data_source"]) if hasattr(gold, "name") else "gold", "; ".join(gold_errors) or "?",
-        )  # fmt: skip
+            "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): gold_mean "
+            "counts them 0 "
+            "(gold_unscored_frac); first: %s",
+            desc,
+            sum(not r["gold_scored"] for r in covered),
+            len(covered),
+            gold.name(covered[0]["data_source"]) if hasattr(gold, "name") else "gold",
+            "; ".join(gold_errors) or "?",
+        )
     out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
     if by_source is not None:
         sources = list(dict.fromkeys(r["data_source"] for r in records))
@@ -215,15 +243,20 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         raise ValueError(f"need a positive multiple of n={n} records, got {len(records)}")
     by_prompt = [records[i * n : (i + 1) * n] for i in range(P)]
     S = torch.tensor([[r["score"] for r in g] for g in by_prompt], dtype=torch.float64)  # (P, n)
-    out = accuracy_metrics(S.tolist(), [[r["correct"] for r in g] for g in by_prompt], [[r["answer"] for r in g] for g in by_prompt], ks)
+    out = accuracy_metrics(
+        S.tolist(), [[r["correct"] for r in g] for g in by_prompt], [[r["answer"] for r in g] for g in by_prompt], ks
+    )
     L = torch.tensor([float(r["length"]) for r in records])
     out |= {
-        "score_mean": out[f"mean@{n}"], "score_sem": score_sem(S),
+        "score_mean": out[f"mean@{n}"],
+        "score_sem": score_sem(S),
         "answered_frac": sum(r["answer"] is not None for r in records) / len(records),
         "unscored_frac": sum(not r.get("scored", True) for r in records) / len(records),
-        "length_mean": float(L.mean()), "length_max": float(L.max()),
-        "truncated_frac": sum(bool(r["truncated"]) for r in records) / len(records), "samples": float(len(records)),
-    }  # fmt: skip
+        "length_mean": float(L.mean()),
+        "length_max": float(L.max()),
+        "truncated_frac": sum(bool(r["truncated"]) for r in records) / len(records),
+        "samples": float(len(records)),
+    }
     if "kl_ref" in records[0]:
         k1 = torch.tensor([r["kl_ref"] for r in records], dtype=torch.float64)
         out["kl_ref_mean"] = float(k1.mean())
@@ -254,8 +287,12 @@ def gold_metrics(records: list[dict], n: int, ks: list[int], *, score_mean: floa
     gold_mean = mean(G)
     if score_mean is None:
         score_mean = mean([[float(r["score"]) for r in records[i * n : (i + 1) * n]] for i in range(P)])
-    out = {"gold_mean": gold_mean, "gold_gap": score_mean - gold_mean, "gold_sem": score_sem(torch.tensor(G, dtype=torch.float64)),
-           "gold_unscored_frac": sum(not r.get("gold_scored", True) for r in records) / len(records)}  # fmt: skip
+    out = {
+        "gold_mean": gold_mean,
+        "gold_gap": score_mean - gold_mean,
+        "gold_sem": score_sem(torch.tensor(G, dtype=torch.float64)),
+        "gold_unscored_frac": sum(not r.get("gold_scored", True) for r in records) / len(records),
+    }
     for k in sorted({1, *ks}):
         out[f"gold_pass@{k}"] = math.fsum(pass_at_k(n, sum(x >= CORRECT_THRESHOLD for x in g), k) for g in G) / P
     return out

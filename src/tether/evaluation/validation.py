@@ -1,4 +1,5 @@
-"""Validation during training: ``val/*`` from sampled responses on the held-out prompts, ``exact/*`` on the embedded task."""
+"""Validation during training: ``val/*`` from sampled responses on the held-out prompts, ``exact/*`` on the embedded
+task."""
 
 from __future__ import annotations
 
@@ -29,17 +30,40 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     indices = distinct_prompt_indices(val_set) if cfg.rollout.mode == "offline" else list(range(len(val_set)))
     indices = capped_indices(indices, cfg.trainer.val_max_prompts, cfg.trainer.seed)
     per_source: dict[str, dict] = {}
-    m = evaluate_prompts(roles.engine, reward, val_set, n=cfg.trainer.val_n, batch_size=cfg.data.batch_size, indices=indices,
-                         by_source=per_source, progress=cfg.trainer.progress, desc="validation", gold=getattr(roles, "gold", None))  # fmt: skip
+    m = evaluate_prompts(
+        roles.engine,
+        reward,
+        val_set,
+        n=cfg.trainer.val_n,
+        batch_size=cfg.data.batch_size,
+        indices=indices,
+        by_source=per_source,
+        progress=cfg.trainer.progress,
+        desc="validation",
+        gold=getattr(roles, "gold", None),
+    )
     out = {f"val/{key}": v for key, v in m.items()}
     if m.get("unscored_frac"):
-        logging.getLogger("tether").warning("validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): val/score_mean "
-                    "and val/pass@k count them 0 (val/unscored_frac)", m["unscored_frac"] * m["samples"], m["samples"])  # fmt: skip
+        logging.getLogger("tether").warning(
+            "validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): "
+            "val/score_mean "
+            "and val/pass@k count them 0 (val/unscored_frac)",
+            m["unscored_frac"] * m["samples"],
+            m["samples"],
+        )
     if len(per_source) > 1:
         out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
     if cfg.exact_evaluation_applies:
         prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
-        out |= exact_metrics(roles.actor.model, roles.ref, roles.tokenizer, prompts, beta=beta, temperature=cfg.rollout.temperature,
-                             n_samples=cfg.rollout.n, cache=exact_cache if exact_cache is not None else ExactCache(),
-                             task=cfg.data.embedded_task)  # fmt: skip
+        out |= exact_metrics(
+            roles.actor.model,
+            roles.ref,
+            roles.tokenizer,
+            prompts,
+            beta=beta,
+            temperature=cfg.rollout.temperature,
+            n_samples=cfg.rollout.n,
+            cache=exact_cache if exact_cache is not None else ExactCache(),
+            task=cfg.data.embedded_task,
+        )
     return out

@@ -104,7 +104,9 @@ def parse_ks(text: str | Sequence[int] | None, n: int | None) -> tuple[int, list
         try:
             ks = [int(t) for t in text.replace(" ", "").split(",") if t]
         except ValueError:
-            raise ValueError(f"--k must be a comma-separated list of positive integers (e.g. 1,4,16), got {text!r}") from None
+            raise ValueError(
+                f"--k must be a comma-separated list of positive integers (e.g. 1,4,16), got {text!r}"
+            ) from None
     else:
         ks = [int(t) for t in text]
     if any(k < 1 for k in ks):
@@ -142,7 +144,9 @@ def accuracy_metrics(
     """
     P = len(scores)
     if P == 0 or len(correct) != P or len(answers) != P:
-        raise ValueError(f"need the same P >= 1 prompts in scores, correct and answers, got {P}, {len(correct)}, {len(answers)}")
+        raise ValueError(
+            f"need the same P >= 1 prompts in scores, correct and answers, got {P}, {len(correct)}, {len(answers)}"
+        )
     n = len(scores[0])
     if any(len(s) != n or len(c) != n or len(a) != n for s, c, a in zip(scores, correct, answers, strict=True)):
         raise ValueError("every prompt needs the same number of samples n")

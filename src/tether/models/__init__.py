@@ -21,6 +21,17 @@ from tether.models.loading import DTYPES, apply_lora, load_causal_lm, load_token
 from tether.models.value import ValueModel
 
 __all__ = [
-    "DTYPES", "ValueModel", "apply_lora", "attention", "autocast", "fp32_lm_head", "load_causal_lm", "load_tokenizer",
-    "patch_lm_head", "position_ids_from_mask", "resolve_model_path", "response_logprobs", "unpatch_lm_head",
-]  # fmt: skip
+    "DTYPES",
+    "ValueModel",
+    "apply_lora",
+    "attention",
+    "autocast",
+    "fp32_lm_head",
+    "load_causal_lm",
+    "load_tokenizer",
+    "patch_lm_head",
+    "position_ids_from_mask",
+    "resolve_model_path",
+    "response_logprobs",
+    "unpatch_lm_head",
+]

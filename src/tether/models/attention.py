@@ -53,7 +53,12 @@ def use_matmul(module, query: torch.Tensor, key: torch.Tensor, attention_mask, d
     S = key.shape[2]
     if query.device.type != "cpu" or _compute_dtype(query) not in _LOW:
         return False
-    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+    if (
+        dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("position_bias") is not None
+    ):
         return False
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         return False  # a float additive mask: only custom callers build one for sdpa
@@ -62,8 +67,14 @@ def use_matmul(module, query: torch.Tensor, key: torch.Tensor, attention_mask, d
     return B * H * L * S <= MAX_MATMUL_SCORES
 
 
-def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                     scaling: float | None, is_causal: bool) -> torch.Tensor:  # fmt: skip
+def matmul_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v with the scores and softmax in float32, GQA without copying keys.
 
     Args:
@@ -103,13 +114,17 @@ def matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.view(B, H, L, D).transpose(1, 2).contiguous()
 
 
-def tether_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+def tether_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """A transformers attention function (``AttentionInterface``): :func:`matmul_attention` where
     :func:`use_matmul` says so, else ``sdpa_attention_forward`` with the same arguments."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not use_matmul(module, query, key, attention_mask, dropout, kwargs):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     return matmul_attention(query, key, value, attention_mask, scaling, bool(causal)), None
 
@@ -163,13 +178,19 @@ def for_config(cfg, device: torch.device | str) -> str | None:
         ConfigError: a name transformers does not know (not ``eager``, not registered with its
             ``AttentionInterface``, not a Hub kernel ``org/name``), naming the key and the known names.
     """
-    name = resolve(cfg.actor.attn_implementation, device=device, dtypes=(cfg.actor.dtype, cfg.actor.compute_dtype, cfg.trainer.fsdp.param_dtype))
+    name = resolve(
+        cfg.actor.attn_implementation,
+        device=device,
+        dtypes=(cfg.actor.dtype, cfg.actor.compute_dtype, cfg.trainer.fsdp.param_dtype),
+    )
     if name is None or name == NAME or "/" in name:
         return name
     from transformers import AttentionInterface
 
     known = ["eager", *AttentionInterface._global_mapping]
     if name not in known:
-        raise ConfigError(f"actor.attn_implementation={name!r} is not an attention implementation transformers knows; "
-                          f"use auto, model, {NAME} or one of {sorted(known)}")  # fmt: skip
+        raise ConfigError(
+            f"actor.attn_implementation={name!r} is not an attention implementation transformers knows; "
+            f"use auto, model, {NAME} or one of {sorted(known)}"
+        )
     return name

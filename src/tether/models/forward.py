@@ -1,4 +1,5 @@
-"""Log-probs and entropy of response tokens from a causal LM's forward pass, under autocast, with the LM head's precision patch."""
+"""Log-probs and entropy of response tokens from a causal LM's forward pass, under autocast, with the LM head's
+precision patch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def autocast(device: torch.device | str, compute_dtype: str = "float32"):
     """``torch.autocast`` to ``compute_dtype`` on ``device`` (``actor.compute_dtype``), or a no-op for float32.
 
     Under bfloat16 the matmuls run in bf16 while parameters, their gradients and the optimizer stay
-    in the parameter dtype (fp32 master weights); the LM head stays fp32 (:func:`patch_lm_head`, ``actor.lm_head_fp32``), and
+    in the parameter dtype (fp32 master weights); the LM head stays fp32 (:func:`patch_lm_head`,
+    ``actor.lm_head_fp32``), and
     log-softmax, entropy, KL and the losses are computed in fp32 from fp32 logits.
     """
     device_type = torch.device(device).type
@@ -48,11 +50,13 @@ def patch_lm_head(model: nn.Module, *, fp32: bool = False) -> nn.Module:
     inner = head.forward
 
     if fp32:
+
         def forward(x, *args, **kwargs):
             with torch.autocast(x.device.type, enabled=False):
                 return inner(x.to(head.weight.dtype).contiguous(), *args, **kwargs)
 
     else:
+
         def forward(x, *args, **kwargs):
             return inner(x.contiguous(), *args, **kwargs)
 
@@ -132,10 +136,17 @@ def response_logprobs(
     kwargs = {}
     if "logits_to_keep" in _forward_params(model):
         kwargs["logits_to_keep"] = response_len
-    # (B, P+T-1): the last token is only scored. Contiguous: a strided view made the forward 4-10% slower (bench_last_position.py)
+    # (B, P+T-1): the last token is only scored. Contiguous: a strided view made the forward 4-10% slower
+    # (bench_last_position.py)
     ids_in, mask_in = input_ids[:, :-1].contiguous(), attention_mask[:, :-1].contiguous()
     with autocast(input_ids.device, compute_dtype):
-        out = model(input_ids=ids_in, attention_mask=mask_in, position_ids=position_ids_from_mask(mask_in), use_cache=False, **kwargs)
+        out = model(
+            input_ids=ids_in,
+            attention_mask=mask_in,
+            position_ids=position_ids_from_mask(mask_in),
+            use_cache=False,
+            **kwargs,
+        )
     logits = out.logits[:, -response_len:, :]  # (B, T, V): position P-1+t scores response token t
     ids = input_ids[:, -response_len:]
     if type(logits).__name__ == "DTensor":  # tensor parallelism: (B, T, V / tp) shards, never gathered
@@ -143,5 +154,3 @@ def response_logprobs(
     else:
         logprobs, entropy = logprobs_and_entropy_from_logits(logits, ids, temperature, with_entropy=with_entropy)
     return logprobs, entropy, (logits if return_logits else None)
-
-

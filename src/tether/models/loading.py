@@ -32,8 +32,10 @@ def resolve_model_path(name: str, key: str = "actor.model") -> Path:
         return Path(ensure_reference())
     p = Path(name).expanduser()
     if p.is_file():
-        raise ConfigError(f"{key}={name!r} is a file, not a model directory: give the Hugging Face model directory "
-                          "(the one holding config.json and the weights)")
+        raise ConfigError(
+            f"{key}={name!r} is a file, not a model directory: give the Hugging Face model directory "
+            "(the one holding config.json and the weights)"
+        )
     if not p.is_dir():
         raise ConfigError(f"{key}={name!r}: no such local model directory (tether never downloads models)")
     if not (p / "config.json").is_file():
@@ -53,7 +55,10 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False, key: str = "a
 
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     if not any((Path(path) / f).is_file() for f in tokenizer_files):
-        raise ConfigError(f"{key}: {path} holds no tokenizer files ({', '.join(tokenizer_files[:3])}, ...); save the tokenizer next to the model")
+        raise ConfigError(
+            f"{key}: {path} holds no tokenizer files ({', '.join(tokenizer_files[:3])}, ...); save the tokenizer next "
+            "to the model"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError/ValueError/TypeError depending on what is missing
@@ -83,6 +88,9 @@ def apply_lora(model, lora):
     from peft import LoraConfig, get_peft_model
 
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"))
-
-
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"
+        ),
+    )

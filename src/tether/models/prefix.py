@@ -52,7 +52,9 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
         a one-row kernel that rounds differently).
     """
     if prompt_ids.shape != prompt_mask.shape or prompt_ids.dim() != 2:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be the same (B, P)")
+        raise ValueError(
+            f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be the same (B, P)"
+        )
     b = prompt_ids.shape[0]
     if b < 2:
         return None
@@ -100,7 +102,13 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 
 def shared_prefix_outputs(
-    forward, prompt_ids, prompt_mask, response_ids, response_mask, groups: tuple[torch.Tensor, torch.Tensor], compute_dtype: str = "float32"
+    forward,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    groups: tuple[torch.Tensor, torch.Tensor],
+    compute_dtype: str = "float32",
 ) -> torch.Tensor:
     """The per-position outputs (logits or hidden states) that score the T response tokens, with each
     distinct prompt run once.
@@ -125,11 +133,13 @@ def shared_prefix_outputs(
     cache = DynamicCache()
     with autocast(prompt_ids.device, compute_dtype):
         forward(p_ids, p_mask, position_ids_from_mask(p_mask), cache, True)
-    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...) per layer; an index select, so autograd sums the group's gradients
+    # (U, ...) -> (B, ...) per layer; an index select, so autograd sums the group's gradients
+    cache.batch_select_indices(inverse)
     # the last prompt token runs with the response, so that every scoring position comes out of one (B, T) call:
     # its matmuls then see B·T ≥ 2 rows whatever the micro-batch's grouping, and round as in any other micro-batch
     # (one row, U = 1, would take a matrix-vector kernel that rounds differently: issue 13)
-    ids = torch.cat([prompt_ids[:, -1:], response_ids[:, : t - 1]], dim=1)  # the last response token is only scored, never an input
+    # the last response token is only scored, never an input
+    ids = torch.cat([prompt_ids[:, -1:], response_ids[:, : t - 1]], dim=1)
     mask = torch.cat([prompt_mask, response_mask[:, : t - 1]], dim=1)
     pos = position_ids_from_mask(mask)[:, -t:]  # as the ordinary pass numbers them
     with autocast(prompt_ids.device, compute_dtype):
@@ -166,40 +176,61 @@ def shared_prefix_logprobs(
 
     def forward(ids, mask, pos, cache, last_only):
         kwargs = {"logits_to_keep": 1} if last_only and keep_last else {}  # the prompt pass: its logits are not used
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}, **kwargs).logits
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}, **kwargs
+        ).logits
         return logits[:, -1:, :] if last_only else logits
 
-    logits = shared_prefix_outputs(forward, prompt_ids, prompt_mask, response_ids, response_mask, groups, compute_dtype)  # (B, T, V)
+    # (B, T, V)
+    logits = shared_prefix_outputs(forward, prompt_ids, prompt_mask, response_ids, response_mask, groups, compute_dtype)
     logprobs, entropy = logprobs_and_entropy_from_logits(logits, response_ids, temperature, with_entropy=with_entropy)
     return logprobs, entropy, (logits if return_logits else None)
 
 
-def shared_prefix_values(backbone: nn.Module, value_head: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, groups) -> torch.Tensor:
+def shared_prefix_values(
+    backbone: nn.Module, value_head: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, groups
+) -> torch.Tensor:
     """The critic's V(s_t) (B, T) with each distinct prompt run once (:meth:`tether.models.ValueModel.forward`
     with ``shared``); arguments as :func:`shared_prefix_logprobs`, ``backbone`` an ``AutoModel``."""
     name = _cache_kwarg(backbone)
 
     def forward(ids, mask, pos, cache, last_only):
-        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).last_hidden_state
+        hidden = backbone(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}
+        ).last_hidden_state
         return hidden[:, -1:, :] if last_only else hidden
 
     hidden = shared_prefix_outputs(forward, prompt_ids, prompt_mask, response_ids, response_mask, groups)  # (B, T, H)
     return value_head(hidden).squeeze(-1).float()
 
 
-def micro_batch_values(value_model: nn.Module, mb, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, *, share_prefix: bool):
+def micro_batch_values(
+    value_model: nn.Module,
+    mb,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    share_prefix: bool,
+):
     """One micro-batch's V(s_t) (B, T): :func:`shared_prefix_values` where ``share_prefix`` is set and it
     applies (as :func:`micro_batch_logprobs` decides), else ``value_model(input_ids, attention_mask, T)``."""
     if share_prefix and _can_share(value_model.backbone):
         groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
         if groups is not None:
             t = response_len  # through the module's own call (FSDP2's hooks on the root)
-            return value_model(input_ids, attention_mask, t, shared=(mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups))
+            return value_model(
+                input_ids,
+                attention_mask,
+                t,
+                shared=(mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups),
+            )
     return value_model(input_ids, attention_mask, response_len)
 
 
 def _can_share(model: nn.Module) -> bool:
-    checkpointed = model.training and torch.is_grad_enabled() and _checkpointing(model)  # HF's checkpointed layers drop the cache
+    # HF's checkpointed layers drop the cache
+    checkpointed = model.training and torch.is_grad_enabled() and _checkpointing(model)
     return supports_prefix_sharing(model) and not checkpointed
 
 
@@ -225,10 +256,14 @@ def micro_batch_logprobs(
     Returns:
         (logprobs (B, T), entropy (B, T) or None, logits (B, T, V) or None), T = ``response_len``.
     """
-    kw = dict(temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype)
+    kw = dict(
+        temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype
+    )
     if share_prefix and _can_share(model):
         groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
         if groups is not None:
             t = response_len
-            return shared_prefix_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups, **kw)
+            return shared_prefix_logprobs(
+                model, mb.prompt_ids, mb.prompt_mask, mb.response_ids[:, :t], mb.response_mask[:, :t], groups, **kw
+            )
     return response_logprobs(model, input_ids, attention_mask, response_len, **kw)

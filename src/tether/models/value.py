@@ -48,9 +48,15 @@ class ValueModel(nn.Module):
         return cls(backbone, backbone.config.hidden_size).to(DTYPES[dtype])
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, response_len: int, *,
-        position_ids: torch.Tensor | None = None, keep: torch.Tensor | None = None, shared=None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        response_len: int,
+        *,
+        position_ids: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+        shared=None,
+    ) -> torch.Tensor:
         """(B, T) V(s_t); or, with ``keep`` (packed (R, L) rows of ``tether.workers.packing.PackedLayout``:
         no attention mask, ``position_ids`` restarting per sequence), (N,) V at the N ``keep`` positions; or, with
         ``shared`` (actor.share_prompt_prefix: (prompt_ids, prompt_mask, response_ids, response_mask, groups)), (B, T)
@@ -60,7 +66,10 @@ class ValueModel(nn.Module):
         if keep is not None:
             out = self.backbone(input_ids=input_ids, attention_mask=None, position_ids=position_ids, use_cache=False)
             return self.value_head(out.last_hidden_state[keep]).squeeze(-1).float()  # (N,)
-        ids_in, mask_in = input_ids[:, :-1].contiguous(), attention_mask[:, :-1].contiguous()  # (B, P+T-1): V after the last token is unused
-        out = self.backbone(input_ids=ids_in, attention_mask=mask_in, position_ids=position_ids_from_mask(mask_in), use_cache=False)
+        # (B, P+T-1): V after the last token is unused
+        ids_in, mask_in = input_ids[:, :-1].contiguous(), attention_mask[:, :-1].contiguous()
+        out = self.backbone(
+            input_ids=ids_in, attention_mask=mask_in, position_ids=position_ids_from_mask(mask_in), use_cache=False
+        )
         hidden = out.last_hidden_state[:, -response_len:, :]  # (B, T, H)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)

@@ -81,11 +81,14 @@ def _lse(z: torch.Tensor, group) -> torch.Tensor:
     return m + torch.log(s)
 
 
-def sharded_logprobs_and_entropy(logits: DTensor, ids: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = True):
+def sharded_logprobs_and_entropy(
+    logits: DTensor, ids: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = True
+):
     """:func:`tether.algos.logprobs_and_entropy_from_logits` on vocabulary-sharded logits.
 
     Args:
-        logits: (B, T, V) DTensor sharded on V over the tp mesh (each rank holds (B, T, V / tp), rounded as torch.chunk).
+        logits: (B, T, V) DTensor sharded on V over the tp mesh (each rank holds (B, T, V / tp), rounded as
+            torch.chunk).
         ids: (B, T) token ids in [0, V), the same on every tp rank.
         temperature: τ > 0; logits are divided by τ first.
     Returns:
@@ -116,14 +119,17 @@ def sharded_logprobs_and_entropy(logits: DTensor, ids: torch.Tensor, temperature
 
 
 def sharded_kl_full(logits: DTensor, ref_logits: DTensor, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`tether.algos.kl_full` on vocabulary-sharded logits: (B, T) KL(π ‖ π_ref) = Σ_v π_v (log π_v − log π_ref,v),
+    """:func:`tether.algos.kl_full` on vocabulary-sharded logits: (B, T) KL(π ‖ π_ref) = Σ_v π_v (log π_v − log
+    π_ref,v),
     nats per token, float32, replicated over tp ranks, differentiable with respect to both.
 
     Raises:
         ValueError: shapes or shardings differ, τ ≤ 0.
     """
     if tuple(logits.shape) != tuple(ref_logits.shape) or logits.device_mesh != ref_logits.device_mesh:
-        raise ValueError(f"logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} must have the same shape and mesh")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)} must have the same shape and mesh"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     local, group, _ = _shard_of(logits)

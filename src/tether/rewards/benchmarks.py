@@ -113,7 +113,11 @@ def _letter_from_choices(text: str, choices: dict[str, str], letters: str) -> st
     if not lines:
         return None
     last = _norm(lines[-1])
-    found = [(len(_norm(t)), letter) for letter, t in choices.items() if letter in letters and _norm(str(t)) and _norm(str(t)) in last]
+    found = [
+        (len(_norm(t)), letter)
+        for letter, t in choices.items()
+        if letter in letters and _norm(str(t)) and _norm(str(t)) in last
+    ]
     if not found:
         return None
     found.sort(reverse=True)
@@ -122,7 +126,9 @@ def _letter_from_choices(text: str, choices: dict[str, str], letters: str) -> st
     return found[0][1]
 
 
-def extract_choice_letter(solution_str: str, choices: dict[str, str] | None = None, letters: str = GPQA_LETTERS) -> str | None:
+def extract_choice_letter(
+    solution_str: str, choices: dict[str, str] | None = None, letters: str = GPQA_LETTERS
+) -> str | None:
     """The option letter a response commits to, or None (rules in the module docstring).
 
     Args:
@@ -154,6 +160,8 @@ def gpqa_compute_score(solution_str: str, ground_truth: Any, extra_info: dict | 
     """
     gt = str(ground_truth).strip().upper() if isinstance(ground_truth, str) else None
     if gt is None or len(gt) != 1 or gt not in GPQA_LETTERS:
-        raise ValueError(f"GPQA ground truth must be one of the letters {', '.join(GPQA_LETTERS)}, got {ground_truth!r}")
+        raise ValueError(
+            f"GPQA ground truth must be one of the letters {', '.join(GPQA_LETTERS)}, got {ground_truth!r}"
+        )
     choices = (extra_info or {}).get("choices") if isinstance(extra_info, dict) else None
     return 1.0 if extract_choice_letter(solution_str, choices if isinstance(choices, dict) else None) == gt else 0.0

@@ -81,19 +81,36 @@ class GoldReward:
             ``reward.val_model``).
     """
 
-    def __init__(self, function: str | None = None, reward_model: str | None = None, *, timeout_s: float | None = None,
-                 device: str = "cpu", model_batch_size: int = 16, base_dir: str | Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        function: str | None = None,
+        reward_model: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        device: str = "cpu",
+        model_batch_size: int = 16,
+        base_dir: str | Path | None = None,
+    ):
         if function and reward_model:
-            raise ValueError(f"{GOLD_KEYS[0]}={function!r} and {GOLD_KEYS[1]}={reward_model!r} are both set: the gold reward of "
-                             "validation is one of them; unset one")  # fmt: skip
+            raise ValueError(
+                f"{GOLD_KEYS[0]}={function!r} and {GOLD_KEYS[1]}={reward_model!r} are both set: the gold reward of "
+                "validation is one of them; unset one"
+            )
         self.function = function or None
         self.reward_model = str(reward_model) if reward_model else None
         self.user = bool(self.function or self.reward_model)
         key, value = (GOLD_KEYS[0], self.function) if self.function else (GOLD_KEYS[1], self.reward_model)
         try:
-            self.manager = RewardManager(function=self.function, reward_model=self.reward_model, timeout_s=timeout_s, device=device,
-                                         model_batch_size=model_batch_size, base_dir=base_dir,
-                                         builtin=None if self.user else _builtin_gold, keys=GOLD_KEYS)  # fmt: skip
+            self.manager = RewardManager(
+                function=self.function,
+                reward_model=self.reward_model,
+                timeout_s=timeout_s,
+                device=device,
+                model_batch_size=model_batch_size,
+                base_dir=base_dir,
+                builtin=None if self.user else _builtin_gold,
+                keys=GOLD_KEYS,
+            )
         except ValueError as e:
             if not self.user or key in str(e):
                 raise
@@ -138,7 +155,9 @@ class GoldReward:
         try:
             res = self.manager([rows[i] for i in idx], [prompts[i] for i in idx], [responses[i] for i in idx])
         except Exception as e:  # noqa: BLE001 - a gold reward never stops a run: its samples are unscored
-            errors.append(f"samples {idx[0]}..{idx[-1]}: the gold reward {self.name(rows[idx[0]].data_source)} raised {_brief(e)}")
+            errors.append(
+                f"samples {idx[0]}..{idx[-1]}: the gold reward {self.name(rows[idx[0]].data_source)} raised {_brief(e)}"
+            )
             return GoldResult(covered, scored, scores, errors)
         for j, i in enumerate(idx):
             if bool(res.valid[j]):

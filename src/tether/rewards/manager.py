@@ -155,11 +155,16 @@ def reward_error(e: BaseException) -> Exception:
     if isinstance(e, Exception):
         return e
     if isinstance(e, KeyboardInterrupt):
-        ctrl_c = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ctrl_c = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         if isinstance(e, TrainingInterrupted) or ctrl_c:
             raise e
     what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else "KeyboardInterrupt"
-    return RuntimeError(f"the reward code raised {what}: counted as this sample's error (a reward function must return scores)")
+    return RuntimeError(
+        f"the reward code raised {what}: counted as this sample's error (a reward function must return scores)"
+    )
 
 
 class RewardManager:
@@ -222,8 +227,12 @@ class RewardManager:
         if clip is None and reward_model:
             clip = DEFAULT_REWARD_MODEL_CLIP
         if clip is not None:
-            if len(clip) != 2 or any(isinstance(c, bool) or not isinstance(c, numbers.Real) for c in clip) \
-                    or any(math.isnan(c) for c in clip) or not clip[0] < clip[1]:
+            if (
+                len(clip) != 2
+                or any(isinstance(c, bool) or not isinstance(c, numbers.Real) for c in clip)
+                or any(math.isnan(c) for c in clip)
+                or not clip[0] < clip[1]
+            ):
                 raise ValueError(f"reward.clip must be (lo, hi) with lo < hi, got {clip!r}")
             clip = (float(clip[0]), float(clip[1]))
         self.clip = clip
@@ -234,8 +243,13 @@ class RewardManager:
         self._builtin = builtin  # None: get_reward_function, and dataset scores where a row has one
         self.scorer = None
         if reward_model:
-            self.scorer = RewardModelScorer(reward_model, device=device, batch_size=model_batch_size,
-                                            max_length=max_length, use_chat_template=reward_model_chat_template)
+            self.scorer = RewardModelScorer(
+                reward_model,
+                device=device,
+                batch_size=model_batch_size,
+                max_length=max_length,
+                use_chat_template=reward_model_chat_template,
+            )
         self.running = RunningMeanStd()
         self._extra_ok: dict[int, bool] = {}
         self.timeout_s = None if timeout_s is None else float(timeout_s)
@@ -258,7 +272,11 @@ class RewardManager:
         bad: dict[str, list[str]] = {}
         problems: dict[str, str] = {}
         for r in rows:
-            if self._builtin is None and getattr(r, "score", None) is not None and getattr(r, "response", None) is not None:
+            if (
+                self._builtin is None
+                and getattr(r, "score", None) is not None
+                and getattr(r, "response", None) is not None
+            ):
                 continue
             ds = r.data_source
             if ds in problems or ds in bad:
@@ -271,8 +289,9 @@ class RewardManager:
                 bad.setdefault(ds, []).append(r.where)
         if bad:
             parts = [f"{ds!r} ({len(ix)} row(s), first {ix[0]})" for ds, ix in bad.items()]
-            raise ValueError("cannot score rows with data_source " + ", ".join(parts) + ": "
-                             + next(iter(problems.values())))
+            raise ValueError(
+                "cannot score rows with data_source " + ", ".join(parts) + ": " + next(iter(problems.values()))
+            )
 
     # ------------------------------------------------------------------ scoring
 
@@ -311,13 +330,19 @@ class RewardManager:
 
     def _raw_user(self, rows, responses, outcomes, errors, cancel=None):
         fn = self.user_fn
-        args = ([r.data_source for r in rows], list(responses), [r.ground_truth for r in rows],
-                [dict(r.extra_info) if isinstance(r.extra_info, dict) else r.extra_info for r in rows])
+        args = (
+            [r.data_source for r in rows],
+            list(responses),
+            [r.ground_truth for r in rows],
+            [dict(r.extra_info) if isinstance(r.extra_info, dict) else r.extra_info for r in rows],
+        )
         b = len(rows)
         try:
             out = fn(*args)
         except CAUGHT as e:
-            errors.append(f"batch call of {self.function_spec} raised {_brief(reward_error(e))}; retrying sample by sample")
+            errors.append(
+                f"batch call of {self.function_spec} raised {_brief(reward_error(e))}; retrying sample by sample"
+            )
             for i in range(b):
                 if cancel is not None and cancel.is_set():
                     return
@@ -332,8 +357,10 @@ class RewardManager:
             return
         seq = _as_list(out)
         if seq is None or len(seq) != b:
-            e = ValueError(f"{self.function_spec} returned {_describe(out)} for {b} samples; expected a list of "
-                           f"{b} scores (one per sample; use tether.rewards.batched for a per-sample function)")
+            e = ValueError(
+                f"{self.function_spec} returned {_describe(out)} for {b} samples; expected a list of "
+                f"{b} scores (one per sample; use tether.rewards.batched for a per-sample function)"
+            )
             errors.append(f"samples 0..{b - 1}: {_brief(e)}")
             for i in range(b):
                 outcomes[i] = ("batch_error", e)
@@ -371,9 +398,12 @@ class RewardManager:
         errors.extend(box_errors[:MAX_ERRORS])
         if n_left:
             what = self.function_spec or "the built-in reward function"
-            errors.insert(0, f"{what} did not return within reward.timeout_s={self.timeout_s:g} s: {n_left} of "
-                             f"{len(outcomes)} sample(s) count as errors; the call was abandoned (it may still be "
-                             f"running in a background thread: {len(self._abandoned)} such call(s) alive)")
+            errors.insert(
+                0,
+                f"{what} did not return within reward.timeout_s={self.timeout_s:g} s: {n_left} of "
+                f"{len(outcomes)} sample(s) count as errors; the call was abandoned (it may still be "
+                f"running in a background thread: {len(self._abandoned)} such call(s) alive)",
+            )
         return n_left
 
     def _raw_model(self, rows, prompts, responses, outcomes):
@@ -406,8 +436,9 @@ class RewardManager:
 
         b = len(rows)
         if len(prompts) != b or len(responses) != b:
-            raise ValueError(f"rows, prompts and responses must have the same length, got {b}, {len(prompts)}, "
-                             f"{len(responses)}")
+            raise ValueError(
+                f"rows, prompts and responses must have the same length, got {b}, {len(prompts)}, {len(responses)}"
+            )
         outcomes: list[tuple[str, Any]] = [("error", RuntimeError("not scored"))] * b
         errors: list[str] = []
         if b:
@@ -476,21 +507,22 @@ class RewardManager:
         n_valid = len(idx)
         mean = math.fsum(valid_raw) / n_valid if n_valid else 0.0
         std = math.sqrt(math.fsum((x - mean) ** 2 for x in valid_raw) / n_valid) if n_valid else 0.0
-        metrics.update({
-            "reward/invalid_count": float(b - n_valid),
-            "reward/error_count": float(n_err),
-            "reward/nonfinite_count": float(n_nonfinite),
-            "reward/nonnumeric_count": float(n_nonnum),
-            "reward/all_invalid": float(b > 0 and n_valid == 0),
-            "reward/clip_frac": n_clipped / n_valid if n_valid else 0.0,
-            "reward/raw_mean": mean,
-            "reward/raw_std": std,
-            "reward/dataset_score_count": float(n_dataset),
-        })
+        metrics.update(
+            {
+                "reward/invalid_count": float(b - n_valid),
+                "reward/error_count": float(n_err),
+                "reward/nonfinite_count": float(n_nonfinite),
+                "reward/nonnumeric_count": float(n_nonnum),
+                "reward/all_invalid": float(b > 0 and n_valid == 0),
+                "reward/clip_frac": n_clipped / n_valid if n_valid else 0.0,
+                "reward/raw_mean": mean,
+                "reward/raw_std": std,
+                "reward/dataset_score_count": float(n_dataset),
+            }
+        )
         if self.timeout_s is not None:
             metrics["reward/timeout_count"] = float(n_timeout)
-        return RewardResult(scores=scores, valid=valid, raw_scores=raw_t, metrics=metrics,
-                            errors=errors[:MAX_ERRORS])
+        return RewardResult(scores=scores, valid=valid, raw_scores=raw_t, metrics=metrics, errors=errors[:MAX_ERRORS])
 
     # ------------------------------------------------------------------ state
 

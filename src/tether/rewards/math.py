@@ -89,13 +89,13 @@ __all__ = [
 _MINUS = "-\u2212"
 #: The number grammar used for extraction (see the module docstring).
 NUMBER_PATTERN = (
-    r"(?<![0-9A-Za-z_)\]])"                      # a '-' after these is an operator
-    r"(?:[" + _MINUS + r"]\s?)?"                  # sign
-    r"(?:\\?\$\s?)?"                              # currency: $ or \$
-    r"(?:[" + _MINUS + r"])?"                     # sign after the currency: $-5
-    r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)|\d+)(?:\.\d+)?"     # 1,000 | 1000 | 1000.5
-    r"(?:\s?/\s?\d+(?![\d.,]\d))?"                # simple fraction a/b
-    r"|(?<![0-9A-Za-z_)\]])(?:[" + _MINUS + r"]\s?)?(?:\\?\$\s?)?\.\d+"   # .5
+    r"(?<![0-9A-Za-z_)\]])"  # a '-' after these is an operator
+    r"(?:[" + _MINUS + r"]\s?)?"  # sign
+    r"(?:\\?\$\s?)?"  # currency: $ or \$
+    r"(?:[" + _MINUS + r"])?"  # sign after the currency: $-5
+    r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)|\d+)(?:\.\d+)?"  # 1,000 | 1000 | 1000.5
+    r"(?:\s?/\s?\d+(?![\d.,]\d))?"  # simple fraction a/b
+    r"|(?<![0-9A-Za-z_)\]])(?:[" + _MINUS + r"]\s?)?(?:\\?\$\s?)?\.\d+"  # .5
 )
 _NUMBER_RE = re.compile(NUMBER_PATTERN)
 #: Longer number strings (e.g. a degenerate run of digits) are not numbers.
@@ -190,7 +190,7 @@ def _boxed_spans(text: str) -> list[tuple[int, str]]:
                 depth -= 1
             i += 1
         if depth == 0:
-            out.append((m.start(), text[m.end():i - 1]))
+            out.append((m.start(), text[m.end() : i - 1]))
     return out
 
 
@@ -288,7 +288,7 @@ def extract_last_boxed(text: str) -> str | None:
     or of ``\\boxed X`` (brace-less, up to the next whitespace or ``$``); None when there is none or
     its braces are unbalanced."""
     spans = _boxed_spans(text)
-    last_pos, last = (spans[-1] if spans else (-1, None))
+    last_pos, last = spans[-1] if spans else (-1, None)
     for m in re.finditer(r"\\boxed ([^\s${}]+)", text):
         if m.start() > last_pos:
             last_pos, last = m.start(), m.group(1)
@@ -401,8 +401,10 @@ def _mv_timeout() -> int | None:
 def _mv_parse_solution(solution_str: str) -> list:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    configs = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
-               ExprExtractionConfig(try_extract_without_anchor=False)]  # fmt: skip
+    configs = [
+        LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+        ExprExtractionConfig(try_extract_without_anchor=False),
+    ]
     return parse(solution_str, extraction_config=configs, parsing_timeout=_mv_timeout())
 
 
@@ -417,7 +419,9 @@ def math_verify_score(solution_str: str, ground_truth: Any) -> float | None:
 
     gt = _math_ground_truth(ground_truth)
     t = _mv_timeout()
-    gold = parse("\\boxed{" + gt + "}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=t)
+    gold = parse(
+        "\\boxed{" + gt + "}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=t
+    )
     pred = _mv_parse_solution(solution_str)
     if not gold or not pred:
         return None

@@ -12,9 +12,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.m
 
 
 #: What the error messages say a reward model must be.
-REWARD_MODEL_IS = ("a reward model must be a sequence classifier with one label: an AutoModelForSequenceClassification "
-                   "directory (architectures *ForSequenceClassification) with num_labels=1 and its trained score head in "
-                   "the weights, e.g. one trained with TRL's RewardTrainer")
+REWARD_MODEL_IS = (
+    "a reward model must be a sequence classifier with one label: an AutoModelForSequenceClassification "
+    "directory (architectures *ForSequenceClassification) with num_labels=1 and its trained score head in "
+    "the weights, e.g. one trained with TRL's RewardTrainer"
+)
 _HEAD_NAMES = ("score", "classifier")  # the head module of *ForSequenceClassification models
 
 
@@ -35,8 +37,14 @@ def _check_is_classifier(p: Path) -> None:
     """
     archs = _config(p).get("architectures") or []
     if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-        kind = "a causal language model" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "not a sequence classifier"
-        raise ValueError(f"reward model {p} is {kind} (config.json architectures: {', '.join(archs)}); {REWARD_MODEL_IS}")
+        kind = (
+            "a causal language model"
+            if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+            else "not a sequence classifier"
+        )
+        raise ValueError(
+            f"reward model {p} is {kind} (config.json architectures: {', '.join(archs)}); {REWARD_MODEL_IS}"
+        )
 
 
 def _head_mismatch(p: Path) -> str:
@@ -88,8 +96,15 @@ class RewardModelScorer:
             or neither the tokenizer nor the config defines a pad token.
     """
 
-    def __init__(self, path: str | Path, *, device: str = "cpu", batch_size: int = 16, max_length: int = 1024,
-                 use_chat_template: bool = True):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        batch_size: int = 16,
+        max_length: int = 1024,
+        use_chat_template: bool = True,
+    ):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -101,8 +116,10 @@ class RewardModelScorer:
         # transformers 5 silently builds an *empty* tokenizer for a directory without tokenizer
         # files, so check for them first and sanity-check the result.
         if not any((p / f).is_file() for f in _TOKENIZER_FILES):
-            raise ValueError(f"reward model {p}: cannot load its tokenizer: no tokenizer files "
-                             f"(expected one of {', '.join(_TOKENIZER_FILES)})")
+            raise ValueError(
+                f"reward model {p}: cannot load its tokenizer: no tokenizer files "
+                f"(expected one of {', '.join(_TOKENIZER_FILES)})"
+            )
         try:
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         except Exception as e:
@@ -113,25 +130,33 @@ class RewardModelScorer:
         try:
             dtype = torch.float32 if str(device).startswith("cpu") else "auto"
             model, info = AutoModelForSequenceClassification.from_pretrained(
-                str(p), local_files_only=True, trust_remote_code=False, dtype=dtype, output_loading_info=True)
+                str(p), local_files_only=True, trust_remote_code=False, dtype=dtype, output_loading_info=True
+            )
         except Exception as e:
             if "mismatched" in str(e) or "size mismatch" in str(e):
                 raise ValueError(f"reward model {p}: {_head_mismatch(p)}; {REWARD_MODEL_IS}") from None
-            raise ValueError(f"reward model {p}: cannot load it as AutoModelForSequenceClassification: "
-                             f"{type(e).__name__}: {str(e)[:300]}") from None
+            raise ValueError(
+                f"reward model {p}: cannot load it as AutoModelForSequenceClassification: "
+                f"{type(e).__name__}: {str(e)[:300]}"
+            ) from None
         if model.config.num_labels != 1:
-            raise ValueError(f"reward model {p} is a sequence classifier with num_labels={model.config.num_labels} "
-                             f"({model.config.architectures or type(model).__name__}); {REWARD_MODEL_IS}")
+            raise ValueError(
+                f"reward model {p} is a sequence classifier with num_labels={model.config.num_labels} "
+                f"({model.config.architectures or type(model).__name__}); {REWARD_MODEL_IS}"
+            )
         missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in _HEAD_NAMES]
         if missing:
-            raise ValueError(f"reward model {p}: its weights hold no classification head (missing {', '.join(sorted(missing))}): "
-                             f"it would score with a randomly initialised head; {REWARD_MODEL_IS}")
+            raise ValueError(
+                f"reward model {p}: its weights hold no classification head (missing {', '.join(sorted(missing))}): "
+                f"it would score with a randomly initialised head; {REWARD_MODEL_IS}"
+            )
         pad_id = tok.pad_token_id
         if pad_id is None:
             pad_id = model.config.pad_token_id
             if pad_id is None:
-                raise ValueError(f"reward model {p} has no pad token: set pad_token in its tokenizer or "
-                                 "pad_token_id in config.json")
+                raise ValueError(
+                    f"reward model {p} has no pad token: set pad_token in its tokenizer or pad_token_id in config.json"
+                )
             tok.pad_token = tok.convert_ids_to_tokens(int(pad_id))
         if model.config.pad_token_id is None:
             model.config.pad_token_id = pad_id
@@ -148,13 +173,16 @@ class RewardModelScorer:
         msgs = getattr(prompt_row, "prompt", None)
         if self.use_chat_template and isinstance(msgs, list) and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
-                [*msgs, {"role": "assistant", "content": response}], tokenize=False, add_generation_prompt=False)
+                [*msgs, {"role": "assistant", "content": response}], tokenize=False, add_generation_prompt=False
+            )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = self.tokenizer(prompt + response)["input_ids"]
-        return ids[-self.max_length:]
+        return ids[-self.max_length :]
 
-    def score(self, rows: Sequence[Any], prompts: Sequence[str], responses: Sequence[str]) -> list[float | BaseException]:
+    def score(
+        self, rows: Sequence[Any], prompts: Sequence[str], responses: Sequence[str]
+    ) -> list[float | BaseException]:
         """Score each pair.
 
         Returns:
@@ -174,17 +202,16 @@ class RewardModelScorer:
             except Exception as e:
                 out[i] = e
         for start in range(0, len(encoded), self.batch_size):
-            chunk = encoded[start:start + self.batch_size]
+            chunk = encoded[start : start + self.batch_size]
             try:
                 width = max(len(ids) for _, ids in chunk)
                 input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
                 attn = torch.zeros((len(chunk), width), dtype=torch.long)
                 for j, (_, ids) in enumerate(chunk):
-                    input_ids[j, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-                    attn[j, :len(ids)] = 1
+                    input_ids[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                    attn[j, : len(ids)] = 1
                 with torch.inference_mode():
-                    logits = self.model(input_ids=input_ids.to(self.device),
-                                        attention_mask=attn.to(self.device)).logits
+                    logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device)).logits
                 vals = logits.float().reshape(len(chunk), -1)[:, 0].cpu().tolist()
                 for (i, _), v in zip(chunk, vals, strict=True):
                     out[i] = float(v)

@@ -55,8 +55,15 @@ _AIME = "tether.rewards.benchmarks:aime_compute_score"
 _GPQA = "tether.rewards.benchmarks:gpqa_compute_score"
 
 #: ``data_source`` values of the public AIME sets (``tether data aime`` writes ``"aime"``).
-AIME_SOURCES = ("aime", "AI-MO/aimo-validation-aime", "HuggingFaceH4/aime_2024", "Maxwell-Jia/AIME_2024",
-                "opencompass/AIME2025", "math-ai/aime24", "math-ai/aime25")  # fmt: skip
+AIME_SOURCES = (
+    "aime",
+    "AI-MO/aimo-validation-aime",
+    "HuggingFaceH4/aime_2024",
+    "Maxwell-Jia/AIME_2024",
+    "opencompass/AIME2025",
+    "math-ai/aime24",
+    "math-ai/aime25",
+)
 #: ``data_source`` values of GPQA (``tether data gpqa`` writes ``"Idavidrein/gpqa"``).
 GPQA_SOURCES = ("Idavidrein/gpqa", "gpqa")
 _MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
@@ -235,9 +242,14 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
         raise ValueError(f"reward function file {path} failed to import: {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if fn is None:
-        defined = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
-                         and getattr(v, "__module__", None) == mod_name)
-        raise ValueError(f"reward function file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}")
+        defined = sorted(
+            k
+            for k, v in vars(mod).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod_name
+        )
+        raise ValueError(
+            f"reward function file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}"
+        )
     if not callable(fn):
         raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
     check_batch_signature(fn, spec)
@@ -269,13 +281,17 @@ def check_batch_signature(fn: Callable, spec: str) -> None:
     try:
         sig.bind(*([None] * 4))
     except TypeError as e:
-        raise ValueError(f"{where}, which cannot take the four lists tether passes ({e}); expected a batch "
-                         f"function {_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched") from None
+        raise ValueError(
+            f"{where}, which cannot take the four lists tether passes ({e}); expected a batch "
+            f"function {_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched"
+        ) from None
     names = tuple(list(sig.parameters)[:2])
     if names == _PER_SAMPLE_NAMES:
-        raise ValueError(f"{where}: verl's per-sample names, but tether calls user functions once per batch "
-                         f"{_BATCH_SIGNATURE}. Decorate it with @tether.rewards.batched (from tether.rewards "
-                         "import batched), or name the parameters in the plural if it already takes lists")
+        raise ValueError(
+            f"{where}: verl's per-sample names, but tether calls user functions once per batch "
+            f"{_BATCH_SIGNATURE}. Decorate it with @tether.rewards.batched (from tether.rewards "
+            "import batched), or name the parameters in the plural if it already takes lists"
+        )
 
 
 def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:
@@ -292,7 +308,9 @@ def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:
     """
 
     def batch(data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list) -> list:
-        return [fn(d, s, g, e) for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)]
+        return [
+            fn(d, s, g, e) for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)
+        ]
 
     batch.__name__ = getattr(fn, "__name__", "batched")
     batch.__doc__ = fn.__doc__

@@ -13,7 +13,9 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | list[
 
     A row without EOS was truncated at the length limit: all its tokens count.
     """
-    eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=response_ids.device)
+    eos = torch.as_tensor(
+        eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=response_ids.device
+    )
     is_eos = torch.isin(response_ids, eos).long()  # (B, T)
     # tokens strictly after the first EOS have a cumulative EOS count >= 1 excluding themselves
     after_eos = (is_eos.cumsum(-1) - is_eos) > 0
@@ -23,7 +25,9 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int | list[
 def truncated_rows(response_ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """(B,) bool: the rows with no EOS, which :func:`response_mask_from_ids` counts whole: a response
     cut at the length limit before it ended (DAPO's "overlong" samples; ``algo.mask_truncated``)."""
-    eos = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=response_ids.device)
+    eos = torch.as_tensor(
+        eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=response_ids.device
+    )
     return ~torch.isin(response_ids, eos).any(-1)
 
 
@@ -55,7 +59,9 @@ class SampledLogprobs:
         if len(self.done) < T and self.pending is not None:  # the last token's distribution is still pending
             self.done.append(self.pending.gather(-1, response_ids[:, len(self.done) : len(self.done) + 1]).squeeze(-1))
         self.pending = None
-        return torch.stack(self.done[:T], dim=1) if T else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        return (
+            torch.stack(self.done[:T], dim=1) if T else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        )
 
 
 class HFRolloutEngine:
@@ -93,10 +99,23 @@ class HFRolloutEngine:
     returns_logprobs = False
 
     def __init__(
-        self, model, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
-        eos_token_ids: list[int] | None = None, compute_dtype: str = "float32", returns_logprobs: bool = False, share_prefill: bool = True,
-        hf_decode: str = "tether", drop_finished: bool = True, sampler: str = "multinomial",
-    ):  # fmt: skip
+        self,
+        model,
+        tokenizer,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        eos_token_ids: list[int] | None = None,
+        compute_dtype: str = "float32",
+        returns_logprobs: bool = False,
+        share_prefill: bool = True,
+        hf_decode: str = "tether",
+        drop_finished: bool = True,
+        sampler: str = "multinomial",
+    ):
         if hf_decode not in ("tether", "generate"):
             raise ValueError(f"hf_decode must be 'tether' or 'generate', got {hf_decode!r}")
         if sampler not in ("multinomial", "inverse_cdf"):
@@ -120,7 +139,9 @@ class HFRolloutEngine:
             max_new_tokens=max_new_tokens,
         )
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides):
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides
+    ):
         """Sample one response per row.
 
         Args:
@@ -140,7 +161,9 @@ class HFRolloutEngine:
         if return_logprobs:
             from transformers import LogitsProcessorList
 
-            recorder = SampledLogprobs(float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0)
+            recorder = SampledLogprobs(
+                float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0
+            )
             kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
 
         inference = self.grad_mode == "inference" and self.compute_dtype == "float32"
@@ -165,9 +188,19 @@ class HFRolloutEngine:
             config = hf_decode.plan(self.model, {**kwargs, **common}) if hf_decode is not None else None
             if config is not None:
                 share = self.share_prefill and not {"cache", "past_key_values"} & set(kwargs)
-                prefill = (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
-                return hf_decode.decode(self.model, prompt_ids, prompt_mask, config, logits_processor=kwargs.get("logits_processor"),
-                                        prefill=prefill, drop_finished=self.drop_finished, sampler=self.sampler)  # fmt: skip
+                prefill = (
+                    (lambda cache: self._shared_prefill(prompt_ids, prompt_mask, cache) is not None) if share else None
+                )
+                return hf_decode.decode(
+                    self.model,
+                    prompt_ids,
+                    prompt_mask,
+                    config,
+                    logits_processor=kwargs.get("logits_processor"),
+                    prefill=prefill,
+                    drop_finished=self.drop_finished,
+                    sampler=self.sampler,
+                )
         if self.share_prefill and not {"cache", "past_key_values"} & set(kwargs):
             shared = self._shared_prefill(prompt_ids, prompt_mask)
             if shared is not None:
@@ -194,7 +227,9 @@ class HFRolloutEngine:
         given = {}
         if cache is not None:
             given = {cache_keyword(self.model): cache}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **given)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **given
+        )
         name = "cache" if "cache" in out else "past_key_values"
         cache = out[name]
         cache.batch_select_indices(group)  # (U, ...) -> (B, ...): each row gets its run's entries

@@ -39,9 +39,21 @@ SDPA_MASK_ATTENTION = ("sdpa", "tether")
 
 #: ``generate`` keywords the loop handles (anything else: ``model.generate``).
 SUPPORTED_KEYS = frozenset(
-    {"do_sample", "temperature", "top_p", "top_k", "max_new_tokens", "suppress_tokens", "logits_processor", "min_new_tokens",
-     "repetition_penalty", "pad_token_id", "eos_token_id", "use_cache"}
-)  # fmt: skip
+    {
+        "do_sample",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_new_tokens",
+        "suppress_tokens",
+        "logits_processor",
+        "min_new_tokens",
+        "repetition_penalty",
+        "pad_token_id",
+        "eos_token_id",
+        "use_cache",
+    }
+)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -69,10 +81,14 @@ class PreallocatedLayer(DynamicLayer):
         B, H, _, D = key_states.shape
         self.device = key_states.device
         self.key_buf = key_states.new_empty(B, H, self.capacity, D, dtype=self.dtype or key_states.dtype)
-        self.value_buf = value_states.new_empty(B, value_states.shape[1], self.capacity, value_states.shape[-1], dtype=self.dtype or value_states.dtype)
+        self.value_buf = value_states.new_empty(
+            B, value_states.shape[1], self.capacity, value_states.shape[-1], dtype=self.dtype or value_states.dtype
+        )
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self.filled, self.filled + key_states.shape[-2]
@@ -167,9 +183,15 @@ def cache_keyword(model) -> str | None:
 def plan(model, kwargs: dict):
     """The resolved ``GenerationConfig`` (a private copy) when :func:`decode` can serve this ``generate``
     call exactly, else None (the caller uses ``model.generate``). ``kwargs``: the ``generate`` keywords."""
-    if set(kwargs) - SUPPORTED_KEYS or getattr(model.config, "is_encoder_decoder", False) or not kwargs.get("use_cache", True):
+    if (
+        set(kwargs) - SUPPORTED_KEYS
+        or getattr(model.config, "is_encoder_decoder", False)
+        or not kwargs.get("use_cache", True)
+    ):
         return None
-    if not all(hasattr(model, f) for f in ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")):
+    if not all(
+        hasattr(model, f) for f in ("_prepare_generation_config", "_prepare_special_tokens", "_get_logits_processor")
+    ):
         return None
     if cache_keyword(model) is None or "position_ids" not in inspect.signature(model.forward).parameters:
         return None
@@ -183,15 +205,30 @@ def plan(model, kwargs: dict):
     if model_kwargs or config.get_generation_mode() not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH):
         return None
     unsupported = (
-        (config.num_return_sequences or 1) > 1, config.stop_strings is not None, config.max_time is not None,
-        config.cache_implementation is not None, bool(config.return_dict_in_generate), config.max_new_tokens is None,
-        config.guidance_scale not in (None, 1), config.prefill_chunk_size is not None,
-    )  # fmt: skip
+        (config.num_return_sequences or 1) > 1,
+        config.stop_strings is not None,
+        config.max_time is not None,
+        config.cache_implementation is not None,
+        bool(config.return_dict_in_generate),
+        config.max_new_tokens is None,
+        config.guidance_scale not in (None, 1),
+        config.prefill_chunk_size is not None,
+    )
     return None if any(unsupported) else config
 
 
-def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *, logits_processor=None, prefill=None,
-           drop_finished: bool = False, min_rows: int = 8, sampler: str = "multinomial") -> torch.Tensor:  # fmt: skip
+def decode(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config,
+    *,
+    logits_processor=None,
+    prefill=None,
+    drop_finished: bool = False,
+    min_rows: int = 8,
+    sampler: str = "multinomial",
+) -> torch.Tensor:
     """Sample (or greedily decode) one response per row, token for token as ``model.generate``.
 
     Args:
@@ -230,14 +267,22 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
     from transformers import LogitsProcessorList
 
     processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=P, encoder_input_ids=prompt_ids, prefix_allowed_tokens_fn=None,
-        logits_processor=LogitsProcessorList(logits_processor or []), device=device, model_kwargs={"attention_mask": mask},
-    )  # fmt: skip
+        generation_config=config,
+        input_ids_seq_length=P,
+        encoder_input_ids=prompt_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(logits_processor or []),
+        device=device,
+        model_kwargs={"attention_mask": mask},
+    )
     cache = preallocated_cache(model, P + max_new, cache_dtype(model, device))
     if cache is None:
-        raise ValueError("decode: the model's cache is not plain full-attention DynamicLayer layers; use model.generate")
+        raise ValueError(
+            "decode: the model's cache is not plain full-attention DynamicLayer layers; use model.generate"
+        )
     cache_kw = cache_keyword(model)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}  # as generate
+    # as generate
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     # the boolean 4-D mask of dropped-row batches is sdpa's mask type (eager attention adds float masks)
     drop_finished = drop_finished and getattr(model.config, "_attn_implementation", None) in SDPA_MASK_ATTENTION
     ids = prompt_ids.new_empty(B, P + max_new)  # (B, P + max_new) generate's input_ids, filled in place
@@ -261,7 +306,9 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config, *
             # generate's 2-D mask; once rows are dropped, the (A, 1, 1, L) boolean mask transformers builds
             # from it for one query position: an all-ones 2-D mask of the rows left would be skipped, and
             # attention would take another kernel than in the full batch
-            kwargs["attention_mask"] = full_mask[:, :length] if rows is None else full_mask[rows, None, None, :length].bool()
+            kwargs["attention_mask"] = (
+                full_mask[:, :length] if rows is None else full_mask[rows, None, None, :length].bool()
+            )
         out = model(input_ids=step_ids.clone(memory_format=torch.contiguous_format), **kwargs)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)  # (A, V)
         del out
@@ -309,9 +356,12 @@ def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     bad = ~(torch.isfinite(total) & (total > 0)).squeeze(1)  # NaN or inf anywhere in a row reaches its sum
     if bool(bad.any()):
         rows = bad.nonzero().squeeze(1).tolist()
-        raise RuntimeError(f"probability tensor contains either inf, nan or a row that sums to <= 0 (rows {rows[:8]}); "
-                           "the model's logits are not finite")  # fmt: skip
-    x = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1), < total
+        raise RuntimeError(
+            f"probability tensor contains either inf, nan or a row that sums to <= 0 (rows {rows[:8]}); "
+            "the model's logits are not finite"
+        )
+    # (B, 1), < total
+    x = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 

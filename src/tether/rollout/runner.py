@@ -12,7 +12,16 @@ from tether.rollout import response_mask_from_ids, truncated_rows
 class RolloutRunner:
     """Turns prompt indices into a RolloutBatch with ``n`` responses per prompt (contiguous groups)."""
 
-    def __init__(self, engine, tokenizer, device, *, mode: str = "online", max_new_tokens: int = 256, eos_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        device,
+        *,
+        mode: str = "online",
+        max_new_tokens: int = 256,
+        eos_token_ids: list[int] | None = None,
+    ):
         self.engine = engine
         self.tok = tokenizer
         self.device = device
@@ -26,7 +35,9 @@ class RolloutRunner:
     def sync_weights(self, model) -> None:
         self.engine.sync_weights(model)
 
-    def rollout(self, prompts: PromptSet, indices: list[int], n: int, *, mode: str | None = None, **gen_overrides) -> RolloutBatch:
+    def rollout(
+        self, prompts: PromptSet, indices: list[int], n: int, *, mode: str | None = None, **gen_overrides
+    ) -> RolloutBatch:
         """``n`` sampled responses per prompt index (online), or the dataset's responses (offline).
 
         Args:
@@ -41,8 +52,11 @@ class RolloutRunner:
         rep = [i for i in indices for _ in range(n)]
         prompt_ids, prompt_mask = collate_prompts([prompts.ids[i] for i in rep], self.tok.pad_token_id, self.device)
         rollout_logprobs = None
-        if getattr(self.engine, "returns_logprobs", False):  # vLLM: its log-probs, to measure the mismatch with the trainer's
-            response_ids, rollout_logprobs = self.engine.generate(prompt_ids, prompt_mask, return_logprobs=True, **gen_overrides)
+        # vLLM: its log-probs, to measure the mismatch with the trainer's
+        if getattr(self.engine, "returns_logprobs", False):
+            response_ids, rollout_logprobs = self.engine.generate(
+                prompt_ids, prompt_mask, return_logprobs=True, **gen_overrides
+            )
         else:
             response_ids = self.engine.generate(prompt_ids, prompt_mask, **gen_overrides)
         group_ids = torch.arange(len(indices), device=self.device).repeat_interleave(n)
@@ -94,7 +108,13 @@ class RolloutRunner:
         shown = torch.where(response_mask.bool(), response_ids, self.tok.pad_token_id)
         responses = self.tok.batch_decode(shown, skip_special_tokens=True)
         return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            group_ids=group_ids, rows=[prompts.rows[i] for i in rep], prompts=[prompts.texts[i] for i in rep], responses=responses,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            group_ids=group_ids,
+            rows=[prompts.rows[i] for i in rep],
+            prompts=[prompts.texts[i] for i in rep],
+            responses=responses,
             truncated=truncated_rows(response_ids, self.eos_token_ids),
-        )  # fmt: skip
+        )

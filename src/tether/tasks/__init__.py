@@ -26,4 +26,12 @@ def embedded_task(name: str) -> ModuleType:
     return EMBEDDED_TASKS[name]
 
 
-__all__ = ["DATA_SOURCE", "EMBEDDED_TASKS", "MAX_NEW_TOKENS", "compute_score", "embedded_task", "make_dataset", "make_prompt"]
+__all__ = [
+    "DATA_SOURCE",
+    "EMBEDDED_TASKS",
+    "MAX_NEW_TOKENS",
+    "compute_score",
+    "embedded_task",
+    "make_dataset",
+    "make_prompt",
+]

@@ -8,7 +8,8 @@ the proxy is the task's reward (1 for exactly k digits summing to s, 0 else).
 
 The gold reward is the task's own (:func:`tether.tasks.digitsum.compute_score`), under which every short
 answer is wrong. The reference writes the paid short answers rarely (0.1–3.7% of its mass per prompt; none exist
-for s = 21..23), so hacking is something a policy must find and grow. Because the response space is enumerated, the proxy and gold expectations are
+for s = 21..23), so hacking is something a policy must find and grow. Because the response space is enumerated, the
+proxy and gold expectations are
 exact at every validation, and so is π*_β ∝ π_ref·exp(proxy/β) for every β: it hacks (gold 0.10, below
 the reference's 0.46) at β = 0.05 and does not (gold 0.69) at β = 0.2 (``docs/hacking.md``).
 """

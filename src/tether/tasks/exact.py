@@ -546,7 +546,11 @@ def evaluate_prompt(
     out["objective_gap"] = out["opt_objective"] - out["objective"]
     if gold is not None:
         _same(lp, g, "policy.logprobs", "gold")
-        out |= {"gold_mean": expected_reward(lp, g), "ref_gold_mean": expected_reward(lref, g), "opt_gold_mean": expected_reward(opt.logprobs, g)}
+        out |= {
+            "gold_mean": expected_reward(lp, g),
+            "ref_gold_mean": expected_reward(lref, g),
+            "opt_gold_mean": expected_reward(opt.logprobs, g),
+        }
     for prefix, logq in (("", lp), ("ref_", lref), ("opt_", opt.logprobs)):
         out[f"{prefix}effective_answers"] = math.exp(entropy(logq))
         sub = logq[best]
@@ -557,11 +561,15 @@ def evaluate_prompt(
             raise ValueError(f"n_samples must be >= 1, got {n_samples!r}")
         p = np.exp(lp)
         out[f"collapse_rate@{n_samples}"] = float(np.sum(p**n_samples))
-        out[f"unique_frac@{n_samples}"] = float(np.sum(-np.expm1(n_samples * np.log1p(-np.minimum(p, 1.0)))) / n_samples)
+        out[f"unique_frac@{n_samples}"] = float(
+            np.sum(-np.expm1(n_samples * np.log1p(-np.minimum(p, 1.0)))) / n_samples
+        )
     return out
 
 
-def exact_space_problem(model, prompts: Sequence, max_new_tokens: int | None = None, max_responses: int = MAX_RESPONSES) -> str | None:
+def exact_space_problem(
+    model, prompts: Sequence, max_new_tokens: int | None = None, max_responses: int = MAX_RESPONSES
+) -> str | None:
     """Why :func:`evaluate_policy` cannot enumerate ``model`` on ``prompts``, or None when it can.
 
     The response space is (V−1)^T-sized (:func:`response_space_size`), V the model's vocabulary
@@ -576,9 +584,12 @@ def exact_space_problem(model, prompts: Sequence, max_new_tokens: int | None = N
     n = response_space_size(vocab, T)
     if n <= max_responses:
         return None
-    return (f"exact/* metrics skipped: the model's vocabulary of {vocab} tokens gives {n} responses of up to "
-            f"{T} tokens, more than max_responses={max_responses}; exact enumeration needs the embedded task's "
-            "own tokenizer (its reference, src/tether/tasks/assets/digitsum_ref); set data.train_files to train on other data")
+    return (
+        f"exact/* metrics skipped: the model's vocabulary of {vocab} tokens gives {n} responses of up to "
+        f"{T} tokens, more than max_responses={max_responses}; exact enumeration needs the embedded task's "
+        "own tokenizer (its reference, src/tether/tasks/assets/digitsum_ref); set data.train_files to train on other "
+        "data"
+    )
 
 
 def _prompt_spec(item, max_new_tokens, reward_fn):

@@ -155,7 +155,11 @@ def new_model(seed: int = 0, model_config: dict | None = None):
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, **(MODEL_CONFIG | (model_config or {}))
+        vocab_size=VOCAB_SIZE,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **(MODEL_CONFIG | (model_config or {})),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -218,9 +222,7 @@ def build_reference(
     try:
         tokenizer = build_tokenizer()
         prompts = [(r["extra_info"]["k"], r["extra_info"]["s"]) for r in digitsum.make_dataset("all")]
-        demos = make_demonstrations(
-            prompts, demos_per_prompt, p_correct=p_correct, p_short=p_short, seed=seed
-        )
+        demos = make_demonstrations(prompts, demos_per_prompt, p_correct=p_correct, p_short=p_short, seed=seed)
         ids, labels = _encode_demos(tokenizer, demos)
         attn = (ids != tokenizer.pad_token_id).long()
         model = new_model(seed, model_config)

@@ -1,8 +1,10 @@
-"""Off-policy overlap (``rollout.async_steps=k``, k = 1..4): batches are generated k steps ahead, the next one while this one trains.
+"""Off-policy overlap (``rollout.async_steps=k``, k = 1..4): batches are generated k steps ahead, the next one while
+this one trains.
 
 Timeline of step t with k = 1 (θ_j = the policy after j updates)::
 
-    main thread   take batch t ─ start job t+1 ─ reward ─ ref log-probs ─ KL ─ advantages ─ update t ─ join ─ validate ─ checkpoint
+    main thread   take batch t ─ start job t+1 ─ reward ─ ref log-probs ─ KL ─ advantages ─ update t ─ join ─ validate
+    ─ checkpoint
     job thread                   └ θ_{t-1} into the snapshot ─ generate batch t+1 ─ its log-probs under θ_{t-1} ┘
 
 So the batch trained at step t was sampled from θ_{t-2} (the policy before step t-1's update; step
@@ -31,7 +33,8 @@ The jobs run on a **snapshot**: a second copy of the policy (``Trainer.roles.act
 actor, or the driver's copy under ``trainer.backend=ray``), one job at a time on one thread. The
 trainable weights are copied into it on the main thread when a job is started with none in flight
 (every step after the first; at step 1 the k jobs share θ_0), so the update (local) or the weights
-pulled back from the Ray workers never race with generation, and k > 1 costs no more memory than k = 1. torch releases the GIL inside its kernels, so with one torch
+pulled back from the Ray workers never race with generation, and k > 1 costs no more memory than k = 1. torch releases
+the GIL inside its kernels, so with one torch
 thread each the two threads use two cores.
 
 Determinism: prompts are drawn on the main thread in step order, and every job is joined right after
@@ -100,9 +103,11 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
     for role, model in models.items():
         if model is not None and has_dropout(model):
             raise ConfigError(
-                f"rollout.async_steps with trainer.backend=local needs {role} without dropout: its training forward draws from "
+                f"rollout.async_steps with trainer.backend=local needs {role} without dropout: its training forward "
+                "draws from "
                 "torch's global RNG while the background generation samples from it, so runs would not repeat. Use "
-                "rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a model without dropout"
+                "rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a model without "
+                "dropout"
             )
 
 
@@ -120,8 +125,22 @@ class AsyncRollout:
             finite on every counted token keeps them for the trainer instead of the job's pass.
     """
 
-    def __init__(self, runner, model, prompts, sampler, *, n: int, micro_batch_size: int, temperature: float, compute_dtype: str,
-                 from_rollout: bool = False, steps_ahead: int = 1, max_staleness: int | None = None, staleness_policy: str = "drop"):  # fmt: skip
+    def __init__(
+        self,
+        runner,
+        model,
+        prompts,
+        sampler,
+        *,
+        n: int,
+        micro_batch_size: int,
+        temperature: float,
+        compute_dtype: str,
+        from_rollout: bool = False,
+        steps_ahead: int = 1,
+        max_staleness: int | None = None,
+        staleness_policy: str = "drop",
+    ):
         if not 1 <= steps_ahead <= MAX_STEPS_AHEAD:
             raise ValueError(f"steps_ahead must be in 1..{MAX_STEPS_AHEAD}, got {steps_ahead}")
         if staleness_policy not in ("drop", "wait"):
@@ -140,7 +159,8 @@ class AsyncRollout:
         self.max_staleness = steps_ahead if max_staleness is None else max_staleness  # rollout.max_staleness
         self.staleness_policy = staleness_policy  # rollout.staleness_policy
         self._pool: ThreadPoolExecutor | None = None  # started by the first job, ended by close()
-        # (batch or job, prompt indices, version) in step order; version = the step whose weights θ_{version} generated it
+        # (batch or job, prompt indices, version) in step order; version = the step whose weights θ_{version} generated
+        # it
         self._ready: deque[tuple[RolloutBatch, list[int], int]] = deque()  # joined, not yet trained on
         self._jobs: deque[tuple[Future, list[int], int]] = deque()  # running or queued on the one job thread
         self._step = 0  # the step of the last next_batch: the weights now are θ_{step-1} until that step's update
@@ -174,7 +194,10 @@ class AsyncRollout:
         if dropped:  # too old: the same prompts, generated now by the policy that trains on them
             self._copy_weights()
             batch, version = self._produce(indices), step - 1
-        batch.extra["async_metrics"] = {"rollout/staleness": float(step - 1 - version), "rollout/stale_dropped": float(dropped)}
+        batch.extra["async_metrics"] = {
+            "rollout/staleness": float(step - 1 - version),
+            "rollout/stale_dropped": float(dropped),
+        }
         while len(self._ready) + len(self._jobs) < min(self.lookahead, remaining):
             self._launch(step - 1)
         return batch
@@ -208,14 +231,16 @@ class AsyncRollout:
         weights = None
         if not self._jobs:
             self._copy_weights()
-        elif self._jobs[-1][2] != version:  # not reached by the trainer's loop (it joins every step); kept exact regardless
+        # not reached by the trainer's loop (it joins every step); kept exact regardless
+        elif self._jobs[-1][2] != version:
             weights = self._weights()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tether-async-rollout")
         self._jobs.append((self._pool.submit(self._job, weights, indices), indices, version))
 
     def _job(self, weights: dict[str, torch.Tensor] | None, indices: list[int]) -> RolloutBatch:
-        """On the job thread, one job at a time: the launch's weights into the snapshot (if it carries them), then the batch."""
+        """On the job thread, one job at a time: the launch's weights into the snapshot (if it carries them), then the
+        batch."""
         if weights is not None:
             self._copy_weights(weights)
         return self._produce(indices)
@@ -247,7 +272,10 @@ class AsyncRollout:
             batch.old_logprobs, batch.entropy, _, _ = _forward_logprobs(
                 self.snapshot, batch, self.micro_batch_size, self.temperature, True, compute_dtype=self.compute_dtype
             )
-        batch.extra["async_times"] = {"timing/async_generate_s": t1 - t0, "timing/async_logprobs_s": time.perf_counter() - t1}
+        batch.extra["async_times"] = {
+            "timing/async_generate_s": t1 - t0,
+            "timing/async_logprobs_s": time.perf_counter() - t1,
+        }
         return batch
 
     # -------------------------------------------------------------- checkpoints
@@ -280,9 +308,13 @@ class AsyncRollout:
         self._step = step or 0
         path = Path(directory) / PENDING_FILE
         if not path.is_file():  # e.g. the checkpoint of a run's last step, after which no next batch was started
-            log.warning("resume: checkpoint %s holds no pending batch (%s): the next step's batch is generated from the restored "
-                        "weights, not from the previous ones, so the run will not match an uninterrupted one", Path(directory).name,
-                        PENDING_FILE)  # fmt: skip
+            log.warning(
+                "resume: checkpoint %s holds no pending batch (%s): the next step's batch is generated from the "
+                "restored "
+                "weights, not from the previous ones, so the run will not match an uninterrupted one",
+                Path(directory).name,
+                PENDING_FILE,
+            )
             return
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
@@ -297,11 +329,19 @@ class AsyncRollout:
             indices = spec["indices"]
             ids = t[f"{i}.response_ids"]
             if any(not 0 <= j < len(self.prompts) for j in indices) or ids.shape[0] != len(indices) * self.n:
-                raise CheckpointError(f"checkpoint {directory}: {PENDING_FILE} holds {ids.shape[0]} responses of prompts "
-                                      f"{indices[:4]}..., which do not fit this run's {len(self.prompts)} prompts x rollout.n={self.n}")
+                raise CheckpointError(
+                    f"checkpoint {directory}: {PENDING_FILE} holds {ids.shape[0]} responses of prompts "
+                    f"{indices[:4]}..., which do not fit this run's {len(self.prompts)} prompts x rollout.n={self.n}"
+                )
             rep = [j for j in indices for _ in range(self.n)]
-            batch = self.runner._batch(self.prompts, rep, t[f"{i}.prompt_ids"].to(device), t[f"{i}.prompt_mask"].to(device), ids.to(device),
-                                       t[f"{i}.group_ids"].to(device))  # fmt: skip
+            batch = self.runner._batch(
+                self.prompts,
+                rep,
+                t[f"{i}.prompt_ids"].to(device),
+                t[f"{i}.prompt_mask"].to(device),
+                ids.to(device),
+                t[f"{i}.group_ids"].to(device),
+            )
             for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
                 setattr(batch, k, t[f"{i}.{k}"].to(device) if f"{i}.{k}" in t else None)
             batch.extra["async_times"] = {}
@@ -320,7 +360,16 @@ def build_async_rollout(cfg, roles, train_set, sampler) -> AsyncRollout | None:
     if roles.placement.trains_in_process:
         check_no_dropout({"actor.model": roles.actor.model, "critic.model": getattr(roles.critic, "model", None)})
     return AsyncRollout(
-        roles.engine, roles.actor.model, train_set, sampler, n=cfg.rollout.n, micro_batch_size=cfg.actor.micro_batch_size,
-        temperature=cfg.rollout.temperature, compute_dtype=cfg.actor.compute_dtype, from_rollout=cfg.actor.old_logprobs_source == "rollout",
-        steps_ahead=cfg.rollout.async_steps, max_staleness=cfg.rollout.max_staleness, staleness_policy=cfg.rollout.staleness_policy,
-    )  # fmt: skip
+        roles.engine,
+        roles.actor.model,
+        train_set,
+        sampler,
+        n=cfg.rollout.n,
+        micro_batch_size=cfg.actor.micro_batch_size,
+        temperature=cfg.rollout.temperature,
+        compute_dtype=cfg.actor.compute_dtype,
+        from_rollout=cfg.actor.old_logprobs_source == "rollout",
+        steps_ahead=cfg.rollout.async_steps,
+        max_staleness=cfg.rollout.max_staleness,
+        staleness_policy=cfg.rollout.staleness_policy,
+    )

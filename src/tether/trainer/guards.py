@@ -38,7 +38,8 @@ class GuardMonitor:
 
     def __init__(self, cfg: GuardConfig, *, max_failed_steps: int = 3):
         self.cfg = cfg
-        self.max_failed_steps = max_failed_steps  # reward.max_failed_steps: this many steps in a row with no valid sample stop the run
+        # reward.max_failed_steps: this many steps in a row with no valid sample stop the run
+        self.max_failed_steps = max_failed_steps
         self.coef_scale = 1.0
         self.coef_floor = 0.0  # β at least this after a hacking rollback (guard.hacking_coef): a β of 0 scaled stays 0
         self.rollbacks = 0
@@ -76,15 +77,25 @@ class GuardMonitor:
         """
         bad = metrics.get("guard/nonfinite_weights", 0.0)
         if bad > 0:
-            raise self._stop("nonfinite_weights", f"step {step}: the update left {bad:g} non-finite weight(s) (actor.lr={lr:g}: a learning rate "
-                             "far too large, or non-finite inputs): stopped without checkpointing them; the latest complete checkpoint "
-                             "is the resume point", save=False)  # fmt: skip
+            raise self._stop(
+                "nonfinite_weights",
+                f"step {step}: the update left {bad:g} non-finite weight(s) (actor.lr={lr:g}: a learning rate "
+                "far too large, or non-finite inputs): stopped without checkpointing them; the latest complete "
+                "checkpoint "
+                "is the resume point",
+                save=False,
+            )
         skipped = metrics.get("guard/nonfinite_skip", 0.0) > 0
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
         if skipped and self.nonfinite_streak >= self.cfg.max_nonfinite_steps:
-            raise self._stop("nonfinite", f"step {step}: a non-finite loss or gradient in {self.nonfinite_streak} steps in a row "
-                             f"(guard.max_nonfinite_steps={self.cfg.max_nonfinite_steps}; actor.lr={lr:g}): the run is not learning; "
-                             "lower actor.lr or check the data and reward", save=self.cfg.atomic_update)  # fmt: skip
+            raise self._stop(
+                "nonfinite",
+                f"step {step}: a non-finite loss or gradient in {self.nonfinite_streak} steps in a row "
+                f"(guard.max_nonfinite_steps={self.cfg.max_nonfinite_steps}; actor.lr={lr:g}): the run is not "
+                "learning; "
+                "lower actor.lr or check the data and reward",
+                save=self.cfg.atomic_update,
+            )
 
     def pop_metrics(self) -> dict[str, float]:
         """``guard/coef_scale``, ``guard/rollbacks`` and the events since the last call."""
@@ -101,7 +112,16 @@ class GuardMonitor:
         return out
 
     # ------------------------------------------------------------------ across steps
-    def before_update(self, step: int, kl_mean: float | None, scores: torch.Tensor, beta: float, *, n_valid: int | None = None, why: str = "") -> str:
+    def before_update(
+        self,
+        step: int,
+        kl_mean: float | None,
+        scores: torch.Tensor,
+        beta: float,
+        *,
+        n_valid: int | None = None,
+        why: str = "",
+    ) -> str:
         """'update' or 'skip' for this step's update; raises TrainingStopped when configured to stop.
 
         Args:
@@ -114,13 +134,17 @@ class GuardMonitor:
         self._step_metrics = {}
         if n_valid == 0:
             self.empty_streak += 1
-            msg = f"step {step}: every sample of the batch was dropped ({why or 'no valid response'}); the update is not applied"
+            why = why or "no valid response"
+            msg = f"step {step}: every sample of the batch was dropped ({why}); the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
             if self.empty_streak >= self.max_failed_steps:
                 raise self._stop(
-                    "empty_batch", f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} steps in a "
-                    f"row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the data never give a valid sample "
+                    "empty_batch",
+                    f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} "
+                    "steps in a "
+                    f"row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the data never "
+                    "give a valid sample "
                     "(see the reward warnings above)",
                 )
             self._event("empty_batch", msg)
@@ -132,7 +156,11 @@ class GuardMonitor:
             if scores_finite:
                 return "update"
         if not math.isfinite(kl_mean) or not scores_finite:
-            what = "scores" if not scores_finite else f"KL to the reference ({kl_mean}; non-finite, or no valid sample left)"
+            what = (
+                "scores"
+                if not scores_finite
+                else f"KL to the reference ({kl_mean}; non-finite, or no valid sample left)"
+            )
             msg = f"step {step}: non-finite {what}; the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("nonfinite", msg + " (guard.on_nonfinite=stop)")
@@ -146,7 +174,8 @@ class GuardMonitor:
         if steps_run <= 0 or self.empty_streak < steps_run:
             return None
         return self._stop(
-            "empty_batch", f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
+            "empty_batch",
+            f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
             "nothing was trained; the reward function or the data never give a valid sample",
         )
 
@@ -167,7 +196,10 @@ class GuardMonitor:
                 raise self._stop("kl_explosion", msg + " (guard.on_max_kl=stop)")
             if action == "raise_coef":
                 self.coef_scale *= self.cfg.coef_factor
-                self._event("kl_explosion", f"{msg}; β {beta:.4g} → {beta * self.cfg.coef_factor:.4g} (guard.on_max_kl=raise_coef)")
+                self._event(
+                    "kl_explosion",
+                    f"{msg}; β {beta:.4g} → {beta * self.cfg.coef_factor:.4g} (guard.on_max_kl=raise_coef)",
+                )
                 return "update"
             self._event("kl_explosion", f"{msg}; update skipped (guard.on_max_kl=skip)")
             return "skip"
@@ -184,9 +216,13 @@ class GuardMonitor:
         self._step_metrics = dict(metrics)
         if metrics.get("guard/early_stop", 0.0) > 0:
             log.info(
-                "guard/early_stop: step %d: policy/approx_kl > guard.target_kl=%s; the remaining PPO epochs and mini-batches "
-                "were skipped after %d update(s)", step, self.cfg.target_kl, int(metrics.get("policy/updates", 0)),
-            )  # fmt: skip
+                "guard/early_stop: step %d: policy/approx_kl > guard.target_kl=%s; the remaining PPO epochs and "
+                "mini-batches "
+                "were skipped after %d update(s)",
+                step,
+                self.cfg.target_kl,
+                int(metrics.get("policy/updates", 0)),
+            )
         skipped = metrics.get("guard/nonfinite_skip", 0.0) + metrics.get("guard/value_nonfinite_skip", 0.0)
         if skipped > 0:
             msg = f"step {step}: a non-finite loss or gradient norm; {skipped:g} mini-batch update(s) not applied"
@@ -195,7 +231,9 @@ class GuardMonitor:
             log.warning("guard/nonfinite_skip: %s", msg)
         bad = metrics.get("reward/nonfinite_count", 0.0)
         if bad and bad > 0:
-            self._event("nonfinite_reward", f"step {step}: {bad:g} non-finite reward(s); those samples were dropped", count=bad)
+            self._event(
+                "nonfinite_reward", f"step {step}: {bad:g} non-finite reward(s); those samples were dropped", count=bad
+            )
         return self.pop_metrics()
 
     # ------------------------------------------------------------------ validation and rollback
@@ -226,7 +264,8 @@ class GuardMonitor:
         self.roll_back(drop, ckpt, roles, controller_beta)
 
     def on_hacking(self, step: int, finding, ckpt, roles, controller_beta: float) -> None:
-        """A live reward-hacking finding (``tether.diagnostics.HACKING_CHECKS``) under ``guard.on_hacking``: ``warn`` does
+        """A live reward-hacking finding (``tether.diagnostics.HACKING_CHECKS``) under ``guard.on_hacking``: ``warn``
+        does
         nothing more (the trainer logs it), ``stop`` checkpoints and stops, ``rollback`` rolls back to the last stable
         checkpoint as a validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``)."""
         why = f"step {step}: {finding.message}"
@@ -235,20 +274,26 @@ class GuardMonitor:
         if self.cfg.on_hacking != "rollback":
             return
         if self.stable_step is None:
-            self._event("hacking_no_rollback", f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a "
-                        "checkpoint is stable once a validation of its weights is not a drop: trainer.save_freq)")  # fmt: skip
+            self._event(
+                "hacking_no_rollback",
+                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a "
+                "checkpoint is stable once a validation of its weights is not a drop: trainer.save_freq)",
+            )
             return
         self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
         self.roll_back(why, ckpt, roles, controller_beta, event="hacking_rollback")
 
     def roll_back(self, drop: str, ckpt, roles, controller_beta: float, *, event: str = "rollback") -> None:
-        """Restore the stable checkpoint's weights and optimizer moments, raise β and lower the learning rates (``drop``:
+        """Restore the stable checkpoint's weights and optimizer moments, raise β and lower the learning rates
+        (``drop``:
         why, for the message); stop after ``max_rollbacks``."""
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise self._stop(
                 "rollback_limit",
-                f"{drop}, and the run has already rolled back {self.rollbacks} time(s) (guard.max_rollbacks={self.cfg.max_rollbacks}). "
-                f"The last stable checkpoint is {ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower "
+                f"{drop}, and the run has already rolled back {self.rollbacks} time(s) "
+                f"(guard.max_rollbacks={self.cfg.max_rollbacks}). "
+                f"The last stable checkpoint is {ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a "
+                "lower "
                 f"actor.lr or a higher kl.coef (trainer.resume=<that path>).",
             )
         try:
@@ -263,8 +308,10 @@ class GuardMonitor:
         self.val_score = None  # the weights are no longer the ones that scored it
         self._event(
             event,
-            f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β ×{self.cfg.coef_factor:g} "
-            f"→ {self.beta(controller_beta):.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
+            f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
+            f"×{self.cfg.coef_factor:g} "
+            f"→ {self.beta(controller_beta):.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → "
+            f"{roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
     def beta(self, controller_beta: float) -> float:
@@ -277,13 +324,15 @@ class GuardMonitor:
         ``auto`` takes ``exact/score_mean`` (E_π[r] by enumeration, no sampling noise: standard
         error 0) when the embedded task's exact evaluation ran, else the sampled ``val/score_mean``
         with its standard error ``val/score_sem``. ``gold`` takes ``exact/gold_mean`` where the hackable embedded task
-        logs it, else the gold reward's ``val/gold_mean`` with ``val/gold_sem``; a validation whose every gold sample was unscored (the gold reward failed
+        logs it, else the gold reward's ``val/gold_mean`` with ``val/gold_sem``; a validation whose every gold sample
+        was unscored (the gold reward failed
         throughout: ``val/gold_unscored_frac`` = 1) has no score, so a failing gold never rolls back.
         """
         key = self.cfg.rollback_metric
         if key == "auto":
             key = "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
-        elif key == "gold":  # exact/gold_mean on the hackable embedded task (no sampling noise), else the sampled val/gold_mean
+        # exact/gold_mean on the hackable embedded task (no sampling noise), else the sampled val/gold_mean
+        elif key == "gold":
             key = "exact/gold_mean" if "exact/gold_mean" in last_val else "val/gold_mean"
             if key == "val/gold_mean" and last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
                 return None, 0.0
@@ -315,10 +364,18 @@ class GuardMonitor:
 
     def state_dict(self) -> dict:
         return {
-            "coef_scale": self.coef_scale, "coef_floor": self.coef_floor, "rollbacks": self.rollbacks, "stable_step": self.stable_step, "stable_score": self.stable_score,
-            "val_step": self.val_step, "val_score": self.val_score, "stable_sem": self.stable_sem, "val_sem": self.val_sem,
-            "empty_streak": self.empty_streak, "nonfinite_streak": self.nonfinite_streak,
-        }  # fmt: skip
+            "coef_scale": self.coef_scale,
+            "coef_floor": self.coef_floor,
+            "rollbacks": self.rollbacks,
+            "stable_step": self.stable_step,
+            "stable_score": self.stable_score,
+            "val_step": self.val_step,
+            "val_score": self.val_score,
+            "stable_sem": self.stable_sem,
+            "val_sem": self.val_sem,
+            "empty_streak": self.empty_streak,
+            "nonfinite_streak": self.nonfinite_streak,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.coef_scale = float(state["coef_scale"])

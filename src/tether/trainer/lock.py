@@ -55,12 +55,15 @@ def acquire(run_dir: Path) -> str | None:
         holder = _describe(f.read())
         f.close()
         raise RunDirLocked(
-            f"trainer.output_dir={str(run_dir)!r} is in use by another tether train ({holder}): one run per directory. Wait for it to "
+            f"trainer.output_dir={str(run_dir)!r} is in use by another tether train ({holder}): one run per directory. "
+            "Wait for it to "
             f"finish, stop it, or choose another trainer.output_dir"
         ) from None
     f.seek(0)
     f.truncate()
-    f.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}))
+    f.write(
+        json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    )
     f.flush()
     _HELD[key] = [f, 1]
     return key

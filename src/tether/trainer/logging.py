@@ -38,9 +38,13 @@ class MetricsLogger:
             try:
                 import wandb
 
-                self.wandb = wandb.init(project=project, config=config, dir=str(run_dir), name=Path(run_dir).name, resume="allow")
+                self.wandb = wandb.init(
+                    project=project, config=config, dir=str(run_dir), name=Path(run_dir).name, resume="allow"
+                )
             except ImportError:
-                log.warning("trainer.loggers has wandb but it is not installed (pip install 'tether[wandb]'); skipping it")
+                log.warning(
+                    "trainer.loggers has wandb but it is not installed (pip install 'tether[wandb]'); skipping it"
+                )
         if "mlflow" in loggers:
             try:
                 import mlflow
@@ -49,7 +53,9 @@ class MetricsLogger:
                 self.mlflow = mlflow.start_run(run_name=Path(run_dir).name)
                 mlflow.log_params({k: str(v) for k, v in _flatten(config).items()})
             except ImportError:
-                log.warning("trainer.loggers has mlflow but it is not installed (pip install 'tether[mlflow]'); skipping it")
+                log.warning(
+                    "trainer.loggers has mlflow but it is not installed (pip install 'tether[mlflow]'); skipping it"
+                )
 
     def _truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps after the checkpoint so the file has each step once."""

@@ -15,7 +15,9 @@ import time
 import torch
 
 
-def matmul_ceiling_flops(device: torch.device, dtype: torch.dtype = torch.float32, *, n: int | None = None, repeats: int = 5) -> float:
+def matmul_ceiling_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, *, n: int | None = None, repeats: int = 5
+) -> float:
     """The best FLOP/s of ``repeats`` (n × n) @ (n × n) matmuls (2·n³ FLOPs each) on ``device`` in ``dtype``.
 
     The operands come from a private generator, so no global RNG state (sampling, dropout) changes.

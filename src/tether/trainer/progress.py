@@ -17,8 +17,10 @@ def summary(metrics: dict) -> str:
         v = metrics.get(key)
         return "nan" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
 
-    return (f"reward {f('reward/score_mean', '.3f')}  kl {f('kl/ref_mean', '.4f')}  β {f('kl/coef', '.4f')}  H {f('policy/entropy', '.3f')}"
-            + (f"  val {f('val/score_mean', '.3f')}" if "val/score_mean" in metrics else ""))  # fmt: skip
+    return (
+        f"reward {f('reward/score_mean', '.3f')}  kl {f('kl/ref_mean', '.4f')}  β {f('kl/coef', '.4f')}  H "
+        f"{f('policy/entropy', '.3f')}" + (f"  val {f('val/score_mean', '.3f')}" if "val/score_mean" in metrics else "")
+    )
 
 
 class Progress:
@@ -33,7 +35,13 @@ class Progress:
     def update(self, metrics: dict) -> None:
         self.done += 1
         if self.bar is None:  # no bar: a line per step (a log file shows the run moving)
-            log.info("step %d/%d  %s  %.2f s", self.done, self.total, summary(metrics), metrics.get("timing/step_s", float("nan")))
+            log.info(
+                "step %d/%d  %s  %.2f s",
+                self.done,
+                self.total,
+                summary(metrics),
+                metrics.get("timing/step_s", float("nan")),
+            )
             return
         self.bar.set_postfix_str(summary(metrics), refresh=False)
         self.bar.update(1)

@@ -80,15 +80,23 @@ def dynamic_sample(rollout, score, timer, *, batch_size: int, max_draws: int, pa
     out = RolloutBatch.concat(kept, pad_id=pad_id) if kept else last
     out.extra["reward_metrics"] = _merge_reward_metrics(rewards)
     out.extra["sampling_metrics"] = {
-        "rollout/draws": float(draws), "rollout/prompts_drawn": float(drawn),
-        "rollout/filtered_groups": float(filtered), "rollout/filter_exhausted": float(exhausted),
-    }  # fmt: skip
+        "rollout/draws": float(draws),
+        "rollout/prompts_drawn": float(drawn),
+        "rollout/filtered_groups": float(filtered),
+        "rollout/filter_exhausted": float(exhausted),
+    }
     if exhausted:
         log.warning(
-            "step %d: algo.filter_groups: after %d draws (algo.filter_groups_max_draws=%d) only %d of data.batch_size=%d prompts "
-            "had rewards that differ; training on %s. If this persists, the task is too hard or too easy for the policy "
+            "step %d: algo.filter_groups: after %d draws (algo.filter_groups_max_draws=%d) only %d of "
+            "data.batch_size=%d prompts "
+            "had rewards that differ; training on %s. If this persists, the task is too hard or too easy for the "
+            "policy "
             "(check reward/score_mean), or raise rollout.n / rollout.temperature",
-            step, draws, cap, n_kept, want, f"those {n_kept}" if kept else "the last draw (its rewards carry no comparison)",
+            step,
+            draws,
+            cap,
+            n_kept,
+            want,
+            f"those {n_kept}" if kept else "the last draw (its rewards carry no comparison)",
         )
     return out
-

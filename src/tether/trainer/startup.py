@@ -55,11 +55,16 @@ def check_context_length(cfg: TetherConfig, models: dict, *prompt_sets) -> None:
         if found is None or total <= found[1]:
             continue
         key, limit = found
-        fix = (f"lower rollout.max_new_tokens to at most {limit - longest}" if longest < limit else
-               f"the prompts alone do not fit: lower data.max_prompt_length below {limit} (data.overlong_prompts=drop "
-               "drops longer ones) and rollout.max_new_tokens to fit")  # fmt: skip
+        fix = (
+            f"lower rollout.max_new_tokens to at most {limit - longest}"
+            if longest < limit
+            else f"the prompts alone do not fit: lower data.max_prompt_length below {limit} "
+            "(data.overlong_prompts=drop "
+            "drops longer ones) and rollout.max_new_tokens to fit"
+        )
         raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; data.max_prompt_length="
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; "
+            "data.max_prompt_length="
             f"{cfg.data.max_prompt_length}) is {total} tokens, beyond {role}'s {key}={limit} (config.json): {fix}"
         )
 
@@ -109,9 +114,12 @@ def check_rollout_memory(cfg: TetherConfig, actor_path, device, *prompt_sets) ->
     if limit is not None and kv + logits > limit:
         gib = 2**30
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences of up to {tokens} tokens need about "
-            f"{(kv + logits) / gib:.1f} GiB to generate (KV cache {kv / gib:.1f} GiB, logits {logits / gib:.1f} GiB), more than this "
-            f"{device.type} device's {limit / gib:.1f} GiB: lower data.batch_size or rollout.n (or rollout.max_new_tokens)"
+            f"data.batch_size={cfg.data.batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences of up to "
+            f"{tokens} tokens need about "
+            f"{(kv + logits) / gib:.1f} GiB to generate (KV cache {kv / gib:.1f} GiB, logits {logits / gib:.1f} GiB), "
+            "more than this "
+            f"{device.type} device's {limit / gib:.1f} GiB: lower data.batch_size or rollout.n (or "
+            "rollout.max_new_tokens)"
         )
     return kv + logits
 
@@ -123,12 +131,16 @@ def warn_batch_larger_than_data(cfg: TetherConfig, n_prompts: int) -> bool:
         return False
     log.warning(
         "data.batch_size=%d is larger than the training set (%d prompts): every step repeats prompts within its batch; "
-        "lower data.batch_size or add data", cfg.data.batch_size, n_prompts,
-    )  # fmt: skip
+        "lower data.batch_size or add data",
+        cfg.data.batch_size,
+        n_prompts,
+    )
     return True
 
 
-def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool, responses: int | None = None) -> list[str]:
+def reuse_logprobs_blockers(
+    cfg: TetherConfig, *, has_critic: bool, has_dropout: bool, responses: int | None = None
+) -> list[str]:
     """Why ``actor.reuse_update_logprobs`` cannot apply to a batch of ``responses`` rows (default: a full
     batch, data.batch_size × rollout.n); [] = it applies. The one statement of the conditions, which
     :meth:`tether.trainer.Trainer.reuse_update_logprobs` checks every step."""
@@ -140,7 +152,10 @@ def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout:
     if c.algo.ppo_epochs != 1:
         why.append(f"algo.ppo_epochs={c.algo.ppo_epochs} (more than one epoch)")
     if responses > c.algo.mini_batch_size:
-        why.append(f"data.batch_size × rollout.n = {responses} responses > algo.mini_batch_size={c.algo.mini_batch_size} (more than one mini-batch)")
+        why.append(
+            f"data.batch_size × rollout.n = {responses} responses > algo.mini_batch_size={c.algo.mini_batch_size} "
+            "(more than one mini-batch)"
+        )
     if c.kl.placement not in ("loss", "none"):
         why.append(f"kl.placement={c.kl.placement}")
     if c.kl.estimator == "full":
@@ -161,21 +176,27 @@ def reuse_logprobs_blockers(cfg: TetherConfig, *, has_critic: bool, has_dropout:
 
 
 def log_reuse_logprobs(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool) -> str | None:
-    """One info line at start saying whether actor.reuse_update_logprobs=true is in effect, and if not why; returns it."""
+    """One info line at start saying whether actor.reuse_update_logprobs=true is in effect, and if not why; returns
+    it."""
     if not cfg.actor.reuse_update_logprobs:
         return None
     why = reuse_logprobs_blockers(cfg, has_critic=has_critic, has_dropout=has_dropout)
     if why:
-        msg = "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): " + "; ".join(why)
+        msg = (
+            "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): "
+            + "; ".join(why)
+        )
     else:
-        msg = "actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"
+        msg = (
+            "actor.reuse_update_logprobs=true is in effect: old_logprobs and entropy come from the update's own forward"
+        )
     log.info("%s", msg)
     return msg
 
 
-
 def check_gold(cfg: TetherConfig, val_rows) -> None:
-    """Validation's gold reward, named once at start-up (which data sources it covers), and ``guard.rollback_metric=gold``
+    """Validation's gold reward, named once at start-up (which data sources it covers), and
+    ``guard.rollback_metric=gold``
     refused before any model loads when no validation row has one (the config could not tell: the data sources are
     known only once the data is read).
 
@@ -186,19 +207,34 @@ def check_gold(cfg: TetherConfig, val_rows) -> None:
             keys to set); a built-in gold (``GOLD_FUNCTIONS``) that cannot be imported.
     """
     r = cfg.reward
-    user = f"reward.val_function {r.val_function}" if r.val_function else f"reward.val_model {r.val_model}" if r.val_model else None
+    user = (
+        f"reward.val_function {r.val_function}"
+        if r.val_function
+        else f"reward.val_model {r.val_model}"
+        if r.val_model
+        else None
+    )
     sources = list(dict.fromkeys(row.data_source for row in val_rows))
     covered = sources if user else [ds for ds in sources if ds in GOLD_FUNCTIONS]
     for ds in covered if not user else ():
         try:
             get_gold_function(ds)
         except ValueError as e:
-            raise ConfigError(f"the built-in gold reward of data_source {ds!r} (tether.rewards.GOLD_FUNCTIONS): {e}") from None
+            raise ConfigError(
+                f"the built-in gold reward of data_source {ds!r} (tether.rewards.GOLD_FUNCTIONS): {e}"
+            ) from None
     if cfg.guard.rollback_metric == "gold" and sources and not covered:
         raise ConfigError(no_gold_message(sources))
     if not covered:
         return
-    log.info("validation's gold reward (val/gold_mean): %s", user or "; ".join(f"built-in gold {GOLD_FUNCTIONS[ds]} for {ds}" for ds in covered))
+    log.info(
+        "validation's gold reward (val/gold_mean): %s",
+        user or "; ".join(f"built-in gold {GOLD_FUNCTIONS[ds]} for {ds}" for ds in covered),
+    )
     if missing := [ds for ds in sources if ds not in covered]:
-        log.warning("validation's gold reward covers data source(s) %s but not %s: val/gold_mean and val/gold_gap are over the "
-                    "covered sources' samples only", ", ".join(covered), ", ".join(missing))  # fmt: skip
+        log.warning(
+            "validation's gold reward covers data source(s) %s but not %s: val/gold_mean and val/gold_gap are over the "
+            "covered sources' samples only",
+            ", ".join(covered),
+            ", ".join(missing),
+        )

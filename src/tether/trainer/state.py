@@ -28,9 +28,17 @@ log = logging.getLogger("tether")
 
 #: Config keys that may change between a run and its resumption without a warning.
 RESUME_FREE_KEYS = {
-    "trainer.total_steps", "trainer.resume", "trainer.output_dir", "trainer.progress", "trainer.report", "trainer.loggers",
-    "trainer.threads", "trainer.device", "trainer.project", "reward.timeout_s",
-}  # fmt: skip
+    "trainer.total_steps",
+    "trainer.resume",
+    "trainer.output_dir",
+    "trainer.progress",
+    "trainer.report",
+    "trainer.loggers",
+    "trainer.threads",
+    "trainer.device",
+    "trainer.project",
+    "reward.timeout_s",
+}
 
 #: Config keys naming a model whose weights a checkpoint holds: a change there explains weights that do not fit.
 MODEL_KEYS = ("actor.model", "critic.model", "ref.model")
@@ -50,7 +58,11 @@ def check_fresh_start(run_dir: Path, resume: str) -> None:
         return
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
-    ckpts = sorted(p.name for p in root.iterdir() if p.is_dir() and "step_" in p.name and not p.name.startswith(".")) if root.is_dir() else []
+    ckpts = (
+        sorted(p.name for p in root.iterdir() if p.is_dir() and "step_" in p.name and not p.name.startswith("."))
+        if root.is_dir()
+        else []
+    )
     metrics = run_dir / "metrics.jsonl"
     lines = sum(1 for x in metrics.read_text(errors="replace").splitlines() if x.strip()) if metrics.is_file() else 0
     if not ckpts and not lines:
@@ -58,8 +70,10 @@ def check_fresh_start(run_dir: Path, resume: str) -> None:
     held = [f"{len(ckpts)} checkpoint(s) ({', '.join(ckpts[-3:])})"] if ckpts else []
     held += [f"metrics.jsonl with {lines} line(s)"] if lines else []
     raise ConfigError(
-        f"trainer.resume=off: trainer.output_dir={str(run_dir)!r} holds an earlier run ({' and '.join(held)}); a fresh start "
-        f"would mix with it. Choose a new trainer.output_dir, delete {str(run_dir)!r} to start over there, or continue it "
+        f"trainer.resume=off: trainer.output_dir={str(run_dir)!r} holds an earlier run ({' and '.join(held)}); a fresh "
+        "start "
+        f"would mix with it. Choose a new trainer.output_dir, delete {str(run_dir)!r} to start over there, or continue "
+        "it "
         "with trainer.resume=auto"
     )
 
@@ -79,7 +93,8 @@ class CheckpointManager:
         cfg: the run's config; roles: its ``Roles`` (models, optimizers, tokenizer, reward, engine).
         controller, sampler, guard: the KL controller, PromptSampler and GuardMonitor, saved and
             loaded in place.
-        entropy_controller: the ``EntropyCoefController`` of ``algo.entropy_target`` (saved and loaded in place), or None.
+        entropy_controller: the ``EntropyCoefController`` of ``algo.entropy_target`` (saved and loaded in place), or
+            None.
         exact_cache: the exact/* metrics' ``ExactCache``, emptied when a checkpoint loads the reference.
         async_rollout: the ``AsyncRollout`` of ``rollout.async_steps`` (its pending batches are saved, loaded, and
             regenerated after a rollback), or None.
@@ -88,7 +103,19 @@ class CheckpointManager:
     returns those it loaded.
     """
 
-    def __init__(self, run_dir, cfg, roles, *, controller, sampler, guard, exact_cache=None, async_rollout=None, entropy_controller=None):
+    def __init__(
+        self,
+        run_dir,
+        cfg,
+        roles,
+        *,
+        controller,
+        sampler,
+        guard,
+        exact_cache=None,
+        async_rollout=None,
+        entropy_controller=None,
+    ):
         self.run_dir, self.cfg, self.roles = Path(run_dir), cfg, roles
         self.controller, self.sampler, self.guard, self.exact_cache = controller, sampler, guard, exact_cache
         self.entropy_controller = entropy_controller
@@ -104,7 +131,9 @@ class CheckpointManager:
         self._verified: dict = {}  # checkpoints that verified, for pruning (prune_checkpoints)
 
     # -------------------------------------------------------------- saving
-    def maybe_save(self, step: int, last_val: dict, metrics: dict | None = None, *, force: bool = False, diagnostics=None) -> Path | None:
+    def maybe_save(
+        self, step: int, last_val: dict, metrics: dict | None = None, *, force: bool = False, diagnostics=None
+    ) -> Path | None:
         """Save every ``trainer.save_freq`` steps, at ``trainer.total_steps``, and when ``force``d
         (a stop signal: ``tether.signals``); arguments as :meth:`save`'s.
         """
@@ -113,7 +142,16 @@ class CheckpointManager:
             return self.save(step, last_val, metrics=metrics, diagnostics=diagnostics)
         return None
 
-    def save(self, step: int, last_val: dict, *, final: bool = False, metrics: dict | None = None, diagnostics=None, logger=None) -> Path:
+    def save(
+        self,
+        step: int,
+        last_val: dict,
+        *,
+        final: bool = False,
+        metrics: dict | None = None,
+        diagnostics=None,
+        logger=None,
+    ) -> Path:
         """Write a checkpoint of ``step`` (atomically) and prune old ones.
 
         Args:
@@ -148,7 +186,9 @@ class CheckpointManager:
                 {
                     "step": step,
                     "controller": self.controller.state_dict(),
-                    "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict(),
+                    "entropy_controller": None
+                    if self.entropy_controller is None
+                    else self.entropy_controller.state_dict(),
                     "data": self.sampler.state_dict(),
                     "guard": self.guard.state_dict(),
                     "reward": roles.reward.state_dict(),
@@ -156,7 +196,9 @@ class CheckpointManager:
                     "last_val": _clean(last_val),
                     "val_score": score,
                     "stopped": final,
-                    "diagnostics": None if diag is None else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
+                    "diagnostics": None
+                    if diag is None
+                    else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
                     "metrics": None if metrics is None else _clean(metrics),
                     "config": resolve_local_paths(self.cfg.to_dict()),
                 },
@@ -176,7 +218,8 @@ class CheckpointManager:
         return {s for s in (self.best_step, self.guard.stable_step) if s is not None}
 
     def _saves_ref(self) -> bool:
-        return bool(self.cfg.ref.reset_every) and self.cfg.actor.lora.rank == 0  # a LoRA reference has no weights of its own
+        # a LoRA reference has no weights of its own
+        return bool(self.cfg.ref.reset_every) and self.cfg.actor.lora.rank == 0
 
     # -------------------------------------------------------------- loading
     def maybe_resume(self) -> tuple[int, dict] | None:
@@ -199,13 +242,17 @@ class CheckpointManager:
             if path is None:
                 if errors:
                     raise CheckpointError(
-                        f"trainer.resume=auto: no complete checkpoint in {self.root}: " + "; ".join(errors)
-                        + " (choose a new trainer.output_dir, or delete this one, to start over; or set trainer.resume to a checkpoint path)"
+                        f"trainer.resume=auto: no complete checkpoint in {self.root}: "
+                        + "; ".join(errors)
+                        + " (choose a new trainer.output_dir, or delete this one, to start over; or set trainer.resume "
+                        "to a checkpoint path)"
                     )
                 self._clear_metrics()
                 return None
             if errors:
-                log.warning("resume: %d newer checkpoint(s) failed verification; falling back to %s", len(errors), path.name)
+                log.warning(
+                    "resume: %d newer checkpoint(s) failed verification; falling back to %s", len(errors), path.name
+                )
         else:
             path = Path(mode)
             verify_checkpoint(path)
@@ -228,10 +275,13 @@ class CheckpointManager:
         except (RuntimeError, ValueError, KeyError) as e:  # size mismatches, optimizer groups that differ
             lines = [x.strip() for x in str(e).splitlines() if x.strip()]
             shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
-            raise CheckpointError(f"checkpoint {path} does not fit the configured models: {type(e).__name__}: {shown}") from None
+            raise CheckpointError(
+                f"checkpoint {path} does not fit the configured models: {type(e).__name__}: {shown}"
+            ) from None
 
     def _load_weights_unchecked(self, path: Path, *, schedule: bool) -> None:
-        self.roles.load(path, with_ref=self._saves_ref(), schedule=schedule)  # resharded to this run's world size under Ray
+        # resharded to this run's world size under Ray
+        self.roles.load(path, with_ref=self._saves_ref(), schedule=schedule)
         if self._saves_ref():
             self._reference_changed()
 
@@ -255,16 +305,27 @@ class CheckpointManager:
             if model is None:
                 raise
             old, new = changed[model]
-            where = (f"trainer.output_dir={str(self.run_dir)!r} holds a run of {model}={old!r} ({path.name})" if path.parent == self.root
-                     else f"trainer.resume={str(path)!r} is a checkpoint of a run of {model}={old!r}")
-            raise CheckpointError(f"{where}, not {model}={new!r}: its weights do not fit this model; choose a new trainer.output_dir"
-                                  + ("" if path.parent == self.root else " or a checkpoint of this model")) from e
+            where = (
+                f"trainer.output_dir={str(self.run_dir)!r} holds a run of {model}={old!r} ({path.name})"
+                if path.parent == self.root
+                else f"trainer.resume={str(path)!r} is a checkpoint of a run of {model}={old!r}"
+            )
+            raise CheckpointError(
+                f"{where}, not {model}={new!r}: its weights do not fit this model; choose a new trainer.output_dir"
+                + ("" if path.parent == self.root else " or a checkpoint of this model")
+            ) from e
         self.step = int(state["step"])
         self.controller.load_state_dict(state["controller"])
         if self.entropy_controller is not None:
-            if state.get("entropy_controller") is None:  # a checkpoint of a run without algo.entropy_target (or from before it existed)
-                log.warning("resume: checkpoint %s holds no entropy coefficient (algo.entropy_target was not set): α starts again at "
-                            "algo.entropy_coef=%g", path.name, self.cfg.algo.entropy_coef)  # fmt: skip
+            # a checkpoint of a run without algo.entropy_target (or from before it existed)
+            if state.get("entropy_controller") is None:
+                log.warning(
+                    "resume: checkpoint %s holds no entropy coefficient (algo.entropy_target was not set): α starts "
+                    "again at "
+                    "algo.entropy_coef=%g",
+                    path.name,
+                    self.cfg.algo.entropy_coef,
+                )
             else:
                 self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.sampler.load_state_dict(state["data"])
@@ -280,7 +341,10 @@ class CheckpointManager:
         self.resumed_from = path.parent
         self._restore_metrics_line(state.get("metrics"))
         if state.get("stopped"):
-            log.warning("resume: checkpoint %s was saved when a guard stopped the run (see metrics.jsonl, guard/stop)", path.name)
+            log.warning(
+                "resume: checkpoint %s was saved when a guard stopped the run (see metrics.jsonl, guard/stop)",
+                path.name,
+            )
         return self.step, last_val
 
     def restore_diagnostics(self, diagnostics) -> list:
@@ -316,9 +380,17 @@ class CheckpointManager:
         if self.step in seen:
             return
         if self.resumed_from is not None and self.resumed_from.resolve() != self.root.resolve():
-            log.info("resume: metrics.jsonl starts with step %d's line, from checkpoint %s of another run directory", self.step, self.resumed_from)
+            log.info(
+                "resume: metrics.jsonl starts with step %d's line, from checkpoint %s of another run directory",
+                self.step,
+                self.resumed_from,
+            )
         else:
-            log.info("resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from the checkpoint", self.step)
+            log.info(
+                "resume: metrics.jsonl had no line for step %d (interrupted before it was written); restored it from "
+                "the checkpoint",
+                self.step,
+            )
         kept.append(json.dumps({"step": self.step, **{k: v for k, v in sorted(record.items()) if k != "step"}}))
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in kept))
@@ -329,7 +401,9 @@ class CheckpointManager:
         that crashed before its first checkpoint), so that no step appears twice."""
         path = self.run_dir / "metrics.jsonl"
         if path.exists() and path.stat().st_size:
-            log.info("starting from step 0: clearing the %d bytes of %s left by an earlier start", path.stat().st_size, path)
+            log.info(
+                "starting from step 0: clearing the %d bytes of %s left by an earlier start", path.stat().st_size, path
+            )
             path.write_text("")
 
     def _warn_config_changes(self, saved: dict | None, path: Path) -> dict:
@@ -338,10 +412,18 @@ class CheckpointManager:
         if not saved:
             return {}
         old, new = _flatten(resolve_local_paths(saved)), _flatten(resolve_local_paths(self.cfg.to_dict()))
-        changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)}
+        changed = {
+            k: (old.get(k), new.get(k))
+            for k in sorted(set(old) | set(new))
+            if k not in RESUME_FREE_KEYS and old.get(k) != new.get(k)
+        }
         if changed:
             shown = ", ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in list(changed.items())[:8])
-            log.warning("resume: the config differs from checkpoint %s's (%s); the run will not match an uninterrupted one", path.name, shown)
+            log.warning(
+                "resume: the config differs from checkpoint %s's (%s); the run will not match an uninterrupted one",
+                path.name,
+                shown,
+            )
         return changed
 
     def restore_weights(self, step: int) -> None:
@@ -353,7 +435,8 @@ class CheckpointManager:
         verify_checkpoint(path)
         self._load_weights(path, schedule=False)
         if self.async_rollout is not None:
-            self.async_rollout.discard()  # generated by the weights rolled back from: regenerated from the restored ones
+            # generated by the weights rolled back from: regenerated from the restored ones
+            self.async_rollout.discard()
 
     def checkpoints(self) -> list[int]:
         """Steps of the checkpoint directories present, oldest first."""

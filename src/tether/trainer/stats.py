@@ -34,8 +34,11 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
     eos = eos_id
-    # no EOS: cut at rollout.max_new_tokens (every EOS id of the model, batch.truncated; the tokenizer's alone for a hand-built batch)
-    truncated = batch.truncated.to(mask.device) if batch.truncated is not None else (batch.response_ids == eos).sum(-1) == 0
+    # no EOS: cut at rollout.max_new_tokens (every EOS id of the model, batch.truncated; the tokenizer's alone for a
+    # hand-built batch)
+    truncated = (
+        batch.truncated.to(mask.device) if batch.truncated is not None else (batch.response_ids == eos).sum(-1) == 0
+    )
     m = {
         "reward/score_mean": _mean(scores),
         "reward/score_std": float(scores.std()) if scores.numel() > 1 else 0.0,
@@ -45,7 +48,8 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         "kl/ref_seq_mean": _mean(kl_seq),
         "kl/ref_mean_unclamped": _mean(per_tok(k1)),
         "kl/k3_mean": _mean(per_tok(k3)),
-        "policy/entropy": _mean(per_tok(batch.entropy)) if batch.entropy is not None else float("nan"),  # None: old_logprobs_source=rollout
+        # None: old_logprobs_source=rollout
+        "policy/entropy": _mean(per_tok(batch.entropy)) if batch.entropy is not None else float("nan"),
         "response/length_mean": _mean(lengths[valid]),
         "response/length_max": float(lengths.max()) if lengths.numel() else 0.0,
         "response/truncated_frac": _mean(truncated[valid].float()),
@@ -59,14 +63,16 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         m["critic/values_mean"] = _mean(per_tok(batch.values))
         m["critic/returns_mean"] = _mean(per_tok(batch.returns))
     from_rollout = batch.extra.get("old_logprobs_metrics", {}).get("rollout/old_logprobs_from_rollout") == 1.0
-    if batch.rollout_logprobs is not None and not from_rollout:  # old_logprobs := rollout_logprobs would read 0: nothing measured
+    # old_logprobs := rollout_logprobs would read 0: nothing measured
+    if batch.rollout_logprobs is not None and not from_rollout:
         m |= logprob_diff_metrics(batch.rollout_logprobs, batch.old_logprobs, mask)
     m |= batch.extra.get("reward_metrics", {})
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     m |= batch.extra.get("old_logprobs_metrics", {})  # actor.old_logprobs_source=rollout
     m |= batch.extra.get("rollout_corr_metrics", {})  # algo.rollout_correction (Trainer.correct_rollout)
     m |= batch.extra.get("async_metrics", {})  # rollout.async_steps: rollout/staleness, rollout/stale_dropped
-    m |= batch.extra.get("control_metrics", {})  # actor/entropy_coef; algo.mask_truncated, algo.top_entropy_quantile (Trainer.mask_tokens)
+    # actor/entropy_coef; algo.mask_truncated, algo.top_entropy_quantile (Trainer.mask_tokens)
+    m |= batch.extra.get("control_metrics", {})
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = pad_id
@@ -95,14 +101,17 @@ def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dic
     if grouped and batch.scores is not None and bool(valid.any()):
         flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)[valid]  # (B',)
         groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
-        flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)  # (G,)
+        # (G,)
+        flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)
         out["rollout/zero_var_group_frac"] = float(flat_group.float().mean())
     if batch.advantages is not None and bool(valid.any()):
         out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.response_mask))
     return out
 
 
-def logprob_diff_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+def logprob_diff_metrics(
+    rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """The training–inference mismatch of one step: how far the rollout engine's log-probs of the
     sampled tokens are from the trainer's recomputed ones, on the same weights.
 

@@ -116,9 +116,11 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
     if existed and not is_run_dir(path):
         others = sorted(p.name for p in path.iterdir() if p.name not in _NOT_USER_FILES and not p.name.startswith("."))
         if others:
-            raise ConfigError(f"trainer.output_dir={str(path)!r} holds files but is not a tether run (no config.yaml or "
-                              f"checkpoints/): {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. A run would "
-                              "overwrite them (metrics.jsonl, summary.md, ...): choose an empty or new directory")
+            raise ConfigError(
+                f"trainer.output_dir={str(path)!r} holds files but is not a tether run (no config.yaml or "
+                f"checkpoints/): {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. A run would "
+                "overwrite them (metrics.jsonl, summary.md, ...): choose an empty or new directory"
+            )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -160,7 +162,8 @@ class Trainer:
 
         self._lock = lock.acquire(self.run_dir)  # one run per directory (RunDirLocked names the holder)
         try:
-            check_fresh_start(self.run_dir, cfg.trainer.resume)  # resume=off on an earlier run: refused before models load
+            # resume=off on an earlier run: refused before models load
+            check_fresh_start(self.run_dir, cfg.trainer.resume)
             self._setup(cfg)
         except BaseException:
             if getattr(self, "roles", None) is not None:
@@ -173,7 +176,9 @@ class Trainer:
         # only a start that got this far writes its config (a failed one never overwrites a run's)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
 
-        self.logger = MetricsLogger(self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step)
+        self.logger = MetricsLogger(
+            self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step
+        )
 
         self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
@@ -184,19 +189,25 @@ class Trainer:
     def _setup(self, cfg: TetherConfig) -> None:
         """Load models, data and state; resume. Raises ConfigError/DataError/CheckpointError before training."""
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
-        startup.check_gold(cfg, val_rows)  # guard.rollback_metric=gold without a gold reward fails here, before any model loads
+        # guard.rollback_metric=gold without a gold reward fails here, before any model loads
+        startup.check_gold(cfg, val_rows)
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
         if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
-            raise ConfigError("algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a vLLM "
-                              "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set algo.rollout_correction.level=none "
-                              "and algo.rollout_correction.reject=none")
+            raise ConfigError(
+                "algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a "
+                "vLLM "
+                "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set "
+                "algo.rollout_correction.level=none "
+                "and algo.rollout_correction.reject=none"
+            )
         if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
             train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
         self.train_set = prepare_prompts(train_rows, self.tok, cfg.data, "data.train_files")
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         startup.check_context_length(cfg, self.roles.model_paths, self.train_set, self.val_set)
-        startup.check_rollout_memory(cfg, self.roles.model_paths["actor.model"], self.device, self.train_set)  # before any work
+        # before any work
+        startup.check_rollout_memory(cfg, self.roles.model_paths["actor.model"], self.device, self.train_set)
         startup.warn_batch_larger_than_data(cfg, len(self.train_set))
         startup.log_reuse_logprobs(cfg, has_critic=self.roles.critic is not None, has_dropout=self._actor_has_dropout)
         if hasattr(self.roles.reward, "check_rows"):
@@ -204,8 +215,13 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, cfg.trainer.seed, cfg.data.shuffle)
         self.controller = make_kl_controller(cfg.kl.controller, **controller_kwargs(cfg))
         a = cfg.algo  # algo.entropy_target: the entropy bonus's α by dual ascent; None = α fixed at algo.entropy_coef
-        self.entropy_controller = (None if a.entropy_target is None else
-                                   EntropyCoefController(a.entropy_coef, target=a.entropy_target, lr=a.entropy_coef_lr, coef_max=a.entropy_coef_max))  # fmt: skip
+        self.entropy_controller = (
+            None
+            if a.entropy_target is None
+            else EntropyCoefController(
+                a.entropy_coef, target=a.entropy_target, lr=a.entropy_coef_lr, coef_max=a.entropy_coef_max
+            )
+        )
         self.guard = GuardMonitor(cfg.guard, max_failed_steps=cfg.reward.max_failed_steps)
         self.step = 0
         self.last_val: dict[str, float] = {}
@@ -214,9 +230,17 @@ class Trainer:
         self.async_rollout = build_async_rollout(cfg, self.roles, self.train_set, self.sampler)
 
         self.exact_cache = ExactCache()  # exact/* metrics' enumeration of the reference
-        self.ckpt = CheckpointManager(self.run_dir, cfg, self.roles, controller=self.controller, sampler=self.sampler, guard=self.guard,
-                                      exact_cache=self.exact_cache, async_rollout=self.async_rollout,
-                                      entropy_controller=self.entropy_controller)  # fmt: skip
+        self.ckpt = CheckpointManager(
+            self.run_dir,
+            cfg,
+            self.roles,
+            controller=self.controller,
+            sampler=self.sampler,
+            guard=self.guard,
+            exact_cache=self.exact_cache,
+            async_rollout=self.async_rollout,
+            entropy_controller=self.entropy_controller,
+        )
         resumed = self.ckpt.maybe_resume()
         if resumed is not None:
             self.step, self.last_val = resumed
@@ -228,14 +252,19 @@ class Trainer:
         progress = Progress(self.cfg.trainer.total_steps, self.step, enabled=self.cfg.trainer.progress)
         first_step = self.step
         try:
-            with StopSignals(self.cfg.trainer.stop_grace_s) as self._signals:  # SIGTERM/SIGINT: finish the step, checkpoint, stop
+            # SIGTERM/SIGINT: finish the step, checkpoint, stop
+            with StopSignals(self.cfg.trainer.stop_grace_s) as self._signals:
                 if self.step == 0 and self.cfg.trainer.val_freq:
                     val = self.maybe_validate(force=True)  # the reference's scores, as step 0
                     self.guard_validation(val)
                     self.logger.log(0, val)
                 if self.step >= self.cfg.trainer.total_steps:
-                    log.warning("nothing to train: the run is already at step %d >= trainer.total_steps=%d "
-                                "(raise trainer.total_steps to continue it)", self.step, self.cfg.trainer.total_steps)
+                    log.warning(
+                        "nothing to train: the run is already at step %d >= trainer.total_steps=%d "
+                        "(raise trainer.total_steps to continue it)",
+                        self.step,
+                        self.cfg.trainer.total_steps,
+                    )
                 while self.step < self.cfg.trainer.total_steps:
                     metrics = self.train_step_or_abandon()
                     history.append(metrics)
@@ -260,12 +289,14 @@ class Trainer:
         if self.cfg.trainer.report:
             try:
                 write_report(self.run_dir)
-            except (OutputPathError, OutputWriteError) as e:  # the training is done and checkpointed: say so, do not fail it
+            # the training is done and checkpointed: say so, do not fail it
+            except (OutputPathError, OutputWriteError) as e:
                 log.warning("report not written (%s); make it later with: tether report %s", e, self.run_dir)
         return history
 
     def train_step_or_abandon(self) -> dict[str, float]:
-        """:meth:`train_step`; after a SIGTERM/SIGINT to the whole process group, whose Ray workers (and local Ray) it may
+        """:meth:`train_step`; after a SIGTERM/SIGINT to the whole process group, whose Ray workers (and local Ray) it
+        may
         have stopped mid-step, a worker that dies abandons the step like a second signal: the run exits with the
         signal's code and the last complete checkpoint, not with the worker's error."""
         try:
@@ -274,8 +305,12 @@ class Trainer:
             signum = getattr(getattr(self, "_signals", None), "signum", None)
             if signum is None or not type(e).__module__.startswith(("ray", "tether.distributed")):
                 raise
-            log.warning("%s: the step in progress failed after it (%s: %s); abandoning it without a new checkpoint",
-                        signal_name(signum), type(e).__name__, str(e).splitlines()[0][:300])  # fmt: skip
+            log.warning(
+                "%s: the step in progress failed after it (%s: %s); abandoning it without a new checkpoint",
+                signal_name(signum),
+                type(e).__name__,
+                str(e).splitlines()[0][:300],
+            )
             raise TrainingInterrupted(signum) from e
 
     def train_step(self) -> dict[str, float]:
@@ -295,7 +330,14 @@ class Trainer:
             self.apply_kl(batch)
         with timer("advantages"):
             self.compute_advantages(batch)
-        action = self.guard.before_update(self.step, self.kl_mean(batch), batch.scores, self.beta, n_valid=self.n_valid(batch), why=drop_reasons(batch))
+        action = self.guard.before_update(
+            self.step,
+            self.kl_mean(batch),
+            batch.scores,
+            self.beta,
+            n_valid=self.n_valid(batch),
+            why=drop_reasons(batch),
+        )
         update_metrics = {}
         if action == "update":
             with timer("update_critic"):
@@ -319,17 +361,22 @@ class Trainer:
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
             # the step's line is kept in the checkpoint
-            self.ckpt.maybe_save(self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics)
+            self.ckpt.maybe_save(
+                self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics
+            )
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
-        self.react(self.diagnostics.update(self.step, metrics))  # the doctor's live checks; guard.on_hacking (stop raises here)
-        metrics |= self.guard.pop_metrics() | {"kl/coef_next": self.beta}  # a hacking rollback's guard/* and β, in this step's line
+        # the doctor's live checks; guard.on_hacking (stop raises here)
+        self.react(self.diagnostics.update(self.step, metrics))
+        # a hacking rollback's guard/* and β, in this step's line
+        metrics |= self.guard.pop_metrics() | {"kl/coef_next": self.beta}
         self.logger.log(self.step, metrics)
         return metrics
 
     def react(self, findings, *, log_them: bool = True, resumed: bool = False) -> None:
         """Log the doctor's new live findings; a reward-hacking one (``tether.diagnostics.HACKING_CHECKS``) goes to the
-        guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
+        guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a
+        rollback's
         ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
         rollback is applied again, a stop is not."""
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
@@ -349,7 +396,8 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     @property
     def beta(self) -> float:
-        """β in use: the controller's value times the guard's scale (raised after KL explosions), at least the guard's floor
+        """β in use: the controller's value times the guard's scale (raised after KL explosions), at least the guard's
+        floor
         (set by a hacking rollback)."""
         return self.guard.beta(self.controller.value)
 
@@ -361,8 +409,15 @@ class Trainer:
     def sample(self, timer: PhaseTimer) -> RolloutBatch:
         """Rollout then reward; under ``algo.filter_groups`` DAPO's dynamic sampling (trainer/sampling.py)."""
         if self.cfg.algo.filter_groups:
-            return dynamic_sample(self.rollout, self.score, timer, batch_size=self.cfg.data.batch_size,
-                                  max_draws=self.cfg.algo.filter_groups_max_draws, pad_id=self.tok.pad_token_id, step=self.step)  # fmt: skip
+            return dynamic_sample(
+                self.rollout,
+                self.score,
+                timer,
+                batch_size=self.cfg.data.batch_size,
+                max_draws=self.cfg.algo.filter_groups_max_draws,
+                pad_id=self.tok.pad_token_id,
+                step=self.step,
+            )
         with timer("rollout"):
             batch = self.rollout()
         with timer("reward"):
@@ -383,7 +438,9 @@ class Trainer:
         batch.scores = result.scores.to(self.device)
         empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device)
         batch.drop(~result.valid.to(self.device) | empty)
-        batch.extra["reward_metrics"] = dict(result.metrics) | {"rollout/empty_count": float(empty.sum())} | self.penalize_overlong(batch)
+        batch.extra["reward_metrics"] = (
+            dict(result.metrics) | {"rollout/empty_count": float(empty.sum())} | self.penalize_overlong(batch)
+        )
         for msg in result.errors[:3]:
             log.warning("step %d: reward: %s", self.step, msg)
 
@@ -394,7 +451,9 @@ class Trainer:
         if not r.overlong_buffer:
             return {}
         lengths = batch.response_lengths  # counted tokens, EOS included (0 for a dropped sample)
-        penalty = overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, r.overlong_buffer, r.overlong_penalty).to(batch.scores)
+        penalty = overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, r.overlong_buffer, r.overlong_penalty).to(
+            batch.scores
+        )
         valid = lengths > 0
         batch.scores = batch.scores + torch.where(valid, penalty, 0.0)
         n = int(valid.sum())
@@ -407,21 +466,32 @@ class Trainer:
         """The tokens the actor trains on, after rollout correction: ``algo.mask_truncated`` takes responses cut at
         ``rollout.max_new_tokens`` out of ``batch.loss_mask`` (loss and token counts); ``algo.top_entropy_quantile``
         keeps the policy loss to the step's highest-entropy tokens of what remains (``batch.entropy_mask``, one
-        threshold over the whole batch from π_old's entropy). Metrics ``actor/masked_truncated``, ``actor/entropy_mask_frac``."""
+        threshold over the whole batch from π_old's entropy). Metrics ``actor/masked_truncated``,
+        ``actor/entropy_mask_frac``."""
         a, metrics = self.cfg.algo, {}
         if a.mask_truncated:
-            truncated = batch.truncated if batch.truncated is not None else truncated_rows(batch.response_ids, self.tok.eos_token_id)
+            truncated = (
+                batch.truncated
+                if batch.truncated is not None
+                else truncated_rows(batch.response_ids, self.tok.eos_token_id)
+            )
             counted = batch.response_mask.sum(-1) > 0
             cut = truncated.to(counted.device) & counted  # (B,) counted responses without EOS
             keep = (~cut).unsqueeze(1).expand_as(batch.response_mask)
             batch.loss_mask = keep if batch.loss_mask is None else batch.loss_mask.to(keep.device) & keep
             metrics["actor/masked_truncated"] = float(cut.sum())
             if bool(cut.any()) and bool(cut.sum() == counted.sum()):
-                log.warning("step %d: algo.mask_truncated took all %d responses out of the loss (none ended within rollout.max_new_tokens=%d): "
-                            "nothing of this batch is trained; raise rollout.max_new_tokens", self.step, int(cut.sum()),
-                            self.cfg.rollout.max_new_tokens)  # fmt: skip
+                log.warning(
+                    "step %d: algo.mask_truncated took all %d responses out of the loss (none ended within "
+                    "rollout.max_new_tokens=%d): "
+                    "nothing of this batch is trained; raise rollout.max_new_tokens",
+                    self.step,
+                    int(cut.sum()),
+                    self.cfg.rollout.max_new_tokens,
+                )
         if a.top_entropy_quantile < 1:
-            if batch.entropy is None:  # the config refuses actor.old_logprobs_source=rollout, and reuse_update_logprobs gives way
+            # the config refuses actor.old_logprobs_source=rollout, and reuse_update_logprobs gives way
+            if batch.entropy is None:
                 raise RuntimeError("algo.top_entropy_quantile: this batch has no entropy of π_old")
             mask = batch.update_mask
             batch.entropy_mask, _ = top_entropy_mask(batch.entropy, mask, a.top_entropy_quantile)
@@ -439,7 +509,9 @@ class Trainer:
         if not self.cfg.actor.reuse_update_logprobs:
             return False
         has_critic = self.roles.critic is not None
-        return not startup.reuse_logprobs_blockers(self.cfg, has_critic=has_critic, has_dropout=self._actor_has_dropout, responses=len(batch))
+        return not startup.reuse_logprobs_blockers(
+            self.cfg, has_critic=has_critic, has_dropout=self._actor_has_dropout, responses=len(batch)
+        )
 
     def rollout_old_logprobs(self, batch: RolloutBatch) -> bool:
         """actor.old_logprobs_source=rollout: old_logprobs := the engine's sampled-token log-probs (0 on
@@ -475,7 +547,9 @@ class Trainer:
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
             return
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
-        batch.old_logprobs, batch.entropy, kl_full, ref_lp = self.roles.actor.compute_logprobs(batch, with_entropy=True, full_kl_ref=full)
+        batch.old_logprobs, batch.entropy, kl_full, ref_lp = self.roles.actor.compute_logprobs(
+            batch, with_entropy=True, full_kl_ref=full
+        )
         batch.ref_logprobs = ref_lp if ref_lp is not None else self.roles.ref.compute_logprobs(batch)
         if kl_full is not None:
             batch.extra["kl_full"] = kl_full
@@ -491,14 +565,23 @@ class Trainer:
         if batch.rollout_logprobs is None:  # every engine that setup accepts returns them; a batch without is a bug
             raise RuntimeError("algo.rollout_correction: the rollout engine returned no log-probs for this batch")
         batch.is_weights, batch.loss_mask, metrics = rollout_correction(
-            batch.old_logprobs, batch.rollout_logprobs.to(batch.old_logprobs.device), batch.response_mask,
-            batch_normalize=rc.batch_normalize, **correction_kwargs(self.cfg),
-        )  # fmt: skip
+            batch.old_logprobs,
+            batch.rollout_logprobs.to(batch.old_logprobs.device),
+            batch.response_mask,
+            batch_normalize=rc.batch_normalize,
+            **correction_kwargs(self.cfg),
+        )
         batch.extra["rollout_corr_metrics"] = metrics
         if metrics.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
-            log.warning("step %d: algo.rollout_correction rejected every token (reject=%s, reject_threshold=%g; rollout_corr/k3_kl=%.4f): "
-                        "nothing of this batch is trained; raise algo.rollout_correction.reject_threshold", self.step, rc.reject,
-                        rc.reject_threshold, metrics["rollout_corr/k3_kl"])  # fmt: skip
+            log.warning(
+                "step %d: algo.rollout_correction rejected every token (reject=%s, reject_threshold=%g; "
+                "rollout_corr/k3_kl=%.4f): "
+                "nothing of this batch is trained; raise algo.rollout_correction.reject_threshold",
+                self.step,
+                rc.reject,
+                rc.reject_threshold,
+                metrics["rollout_corr/k3_kl"],
+            )
 
     def compute_values(self, batch: RolloutBatch) -> None:
         if self.roles.critic is not None:
@@ -510,12 +593,20 @@ class Trainer:
         if batch.old_logprobs is None:  # measured by the update (reuse_update_logprobs): the KL is not in the reward
             batch.kl = None
             batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
-            batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, torch.zeros_like(batch.ref_logprobs), batch.response_mask, 0.0)
+            batch.token_level_rewards = token_level_rewards_from_kl(
+                batch.scores, torch.zeros_like(batch.ref_logprobs), batch.response_mask, 0.0
+            )
             return
         if kl_cfg.estimator == "full":
             kl = batch.extra["kl_full"]
         else:
-            kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, kl_cfg.estimator, log_ratio_clamp=kl_cfg.log_ratio_clamp, value_clamp=kl_cfg.value_clamp)
+            kl = kl_penalty(
+                batch.old_logprobs,
+                batch.ref_logprobs,
+                kl_cfg.estimator,
+                log_ratio_clamp=kl_cfg.log_ratio_clamp,
+                value_clamp=kl_cfg.value_clamp,
+            )
         mask = batch.response_mask.bool()
         batch.kl = torch.where(mask, kl, 0.0)
         batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
@@ -528,7 +619,13 @@ class Trainer:
         if batch.old_logprobs is None:
             batch.old_logprobs, batch.entropy, _, _ = self.roles.actor.compute_logprobs(batch, with_entropy=True)
         k = self.cfg.kl
-        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, k.estimator, log_ratio_clamp=k.log_ratio_clamp, value_clamp=k.value_clamp)
+        kl = kl_penalty(
+            batch.old_logprobs,
+            batch.ref_logprobs,
+            k.estimator,
+            log_ratio_clamp=k.log_ratio_clamp,
+            value_clamp=k.value_clamp,
+        )
         batch.kl = torch.where(batch.response_mask.bool(), kl, 0.0)
         if self.n_valid(batch):
             self.guard.check_kl(self.step, self.kl_mean(batch), self.beta, after_update=True)
@@ -536,16 +633,28 @@ class Trainer:
     def compute_advantages(self, batch: RolloutBatch) -> None:
         a = self.cfg.algo
         inputs = AdvantageInputs(
-            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask, group_ids=batch.group_ids,
-            values=batch.values, gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std,
-        )  # fmt: skip
+            token_level_rewards=batch.token_level_rewards,
+            response_mask=batch.response_mask,
+            group_ids=batch.group_ids,
+            values=batch.values,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_by_std=a.norm_by_std,
+        )
         batch.advantages, batch.returns = compute_advantages(a.adv_estimator, inputs)
 
     def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
         if self.roles.critic is None:
             return {}
         a = self.cfg.algo
-        return self.roles.critic.update(batch, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size, agg_mode=a.agg_mode, seed=self.cfg.trainer.seed, step=self.step)
+        return self.roles.critic.update(
+            batch,
+            ppo_epochs=a.ppo_epochs,
+            mini_batch_size=a.mini_batch_size,
+            agg_mode=a.agg_mode,
+            seed=self.cfg.trainer.seed,
+            step=self.step,
+        )
 
     def update_actor(self, batch: RolloutBatch) -> dict[str, float]:
         if self.step <= self.cfg.critic.warmup_steps and self.roles.critic is not None:
@@ -555,12 +664,15 @@ class Trainer:
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
         spec = actor_spec(self.cfg, beta, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
         metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
-        self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)  # broken weights stop here, before anything samples them
+        # broken weights stop here, before anything samples them
+        self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
             batch.old_logprobs, batch.entropy = metrics.pop("_old_logprobs"), metrics.pop("_entropy")
-        self.roles.engine.sync_weights(self.roles.actor.model_as_is)  # vLLM replicas take the group's weights, not the driver's
+        # vLLM replicas take the group's weights, not the driver's
+        self.roles.engine.sync_weights(self.roles.actor.model_as_is)
         if self.cfg.ref.reset_every and self.step % self.cfg.ref.reset_every == 0:
-            self.roles.ref.reset_to(self.roles.actor.model_as_is)  # a Ray reference pulls the driver's copy only if it needs it
+            # a Ray reference pulls the driver's copy only if it needs it
+            self.roles.ref.reset_to(self.roles.actor.model_as_is)
             self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
 
@@ -584,7 +696,9 @@ class Trainer:
         kl = self.kl_mean(batch)
         if math.isfinite(kl):
             self.controller.update(kl, n_steps=self.n_valid(batch))
-        batch.extra["control_metrics"] = batch.extra.get("control_metrics", {}) | {"actor/entropy_coef": self.entropy_coef}
+        batch.extra["control_metrics"] = batch.extra.get("control_metrics", {}) | {
+            "actor/entropy_coef": self.entropy_coef
+        }
         if self.entropy_controller is not None and batch.entropy is not None and self.n_valid(batch):
             # policy/entropy: π_old's entropy per token, averaged per counted response, then over responses (nats)
             self.entropy_controller.update(float(mean_kl_per_token(batch.entropy, batch.response_mask)))
@@ -605,21 +719,32 @@ class Trainer:
             "perf/train_tokens_per_s": tokens / max(train_s - wait_s - times.get("timing/reward_s", 0.0), 1e-9),
         }
         update_s = times.get("timing/update_actor_s", 0.0)
-        if update_s > 0 and hasattr(self.roles.actor.model_as_is, "get_input_embeddings"):  # shapes only: no weight pull
+        # shapes only: no weight pull
+        if update_s > 0 and hasattr(self.roles.actor.model_as_is, "get_input_embeddings"):
             if not hasattr(self, "_matmul_ceiling"):
-                a = self.cfg.actor  # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
-                dtype = DTYPES[a.compute_dtype if a.compute_dtype != "float32" else (self.roles.placement.update_param_dtype or a.dtype)]
+                # the dtype the update's matmuls run in: autocast's, else FSDP2's gather dtype (Ray), else storage
+                a = self.cfg.actor
+                dtype = DTYPES[
+                    a.compute_dtype
+                    if a.compute_dtype != "float32"
+                    else (self.roles.placement.update_param_dtype or a.dtype)
+                ]
                 self._matmul_ceiling = matmul_ceiling_flops(self.device, dtype)
                 self._matmul_params = matmul_params(self.roles.actor.model_as_is)
-                log.info("perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype)
-            context = float(batch.prompt_mask.sum()) + tokens - self.n_valid(batch)  # each response's last token is never fed
+                log.info(
+                    "perf/mfu: matmul ceiling %.1f GFLOP/s (%s, %s)", self._matmul_ceiling / 1e9, self.device, dtype
+                )
+            # each response's last token is never fed
+            context = float(batch.prompt_mask.sum()) + tokens - self.n_valid(batch)
             flops = update_flops(*self._matmul_params, context, tokens) * self.cfg.algo.ppo_epochs
             out["perf/mfu"] = flops / update_s / self._matmul_ceiling
         return out
 
     def step_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         grouped = self.cfg.algo.adv_estimator in GROUP_ESTIMATORS
-        return rollout_metrics(batch, beta=self.beta, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, grouped=grouped)
+        return rollout_metrics(
+            batch, beta=self.beta, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id, grouped=grouped
+        )
 
     def maybe_validate(self, force: bool = False) -> dict[str, float]:
         freq = self.cfg.trainer.val_freq
@@ -639,7 +764,13 @@ class Trainer:
 def drop_reasons(batch: RolloutBatch) -> str:
     """Why samples were dropped, from the reward's counters (e.g. ``reward/error_count=128``)."""
     m = batch.extra.get("reward_metrics", {})
-    keys = ("reward/error_count", "reward/nonfinite_count", "reward/nonnumeric_count", "reward/invalid_count", "rollout/empty_count")
+    keys = (
+        "reward/error_count",
+        "reward/nonfinite_count",
+        "reward/nonnumeric_count",
+        "reward/invalid_count",
+        "rollout/empty_count",
+    )
     return ", ".join(f"{k}={m[k]:g}" for k in keys if m.get(k))
 
 
@@ -653,8 +784,10 @@ def controller_kwargs(cfg: TetherConfig) -> dict:
         "band": dict(high=k.high, low=k.low, up=k.up, down=k.down),
         "exponential": dict(target=k.target, lr=k.lr),
         "scheduled": dict(
-            kind=k.schedule.kind, stages=[list(s) for s in k.schedule.stages], final_coef=k.schedule.final_coef, total_steps=k.schedule.total_steps
+            kind=k.schedule.kind,
+            stages=[list(s) for s in k.schedule.stages],
+            final_coef=k.schedule.final_coef,
+            total_steps=k.schedule.total_steps,
         ),
     }[k.controller]
     return common | extra
-

@@ -50,26 +50,40 @@ class ActorUpdateSpec:
     # only, where the old policy is the current one; the update then returns them and the entropy, (B, T)
     # in the batch's row order, as "_old_logprobs" and "_entropy" in its result (actor.reuse_update_logprobs)
     reuse_logprobs: bool = False
-    # kl.off_policy_correction: "ratio" = each KL-loss token importance-weighted by π_θ/π_old (tether.algos.off_policy_kl_penalty)
+    # kl.off_policy_correction: "ratio" = each KL-loss token importance-weighted by π_θ/π_old
+    # (tether.algos.off_policy_kl_penalty)
     kl_off_policy_correction: str = "ratio"
     # guard.atomic_update: undo a step of several optimizer updates whole when a later mini-batch turns non-finite
     atomic_update: bool = True
     # bypass mode (actor.old_logprobs_source=rollout with algo.rollout_correction): keyword arguments of
     # tether.algos.rollout_correction, applied per micro-batch to π_θ against π_rollout (= π_old); None = off
     bypass_correction: dict | None = None
-    # algo.policy_loss: a tether.algos.POLICY_LOSSES name and its hyper-parameters (None = vanilla's from clip_eps_*/dual_clip_c above)
+    # algo.policy_loss: a tether.algos.POLICY_LOSSES name and its hyper-parameters (None = vanilla's from
+    # clip_eps_*/dual_clip_c above)
     policy_loss: str = "vanilla"
     policy_loss_hyper: dict | None = None
 
 
 #: the rollout-correction metrics a bypass-mode update reports (π_θ against π_rollout, over its micro-batches)
-_BYPASS_METRICS = ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/masked_frac", "rollout_corr/rejected_frac", "rollout_corr/truncated_frac")
+_BYPASS_METRICS = (
+    "rollout_corr/kl",
+    "rollout_corr/k3_kl",
+    "rollout_corr/masked_frac",
+    "rollout_corr/rejected_frac",
+    "rollout_corr/truncated_frac",
+)
 
 
 def _forward_logprobs(
-    model, batch: RolloutBatch, micro: MicroBatching | int, temperature: float, with_entropy: bool, full_kl_ref=None, compute_dtype: str = "float32",
+    model,
+    batch: RolloutBatch,
+    micro: MicroBatching | int,
+    temperature: float,
+    with_entropy: bool,
+    full_kl_ref=None,
+    compute_dtype: str = "float32",
     dp=None,
-):  # fmt: skip
+):
     """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch (``micro``: a
     :class:`~tether.workers.packing.MicroBatching`, or a row count).
 
@@ -86,40 +100,65 @@ def _forward_logprobs(
     outs = {k: torch.zeros(B, T, device=dev) for k in ("lp", "ent", "kl", "ref")}
     with torch.no_grad():
         for idx, _, lay in micro.split(batch, dp):
-            lp, ent, lg = lay.logprobs(model, temperature=temperature, with_entropy=with_entropy, return_logits=keep, compute_dtype=compute_dtype)
+            lp, ent, lg = lay.logprobs(
+                model,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                return_logits=keep,
+                compute_dtype=compute_dtype,
+            )
             got = {"lp": lp, "ent": ent}
             if keep:
                 ref_lg = full_kl_ref.layout_logits(lay).float()
-                got["kl"], got["ref"] = lay.kl_full(lg.float(), ref_lg, temperature), lay.token_logprobs(ref_lg, temperature)
+                got["kl"], got["ref"] = (
+                    lay.kl_full(lg.float(), ref_lg, temperature),
+                    lay.token_logprobs(ref_lg, temperature),
+                )
             for k, v in got.items():
                 if v is not None and len(idx):
                     outs[k][idx.to(dev), : lay.t] = v.float()
-    return outs["lp"], outs["ent"] if with_entropy else None, outs["kl"] if keep else None, outs["ref"] if keep else None
+    return (
+        outs["lp"],
+        outs["ent"] if with_entropy else None,
+        outs["kl"] if keep else None,
+        outs["ref"] if keep else None,
+    )
 
 
 class ReferenceWorker:
     """The frozen reference π_ref: a separate copy, or the actor's own model with its LoRA adapters disabled."""
 
     def __init__(
-        self, model=None, *, adapter_host=None, micro_batch_size: int = 64, temperature: float = 1.0, compute_dtype: str = "float32",
-        max_tokens_per_micro_batch: int | None = None, padding_free: bool = False, share_prompt_prefix: bool = False,
-    ):  # fmt: skip
+        self,
+        model=None,
+        *,
+        adapter_host=None,
+        micro_batch_size: int = 64,
+        temperature: float = 1.0,
+        compute_dtype: str = "float32",
+        max_tokens_per_micro_batch: int | None = None,
+        padding_free: bool = False,
+        share_prompt_prefix: bool = False,
+    ):
         if (model is None) == (adapter_host is None):
             raise ValueError("ReferenceWorker needs exactly one of model or adapter_host")
         self.compute_dtype = compute_dtype
         self.model = model
         self.adapter_host = adapter_host
         self.micro_batch_size = micro_batch_size
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        self.share_prompt_prefix = share_prompt_prefix
         self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
-        self.dp = LocalDataParallel()  # a distributed worker sets tether.distributed.DataParallel (equal micro-batch counts)
+        # a distributed worker sets tether.distributed.DataParallel (equal micro-batch counts)
+        self.dp = LocalDataParallel()
         self.temperature = temperature
         if model is not None:
             model.eval()
             model.requires_grad_(False)
 
     def as_reference(self):
-        """The context in which :attr:`module` is π_ref: the LoRA policy's adapters disabled (a separate copy needs none)."""
+        """The context in which :attr:`module` is π_ref: the LoRA policy's adapters disabled (a separate copy needs
+        none)."""
         if self.adapter_host is not None:
             return self.adapter_host.disable_adapter()
         return contextlib.nullcontext()
@@ -132,16 +171,29 @@ class ReferenceWorker:
     def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (B, T), nats."""
         with self.as_reference():
-            return _forward_logprobs(self.module, batch, self.micro, self.temperature, False, compute_dtype=self.compute_dtype, dp=self.dp)[0]
+            return _forward_logprobs(
+                self.module, batch, self.micro, self.temperature, False, compute_dtype=self.compute_dtype, dp=self.dp
+            )[0]
 
     def logits_for(self, ids: torch.Tensor, mask: torch.Tensor, t: int) -> torch.Tensor:
         with torch.no_grad(), self.as_reference():
-            return response_logprobs(self.module, ids, mask, t, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
+            return response_logprobs(
+                self.module,
+                ids,
+                mask,
+                t,
+                temperature=self.temperature,
+                return_logits=True,
+                compute_dtype=self.compute_dtype,
+            )[2]
 
     def layout_logits(self, lay) -> torch.Tensor:
-        """The reference's logits for a micro-batch layout (``tether.workers.packing``): (b, t, V) padded, (N, V) packed."""
+        """The reference's logits for a micro-batch layout (``tether.workers.packing``): (b, t, V) padded, (N, V)
+        packed."""
         with torch.no_grad(), self.as_reference():
-            return lay.logprobs(self.module, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype)[2]
+            return lay.logprobs(
+                self.module, temperature=self.temperature, return_logits=True, compute_dtype=self.compute_dtype
+            )[2]
 
     def reset_to(self, actor_model) -> None:
         """Copy the actor's weights into the reference (ref.reset_every)."""
@@ -150,7 +202,8 @@ class ReferenceWorker:
         self.model.load_state_dict(actor_model.state_dict())
 
     def save(self, path: Path) -> None:
-        """The reference's weights as ``ref.safetensors`` (``ref.reset_every`` moves them; a LoRA reference has none of its own)."""
+        """The reference's weights as ``ref.safetensors`` (``ref.reset_every`` moves them; a LoRA reference has none of
+        its own)."""
         save_module(self.model, path, shared_tensors=True)
 
     def load(self, path: Path) -> None:
@@ -166,15 +219,27 @@ class ActorWorker:
     """Owns the policy π_θ, its AdamW optimizer and LR schedule; computes log-probs and PPO updates."""
 
     def __init__(
-        self, model, *, lr: float, weight_decay: float, betas, warmup_steps: int, grad_clip: float, micro_batch_size: int, temperature: float,
-        compute_dtype: str = "float32", max_tokens_per_micro_batch: int | None = None, padding_free: bool = False,
+        self,
+        model,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas,
+        warmup_steps: int,
+        grad_clip: float,
+        micro_batch_size: int,
+        temperature: float,
+        compute_dtype: str = "float32",
+        max_tokens_per_micro_batch: int | None = None,
+        padding_free: bool = False,
         share_prompt_prefix: bool = False,
-    ):  # fmt: skip
+    ):
         self.model = model
         self.compute_dtype = compute_dtype
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        self.share_prompt_prefix = share_prompt_prefix
         # actor.max_tokens_per_micro_batch, actor.padding_free, actor.share_prompt_prefix (the padded layout's forward)
         self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
         if padding_free:
@@ -184,13 +249,19 @@ class ActorWorker:
         self._loss_gen = None  # clip_cov's random draws, seeded per update
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+        )
 
-    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref: ReferenceWorker | None = None):
+    def compute_logprobs(
+        self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref: ReferenceWorker | None = None
+    ):
         """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
         ref_logprobs (B, T) from the same reference pass; nats."""
         self.model.eval()
-        return _forward_logprobs(self.model, batch, self.micro, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, dp=self.dp)
+        return _forward_logprobs(
+            self.model, batch, self.micro, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, dp=self.dp
+        )
 
     def scale_lr(self, factor: float) -> None:
         for g in self.optimizer.param_groups:
@@ -222,13 +293,16 @@ class ActorWorker:
         return {"actor": self.optimizer.state_dict(), "actor_sched": self.scheduler.state_dict()}
 
     def load_optimizer_state(self, state: dict, *, schedule: bool = True) -> None:
-        """:meth:`optimizer_state`'s; ``schedule=False`` keeps the current learning rates and LR schedule (a rollback)."""
+        """:meth:`optimizer_state`'s; ``schedule=False`` keeps the current learning rates and LR schedule (a
+        rollback)."""
         with contextlib.nullcontext() if schedule else keep_lrs(self.optimizer):
             self.optimizer.load_state_dict(state["actor"])
         if schedule:
             self.scheduler.load_state_dict(state["actor_sched"])
 
-    def update(self, batch: RolloutBatch, spec: ActorUpdateSpec, step: int, ref: ReferenceWorker | None = None) -> dict[str, float]:
+    def update(
+        self, batch: RolloutBatch, spec: ActorUpdateSpec, step: int, ref: ReferenceWorker | None = None
+    ) -> dict[str, float]:
         """PPO epochs × mini-batches of the clipped surrogate (+ β·KL loss − entropy bonus).
 
         Gradients are accumulated over micro-batches; ``agg_loss`` gets the mini-batch's token and
@@ -242,20 +316,30 @@ class ActorWorker:
         acc = MetricAccumulator()
         gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
         # clip_cov's random draws: seeded per step and rank, so a run and its resume draw the same tokens
-        self._loss_gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + step) * 7919 + self.dp.rank) if spec.policy_loss == "clip_cov" else None
+        self._loss_gen = (
+            torch.Generator().manual_seed((spec.seed * 1_000_003 + step) * 7919 + self.dp.rank)
+            if spec.policy_loss == "clip_cov"
+            else None
+        )
         skipped = updates = 0
         early_stop = False
         if spec.reuse_logprobs:
             if spec.ppo_epochs != 1 or spec.mini_batch_size < len(batch):
                 raise ValueError(
                     f"reuse_logprobs needs one epoch and one mini-batch per step (ppo_epochs={spec.ppo_epochs}, "
-                    f"mini_batch_size={spec.mini_batch_size} < {len(batch)} responses): otherwise the old policy is not the current one"
+                    f"mini_batch_size={spec.mini_batch_size} < {len(batch)} responses): otherwise the old policy is "
+                    "not the current one"
                 )
-            # filled micro-batch by micro-batch, returned (not written into ``batch``, which a remote role only holds a copy of)
+            # filled micro-batch by micro-batch, returned (not written into ``batch``, which a remote role only holds a
+            # copy of)
             measured = {"old_logprobs": torch.zeros_like(batch.response_mask, dtype=torch.float32)}
             measured["entropy"] = torch.zeros_like(measured["old_logprobs"])
         # guard.atomic_update: a step of several optimizer updates is undone whole when a later one turns non-finite
-        saved = self._snapshot() if spec.atomic_update and spec.ppo_epochs * math.ceil(len(batch) / spec.mini_batch_size) > 1 else None
+        saved = (
+            self._snapshot()
+            if spec.atomic_update and spec.ppo_epochs * math.ceil(len(batch) / spec.mini_batch_size) > 1
+            else None
+        )
         for _ in range(spec.ppo_epochs):
             for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
                 # the batch rows of this rank's shard, in its order (the shard's padding rows have none)
@@ -281,7 +365,8 @@ class ActorWorker:
             if early_stop:
                 break
         out = acc.mean()
-        if saved is not None and skipped and updates:  # part of the step was applied before a mini-batch turned non-finite
+        # part of the step was applied before a mini-batch turned non-finite
+        if saved is not None and skipped and updates:
             self._restore(saved)
             out["guard/undone_updates"] = float(updates)
             skipped, updates = skipped + updates, 0
@@ -291,7 +376,10 @@ class ActorWorker:
         out["guard/early_stop"] = float(early_stop)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         if spec.reuse_logprobs:  # each rank measured its own rows: every rank's, in the batch's order
-            out["_old_logprobs"], out["_entropy"] = self.dp.merge_rows(measured["old_logprobs"]), self.dp.merge_rows(measured["entropy"])
+            out["_old_logprobs"], out["_entropy"] = (
+                self.dp.merge_rows(measured["old_logprobs"]),
+                self.dp.merge_rows(measured["entropy"]),
+            )
         return out
 
     def _snapshot(self) -> dict:
@@ -306,7 +394,12 @@ class ActorWorker:
         with torch.no_grad():
             weights = [host(p) for p in params]
             state = [{k: host(v) for k, v in self.optimizer.state.get(p, {}).items()} for p in params]
-        return {"weights": weights, "state": state, "scheduler": self.scheduler.state_dict(), "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+        return {
+            "weights": weights,
+            "state": state,
+            "scheduler": self.scheduler.state_dict(),
+            "lrs": [g["lr"] for g in self.optimizer.param_groups],
+        }
 
     def _restore(self, saved: dict) -> None:
         """Put :meth:`_snapshot`'s values back in place (the step's applied updates undone; tensors keep their type,
@@ -335,7 +428,11 @@ class ActorWorker:
     def _nonfinite_weights(self) -> float:
         """Non-finite entries of the trainable weights after an update, over every rank (each counts its shards)."""
         with torch.no_grad():
-            n = sum(int((~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)).sum()) for p in self.model.parameters() if p.requires_grad)
+            n = sum(
+                int((~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p)).sum())
+                for p in self.model.parameters()
+                if p.requires_grad
+            )
         counts, _ = self.dp.reduce({"n": float(n)}, True)
         return counts["n"]
 
@@ -352,16 +449,22 @@ class ActorWorker:
         sums: dict[str, float] = {}
         finite = True
         need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
-        # spec.entropy_coef is this step's α (algo.entropy_target moves it between steps): at α = 0 the bonus has no gradient
+        # spec.entropy_coef is this step's α (algo.entropy_target moves it between steps): at α = 0 the bonus has no
+        # gradient
         with_entropy = spec.entropy_coef > 0 or out is not None
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + value
 
-        for idx, mb, lay in self.micro.split(mini, self.dp):  # tether.workers.packing: row-count or token-budget, padded or packed
+        # tether.workers.packing: row-count or token-budget, padded or packed
+        for idx, mb, lay in self.micro.split(mini, self.dp):
             t = lay.t
             lp, ent, logits = lay.logprobs(
-                self.model, temperature=self.temperature, with_entropy=with_entropy, return_logits=need_logits, compute_dtype=self.compute_dtype
+                self.model,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                return_logits=need_logits,
+                compute_dtype=self.compute_dtype,
             )
             rmask = mb.update_mask[:, :t]
             if out is not None:
@@ -379,35 +482,73 @@ class ActorWorker:
             weights = mb.is_weights[:, :t] if mb.is_weights is not None else None
             corr_metrics: dict[str, float] = {}
             if spec.bypass_correction is not None and bool(rmask.any()):
-                weights, _, corr_metrics = rollout_correction(lp.detach(), old, rmask, apply_truncation=False, **spec.bypass_correction)
+                weights, _, corr_metrics = rollout_correction(
+                    lp.detach(), old, rmask, apply_truncation=False, **spec.bypass_correction
+                )
             kl_weights = weights  # the KL term keeps every token: the entropy mask weighs the policy loss only
-            if mb.entropy_mask is not None:  # algo.top_entropy_quantile: the step's highest-entropy tokens (batch.entropy_mask)
+            # algo.top_entropy_quantile: the step's highest-entropy tokens (batch.entropy_mask)
+            if mb.entropy_mask is not None:
                 keep = mb.entropy_mask[:, :t].to(device=lp.device, dtype=torch.float32)
                 weights = keep if weights is None else weights * keep
             hyper = spec.policy_loss_hyper
             if hyper is None:
-                hyper = dict(clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c)
+                hyper = dict(
+                    clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, dual_clip_c=spec.dual_clip_c
+                )
             pg_loss, pg_metrics = policy_loss(
-                spec.policy_loss, lp, old, mb.advantages[:, :t], rmask,
-                agg_mode=spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
-                log_ratio_clamp=spec.log_ratio_clamp, weights=weights, generator=self._loss_gen, **hyper,
-            )  # fmt: skip
+                spec.policy_loss,
+                lp,
+                old,
+                mb.advantages[:, :t],
+                rmask,
+                agg_mode=spec.loss_agg_mode,
+                total_tokens=total_tokens,
+                total_seqs=total_seqs,
+                norm_constant=spec.norm_constant,
+                log_ratio_clamp=spec.log_ratio_clamp,
+                weights=weights,
+                generator=self._loss_gen,
+                **hyper,
+            )
             loss = pg_loss
             if spec.kl_loss_coef > 0:
                 if need_logits:  # the exact KL at each visited state: no token to reweight
                     kl = lay.kl_full(logits, ref.layout_logits(lay), temperature=self.temperature)
-                    kl_term = agg_loss(kl, rmask, spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
+                    kl_term = agg_loss(
+                        kl,
+                        rmask,
+                        spec.kl_loss_agg_mode,
+                        total_tokens=total_tokens,
+                        total_seqs=total_seqs,
+                        norm_constant=spec.norm_constant,
+                    )
                 else:  # importance-weighted by π_θ/π_old (kl.off_policy_correction=ratio) and the rollout weights
                     kl_term, _ = kl_loss(
-                        lp, mb.ref_logprobs[:, :t], rmask, spec.kl_loss_estimator,
-                        old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None, weights=kl_weights,
-                        agg_mode=spec.kl_loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant,
-                        log_ratio_clamp=spec.log_ratio_clamp, value_clamp=spec.value_clamp, is_log_ratio_clamp=spec.log_ratio_clamp,
-                    )  # fmt: skip
+                        lp,
+                        mb.ref_logprobs[:, :t],
+                        rmask,
+                        spec.kl_loss_estimator,
+                        old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None,
+                        weights=kl_weights,
+                        agg_mode=spec.kl_loss_agg_mode,
+                        total_tokens=total_tokens,
+                        total_seqs=total_seqs,
+                        norm_constant=spec.norm_constant,
+                        log_ratio_clamp=spec.log_ratio_clamp,
+                        value_clamp=spec.value_clamp,
+                        is_log_ratio_clamp=spec.log_ratio_clamp,
+                    )
                 loss = loss + spec.kl_loss_coef * kl_term
                 add("actor/kl_loss", float(kl_term.detach()))
             if spec.entropy_coef > 0:
-                loss = loss - spec.entropy_coef * agg_loss(ent, rmask, spec.loss_agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=spec.norm_constant)
+                loss = loss - spec.entropy_coef * agg_loss(
+                    ent,
+                    rmask,
+                    spec.loss_agg_mode,
+                    total_tokens=total_tokens,
+                    total_seqs=total_seqs,
+                    norm_constant=spec.norm_constant,
+                )
             if not torch.isfinite(loss):
                 finite = False
                 self.dp.skip_backward(loss)  # a sharded rank still joins the backward's collectives
@@ -417,7 +558,8 @@ class ActorWorker:
             add("policy/pg_loss", float(pg_loss.detach()))
             add("policy/loss", float(loss.detach()))
             share = float(rmask.sum()) / max(total_tokens, 1.0)
-            for key, value in pg_metrics.items():  # clipfrac, approx_kl and the mode's own (seq-ratio spread, covariance selection)
+            # clipfrac, approx_kl and the mode's own (seq-ratio spread, covariance selection)
+            for key, value in pg_metrics.items():
                 if key != "policy/pg_loss":
                     add(key, value * share)
             for key in _BYPASS_METRICS:  # bypass mode: π_θ against the engine, token-share weighted over the update

@@ -76,7 +76,9 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     return float(total)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float) -> tuple[float, bool]:
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_norm: float
+) -> tuple[float, bool]:
     """Clip gradients and step, unless the gradient norm is non-finite (then the update is dropped).
 
     Returns:

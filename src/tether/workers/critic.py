@@ -25,15 +25,26 @@ class CriticWorker:
     """Owns the value model and its optimizer."""
 
     def __init__(
-        self, model: ValueModel, *, lr: float, grad_clip: float, micro_batch_size: int, value_clip: float, norm_constant: float,
-        max_tokens_per_micro_batch: int | None = None, padding_free: bool = False, share_prompt_prefix: bool = False,
-    ):  # fmt: skip
+        self,
+        model: ValueModel,
+        *,
+        lr: float,
+        grad_clip: float,
+        micro_batch_size: int,
+        value_clip: float,
+        norm_constant: float,
+        max_tokens_per_micro_batch: int | None = None,
+        padding_free: bool = False,
+        share_prompt_prefix: bool = False,
+    ):
         self.model = model
         self.norm_constant = norm_constant  # seq-mean-token-sum-norm divisor (the maximum response length)
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
-        self.share_prompt_prefix = share_prompt_prefix  # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
-        # critic.max_tokens_per_micro_batch, critic.padding_free, actor.share_prompt_prefix (the padded layout's forward)
+        # actor.share_prompt_prefix: each distinct prompt of a micro-batch runs once
+        self.share_prompt_prefix = share_prompt_prefix
+        # critic.max_tokens_per_micro_batch, critic.padding_free, actor.share_prompt_prefix (the padded layout's
+        # forward)
         self.micro = MicroBatching(micro_batch_size, max_tokens_per_micro_batch, padding_free, share_prompt_prefix)
         if padding_free:
             check_padding_free(model, "critic.padding_free")
@@ -77,7 +88,9 @@ class CriticWorker:
         with contextlib.nullcontext() if schedule else keep_lrs(self.optimizer):
             self.optimizer.load_state_dict(state["critic"])
 
-    def update(self, batch: RolloutBatch, *, ppo_epochs: int, mini_batch_size: int, agg_mode: str, seed: int, step: int) -> dict[str, float]:
+    def update(
+        self, batch: RolloutBatch, *, ppo_epochs: int, mini_batch_size: int, agg_mode: str, seed: int, step: int
+    ) -> dict[str, float]:
         """Clipped value-loss regression of V onto the GAE returns; non-finite updates are dropped."""
         self.model.train()
         acc = MetricAccumulator()
@@ -94,9 +107,16 @@ class CriticWorker:
                     v = lay.values(self.model)
                     rmask = mb.response_mask[:, :t]
                     loss, m = ppo_value_loss(
-                        v, mb.values[:, :t], mb.returns[:, :t], rmask, clip_range=self.value_clip, agg_mode=agg_mode,
-                        total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=self.norm_constant,
-                    )  # fmt: skip
+                        v,
+                        mb.values[:, :t],
+                        mb.returns[:, :t],
+                        rmask,
+                        clip_range=self.value_clip,
+                        agg_mode=agg_mode,
+                        total_tokens=total_tokens,
+                        total_seqs=total_seqs,
+                        norm_constant=self.norm_constant,
+                    )
                     if not torch.isfinite(loss):
                         finite = False
                         self.dp.skip_backward(loss)  # a sharded rank still joins the backward's collectives

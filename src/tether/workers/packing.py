@@ -12,7 +12,8 @@ Two independent choices (``actor.*`` / ``critic.*`` keys of the same names):
   scattered back to the rows' original order. The loss is unchanged by any split, because
   ``agg_loss`` divides by the whole mini-batch's token and sequence counts.
 * ``padding_free`` (verl's ``use_remove_padding``): the valid tokens of the micro-batch's
-  sequences (all but each one's last response token, which is only scored, never an input) are packed into rows (first-fit decreasing, each row at most as long as the longest
+  sequences (all but each one's last response token, which is only scored, never an input) are packed into rows
+  (first-fit decreasing, each row at most as long as the longest
   sequence, so attention costs O(row²) per row, never O(total²)), with position ids restarting at 0
   for each sequence and no attention mask. Hugging Face transformers (>= 4.56,
   ``masking_utils.find_packed_sequence_indices``) detects the restarts and builds a block-diagonal
@@ -69,9 +70,14 @@ class MicroBatching:
 
     def __post_init__(self) -> None:
         if self.share_prefix and self.padding_free:
-            raise ValueError("share_prompt_prefix cannot be combined with padding_free (packed rows hold whole sequences); turn one off")
+            raise ValueError(
+                "share_prompt_prefix cannot be combined with padding_free (packed rows hold whole sequences); turn one "
+                "off"
+            )
 
-    def split(self, batch: RolloutBatch, dp=None) -> Iterator[tuple[torch.Tensor, RolloutBatch, PaddedLayout | PackedLayout]]:
+    def split(
+        self, batch: RolloutBatch, dp=None
+    ) -> Iterator[tuple[torch.Tensor, RolloutBatch, PaddedLayout | PackedLayout]]:
         """(row indices (b,) into ``batch``, micro-batch, its layout) for each micro-batch.
 
         With a token budget and ``dp`` (a worker's data-parallel hooks), the count is padded to
@@ -89,7 +95,10 @@ class MicroBatching:
         n = len(batch)
         if self.max_tokens is None:
             return [torch.arange(s, min(s + self.size, n)) for s in range(0, n, self.size)]
-        return [torch.as_tensor(g, dtype=torch.long) for g in token_budget_groups(batch, self.max_tokens, padding_free=self.padding_free)]
+        return [
+            torch.as_tensor(g, dtype=torch.long)
+            for g in token_budget_groups(batch, self.max_tokens, padding_free=self.padding_free)
+        ]
 
     def layout(self, mb: RolloutBatch) -> PaddedLayout | PackedLayout:
         if self.padding_free:
@@ -113,10 +122,14 @@ def check_padding_free(model, key: str = "actor.padding_free") -> None:
     base = getattr(base, "backbone", base)  # the critic's ValueModel
     cls = type(base)
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        raise ValueError(f"{key}=true needs transformers >= 4.56 (packed-sequence masks); this one has none; set {key}=false")
-    if not any(c.__module__.startswith("transformers.models.") for c in cls.__mro__):  # FSDP2 subclasses the model's class
         raise ValueError(
-            f"{key}=true supports Hugging Face's own model classes only ({cls.__module__}.{cls.__name__} is custom code, which may let "
+            f"{key}=true needs transformers >= 4.56 (packed-sequence masks); this one has none; set {key}=false"
+        )
+    # FSDP2 subclasses the model's class
+    if not any(c.__module__.startswith("transformers.models.") for c in cls.__mro__):
+        raise ValueError(
+            f"{key}=true supports Hugging Face's own model classes only ({cls.__module__}.{cls.__name__} is custom "
+            "code, which may let "
             f"packed sequences attend to each other); set {key}=false"
         )
 
@@ -182,7 +195,16 @@ def empty_micro_batch(batch: RolloutBatch) -> RolloutBatch:
 
 
 def _lm_outputs(model, ids, mask, t, temperature, with_entropy, return_logits, compute_dtype):
-    return response_logprobs(model, ids, mask, t, temperature=temperature, with_entropy=with_entropy, return_logits=return_logits, compute_dtype=compute_dtype)
+    return response_logprobs(
+        model,
+        ids,
+        mask,
+        t,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        return_logits=return_logits,
+        compute_dtype=compute_dtype,
+    )
 
 
 @dataclass
@@ -208,14 +230,30 @@ class PaddedLayout:
             ids, mask = ids[:, lead:], mask[:, lead:]
         return cls(ids, mask, t, mb if share_prefix else None)
 
-    def logprobs(self, model, *, temperature: float, with_entropy: bool = False, return_logits: bool = False, compute_dtype: str = "float32"):
+    def logprobs(
+        self,
+        model,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        return_logits: bool = False,
+        compute_dtype: str = "float32",
+    ):
         """(logprobs (b, t), entropy (b, t) or None, logits (b, t, V) or None); see ``tether.models.response_logprobs``
         (``tether.models.prefix.micro_batch_logprobs`` when the layout shares prompts)."""
         if self.mb is not None:
             return micro_batch_logprobs(
-                model, self.mb, self.ids, self.mask, self.t, share_prefix=True, temperature=temperature, with_entropy=with_entropy,
-                return_logits=return_logits, compute_dtype=compute_dtype,
-            )  # fmt: skip
+                model,
+                self.mb,
+                self.ids,
+                self.mask,
+                self.t,
+                share_prefix=True,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                return_logits=return_logits,
+                compute_dtype=compute_dtype,
+            )
         return _lm_outputs(model, self.ids, self.mask, self.t, temperature, with_entropy, return_logits, compute_dtype)
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -227,7 +265,8 @@ class PaddedLayout:
         return kl_full(logits, ref_logits, temperature=temperature)
 
     def values(self, model) -> torch.Tensor:
-        """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares prompts)."""
+        """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares
+        prompts)."""
         if self.mb is not None:
             return micro_batch_values(model, self.mb, self.ids, self.mask, self.t, share_prefix=True)
         return model(self.ids, self.mask, self.t)
@@ -269,7 +308,8 @@ class PackedLayout:
         P, T = mb.prompt_ids.shape[1], mb.response_ids.shape[1]
         t = max(int(rlen.max()) if len(rlen) else 0, 1)
         _check_contiguous(mb, plen, rlen, P, T)
-        # each sequence's last response token is only scored, never an input (its logits would predict past the response)
+        # each sequence's last response token is only scored, never an input (its logits would predict past the
+        # response)
         lengths = (plen + (rlen - 1).clamp(min=0)).tolist()
         cap = max(max(lengths), 1)
         rows: list[list[int]] = []
@@ -313,7 +353,9 @@ class PackedLayout:
         """(N, V) logits at the kept positions."""
         kwargs = {"logits_to_keep": self.keep} if "logits_to_keep" in _forward_params(model) else {}
         with autocast(self.input_ids.device, compute_dtype):
-            out = model(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None, use_cache=False, **kwargs)
+            out = model(
+                input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None, use_cache=False, **kwargs
+            )
         logits = out.logits
         if logits.dim() == 3:  # a model that ignores a boolean logits_to_keep: every position's logits
             logits = logits[self.keep]
@@ -321,7 +363,15 @@ class PackedLayout:
             raise ValueError("padding_free does not support tensor parallelism (actor.tp_size > 1)")
         return logits
 
-    def logprobs(self, model, *, temperature: float, with_entropy: bool = False, return_logits: bool = False, compute_dtype: str = "float32"):
+    def logprobs(
+        self,
+        model,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        return_logits: bool = False,
+        compute_dtype: str = "float32",
+    ):
         """(logprobs (b, t), entropy (b, t) or None, logits (N, V) or None), nats; as the padded layout's,
         with 0 where the response mask is 0."""
         logits = self._logits(model, compute_dtype)
@@ -330,7 +380,9 @@ class PackedLayout:
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) log-probs of the response tokens from this layout's (N, V) logits, nats."""
-        return self.scatter(logprobs_and_entropy_from_logits(logits, self.token_ids, temperature, with_entropy=False)[0])
+        return self.scatter(
+            logprobs_and_entropy_from_logits(logits, self.token_ids, temperature, with_entropy=False)[0]
+        )
 
     def kl_full(self, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) exact KL(π‖π_ref) per token from two (N, V) logits, nats."""
@@ -350,7 +402,8 @@ def _check_contiguous(mb: RolloutBatch, plen: torch.Tensor, rlen: torch.Tensor, 
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise ValueError(
-            f"padding_free needs each row's prompt left-padded (prompt_mask 0…0 1…1), its response_mask a prefix (1…1 0…0) "
+            "padding_free needs each row's prompt left-padded (prompt_mask 0…0 1…1), its response_mask a prefix (1…1 "
+            "0…0) "
             f"and at least one prompt token; row {i} has prompt_mask {mb.prompt_mask[i].tolist()} and response_mask "
             f"{mb.response_mask[i].tolist()}"
         )

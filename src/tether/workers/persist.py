@@ -17,7 +17,8 @@ def save_policy(model, tokenizer, out: Path) -> None:
 
 
 def load_policy(model, directory: Path, checkpoint: Path) -> None:
-    """Weights of :func:`save_policy`'s directory into ``model`` (a LoRA policy: its adapters; tied weights may be absent).
+    """Weights of :func:`save_policy`'s directory into ``model`` (a LoRA policy: its adapters; tied weights may be
+    absent).
 
     Raises:
         CheckpointError: naming the checkpoint, for a missing file or weights that do not match the model.
@@ -27,7 +28,11 @@ def load_policy(model, directory: Path, checkpoint: Path) -> None:
 
         files = sorted(directory.glob("adapter_model.safetensors"))
         if not files:
-            full = " (it holds a full model: it was saved without actor.lora; resume it with actor.lora.rank=0)" if any(directory.glob("model*.safetensors")) else ""
+            full = (
+                " (it holds a full model: it was saved without actor.lora; resume it with actor.lora.rank=0)"
+                if any(directory.glob("model*.safetensors"))
+                else ""
+            )
             raise CheckpointError(f"checkpoint {checkpoint}: actor/adapter_model.safetensors is missing{full}")
         set_peft_model_state_dict(model, load_file(str(files[0])))
         return
@@ -37,10 +42,15 @@ def load_policy(model, directory: Path, checkpoint: Path) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not _is_tied(model, k)]
     if any("lora_" in k for k in unexpected) or (directory / "adapter_config.json").is_file():
-        raise CheckpointError(f"checkpoint {checkpoint}: actor/ holds LoRA adapters (saved with actor.lora.rank > 0), not a full model: "
-                              "resume it with its actor.lora settings")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: actor/ holds LoRA adapters (saved with actor.lora.rank > 0), not a full model: "
+            "resume it with its actor.lora settings"
+        )
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {checkpoint}: actor weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: actor weights do not match the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]})"
+        )
 
 
 def save_module(model, path: Path, *, shared_tensors: bool = False) -> None:
@@ -68,6 +78,7 @@ def load_module(model, path: Path, why: str, *, shared_tensors: bool = False) ->
 
 def keep_lrs(optimizer):
     """A context that restores ``optimizer``'s learning rates on exit (a rollback keeps the current ones)."""
+
     @contextlib.contextmanager
     def kept():
         lrs = [g["lr"] for g in optimizer.param_groups]

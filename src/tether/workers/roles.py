@@ -30,7 +30,8 @@ class Policy(Protocol):
     """The actor role: π_θ and its optimizer (``tether.workers.ActorWorker``; ``RemoteActor`` under Ray)."""
 
     def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref=None) -> tuple:
-        """(old_logprobs (B, T), entropy (B, T) or None, exact KL to ``full_kl_ref`` (B, T) or None, ref_logprobs or None), nats.
+        """(old_logprobs (B, T), entropy (B, T) or None, exact KL to ``full_kl_ref`` (B, T) or None, ref_logprobs or
+        None), nats.
         ``full_kl_ref`` is the run's reference role (``kl.estimator=full``): where the actor runs it computes the
         reference's logits itself (``ReferenceWorker.layout_logits``, on a Ray rank the rank's own reference)."""
 
@@ -42,7 +43,8 @@ class Policy(Protocol):
 
     @property
     def model(self) -> torch.nn.Module:
-        """The whole policy as it is now (generation, validation, a LoRA checkpoint): pulled first where it lives elsewhere."""
+        """The whole policy as it is now (generation, validation, a LoRA checkpoint): pulled first where it lives
+        elsewhere."""
 
     @property
     def model_as_is(self) -> torch.nn.Module:
@@ -67,7 +69,8 @@ class Reference(Protocol):
         """``ref.reset_every``: take the policy's weights."""
 
     def as_reference(self):
-        """A context in which ``module``'s forward is π_ref (a LoRA policy's adapters disabled): exact/* enumerate it."""
+        """A context in which ``module``'s forward is π_ref (a LoRA policy's adapters disabled): exact/* enumerate
+        it."""
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -92,7 +95,9 @@ class Critic(Protocol):
 class Rollout(Protocol):
     """The rollout role (``tether.rollout.runner.RolloutRunner`` over an HF or vLLM engine)."""
 
-    engine: Any  # the generation engine (HF, vLLM, or vLLM replicas): ``returns_logprobs`` says whether sampled tokens' log-probs come back
+    # the generation engine (HF, vLLM, or vLLM replicas): ``returns_logprobs`` says whether sampled tokens' log-probs
+    # come back
+    engine: Any
 
     def rollout(self, prompts, indices, n: int) -> RolloutBatch:
         """``n`` responses for each prompt of ``prompts`` at ``indices``."""
@@ -209,8 +214,12 @@ class LocalPlacement:
         if roles.critic is not None:
             roles.critic.load(path / "critic.safetensors")
         elif (path / "critic.safetensors").is_file():
-            log.warning("checkpoint %s holds a critic (algo.adv_estimator=gae) that this run does not use: it is not loaded, and this "
-                        "run's checkpoints will not hold it", path)  # fmt: skip
+            log.warning(
+                "checkpoint %s holds a critic (algo.adv_estimator=gae) that this run does not use: it is not loaded, "
+                "and this "
+                "run's checkpoints will not hold it",
+                path,
+            )
         if with_ref:
             roles.ref.load(path / "ref.safetensors")
         optim = load_torch(path / "optim.pt")
