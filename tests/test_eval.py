@@ -202,7 +202,7 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     from tether.evaluation.sampled import evaluate_prompts
     from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
     from tether.rewards import RewardManager
-    from tether.rollout import HFRolloutEngine
+    from tether.rollout import HFRolloutEngine, SamplingParams
     from tether.rollout.runner import RolloutRunner
 
     path = resolve_model_path("embedded")
@@ -212,10 +212,7 @@ def test_evaluation_leaves_the_running_normaliser_alone(digitsum_file):
     reward = RewardManager(normalize="running")
     before = reward.state_dict()
     runner = RolloutRunner(
-        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4),
-        tok,
-        torch.device("cpu"),
-        max_new_tokens=4,
+        HFRolloutEngine(model, tok), tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=4)
     )
     evaluate_prompts(runner, reward, prompts, n=2, batch_size=8)
     assert reward.state_dict() == before
@@ -350,18 +347,11 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     built, synced = [], []
 
     class StandIn(HFRolloutEngine):
+        name = "vllm"
+
         def __init__(self, model_path, tokenizer, **kw):
             built.append((str(model_path), kw))
-            self.tokenizer = tokenizer
-            super().__init__(
-                None,
-                tokenizer,
-                temperature=kw["temperature"],
-                top_p=kw["top_p"],
-                top_k=kw["top_k"],
-                max_new_tokens=kw["max_new_tokens"],
-                do_sample=kw["do_sample"],
-            )
+            super().__init__(None, tokenizer)
 
         def sync_weights(self, model):
             synced.append(model)
@@ -377,7 +367,7 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     a, b = load_causal_lm(path), load_causal_lm(path)
     m1 = ev(a, model_path=path)
     m2 = ev(b, model_path=path)
-    assert len(built) == 1 and built[0][0] == str(path) and built[0][1]["max_new_tokens"] == 4
+    assert len(built) == 1 and built[0][0] == str(path) and ev._params.max_new_tokens == 4
     assert synced == [a, b] and m1["prompts"] == m2["prompts"] == 4
 
     def missing():

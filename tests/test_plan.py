@@ -377,7 +377,7 @@ def test_vllm_reservation_too_small_for_its_weights_rules_the_plan_out():
         lora_rank=64,
         separate_ref=False,
         engine="vllm",
-        vllm_util=0.35,
+        engine_settings={"vllm": {"gpu_memory_utilization": 0.35}},
     )
     plan = plan_memory(s, shape)
     vllm = next(i for i in plan.items if i.role == "rollout (vLLM)")
@@ -417,10 +417,10 @@ def test_actor_compute_dtype_plans_autocast_copies_and_float32_logits(capsys):
 
 
 def test_auto_engine_is_planned_as_vllm_on_an_accelerator_and_hf_on_a_cpu():
-    from tether.plan import _planned_engine
+    from tether.engines import planned_engine
 
-    assert _planned_engine("auto", True) == "vllm" and _planned_engine("auto", False) == "hf"
-    assert _planned_engine("hf", True) == "hf" and _planned_engine("vllm", False) == "vllm"
+    assert planned_engine("auto", True) == "vllm" and planned_engine("auto", False) == "hf"
+    assert planned_engine("hf", True) == "hf" and planned_engine("vllm", False) == "vllm"
 
 
 def test_rollout_tp_comes_from_rollout_vllm_tensor_parallel_size_unless_the_flag_is_given():

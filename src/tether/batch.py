@@ -21,6 +21,10 @@ class RolloutBatch:
         prompt_ids (B, P) int64, left-padded; prompt_mask (B, P) 1 = real prompt token.
         response_ids (B, T) int64, right-padded; response_mask (B, T) 1 = the token counts
             (response tokens up to and including EOS; 0 for padding and for dropped samples).
+        generated_mask (B, T) int64: 1 where the model sampled the token, 0 where anything else put it (a
+            multi-turn episode's tool outputs) and on padding; the rollout runner sets it and ``loss_mask``
+            starts from it. Single-turn: equal to ``response_mask`` as rolled out. None = a batch built by hand
+            (every response token then counts as generated).
         old_logprobs, ref_logprobs (B, T): log π_old(a_t|s_t), log π_ref(a_t|s_t), nats.
         entropy (B, T): entropy of π_old at each position, nats.
         values (B, T): critic V(s_t) (gae only).
@@ -35,15 +39,16 @@ class RolloutBatch:
         is_weights (B, T): rollout-correction weights π_old/π_rollout after truncation or masking,
             detached, multiplying each token's policy loss and KL term; 0 at rejected tokens; None =
             no correction (``tether.algos.rollout_correction``).
-        loss_mask (B, T) bool: the response tokens rollout correction's rejection kept; the actor's
-            loss and its token counts use ``response_mask & loss_mask`` (:attr:`update_mask`);
-            None = all of them. ``algo.mask_truncated`` also takes truncated responses out here.
+        loss_mask (B, T) bool: the tokens the actor trains on: ``generated_mask`` as rolled out, less what
+            rollout correction's rejection and ``algo.mask_truncated`` take out; the actor's loss and its
+            token counts use ``response_mask & loss_mask`` (:attr:`update_mask`); None = all of them.
         truncated (B,) bool: the response has no EOS (it was cut at rollout.max_new_tokens, or for an
             offline row at that length); None = not known (a batch built by hand).
         entropy_mask (B, T) bool: ``algo.top_entropy_quantile``: the tokens among the step's highest-entropy
             fraction (``tether.algos.top_entropy_mask`` of π_old's entropy over the whole batch), the only
             ones whose policy loss counts (the KL and entropy terms keep every token); None = all.
-    Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text).
+    Non-tensor fields: rows (the B dataset rows), prompts/responses (decoded text), finish_reasons (B
+        strings, ``tether.rollout.engine.FINISH_REASONS``: why each response ended; None = not known).
     """
 
     prompt_ids: torch.Tensor
@@ -68,6 +73,8 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
+    generated_mask: torch.Tensor | None = None
+    finish_reasons: list[str] | None = None
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -85,7 +92,8 @@ class RolloutBatch:
 
     @property
     def update_mask(self) -> torch.Tensor:
-        """(B, T) the tokens the actor's loss counts: ``response_mask`` less those rollout correction rejected."""
+        """(B, T) the tokens the actor's loss counts: ``response_mask`` times ``loss_mask`` (the generated tokens,
+        less those rollout correction rejected and ``algo.mask_truncated`` took out)."""
         if self.loss_mask is None:
             return self.response_mask
         return self.response_mask * self.loss_mask.to(device=self.response_mask.device, dtype=self.response_mask.dtype)

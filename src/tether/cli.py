@@ -327,9 +327,9 @@ def _add_eval_parser(sub) -> None:
     )
     v.add_argument(
         "--engine",
-        choices=["auto", "hf", "vllm"],
         default="auto",
-        help="rollout engine (default: the run's rollout.engine, else hf)",
+        help="rollout engine: auto (the run's rollout.engine, else HF generate) or a rollout.engine name "
+        "(tether train --help-config lists them)",
     )
     v.add_argument(
         "--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)"

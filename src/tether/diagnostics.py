@@ -1116,6 +1116,16 @@ class LiveDiagnostics:
             if len(tail) > self._keep:
                 del tail[0]
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (its history comes back from metrics.jsonl by :meth:`load`): ``calls`` (the
+        evaluation counter) and ``active`` (the (check, metric) pairs firing at the last evaluation, as lists)."""
+        return {"calls": self._calls, "active": sorted([list(a) for a in self._active])}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s counter and firing findings."""
+        self._calls = int(state["calls"])
+        self._active = {tuple(a) for a in state["active"]}
+
     def load(self, history: History) -> None:
         """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating; step 0 (the reference's
         validation, never fed live) is left out, so a resumed run sees what the uninterrupted one saw."""

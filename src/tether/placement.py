@@ -1,9 +1,10 @@
 """Placement: where a run's roles live, chosen once from ``trainer.backend``.
 
-``local``: every role in this process (:func:`tether.workers.build.build_local_roles`). ``ray``: the same
-factory builds the driver's share (tokenizer, its copy of the policy, rollout engine, reward), then
-:func:`tether.distributed.ray_backend.build_ray_roles` puts actor, reference and critic on Ray worker groups
-whose ranks build their roles with the same factory (:class:`tether.distributed.worker.RankWorker`). The loop
+``local``: every role in this process (:func:`tether.workers.build.build_local_roles`). ``ray``:
+:func:`tether.distributed.ray_backend.build_ray_roles` has the same factory build the driver's share (tokenizer,
+its copy of the policy, reward), puts actor, reference and critic on Ray worker groups whose ranks build their
+roles with the same factory and model recipe (:class:`tether.distributed.worker.RankWorker`), and builds the
+rollout role whole (over engine replicas as Ray actors, or the engine on the driver's copy). The loop
 sees one :class:`~tether.workers.roles.Roles` either way; besides the config's validation and the memory planner's
 notes, this module and the factory are the only places that read ``trainer.backend`` (``tests/test_architecture.py``).
 """
@@ -35,10 +36,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
         if cfg.actor.tp_size > 1:
             # before any model loads or Ray starts
             check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model"))
-    roles = build_local_roles(cfg)
-    if cfg.trainer.backend == "ray":
-        return build_ray_roles(cfg, roles)  # actor, ref and critic run on Ray worker groups; the rest stays here
-    return roles
+        return build_ray_roles(cfg)  # actor, ref and critic run on Ray worker groups; the rest stays here
+    return build_local_roles(cfg)
 
 
 def check_tp_heads(cfg: TetherConfig, actor_path) -> None:

@@ -17,10 +17,9 @@ adds up what each role keeps on one device:
 * the **logits** of one micro-batch and the chunked log-prob buffers of
   :mod:`tether.algos.logprobs`;
 * the frozen **reference** (weights only), the **critic** (a value model trained like the actor),
-  the **reward model** (weights only, in its checkpoint's dtype) and the rollout engine, which runs
-  in ``actor.dtype``: HF ``generate``'s KV cache, or **vLLM**'s reservation
-  (``rollout.vllm.gpu_memory_utilization`` of the device, or the weights plus
-  ``rollout.vllm.kv_cache_gib``).
+  the **reward model** (weights only, in its checkpoint's dtype) and the rollout engine, whose registry
+  entry plans its own memory (``tether.engines``: HF ``generate``'s KV cache, or **vLLM**'s reservation,
+  ``rollout.vllm.gpu_memory_utilization`` of the device or the weights plus ``rollout.vllm.kv_cache_gib``).
 
 Phases run one after another (rollout, log-probs, critic update, actor update), so the peak is the
 memory every phase keeps (weights, optimizer state, vLLM's reservation) plus the largest phase.
@@ -36,11 +35,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
 from tether.config import EMBEDDED, ConfigError, load_config
+from tether.engines import ENGINES, entry, fallback, planned_engine
 from tether.models import resolve_model_path
 from tether.plan_shapes import SHAPES
 
@@ -63,8 +65,6 @@ __all__ = [
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
-VLLM_MAX_NUM_SEQS = 256
-"""vLLM's default ``max_num_seqs`` on a GPU: sequences one engine decodes at once."""
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -423,12 +423,21 @@ class PlanSettings:
     separate_ref: bool = True
     critic: bool = False
     reward_model: bool = False
-    engine: str = "hf"
+    engine: str = field(default_factory=lambda: fallback().name)
     rollout_tp: int | None = None
-    vllm_util: float = 0.35
-    vllm_kv_gib: float | None = None
+    #: each engine's settings section as a dict (``{"vllm": {"gpu_memory_utilization": 0.35, ...}}``), what its
+    #: plan hook reads (``tether.engines``); an engine missing here plans with its defaults
+    engine_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     autocast: bool = False
     accelerator: bool = True
+
+    @property
+    def storage_bytes(self) -> int:
+        return DTYPE_BYTES[self.storage_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
 
     @property
     def dp(self) -> int:
@@ -441,8 +450,8 @@ class PlanSettings:
 
     @property
     def engine_tp(self) -> int:
-        """vLLM's tensor-parallel size (``--rollout-tp``, else ``rollout.vllm.tensor_parallel_size``
-        when the config sets it; default the training tp)."""
+        """The rollout engine's tensor-parallel size (``--rollout-tp``, else its section's ``tensor_parallel_size``,
+        ``rollout.vllm.tensor_parallel_size``, when the config sets it; default the training tp)."""
         return self.rollout_tp or self.tp
 
     @classmethod
@@ -490,13 +499,17 @@ class PlanSettings:
             ac = activation_checkpointing
         mini = max(1, math.ceil(cfg.algo.mini_batch_size / dp))
         rollout_batch = cfg.data.batch_size * cfg.rollout.n
-        vllm = getattr(cfg.rollout, "vllm", None)
+        engine = planned_engine(cfg.rollout.engine, accelerator)
+        sections = {name: getattr(cfg.rollout, name) for name, e in ENGINES.items() if e.section is not None}
+        # devices per engine replica: the planned engine's tensor_parallel_size, else another section's that has one
+        with_tp = [name for name, v in sections.items() if "tensor_parallel_size" in type(v).model_fields]
+        tp_section = sections.get(engine if engine in with_tp else next(iter(with_tp), None))
         if (
             rollout_tp is None
-            and vllm is not None
-            and ("tensor_parallel_size" in vllm.model_fields_set or vllm.tensor_parallel_size > 1)
+            and tp_section is not None
+            and ("tensor_parallel_size" in tp_section.model_fields_set or tp_section.tensor_parallel_size > 1)
         ):
-            rollout_tp = vllm.tensor_parallel_size  # devices per vLLM replica (trainer.backend=ray)
+            rollout_tp = tp_section.tensor_parallel_size  # devices per engine replica (trainer.backend=ray)
         return cls(
             devices=devices,
             device_memory=device_memory,
@@ -524,10 +537,9 @@ class PlanSettings:
             critic=cfg.algo.adv_estimator == "gae",
             reward_model=cfg.reward.model is not None,
             autocast=autocast,
-            engine=_planned_engine(cfg.rollout.engine, accelerator),
+            engine=engine,
             rollout_tp=rollout_tp,
-            vllm_util=getattr(vllm, "gpu_memory_utilization", 0.35),
-            vllm_kv_gib=getattr(vllm, "kv_cache_gib", None),
+            engine_settings={name: v.model_dump() for name, v in sections.items()},
             accelerator=accelerator,
         )
 
@@ -758,7 +770,7 @@ def plan_memory(
     s = settings
     ref, critic_shape = ref or actor, critic or actor
     es, ec = DTYPE_BYTES[s.storage_dtype], DTYPE_BYTES[s.compute_dtype]
-    n, seq = s.devices, s.prompt_len + s.response_len
+    n = s.devices
     p_actor = actor.causal_lm_params()
     p_train = actor.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else p_actor
     params = {"actor": p_actor, "actor (trained)": p_train}
@@ -823,47 +835,8 @@ def plan_memory(
                 note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)",
             )
         )
-    ek = ec if s.autocast else es  # HF generate runs under the actor's autocast; vLLM in actor.dtype
-    per_seq_kv = actor.kv_bytes_per_token(ek) * seq // s.tp
-    if s.engine == "vllm" and s.accelerator:
-        weights = p_actor * es // s.engine_tp
-        kv_seq = actor.kv_bytes_per_token(es) * seq // s.engine_tp
-        reserve = weights + int(s.vllm_kv_gib * GIB) if s.vllm_kv_gib else int(s.vllm_util * s.device_memory)
-        seqs = max(0, reserve - weights) // max(kv_seq, 1)
-        items.append(
-            Item(
-                "rollout (vLLM)",
-                f"reservation: weights (tp {s.engine_tp}) + KV cache",
-                reserve,
-                note=f"KV cache holds {seqs} sequences of {seq} tokens at once (max_num_seqs {VLLM_MAX_NUM_SEQS})",
-            )
-        )
-        problems = (
-            []
-            if seqs >= 1
-            else [
-                f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {s.engine_tp} "
-                f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
-                f"or rollout.vllm.tensor_parallel_size (--rollout-tp)"
-            ]
-        )
-        if s.engine_tp > s.node_devices:  # a replica's tp ranks share one node (vLLM's mp executor)
-            problems.append(
-                f"vLLM tensor parallel {s.engine_tp} needs {s.engine_tp} devices on one node; the plan has {s.devices} "
-                f"device(s), {s.gpus_per_node} per node: lower rollout.vllm.tensor_parallel_size (--rollout-tp)"
-            )
-    else:
-        per_dev = math.ceil(s.rollout_batch / s.dp)
-        items.append(
-            Item(
-                "rollout (HF generate)",
-                f"KV cache ({per_dev} sequences × {seq} tokens)",
-                per_dev * per_seq_kv,
-                "rollout",
-                note="in the actor's dtype; the weights are the actor's",
-            )
-        )
-        problems = []
+    rows, problems = entry(s.engine).plan(s, actor)  # the rollout engine's own memory (tether.engines)
+    items += [Item(r.role, r.what, r.bytes, r.phase, note=r.note) for r in rows]
     return Plan(s, items, params, problems=problems)
 
 
@@ -902,25 +875,11 @@ def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, Pla
         tries.append((f"response length {r} (rollout.max_new_tokens={r})", replace(s, response_len=r)))
     if s.lora_rank == 0:
         tries.append(("LoRA rank 64 (actor.lora.rank=64 ref.model=null)", replace(s, lora_rank=64, separate_ref=False)))
-    if s.engine == "vllm" and s.accelerator:
-        if s.engine_tp > s.node_devices:  # wider than a node: the widest tp that fits one and divides the heads
-            r = max(d for d in range(1, s.node_devices + 1) if a.heads % d == 0 and a.kv_heads % d == 0)
-            tries.append((f"vLLM tensor parallel {r} (--rollout-tp {r})", replace(s, rollout_tp=r)))
-        r2 = s.engine_tp * 2
-        if r2 <= min(s.devices, max_tp) and a.heads % r2 == 0 and a.kv_heads % r2 == 0:
-            tries.append((f"vLLM tensor parallel {r2} (--rollout-tp {r2})", replace(s, rollout_tp=r2)))
-        if s.vllm_kv_gib is None and s.vllm_util < 0.85:
-            u = round(min(0.9, s.vllm_util + 0.2), 2)
-            tries.append(
-                (f"vLLM takes {u:.0%} of the device (rollout.vllm.gpu_memory_utilization={u})", replace(s, vllm_util=u))
-            )
-    if s.engine == "hf" and s.accelerator:
-        tries.append(
-            (
-                f"vLLM rollouts, paged KV cache in {s.vllm_util:.0%} of the device (rollout.engine=vllm)",
-                replace(s, engine="vllm"),
-            )
-        )
+    if (changes := entry(s.engine).plan_changes) is not None:  # the engine's own settings
+        tries += [(label, replace(s, **fields)) for label, fields in changes(s, a, max_tp)]
+    for name, other in ENGINES.items():  # another engine, where it would bring something
+        if name != s.engine and other.plan_offer is not None and (label := other.plan_offer(s)):
+            tries.append((f"{label} (rollout.engine={name})", replace(s, engine=name)))
     if s.compute_dtype == "float32":
         tries.append(
             ("bfloat16 compute, fp32 master weights (--param-dtype bfloat16)", replace(s, compute_dtype="bfloat16"))
@@ -1164,11 +1123,3 @@ def main_plan(
         return 2
     print(format_plan(plan))
     return 0 if plan.fits else 1
-
-
-def _planned_engine(engine: str, accelerator: bool) -> str:
-    """``rollout.engine=auto`` on the planned machine: vLLM on an accelerator (a GPU install,
-    ``GPU=1``, includes the vllm extra), HF otherwise."""
-    if engine != "auto":
-        return engine
-    return "vllm" if accelerator else "hf"

@@ -1,4 +1,4 @@
-"""tether.distributed.rollout_workers without a vLLM: how prompts are split across replicas and
+"""tether.distributed.rollout_workers without a vLLM: how requests are split across replicas and
 merged back, how weights are bucketed, the gathered weights' names and values (LoRA merged), and
 the config keys. The real engine and Ray: tests/vllm/test_ray_vllm.py (make test-vllm)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tether.config import ConfigError, describe_config, load_config
-from tether.distributed.rollout_workers import merge_responses, split_rows
+from tether.distributed.rollout_workers import ReplicaGroup, split_rows
 from tether.distributed.weights import iter_full_weights, weight_buckets
 
 
@@ -19,15 +19,35 @@ def test_split_rows_contiguous_and_balanced():
     assert split_rows(5, 1) == [(0, 5)]
 
 
-def test_merge_responses_pads_to_the_longest_and_keeps_the_order():
-    pad = 9
-    a = (torch.tensor([[1, 2], [3, 4]]), torch.tensor([[-0.5, -0.25], [-1.0, -2.0]]))
-    b = (torch.tensor([[5, 6, 7]]), torch.tensor([[-0.1, -0.2, -0.3]]))
-    ids, lp = merge_responses([a, b], pad)
-    assert ids.tolist() == [[1, 2, pad], [3, 4, pad], [5, 6, 7]]
-    assert torch.equal(lp, torch.tensor([[-0.5, -0.25, 0.0], [-1.0, -2.0, 0.0], [-0.1, -0.2, -0.3]]))
-    ids, lp = merge_responses([(a[0], None), (b[0], None)], pad)
-    assert lp is None and ids.shape == (3, 3)
+def test_replica_group_splits_requests_in_order_and_seeds_each_replica():
+    """The driver's group sends contiguous chunks of the requests to its replicas, replica i with seed s + i (s one
+    draw from the caller's RNG, or the given seed), and returns every result in the requests' order (no Ray needed:
+    the replicas and the gather are stand-ins)."""
+    from types import SimpleNamespace
+
+    from tether.rollout import GenerationRequest, GenerationResult
+
+    sent = []
+
+    def replica(i):
+        def remote(requests, seed):
+            sent.append((i, [r.prompt_ids[0] for r in requests], seed))
+            return [GenerationResult([r.prompt_ids[0] * 10, 2], None, "eos") for r in requests]
+
+        return SimpleNamespace(generate=SimpleNamespace(remote=remote))
+
+    group = ReplicaGroup.__new__(ReplicaGroup)
+    group.replicas, group.n, group.sleeps = [replica(i) for i in range(3)], 3, False
+    group._get = lambda refs, what: list(refs)
+    requests = [GenerationRequest([k]) for k in range(1, 8)]
+    out = group.generate(requests, seed=100)
+    assert [r.token_ids[0] for r in out] == [10, 20, 30, 40, 50, 60, 70]
+    assert sent == [(0, [1, 2, 3], 100), (1, [4, 5], 101), (2, [6, 7], 102)]
+    torch.manual_seed(0)
+    group.generate(requests[:2])
+    torch.manual_seed(0)
+    drawn = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    assert [s for _, _, s in sent[3:]] == [drawn, drawn + 1]  # one replica idle: no call
 
 
 def _t(n_floats: int) -> torch.Tensor:
@@ -180,7 +200,7 @@ def test_stream_weights_from_two_fsdp2_ranks(cluster, lora):
     ray = cluster
 
     class _Receiver:
-        """Stands in for a VLLMReplica (no vLLM here): keeps every bucket it is sent (defined here so
+        """Stands in for an EngineReplica (no vLLM here): keeps every bucket it is sent (defined here so
         Ray pickles it by value: the test module is not importable in Ray's workers)."""
 
         def __init__(self):

@@ -4,7 +4,7 @@ bit."""
 import pytest
 import torch
 
-from tether.rollout import HFRolloutEngine, hf_decode
+from tether.rollout import HFRolloutEngine, SamplingParams, hf_decode
 from tether.tasks.sft import load_reference
 
 SAMPLING = {
@@ -15,14 +15,21 @@ SAMPLING = {
 }
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "do_sample", "max_new_tokens")
+
+
 def _run(model, tok, p_ids, p_mask, mode, *, seed=3, return_logprobs=False, monkeypatch=None, **engine_kwargs):
     """One generate call with ``rollout.hf_decode=mode`` and the RNG's next draw after it; under
     ``tether`` ``model.generate`` is made to raise, so the loop really served the call."""
-    engine = HFRolloutEngine(model, tok, hf_decode=mode, **{"max_new_tokens": 12, **engine_kwargs})
+    engine_kwargs.pop("returns_logprobs", None)
+    sampling = {k: engine_kwargs.pop(k) for k in SAMPLING_KEYS if k in engine_kwargs}
+    params = SamplingParams(**{"max_new_tokens": 12, **sampling}, logprobs=return_logprobs)
+    engine = HFRolloutEngine(model, tok, hf_decode=mode, **engine_kwargs)
     if mode == "tether" and monkeypatch is not None:
         monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("tether's loop fell back to model.generate"))
     torch.manual_seed(seed)
-    out = engine.generate(p_ids, p_mask, return_logprobs=return_logprobs)
+    ids, lp = engine.generate_padded(p_ids, p_mask, params)
+    out = (ids, lp) if return_logprobs else ids
     after = torch.rand(3)
     if monkeypatch is not None:
         monkeypatch.undo()
@@ -223,14 +230,15 @@ def test_calls_the_loop_cannot_serve_exactly_fall_back_to_generate():
     ):
         assert hf_decode.plan(model, {**base, **extra}) is None, extra
     # (share_prefill off: generate's beam search does not expand a cache passed in)
-    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, share_prefill=False)
+    engine = HFRolloutEngine(model, tok, share_prefill=False)
     prompt = tok(["3,13="] * 4, return_tensors="pt")
     calls = []
     real = model.generate
     model.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         torch.manual_seed(0)
-        out = engine.generate(prompt["input_ids"], prompt["attention_mask"], num_beams=2, do_sample=False)
+        greedy = SamplingParams(max_new_tokens=4, do_sample=False)
+        out, _ = engine.generate_padded(prompt["input_ids"], prompt["attention_mask"], greedy, num_beams=2)
     finally:
         del model.generate
     assert calls and out.shape[0] == 4
@@ -257,7 +265,7 @@ def test_hf_decode_config_reaches_the_engine_and_bad_values_are_refused():
     with pytest.raises((ValidationError, ValueError), match="hf_decode"):
         load_config(None, ["rollout.hf_decode=fast"])
     with pytest.raises(ValueError, match="hf_decode must be 'tether' or 'generate', got 'fast'"):
-        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, hf_decode="fast")
+        HFRolloutEngine(model, tok, hf_decode="fast")
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["share_prefill", "per_row_prefill"])
@@ -334,9 +342,9 @@ def test_inverse_cdf_sampler_in_the_engine(qwen2_padded, monkeypatch):
     with torch.no_grad():  # the first token is among the top 3 of the prompt's next-token logits
         logits = model(input_ids=p_ids, attention_mask=p_mask).logits[:, -1]
     assert (logits.topk(3, -1).indices == a[:, :1]).any(-1).all()
-    engine = HFRolloutEngine(model, tok, max_new_tokens=6, sampler="inverse_cdf", temperature=1.0, top_p=1.0, top_k=0)
+    engine = HFRolloutEngine(model, tok, sampler="inverse_cdf")
     common = tok(["3 + 4 ="] * 8, return_tensors="pt")["input_ids"][0, :1].item()
-    ids = engine.generate(p_ids, p_mask, suppress_tokens=[common])
+    ids, _ = engine.generate_padded(p_ids, p_mask, SamplingParams(max_new_tokens=6), suppress_tokens=[common])
     assert (ids != common).all()
     from tether.config import load_config
     from tether.workers import build as setup
@@ -345,4 +353,4 @@ def test_inverse_cdf_sampler_in_the_engine(qwen2_padded, monkeypatch):
     cfg = load_config(None, ["rollout.engine=hf", "rollout.hf_sampler=inverse_cdf"])
     assert setup.build_engine(cfg, model, tok, None).sampler == "inverse_cdf"
     with pytest.raises(ValueError, match="sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'"):
-        HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, sampler="gumbel")
+        HFRolloutEngine(model, tok, sampler="gumbel")

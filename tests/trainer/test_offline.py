@@ -12,7 +12,7 @@ from tether.config import DataConfig
 from tether.data import rows_from_records
 from tether.data.loading import prepare_prompts
 from tether.models import load_causal_lm, load_tokenizer
-from tether.rollout import HFRolloutEngine
+from tether.rollout import HFRolloutEngine, SamplingParams
 from tether.rollout.runner import RolloutRunner
 from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
 from tether.workers.build import generation_eos_ids
@@ -55,10 +55,9 @@ def setup(model_dir):
 def _runner(tok, model=None, max_new_tokens=64, eos_ids=None):
     engine = None
     if model is not None:
-        engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6, do_sample=True)
-    return RolloutRunner(
-        engine, tok, torch.device("cpu"), mode="offline", max_new_tokens=max_new_tokens, eos_token_ids=eos_ids
-    )
+        engine = HFRolloutEngine(model, tok)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    return RolloutRunner(engine, tok, torch.device("cpu"), params=params, mode="offline", eos_token_ids=eos_ids)
 
 
 def test_offline_batch_takes_whole_groups(setup):
@@ -108,8 +107,9 @@ def test_extra_eos_ids_end_the_response(setup):
     assert generation_eos_ids(model) == [2, 0]
     runner = _runner(tok, eos_ids=generation_eos_ids(model))
     ids = torch.tensor([[5, 6, 0, 7, 8, 2], [5, 2, 0, 0, 0, 0], [5, 6, 7, 8, 9, 10]])
-    batch = runner._batch(prompts, [0, 1, 2], *_prompt(prompts, tok, 3), ids, torch.arange(3))
+    batch = runner.restore(prompts, [0, 1, 2], *_prompt(prompts, tok, 3), ids, torch.arange(3))
     assert batch.response_mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert batch.finish_reasons == ["eos", "eos", "length"] and batch.truncated.tolist() == [False, False, True]
     assert _runner(tok).eos_token_ids == [tok.eos_token_id]
 
 
@@ -123,10 +123,10 @@ def test_online_mode_override_generates_in_an_offline_run(setup, model_dir):
     tok, prompts = setup
     torch.manual_seed(0)
     runner = _runner(tok, model=load_causal_lm(model_dir))
-    batch = runner.rollout(prompts, [0, 1], n=3, mode="online")
+    batch = runner.rollout(prompts, [0, 1], n=3, mode="online", max_new_tokens=6)
     assert len(batch) == 6 and batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
     assert batch.prompts == [prompts.texts[0]] * 3 + [prompts.texts[1]] * 3  # no group expansion
-    assert batch.response_ids.shape[1] <= 6  # the engine's max_new_tokens, not the dataset's responses
+    assert batch.response_ids.shape[1] <= 6  # the call's max_new_tokens, not the dataset's responses
     assert int(batch.response_mask.sum(-1).min()) >= 1
 
 

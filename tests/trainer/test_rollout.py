@@ -1,6 +1,6 @@
 import torch
 
-from tether.rollout import HFRolloutEngine, response_mask_from_ids
+from tether.rollout import HFRolloutEngine, SamplingParams, response_mask_from_ids
 from tether.tasks.sft import load_reference
 
 
@@ -20,9 +20,9 @@ def test_generation_stops_at_every_eos_id_of_the_model():
     torch.manual_seed(0)
     model, tok = load_reference()
     five = tok.convert_tokens_to_ids("5")
-    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, eos_token_ids=[five])
+    engine = HFRolloutEngine(model, tok, eos_token_ids=[five])
     prompt = tok(["3,13="] * 256, return_tensors="pt")
-    out = engine.generate(prompt["input_ids"], prompt["attention_mask"])
+    out, _ = engine.generate_padded(prompt["input_ids"], prompt["attention_mask"], SamplingParams(max_new_tokens=4))
     rows_with_five = 0
     for row in out.tolist():
         if five in row:
@@ -79,12 +79,13 @@ def test_hf_sampled_logprobs_equal_the_trainers_forward():
     from tether.models import response_logprobs
 
     model, tok = load_reference()
-    engine = HFRolloutEngine(model, tok, temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, returns_logprobs=True)
+    engine = HFRolloutEngine(model, tok)
+    params = SamplingParams(temperature=0.7, max_new_tokens=4)
     p_ids, p_mask = _digitsum_prompts(tok, 64)
     torch.manual_seed(0)
-    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True)
+    ids, lp = engine.generate_padded(p_ids, p_mask, params.override(logprobs=True))
     torch.manual_seed(0)
-    assert torch.equal(engine.generate(p_ids, p_mask), ids)  # the recorder does not touch sampling
+    assert torch.equal(engine.generate_padded(p_ids, p_mask, params)[0], ids)  # the recorder does not touch sampling
     mask = response_mask_from_ids(ids, tok.eos_token_id)
     full = torch.cat([p_mask, mask], 1)
     with torch.no_grad():
@@ -104,16 +105,17 @@ def test_hf_sampled_logprobs_of_a_greedy_or_suppressed_step():
     """Greedy decoding reports log_softmax at temperature 1; a token suppressed by a processor
     before the recorder (suppress_tokens) is never sampled, and the others' log-probs renormalise."""
     model, tok = load_reference()
-    engine = HFRolloutEngine(model, tok, temperature=0.5, top_p=1.0, top_k=0, max_new_tokens=3, do_sample=False)
+    engine = HFRolloutEngine(model, tok)
+    params = SamplingParams(temperature=0.5, max_new_tokens=3, do_sample=False, logprobs=True)
     p_ids, p_mask = _digitsum_prompts(tok, 4)
-    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True)
+    ids, lp = engine.generate_padded(p_ids, p_mask, params)
     with torch.no_grad():
         logits = model(input_ids=p_ids, attention_mask=p_mask).logits[:, -1].float()  # (B, V) the first step
     first = torch.log_softmax(logits, -1).gather(-1, ids[:, :1]).squeeze(-1)
     assert torch.allclose(lp[:, 0], first, atol=1e-5)
     assert torch.equal(ids[:, 0], logits.argmax(-1))
     eos = tok.eos_token_id
-    ids, lp = engine.generate(p_ids, p_mask, return_logprobs=True, suppress_tokens=[eos])
+    ids, lp = engine.generate_padded(p_ids, p_mask, params, suppress_tokens=[eos])
     assert (ids != eos).all() and ids.shape[1] == 3
     assert (lp <= 0).all() and torch.isfinite(lp).all()
 
@@ -124,9 +126,9 @@ def test_hf_generate_runs_in_inference_mode_but_returns_a_normal_tensor():
     from tether.models import response_logprobs
 
     model, tok = load_reference()
-    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    engine = HFRolloutEngine(model, tok)
     p_ids, p_mask = _digitsum_prompts(tok, 8)
-    ids = engine.generate(p_ids, p_mask)
+    ids, _ = engine.generate_padded(p_ids, p_mask, SamplingParams(max_new_tokens=4))
     assert not ids.is_inference()
     lp, _, _ = response_logprobs(
         model, torch.cat([p_ids, ids], 1), torch.cat([p_mask, torch.ones_like(ids)], 1), ids.shape[1]
@@ -138,13 +140,14 @@ def test_hf_generate_runs_in_inference_mode_but_returns_a_normal_tensor():
 
 def test_inference_mode_and_no_grad_sample_the_same_tokens():
     model, tok = load_reference()
-    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    engine = HFRolloutEngine(model, tok)
+    params = SamplingParams(max_new_tokens=4)
     p_ids, p_mask = _digitsum_prompts(tok, 64)
     torch.manual_seed(3)
-    a = engine.generate(p_ids, p_mask)
+    a, _ = engine.generate_padded(p_ids, p_mask, params)
     engine.grad_mode = "no_grad"
     torch.manual_seed(3)
-    assert torch.equal(engine.generate(p_ids, p_mask), a)
+    assert torch.equal(engine.generate_padded(p_ids, p_mask, params)[0], a)
 
 
 def test_shared_prefill_samples_the_same_tokens_as_one_prefill_per_row():
@@ -154,14 +157,15 @@ def test_shared_prefill_samples_the_same_tokens_as_one_prefill_per_row():
     model, tok = load_reference()
     texts = ["3,13="] * 5 + ["2,7="] + ["1,2="] * 3 + ["3,20="] * 7
     prompt = tok(texts, return_tensors="pt", padding=True)
-    engine = HFRolloutEngine(model, tok, temperature=0.9, top_p=1.0, top_k=0, max_new_tokens=4)
+    engine = HFRolloutEngine(model, tok)
     shared = engine._shared_prefill(prompt["input_ids"], prompt["attention_mask"])
     assert shared is not None and shared[1].get_seq_length() == prompt["input_ids"].shape[1] - 1
     out = {}
     for share in (True, False):
         engine.share_prefill = share
         torch.manual_seed(5)
-        out[share] = engine.generate(prompt["input_ids"], prompt["attention_mask"], return_logprobs=True)
+        params = SamplingParams(temperature=0.9, max_new_tokens=4, logprobs=True)
+        out[share] = engine.generate_padded(prompt["input_ids"], prompt["attention_mask"], params)
     assert torch.equal(out[True][0], out[False][0])
     # the cache of a smaller batch: last bits (4e-6 measured)
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
@@ -173,12 +177,12 @@ def test_shared_prefill_with_left_padding_on_a_qwen2_model(qwen2_padded):
     """Prompts of different lengths (left padding inside the shared prefill), a Qwen2 model with
     sharper logits than the digit-sum reference, 12 new tokens: identical tokens either way."""
     model, tok, p_ids, p_mask = qwen2_padded
-    engine = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12)
+    engine = HFRolloutEngine(model, tok)
     out = {}
     for share in (True, False):
         engine.share_prefill = share
         torch.manual_seed(1)
-        out[share] = engine.generate(p_ids, p_mask)
+        out[share], _ = engine.generate_padded(p_ids, p_mask, SamplingParams(max_new_tokens=12))
     assert torch.equal(out[True], out[False]) and out[True].shape[1] >= 6
 
 

@@ -47,12 +47,13 @@ def test_token_truncation_weights_the_batch_and_logs_rollout_corr(small_cfg, tmp
 
 def test_no_correction_no_weights_and_no_engine_logprobs(small_cfg, tmp_path):
     t = Trainer(small_cfg(*QUIET, out=tmp_path / "r"))
-    assert not t.roles.engine.engine.returns_logprobs  # nothing asks for them: no cost
+    assert not t.roles.engine.params.logprobs  # nothing asks for them: no cost
     batch = t.rollout()
     t.score(batch)
     t.compute_logprobs(batch)
     t.correct_rollout(batch)
-    assert batch.is_weights is None and batch.loss_mask is None and "rollout_corr_metrics" not in batch.extra
+    assert batch.is_weights is None and "rollout_corr_metrics" not in batch.extra
+    assert torch.equal(batch.loss_mask, batch.generated_mask.bool())  # the generated tokens, nothing rejected
 
 
 def test_rejection_takes_whole_responses_out_of_the_update(small_cfg, tmp_path):

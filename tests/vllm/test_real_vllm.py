@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tether.config import load_config
-from tether.rollout import HFRolloutEngine, response_mask_from_ids
+from tether.rollout import GenerationRequest, HFRolloutEngine, SamplingParams, response_mask_from_ids
+from tether.rollout.engine import pad_results
 from tether.rollout.vllm import vllm_backend
 from tether.testing import (
     build_gsm8k_tokenizer,
@@ -75,16 +76,7 @@ def engine(models, tok):
     from tether.rollout.vllm import VLLMRolloutEngine
 
     eng = VLLMRolloutEngine(
-        models[0],
-        tok,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=MAX_NEW,
-        dtype="float32",
-        seed=0,
-        gpu_memory_utilization=0.2,
-        kv_cache_gib=KV_CACHE_GIB,
+        models[0], tok, dtype="float32", seed=0, gpu_memory_utilization=0.2, kv_cache_gib=KV_CACHE_GIB
     )
     return eng
 
@@ -111,13 +103,22 @@ def _rows(ids: torch.Tensor, eos: int) -> list[list[int]]:
     return [r[m.bool()].tolist() for r, m in zip(ids, mask, strict=True)]
 
 
+def _generate(engine, prompts, *, seed=None, **params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One engine call on left-padded prompts: the (B, T) responses right-padded, and their log-probs when asked."""
+    p_ids, p_mask = prompts
+    params = SamplingParams(**{"max_new_tokens": MAX_NEW, **params})
+    requests = [GenerationRequest(i[m.bool()].tolist(), params) for i, m in zip(p_ids.cpu(), p_mask.cpu(), strict=True)]
+    return pad_results(engine.generate(requests, seed=seed), engine.tokenizer.pad_token_id, p_ids.device)
+
+
 def _hf_greedy(model, tok, prompts) -> list[list[int]]:
-    hf = HFRolloutEngine(model, tok, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, do_sample=False)
-    return _rows(hf.generate(*prompts), tok.eos_token_id)
+    hf = HFRolloutEngine(model, tok)
+    ids, _ = hf.generate_padded(*prompts, SamplingParams(max_new_tokens=MAX_NEW, do_sample=False))
+    return _rows(ids, tok.eos_token_id)
 
 
 def _vllm_greedy(engine, prompts) -> list[list[int]]:
-    return _rows(engine.generate(*prompts, do_sample=False), engine.tokenizer.eos_token_id)
+    return _rows(_generate(engine, prompts, do_sample=False)[0], engine.tokenizer.eos_token_id)
 
 
 def test_greedy_matches_the_hf_engine(engine, models, tok, prompts):
@@ -169,7 +170,7 @@ def test_logprobs_match_hf(engine, models, tok, prompts):
     0.7) of the HF forward, within LOGPROB_TOL nats."""
     model = _load(models[0])
     engine.sync_weights(model)
-    ids, lp = engine.generate(*prompts, temperature=0.7, return_logprobs=True)
+    ids, lp = _generate(engine, prompts, temperature=0.7, logprobs=True)
     mask = response_mask_from_ids(ids, tok.eos_token_id).bool()
     assert torch.isfinite(lp[mask]).all() and (lp[mask] <= 0).all() and (lp[~mask] == 0).all()
     p_ids, p_mask = prompts
@@ -191,20 +192,21 @@ def test_samples_are_a_function_of_the_callers_rng_state(engine, models, tok, pr
     leaves that RNG otherwise untouched: the same RNG state gives the same samples whatever ran
     before (what a resumed run needs: checkpoints save that RNG), the next state other samples, and
     an explicit seed the same samples as the state that draws it."""
-    from tether.rollout.vllm import draw_seed
+    from tether.rollout.engine import draw_seed
 
     engine.sync_weights(_load(models[0]))
     torch.manual_seed(123)
-    first = engine.generate(*prompts, temperature=1.5)
+    first = _generate(engine, prompts, temperature=1.5)[0]
     after_one = torch.get_rng_state()
-    other = engine.generate(*prompts, temperature=1.5)
+    other = _generate(engine, prompts, temperature=1.5)[0]
     torch.manual_seed(123)
-    assert torch.equal(engine.generate(*prompts, temperature=1.5), first)  # another call in between changes nothing
+    # another call in between changes nothing
+    assert torch.equal(_generate(engine, prompts, temperature=1.5)[0], first)
     torch.manual_seed(123)
     seed = draw_seed()
     assert torch.equal(torch.get_rng_state(), after_one)  # a call advances the caller's RNG by that one draw only
     assert not torch.equal(other, first)  # sampled (temperature 1.5 on a peaked model): seeds matter
-    assert torch.equal(engine.generate(*prompts, temperature=1.5, seed=seed), first)
+    assert torch.equal(_generate(engine, prompts, temperature=1.5, seed=seed)[0], first)
 
 
 @pytest.mark.slow
@@ -420,10 +422,6 @@ def test_tensor_parallel_engine_decodes_and_takes_pushed_weights(models, tok, pr
     eng = VLLMRolloutEngine(
         models[0],
         tok,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=MAX_NEW,
         dtype="float32",
         seed=0,
         gpu_memory_utilization=0.2,

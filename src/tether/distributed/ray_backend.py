@@ -24,14 +24,17 @@ from pathlib import Path
 
 import torch
 
+from tether import engines
 from tether.batch import RolloutBatch
 from tether.checkpoint import CheckpointError
 from tether.config import ConfigError
 from tether.distributed.dp import gather_rows, split_batch
 from tether.distributed.errors import WorkerDiedError, death_cause, failure_text
-from tether.distributed.rollout_workers import VLLMReplicaGroup
+from tether.distributed.rollout_workers import ReplicaGroup, replica_count
 from tether.distributed.worker import ALL, DP_SPLIT, RankWorker
-from tether.workers.build import generation_eos_ids
+from tether.engines import EngineEntry
+from tether.workers.build import build_driver_share, build_runner
+from tether.workers.roles import Roles
 
 log = logging.getLogger("tether")
 
@@ -44,9 +47,16 @@ def world_size(cfg) -> int:
     return t.n_workers
 
 
-def colocated_vllm(cfg) -> bool:
-    """vLLM replicas share the actor group's bundles (``rollout.engine=vllm``, ``trainer.placement=colocate``)."""
-    return cfg.rollout.engine == "vllm" and cfg.trainer.placement == "colocate"
+def replica_engine(cfg) -> EngineEntry | None:
+    """The registry entry of ``rollout.engine`` when it runs as Ray replicas (``on_ray="replicas"``: vLLM), else
+    None (auto never picks such an engine under Ray; HF generate runs on the driver)."""
+    e = engines.chosen(cfg)
+    return e if e is not None and e.on_ray == "replicas" else None
+
+
+def colocated_replicas(cfg) -> bool:
+    """Engine replicas share the actor group's bundles (a replica engine, ``trainer.placement=colocate``)."""
+    return replica_engine(cfg) is not None and cfg.trainer.placement == "colocate"
 
 
 RAY_INSTALL_HINT = "pip install -e '.[ray]' (or `make install-ray`)"
@@ -343,8 +353,8 @@ class WorkerGroup:
 
         self.name, self.n, self.tp = name, n, cfg.actor.tp_size  # n = dp × tp ranks
         gpus = 1 if cfg.trainer.n_gpus_per_node else 0
-        if gpus and colocated_vllm(cfg) and "actor" in roles:
-            gpus = 0.5  # the other half of the bundle's GPU is the colocated vLLM replica's (rollout_workers)
+        if gpus and colocated_replicas(cfg) and "actor" in roles:
+            gpus = 0.5  # the other half of the bundle's GPU is the colocated engine replica's (rollout_workers)
         bundle = {"CPU": 1} | ({"GPU": 1} if gpus else {})
         timeout = float(os.environ.get("TETHER_RAY_PG_TIMEOUT", "120"))
         nnodes = cfg.trainer.nnodes
@@ -608,20 +618,21 @@ class RayBackend:
 
     trains_in_process = False  # the updates run on the workers
 
-    def __init__(self, cfg, local_roles):
+    def __init__(self, cfg, share):
         # FSDP2 gathers parameters in it for the update's matmuls
         self.update_param_dtype = cfg.trainer.fsdp.param_dtype
         n = world_size(cfg)
         has_critic = cfg.algo.adv_estimator == "gae"
         split = cfg.trainer.placement == "split" and has_critic
-        vllm_bundles = cfg.rollout.vllm.replicas if cfg.rollout.engine == "vllm" and not colocated_vllm(cfg) else 0
+        replicas = replica_engine(cfg)
+        replica_bundles = replica_count(cfg) if replicas is not None and not colocated_replicas(cfg) else 0
         nnodes = cfg.trainer.nnodes
         if n % nnodes:
             raise ConfigError(
                 f"trainer.n_workers={n} must be a multiple of trainer.nnodes={nnodes}: each node runs n_workers / "
                 "nnodes ranks of a worker group"
             )
-        self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + vllm_bundles)
+        self.cluster = RayCluster(cfg.trainer.ray_address, n * (2 if split else 1) + replica_bundles)
         self.cluster.check_gpus(cfg.trainer.n_gpus_per_node)
         self.cluster.check_nodes(nnodes)
         self.rollout = None
@@ -629,7 +640,7 @@ class RayBackend:
         if cfg.actor.lora.rank > 0:
             from peft import get_peft_model_state_dict
 
-            lora_state = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(local_roles.actor.model).items()}
+            lora_state = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(share.actor.model).items()}
         self.groups: list[WorkerGroup] = []
         try:
             actor_roles = ("actor", "critic") if has_critic and not split else ("actor",)
@@ -639,10 +650,9 @@ class RayBackend:
             self.critic_group = None
             if has_critic:
                 self.critic_group = self._group("critic", cfg, n, ("critic",)) if split else self.actor_group
-            if cfg.rollout.engine == "vllm":
-                eos = generation_eos_ids(local_roles.actor.model)
-                self.rollout = VLLMReplicaGroup(
-                    cfg, local_roles.actor_path, local_roles.tokenizer, eos, self.actor_group
+            if replicas is not None:  # the engine runs as Ray actors, its weights streamed from the actor group
+                self.rollout = ReplicaGroup(
+                    cfg, replicas.name, share.actor_path, share.tokenizer, share.eos_token_ids, self.actor_group
                 )
         except BaseException:
             self.close()
@@ -713,22 +723,36 @@ class RayBackend:
         self.cluster.close()
 
 
-def build_ray_roles(cfg, roles):
-    """Replace the local roles' actor, reference and critic by stand-ins for Ray worker groups.
-
-    ``roles`` are the local roles (``tether.workers.build.build_local_roles``): their tokenizer, rollout
-    engine, reward and the actor's model (the driver's copy for rollouts) are kept.
-    """
-    backend = RayBackend(cfg, roles)
-    roles.placement = backend
-    # with vLLM replicas nothing generates on the driver's copy: it is pulled only when read (RemoteActor)
-    roles.actor = RemoteActor(backend.actor_group, roles.actor.model, lazy=backend.rollout is not None)
-    roles.ref = RemoteReference(backend.actor_group, roles.ref, roles.actor)
-    if backend.critic_group is not None:
-        roles.critic = RemoteCritic(backend.critic_group)
-    if backend.rollout is not None:  # rollout.engine=vllm: the runner samples on the replicas
-        roles.engine.engine = backend.rollout
-    return roles
+def build_ray_roles(cfg) -> Roles:
+    """The roles of ``trainer.backend=ray``: this process's share (``tether.workers.build.build_driver_share``:
+    tokenizer, its copy of the policy, reward), the worker groups that hold actor, reference and critic (stand-ins
+    here forward each call), and the rollout role built whole: over engine replicas as Ray actors where the engine
+    runs so, else over the engine on the driver's copy of the policy."""
+    share = build_driver_share(cfg)
+    backend = RayBackend(cfg, share)
+    try:
+        runner = build_runner(cfg, share, backend.rollout)
+    except BaseException:
+        backend.close()
+        raise
+    # with engine replicas nothing generates on the driver's copy: it is pulled only when read (RemoteActor)
+    actor = RemoteActor(backend.actor_group, share.actor.model, lazy=backend.rollout is not None)
+    ref = RemoteReference(backend.actor_group, share.ref, actor)
+    critic = RemoteCritic(backend.critic_group) if backend.critic_group is not None else None
+    return Roles(
+        share.tokenizer,
+        actor,
+        ref,
+        critic,
+        runner,
+        share.reward,
+        share.device,
+        share.actor_path,
+        share.val_reward,
+        placement=backend,
+        model_paths=share.model_paths,
+        gold=share.gold,
+    )
 
 
 def save_sharded_actor_meta(actor, tokenizer, out: Path) -> None:

@@ -11,29 +11,23 @@ processes.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
 from dataclasses import fields, replace
 
 import torch
-from peft import set_peft_model_state_dict
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tether.batch import RolloutBatch
 from tether.distributed.dp import DataParallel, real_rows
 from tether.distributed.parallel import FSDPSettings, ParallelDims, parallelize
 from tether.distributed.weights import stream_weights
-from tether.models import (
-    DTYPES,
-    ValueModel,
-    apply_lora,
-    attention,
-    load_causal_lm,
-    patch_lm_head,
-    resolve_model_path,
+from tether.models import load_tokenizer, resolve_model_path
+from tether.workers.build import (
+    actor_worker,
+    assemble_critic,
+    assemble_policy,
+    critic_worker,
+    reference_worker,
 )
-from tether.workers.build import actor_worker, critic_worker, head_fp32, reference_worker
 
 #: Dispatch modes. DP_SPLIT: the batch (first argument) is split across ranks by tokens and the
 #: per-row results come back in the batch's order. ALL: every rank gets the same arguments (a
@@ -110,7 +104,7 @@ class RankWorker:
         # the tp ranks of one dp rank see the same rows; the loss normalisers and metrics reduce over dp only
         dp_group = self.mesh["dp_shard"].get_group() if self.dims.tp > 1 else None
         self.dp = DataParallel(self.dims.dp_rank(rank), self.dims.dp_shard, group=dp_group)
-        self.actor = self.ref = self.critic = None
+        self.actor = self.ref = self.critic = self.tokenizer = None
         if "actor" in self.role_names:
             self._build_actor(lora_state)
         if "critic" in self.role_names:
@@ -122,14 +116,11 @@ class RankWorker:
         from rank 0 once sharded: only rank 0 ever holds a whole model."""
         return self.rank != 0
 
-    def _load_lm(self, path):
-        trc = self.cfg.actor.trust_remote_code
-        if not self._on_meta():
-            return load_causal_lm(path, dtype=self.cfg.actor.dtype, trust_remote_code=trc)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(str(path), trust_remote_code=trc), dtype=DTYPES[self.cfg.actor.dtype]
-            )
+    @property
+    def _load_device(self) -> torch.device:
+        """Where :func:`tether.workers.build.assemble_policy` loads this rank's models: rank 0 on the CPU (sharded
+        onto ``self.device`` by :meth:`_parallelize`), the others on the meta device."""
+        return torch.device("meta") if self._on_meta() else torch.device("cpu")
 
     def _parallelize(self, model):
         """Tensor parallelism (actor.tp_size > 1; its head counts checked first) and FSDP2 over ``model``; a
@@ -140,10 +131,6 @@ class RankWorker:
 
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
         self.dims.check_model(config, "actor")
-        attention.set_attn_implementation(
-            model if hasattr(model, "set_attn_implementation") else model.backbone,
-            attention.for_config(self.cfg, self.device),
-        )
         meta = any(p.is_meta for p in model.parameters())
         full = {} if meta else model.state_dict()
         # rank 0 holds real weights, the others meta tensors: tensor parallelism must not scatter rank 0's
@@ -175,45 +162,26 @@ class RankWorker:
         return self.cfg.actor.share_prompt_prefix and self.world_size == 1
 
     def _build_actor(self, lora_state) -> None:
-        """The actor and reference roles of this rank, by the factory the local backend uses (``tether.workers.build``),
-        over models loaded here (rank 0) or on the meta device (the others) and then sharded (:meth:`_parallelize`)."""
-        cfg = self.cfg
-        share = self._share_prefix
-        actor_path = resolve_model_path(cfg.actor.model, "actor.model")
-        model = self._load_lm(actor_path)
-        if cfg.actor.lora.rank > 0:
-            with torch.device("meta") if self._on_meta() else contextlib.nullcontext():
-                model = apply_lora(model, cfg.actor.lora)
-            if lora_state is not None and not self._on_meta():
-                set_peft_model_state_dict(model, lora_state)
-            ref_model = None
-        else:
-            ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
-            ref_model = copy.deepcopy(model) if ref_path == actor_path else self._load_lm(ref_path)
-        patch_lm_head(model, fp32=head_fp32(cfg))  # as the local backend: contiguous heads, fp32 under autocast
-        if ref_model is not None:
-            patch_lm_head(ref_model, fp32=head_fp32(cfg))
-        model = self._parallelize(model)
-        if ref_model is None:
+        """The actor and reference roles of this rank, by the factory the local backend uses (``tether.workers.build``):
+        the models assembled by its one recipe (every check included) on the CPU (rank 0) or the meta device (the
+        others), then sharded (:meth:`_parallelize`)."""
+        cfg, share = self.cfg, self._share_prefix
+        models = assemble_policy(cfg, self.device, load_device=self._load_device, lora_state=lora_state)
+        self.tokenizer = models.tokenizer
+        model = self._parallelize(models.policy)
+        if models.lora:
             self.ref = reference_worker(cfg, adapter_host=model, share_prompt_prefix=share)
         else:
-            ref_model.requires_grad_(False)
-            self.ref = reference_worker(cfg, self._parallelize(ref_model), share_prompt_prefix=share)
+            self.ref = reference_worker(cfg, self._parallelize(models.reference), share_prompt_prefix=share)
         self.actor = actor_worker(cfg, model, share_prompt_prefix=share)
         self.actor.dp = self.ref.dp = self.dp  # equal micro-batch counts on every rank (token budgets)
 
     def _build_critic(self) -> None:
-        cfg = self.cfg
-        path = resolve_model_path(cfg.critic.model or cfg.actor.model, "critic.model")
-        trc = cfg.actor.trust_remote_code
-        if self._on_meta():
-            with torch.device("meta"):
-                config = AutoConfig.from_pretrained(str(path), trust_remote_code=trc)
-                backbone = AutoModel.from_config(config, dtype=DTYPES[cfg.actor.dtype], trust_remote_code=trc)
-                vm = ValueModel(backbone, config.hidden_size).to(DTYPES[cfg.actor.dtype])
-        else:
-            vm = ValueModel.from_pretrained(path, dtype=cfg.actor.dtype, trust_remote_code=trc)
-        self.critic = critic_worker(cfg, self._parallelize(vm), share_prompt_prefix=self._share_prefix)
+        tokenizer = self.tokenizer or load_tokenizer(
+            resolve_model_path(self.cfg.actor.model, "actor.model"), trust_remote_code=self.cfg.actor.trust_remote_code
+        )
+        vm = assemble_critic(self.cfg, self.device, tokenizer=tokenizer, load_device=self._load_device)
+        self.critic = critic_worker(self.cfg, self._parallelize(vm), share_prompt_prefix=self._share_prefix)
         self.critic.dp = self.dp
 
     def _role(self, name: str):

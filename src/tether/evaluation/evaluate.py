@@ -46,6 +46,7 @@ from tether.checkpoint import CheckpointError, latest_valid_checkpoint, list_che
 from tether.config import EMBEDDED, ConfigError, DataConfig, load_config
 from tether.data import DataError, load_rows, rows_from_records
 from tether.data.loading import prepare_prompts
+from tether.engines import AUTO, engine_names, fallback
 from tether.evaluation.sampled import KLProbe, distinct_prompt_indices, evaluate_prompts
 from tether.export import ACTOR, load_sharded_actor
 from tether.metrics.accuracy import parse_ks
@@ -53,7 +54,7 @@ from tether.models import DTYPES, load_causal_lm, load_tokenizer, resolve_model_
 from tether.outputs import OutputWriteError, atomic_output, output_problem, write_text
 from tether.rewards import REWARD_FUNCTIONS, GoldReward, RewardManager, RewardResult, get_reward_function
 from tether.rewards.manager import MAX_ERRORS
-from tether.rollout import vllm as vllm_engine
+from tether.rollout import registry
 from tether.rollout.runner import RolloutRunner
 from tether.tasks import embedded_task
 from tether.tasks.digitsum import MAX_NEW_TOKENS
@@ -234,7 +235,7 @@ DEFAULTS = {
     "apply_chat_template": True,
     "instruction_suffix": "",
     "max_prompt_length": 2048,
-    "engine": "hf",
+    "engine": fallback().name,
     "beta": 0.05,
 }
 EMBEDDED_DATA = ("embedded", "embedded:val", "embedded:train")
@@ -593,17 +594,26 @@ class Evaluator:
         return kept
 
     def _pick_engine(self, asked: str, run_engine: str) -> str:
-        if asked not in ("auto", "hf", "vllm"):
-            raise ConfigError(f"engine must be auto, hf or vllm, got {asked!r}")
-        want = run_engine if asked == "auto" else asked
-        if want == "vllm":
-            try:
-                vllm_engine.check_vllm_available()
-            except ConfigError as e:
-                if asked == "vllm":
-                    raise
-                log.warning("tether eval: the run used rollout.engine=vllm but %s; evaluating with hf", e)
-                return "hf"
+        """``--engine`` (``auto``: the run's ``rollout.engine``), checked usable here; a run's engine that is not
+        falls back, with a warning, to the engine that runs everywhere (``tether.engines.fallback``).
+
+        Raises:
+            ConfigError: an unknown name, or an engine asked for by name that cannot run here.
+        """
+        if asked not in engine_names():
+            raise ConfigError(f"engine must be one of {', '.join(engine_names())}, got {asked!r}")
+        want = run_engine if asked == AUTO else asked
+        if want == AUTO:  # the run's own auto: resolved when the engine is built
+            return want
+        try:
+            registry.check_usable(want, None)
+        except ConfigError as e:
+            if asked != AUTO:
+                raise
+            log.warning(
+                "tether eval: the run used rollout.engine=%s but %s; evaluating with %s", want, e, fallback().name
+            )
+            return fallback().name
         return want
 
     # ---------------------------------------------------------------------------- reference, engine
@@ -659,23 +669,18 @@ class Evaluator:
 
     def _runner(self, model, model_path: Path | None):
         """The rollout runner around the run's engine with ``model``'s weights. The engine is built once,
-        by the trainer's own builder (``tether.workers.build``); later policies are pushed with
-        ``sync_weights``, the engine interface the trainer uses after every update."""
+        by the trainer's own builder (``tether.workers.build``); each policy is pushed with ``sync_weights``, the
+        engine interface the trainer uses after every update (an engine with its own weights loaded ``model_path``,
+        a LoRA policy's base: the push brings the policy itself)."""
         r = self.resolved
         if self.engine is None:
-            self.engine = build_engine(self.engine_config(), model, self.tok, model_path)
-            if r["engine"] == "auto":  # the run's rollout.engine=auto: what it resolved to
-                r["engine"] = "vllm" if hasattr(self.engine, "llm") else "hf"
-            if r["engine"] == "vllm":  # vLLM loaded model_path (a LoRA policy's base): push the policy itself
-                self.engine.sync_weights(model)
-        else:
-            self.engine.sync_weights(model)
+            cfg = self.engine_config()
+            self.engine = build_engine(cfg, model, self.tok, model_path)
+            self._params = registry.sampling_params(cfg)
+            r["engine"] = self.engine.name  # the run's rollout.engine=auto: what it resolved to
+        self.engine.sync_weights(model)
         return RolloutRunner(
-            self.engine,
-            self.tok,
-            self.device,
-            max_new_tokens=r["max_new_tokens"],
-            eos_token_ids=generation_eos_ids(model),
+            self.engine, self.tok, self.device, params=self._params, eos_token_ids=generation_eos_ids(model)
         )
 
     # ---------------------------------------------------------------------------------- evaluation

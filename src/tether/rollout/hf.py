@@ -1,10 +1,25 @@
-"""Rollout with Hugging Face ``generate``: the CPU path and the default engine."""
+"""The ``hf`` engine: Hugging Face ``generate`` (or tether's exact decode loop) on the policy module itself.
+
+The CPU path, and the engine ``rollout.engine=auto`` falls back to. :func:`build` and :func:`check_usable` are
+its registry hooks (``tether.engines``, ``tether.rollout.registry``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from tether.models import autocast
+from tether.rollout.engine import (
+    EngineCapabilities,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    check_requests,
+    left_pad,
+    results_from_padded,
+)
 from tether.rollout.hf_decode import cache_keyword
 
 
@@ -65,30 +80,36 @@ class SampledLogprobs:
 
 
 class HFRolloutEngine:
-    """Samples responses with ``model.generate`` from left-padded prompts.
+    """The ``hf`` engine (:class:`~tether.rollout.engine.GenerationEngine`): samples with ``model.generate`` (or
+    tether's exact decode loop) on the policy module itself, from left-padded prompts.
 
-    Sampling uses softmax(logits / temperature), nucleus ``top_p`` and optional ``top_k``; the
-    trainer recomputes log-probs with the same temperature, so the ratio π_θ/π_old is exact when
-    top_p = 1 and top_k = 0.
+    Sampling uses softmax(logits / temperature), nucleus ``top_p`` and optional ``top_k``; the trainer recomputes
+    log-probs with the same temperature, so the ratio π_θ/π_old is exact when top_p = 1 and top_k = 0.
 
-    ``share_prefill`` (``rollout.share_prefill``): each distinct prompt of a run of identical
-    consecutive rows (a GRPO group's G samples) is prefilled once, its KV cache copied to the run's
-    rows (:meth:`_shared_prefill`), and ``generate`` starts at the last prompt token.
+    ``share_prefill`` (``rollout.share_prefill``): each distinct prompt of a run of identical consecutive rows (a
+    GRPO group's G samples) is prefilled once, its KV cache copied to the run's rows (:meth:`_shared_prefill`), and
+    ``generate`` starts at the last prompt token.
 
     ``hf_decode`` (``rollout.hf_decode``): ``"tether"`` decodes with :func:`tether.rollout.hf_decode.decode`
-    (tether's own loop over a preallocated KV cache; the same tokens as ``model.generate`` for a fixed
-    seed, bit for bit, with less CPU time) wherever :func:`tether.rollout.hf_decode.plan` accepts the call,
-    else ``model.generate``; ``"generate"`` always uses ``model.generate`` with its ``DynamicCache``.
-    ``drop_finished`` (``rollout.hf_drop_finished``, tether's loop only): rows that have ended stop being
-    run through the model (at least 8 are kept; :func:`tether.rollout.hf_decode._compact`).
-    ``sampler`` (``rollout.hf_sampler``, tether's loop only): ``"multinomial"`` (``generate``'s) or
-    ``"inverse_cdf"`` (:func:`tether.rollout.hf_decode.sample_inverse_cdf`: the same distribution, one
-    uniform per row, other tokens for a given seed).
+    (tether's own loop over a preallocated KV cache; the same tokens as ``model.generate`` for a fixed seed, bit
+    for bit, with less CPU time) wherever :func:`tether.rollout.hf_decode.plan` accepts the call, else
+    ``model.generate``; ``"generate"`` always uses ``model.generate`` with its ``DynamicCache``.
+    ``drop_finished`` (``rollout.hf_drop_finished``, tether's loop only): rows that have ended stop being run
+    through the model (at least 8 are kept; :func:`tether.rollout.hf_decode._compact`). ``sampler``
+    (``rollout.hf_sampler``, tether's loop only): ``"multinomial"`` (``generate``'s) or ``"inverse_cdf"``
+    (:func:`tether.rollout.hf_decode.sample_inverse_cdf`: the same distribution, one uniform per row, other tokens
+    for a given seed).
 
-    ``returns_logprobs`` (set by ``actor.old_logprobs_source=rollout``): ``generate(...,
-    return_logprobs=True)`` also returns the sampled tokens' log-probs at the sampling temperature,
-    from ``generate``'s own forward passes (KV cache, last position; :class:`SampledLogprobs`).
+    A request asking for log-probs (``SamplingParams.logprobs``: ``actor.old_logprobs_source=rollout``,
+    ``algo.rollout_correction``) gets the sampled tokens' log-probs at the sampling temperature, from
+    ``generate``'s own forward passes (KV cache, last position; :class:`SampledLogprobs`). Stop strings are not
+    supported (``capabilities.stop_strings`` False).
     """
+
+    name = "hf"
+    capabilities = EngineCapabilities(
+        logprobs=True, stop_strings=False, continues_from_ids=True, sleeps=False, holds_weights=False
+    )
 
     #: "inference" runs generate under ``torch.inference_mode`` (no version counters or autograd
     #: bookkeeping on the KV cache), "no_grad" under ``torch.no_grad``; sampled tokens are the same.
@@ -96,21 +117,14 @@ class HFRolloutEngine:
     #: each weight's bf16 cast for the whole call there, while under inference mode it casts every
     #: weight at every decode step (622 casts of the MLP weights a step on the 5.2M bench model, 110 now).
     grad_mode = "inference"
-    returns_logprobs = False
 
     def __init__(
         self,
         model,
         tokenizer,
         *,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        do_sample: bool = True,
         eos_token_ids: list[int] | None = None,
         compute_dtype: str = "float32",
-        returns_logprobs: bool = False,
         share_prefill: bool = True,
         hf_decode: str = "tether",
         drop_finished: bool = True,
@@ -127,43 +141,83 @@ class HFRolloutEngine:
         self.share_prefill = share_prefill
         self.compute_dtype = compute_dtype  # generation runs under the actor's autocast (actor.compute_dtype)
         self.tokenizer = tokenizer
-        if returns_logprobs:
-            self.returns_logprobs = True
         # generation stops at any of these (the tokenizer's EOS and the model's generation_config EOS ids)
         self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
-        self.kwargs = dict(
-            do_sample=do_sample,
-            temperature=temperature if do_sample else None,
-            top_p=top_p if do_sample else None,
-            top_k=top_k if do_sample else None,
-            max_new_tokens=max_new_tokens,
+
+    def generate(self, requests: Sequence[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
+        """One result per request (:meth:`GenerationEngine.generate`): each run of consecutive requests with the
+        same sampling settings is one left-padded batch (:meth:`generate_padded`), cut at each row's first EOS.
+        ``seed``: sample from torch's RNG seeded so for this call (the caller's RNG left where it was); None: from
+        torch's global RNG as it is (which checkpoints save).
+
+        Raises:
+            ValueError: a request with stop strings or an empty prompt.
+        """
+        check_requests(self, requests)
+        if seed is None:
+            return self._generate_runs(requests)
+        devices = [self._device().index or 0] if self._device().type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self._generate_runs(requests)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _generate_runs(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        out: list[GenerationResult] = []
+        start = 0
+        while start < len(requests):
+            params = requests[start].params
+            stop = start + 1
+            while stop < len(requests) and requests[stop].params == params:
+                stop += 1
+            ids, mask = left_pad(
+                [r.prompt_ids for r in requests[start:stop]], self.tokenizer.pad_token_id, self._device()
+            )
+            response_ids, logprobs = self.generate_padded(ids, mask, params)
+            out += results_from_padded(response_ids, self.eos_token_ids, logprobs)
+            start = stop
+        return out
+
+    @staticmethod
+    def generate_kwargs(params: SamplingParams) -> dict:
+        """``generate`` keyword arguments of ``params`` (sampling settings ignored when greedy, as ``generate``
+        wants)."""
+        greedy = not params.do_sample
+        return dict(
+            do_sample=params.do_sample,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy else params.top_k,
+            max_new_tokens=params.max_new_tokens,
         )
 
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, return_logprobs: bool = False, **overrides
-    ):
-        """Sample one response per row.
+    def generate_padded(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams | None = None, **overrides
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample one response per row of a left-padded batch: what :meth:`generate` runs for each batch.
 
         Args:
             prompt_ids, prompt_mask: (B, P), left-padded.
-            return_logprobs: also return the sampled tokens' log-probs (:class:`SampledLogprobs`).
-            overrides: ``generate`` keyword arguments (``do_sample``, ``temperature``, ``max_new_tokens``, ...).
+            params: the sampling settings (default :class:`SamplingParams`); its ``logprobs`` also returns the
+                sampled tokens' log-probs (:class:`SampledLogprobs`).
+            overrides: further ``generate`` keyword arguments (e.g. ``suppress_tokens``, ``logits_processor``).
         Returns:
-            response_ids (B, T), T ≤ max_new_tokens, padded with the pad token after EOS (an ordinary
-            tensor, usable in a later autograd pass); with ``return_logprobs``: ``(response_ids,
-            logprobs)``, logprobs (B, T) float32, nats, log π(a_t | s_t) at the sampling temperature
-            (1 when greedy), meaningless after a row's EOS.
+            ``(response_ids (B, T), logprobs (B, T) or None)``: T ≤ max_new_tokens, padded with the pad token after
+            EOS (an ordinary tensor, usable in a later autograd pass); logprobs float32, nats,
+            log π(a_t | s_t) at the sampling temperature (1 when greedy), meaningless after a row's EOS.
         """
+        params = params or SamplingParams()
         was_training = self.model.training
         self.model.eval()
-        kwargs = {**self.kwargs, **overrides}
+        kwargs = {**self.generate_kwargs(params), **overrides}
         recorder = None
-        if return_logprobs:
+        if params.logprobs:
             from transformers import LogitsProcessorList
 
-            recorder = SampledLogprobs(
-                float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0
-            )
+            temperature = float(kwargs.get("temperature") or 1.0) if kwargs.get("do_sample", True) else 1.0
+            recorder = SampledLogprobs(temperature)
             kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), recorder])
 
         inference = self.grad_mode == "inference" and self.compute_dtype == "float32"
@@ -175,7 +229,16 @@ class HFRolloutEngine:
         if was_training:
             self.model.train()
         response_ids = response_ids.clone()  # cloned outside inference mode: a normal tensor
-        return response_ids if recorder is None else (response_ids, logprobs.clone())
+        return response_ids, (None if logprobs is None else logprobs.clone())
+
+    def sleep(self) -> None:
+        """Nothing: the engine holds no memory of its own between rollouts."""
+
+    def wake(self) -> None:
+        """Nothing (see :meth:`sleep`)."""
+
+    def close(self) -> None:
+        """Nothing: the module is the actor's."""
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """(B, P + T) prompts and responses, from tether's decode loop or ``model.generate`` (``hf_decode``)."""
@@ -238,3 +301,25 @@ class HFRolloutEngine:
     def sync_weights(self, model) -> None:
         """The HF engine shares the actor's module: nothing to push."""
         self.model = model
+
+
+# ---------------------------------------------------------------------------- registry hooks (tether.engines)
+def check_usable(model_path, *, key: str = "actor.model", value: str | None = None) -> str:
+    """HF generate runs wherever tether runs: what it will run, never an error."""
+    return "HF generate runs every model transformers loads"
+
+
+def build(cfg, *, model, tokenizer, model_path, eos_token_ids: list[int]) -> HFRolloutEngine:
+    """The engine over the policy module ``model`` itself, from ``rollout.*`` (``compute_dtype``, ``share_prefill``,
+    ``hf_decode``, ``hf_drop_finished``, ``hf_sampler``) and ``actor.compute_dtype``."""
+    r = cfg.rollout
+    return HFRolloutEngine(
+        model,
+        tokenizer,
+        eos_token_ids=eos_token_ids,
+        compute_dtype=r.compute_dtype or cfg.actor.compute_dtype,
+        share_prefill=r.share_prefill,
+        hf_decode=r.hf_decode,
+        drop_finished=r.hf_drop_finished,
+        sampler=r.hf_sampler,
+    )

@@ -1,42 +1,112 @@
-"""Building a RolloutBatch: prompts → engine (online) or dataset responses (offline)."""
+"""Building a RolloutBatch: prompts → trajectories through a generation engine (online), or the dataset's responses
+(offline).
+
+A :class:`Trajectory` is one response as it grows: the prompt, then turns. Each turn appends what the engine
+sampled (``generated_mask`` 1, with the engine's log-probs); a multi-turn runner may then append tokens of its
+own (a tool's output, a user's reply: ``generated_mask`` 0) and ask for another turn (:meth:`RolloutRunner.next_turn`).
+Single-turn sampling is that loop run once. The batch's ``loss_mask`` starts from ``generated_mask``: the update
+trains only on tokens the model wrote; ``response_mask`` says which positions hold a token at all.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from tether.batch import RolloutBatch
-from tether.data.loading import PromptSet, collate_prompts
-from tether.rollout import response_mask_from_ids, truncated_rows
+from tether.data.loading import PromptSet
+from tether.rollout.engine import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams, left_pad
+
+
+@dataclass
+class Trajectory:
+    """One response being built after its prompt.
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        response_ids: every token after the prompt, in order: the engine's and (multi-turn) the environment's.
+        generated_mask: per response token, 1 where the engine sampled it, 0 where anything else put it.
+        logprobs: per response token, the engine's log-prob of a sampled token (nats; NaN where it reported none),
+            0.0 for a token it did not sample; None when the engine was not asked for them.
+        finish_reason: why the last turn ended (``tether.rollout.engine.FINISH_REASONS``); None before any turn.
+        turns: engine calls made for it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    generated_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    turns: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        """What the next turn continues: the prompt and everything after it, exactly as the model saw it."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    def add_generated(self, result: GenerationResult) -> None:
+        """Append one turn's sampled tokens (``generated_mask`` 1) and its log-probs."""
+        n = len(result.token_ids)
+        if result.logprobs is not None and self.logprobs is None:
+            self.logprobs = [0.0] * len(self.response_ids)
+        if self.logprobs is not None:
+            self.logprobs += result.logprobs if result.logprobs is not None else [float("nan")] * n
+        self.response_ids += result.token_ids
+        self.generated_mask += [1] * n
+        self.finish_reason = result.finish_reason
+        self.turns += 1
+
+    def add_observation(self, token_ids: list[int]) -> None:
+        """Append tokens the model did not write (``generated_mask`` 0, log-prob 0.0): a tool's output, a reply."""
+        self.response_ids += list(token_ids)
+        self.generated_mask += [0] * len(token_ids)
+        if self.logprobs is not None:
+            self.logprobs += [0.0] * len(token_ids)
 
 
 class RolloutRunner:
-    """Turns prompt indices into a RolloutBatch with ``n`` responses per prompt (contiguous groups)."""
+    """Turns prompt indices into a RolloutBatch with ``n`` responses per prompt (contiguous groups).
+
+    Args:
+        engine: the generation engine (:class:`~tether.rollout.engine.GenerationEngine`).
+        tokenizer: the policy's tokenizer (pad id, EOS id, decoding).
+        device: where the batch's tensors go.
+        params: the run's sampling settings (``tether.rollout.registry.sampling_params``); ``logprobs`` asks the
+            engine for the sampled tokens' log-probs (``batch.rollout_logprobs``).
+        mode: ``"online"`` (sample) or ``"offline"`` (the dataset's responses).
+        eos_token_ids: every id that ends a response besides the tokenizer's (the model's generation_config EOS
+            ids, e.g. Qwen2.5's <|im_end|> and <|endoftext|>); offline responses end with the tokenizer's.
+    """
 
     def __init__(
         self,
-        engine,
+        engine: GenerationEngine,
         tokenizer,
         device,
         *,
+        params: SamplingParams,
         mode: str = "online",
-        max_new_tokens: int = 256,
         eos_token_ids: list[int] | None = None,
     ):
         self.engine = engine
         self.tok = tokenizer
         self.device = device
+        self.params = params
         self.mode = mode
-        self.max_new_tokens = max_new_tokens
-        # every id that ends a response (tokenizer EOS + the model's generation_config EOS ids, e.g. Qwen2.5's
-        # <|im_end|> and <|endoftext|>); a response's mask ends at the first of them
         self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self._offline_groups: tuple[PromptSet, list[list[int]], dict[int, int]] | None = None
 
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
+
     def sync_weights(self, model) -> None:
+        """The engine takes the policy's weights (after an update, a resume or a rollback)."""
         self.engine.sync_weights(model)
 
     def rollout(
-        self, prompts: PromptSet, indices: list[int], n: int, *, mode: str | None = None, **gen_overrides
+        self, prompts: PromptSet, indices: list[int], n: int, *, mode: str | None = None, **overrides
     ) -> RolloutBatch:
         """``n`` sampled responses per prompt index (online), or the dataset's responses (offline).
 
@@ -45,24 +115,114 @@ class RolloutRunner:
             n: responses per prompt (online only; offline groups come from the data).
             mode: ``"online"``/``"offline"`` for this call (default: the runner's mode). Validation and
                 ``tether eval`` always generate, also in an offline run.
-            gen_overrides: passed to the engine's ``generate`` (e.g. ``do_sample=False``).
+            overrides: sampling settings for this call (:meth:`SamplingParams.override`, e.g. ``do_sample=False``).
         """
         if (mode or self.mode) == "offline":
             return self._offline(prompts, indices)
         rep = [i for i in indices for _ in range(n)]
-        prompt_ids, prompt_mask = collate_prompts([prompts.ids[i] for i in rep], self.tok.pad_token_id, self.device)
-        rollout_logprobs = None
-        # vLLM: its log-probs, to measure the mismatch with the trainer's
-        if getattr(self.engine, "returns_logprobs", False):
-            response_ids, rollout_logprobs = self.engine.generate(
-                prompt_ids, prompt_mask, return_logprobs=True, **gen_overrides
-            )
-        else:
-            response_ids = self.engine.generate(prompt_ids, prompt_mask, **gen_overrides)
+        trajectories = self.run([prompts.ids[i] for i in rep], self.params.override(**overrides))
         group_ids = torch.arange(len(indices), device=self.device).repeat_interleave(n)
-        batch = self._batch(prompts, rep, prompt_ids, prompt_mask, response_ids, group_ids)
-        batch.rollout_logprobs = rollout_logprobs
-        return batch
+        return self.collate(prompts, rep, trajectories, group_ids)
+
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        """The turn loop: every unfinished trajectory's context goes to the engine in one call per turn; after each
+        turn :meth:`next_turn` says whether (and with what tokens appended) a trajectory continues."""
+        trajectories = [Trajectory(list(p)) for p in prompt_ids]
+        active = list(range(len(trajectories)))
+        while active:
+            results = self.engine.generate([GenerationRequest(trajectories[i].context, params) for i in active])
+            if len(results) != len(active):
+                raise RuntimeError(
+                    f"rollout.engine={self.engine.name}: {len(results)} results for {len(active)} requests"
+                )
+            still = []
+            for i, result in zip(active, results, strict=True):
+                trajectories[i].add_generated(result)
+                appended = self.next_turn(trajectories[i])
+                if appended is not None:
+                    trajectories[i].add_observation(appended)
+                    still.append(i)
+            active = still
+        return trajectories
+
+    def next_turn(self, trajectory: Trajectory) -> list[int] | None:
+        """After a turn: None ends ``trajectory`` (single-turn sampling: always); a multi-turn runner returns the
+        token ids to append before the next turn (a tool's output; ``generated_mask`` 0)."""
+        return None
+
+    def collate(self, prompts: PromptSet, rep: list[int], trajectories: list[Trajectory], group_ids) -> RolloutBatch:
+        """The batch of ``trajectories`` (row j answers prompt ``rep[j]``): prompts left-padded, responses
+        right-padded with the pad token, ``response_mask`` 1 on every response token, ``generated_mask`` 1 on the
+        sampled ones (``loss_mask`` starts from it), ``rollout_logprobs`` the engine's (0 on padding), the
+        finish reasons and ``truncated`` (finished by length)."""
+        pad = self.tok.pad_token_id
+        prompt_ids, prompt_mask = left_pad([t.prompt_ids for t in trajectories], pad, self.device)
+        B = len(trajectories)
+        T = max(1, max(len(t.response_ids) for t in trajectories))
+        response_ids = torch.full((B, T), pad, dtype=torch.long)
+        response_mask = torch.zeros((B, T), dtype=torch.long)
+        generated = torch.zeros((B, T), dtype=torch.long)
+        with_lp = any(t.logprobs is not None for t in trajectories)
+        logprobs = torch.zeros((B, T), dtype=torch.float32) if with_lp else None
+        for j, t in enumerate(trajectories):
+            k = len(t.response_ids)
+            if not k:
+                continue
+            response_ids[j, :k] = torch.as_tensor(t.response_ids, dtype=torch.long)
+            response_mask[j, :k] = 1
+            generated[j, :k] = torch.as_tensor(t.generated_mask, dtype=torch.long)
+            if logprobs is not None:
+                logprobs[j, :k] = torch.as_tensor(t.logprobs if t.logprobs is not None else [float("nan")] * k)
+        shown = torch.where(response_mask.bool(), response_ids, pad)
+        finish = [t.finish_reason or "length" for t in trajectories]
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids.to(self.device),
+            response_mask=response_mask.to(self.device),
+            group_ids=group_ids,
+            rows=[prompts.rows[i] for i in rep],
+            prompts=[prompts.texts[i] for i in rep],
+            responses=self.tok.batch_decode(shown, skip_special_tokens=True),
+            rollout_logprobs=None if logprobs is None else logprobs.to(self.device),
+            truncated=torch.tensor([f == "length" for f in finish], device=self.device),
+            generated_mask=generated.to(self.device),
+            loss_mask=generated.bool().to(self.device),
+            finish_reasons=finish,
+        )
+
+    def restore(
+        self,
+        prompts: PromptSet,
+        rep: list[int],
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        group_ids: torch.Tensor,
+        *,
+        response_mask: torch.Tensor | None = None,
+        generated_mask: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+    ) -> RolloutBatch:
+        """A batch saved as tensors (a pending async batch, on resume), rebuilt as :meth:`collate` built it.
+
+        Without ``response_mask`` (a checkpoint written before ``generated_mask`` existed) each row is its tokens up
+        to and including the first EOS id (``eos``), else the whole row (``length``), every one generated: what a
+        single-turn batch holds.
+        """
+        eos = set(self.eos_token_ids)
+        trajectories = []
+        for j, (p, pm, row) in enumerate(
+            zip(prompt_ids.tolist(), prompt_mask.tolist(), response_ids.tolist(), strict=True)
+        ):
+            end = next((t + 1 for t, tok in enumerate(row) if tok in eos), None)
+            k = int(response_mask[j].sum()) if response_mask is not None else (len(row) if end is None else end)
+            gen = [1] * k if generated_mask is None else [int(g) for g in generated_mask[j, :k].tolist()]
+            cut = bool(truncated[j]) if truncated is not None else end is None
+            t = Trajectory([x for x, m in zip(p, pm, strict=True) if m], row[:k], gen, None, "length" if cut else "eos")
+            t.turns = 1
+            trajectories.append(t)
+        return self.collate(prompts, rep, trajectories, group_ids.to(self.device))
 
     def _groups(self, prompts: PromptSet) -> tuple[list[list[int]], dict[int, int]]:
         """Row indices of ``prompts`` grouped by identical rendered prompt text (first-appearance
@@ -84,37 +244,24 @@ class RolloutRunner:
         ``data.batch_size`` prompts with all their responses (``rollout.n`` is not used).
 
         Responses are tokenized without special tokens and end with EOS, like a generated response
-        that stopped; one longer than ``rollout.max_new_tokens`` is cut to that length without EOS
-        (like a generated response that hit the limit).
+        that stopped (``eos``); one longer than ``rollout.max_new_tokens`` is cut to that length without EOS
+        (like a generated response that hit the limit: ``length``); a response ends at its first EOS id. Its tokens
+        count as the policy's actions
+        (``generated_mask`` 1): offline RL trains on them as if the policy had sampled them.
         """
         groups, group_of = self._groups(prompts)
         chosen = list(dict.fromkeys(group_of[i] for i in indices))
         rows = [i for g in chosen for i in groups[g]]
-        eos = self.tok.eos_token_id
-        resp = []
+        limit, ends = self.max_new_tokens, set(self.eos_token_ids)
+        trajectories = []
         for i in rows:
             ids = self.tok(prompts.rows[i].response or "", add_special_tokens=False)["input_ids"]
-            resp.append(ids[: self.max_new_tokens] if len(ids) >= self.max_new_tokens else ids + [eos])
-        T = max(len(r) for r in resp)
-        response_ids = torch.full((len(resp), T), self.tok.pad_token_id, dtype=torch.long)
-        for j, r in enumerate(resp):
-            response_ids[j, : len(r)] = torch.tensor(r, dtype=torch.long)
-        prompt_ids, prompt_mask = collate_prompts([prompts.ids[i] for i in rows], self.tok.pad_token_id, self.device)
+            ids = ids[:limit] if len(ids) >= limit else [*ids, self.tok.eos_token_id]
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in ends), None)  # a response ends at its first EOS
+            t = Trajectory(list(prompts.ids[i]))
+            t.add_generated(
+                GenerationResult(ids if end is None else ids[:end], None, "length" if end is None else "eos")
+            )
+            trajectories.append(t)
         group_ids = torch.tensor([k for k, g in enumerate(chosen) for _ in groups[g]], device=self.device)
-        return self._batch(prompts, rows, prompt_ids, prompt_mask, response_ids.to(self.device), group_ids)
-
-    def _batch(self, prompts: PromptSet, rep, prompt_ids, prompt_mask, response_ids, group_ids) -> RolloutBatch:
-        response_mask = response_mask_from_ids(response_ids, self.eos_token_ids)
-        shown = torch.where(response_mask.bool(), response_ids, self.tok.pad_token_id)
-        responses = self.tok.batch_decode(shown, skip_special_tokens=True)
-        return RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            group_ids=group_ids,
-            rows=[prompts.rows[i] for i in rep],
-            prompts=[prompts.texts[i] for i in rep],
-            responses=responses,
-            truncated=truncated_rows(response_ids, self.eos_token_ids),
-        )
+        return self.collate(prompts, rows, trajectories, group_ids)

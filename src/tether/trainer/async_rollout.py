@@ -115,8 +115,9 @@ class AsyncRollout:
     """Produces each step's batch one step ahead, on a snapshot of the policy, in a background thread.
 
     Args:
-        runner: the trainer's :class:`~tether.rollout.runner.RolloutRunner` (its engine must take a
-            model by ``sync_weights``: the HF engine).
+        runner: the trainer's :class:`~tether.rollout.runner.RolloutRunner`; its engine is copied to run on the
+            snapshot (``sync_weights``): one whose registry entry says ``snapshot_async`` (HF; the config refuses
+            the others).
         model: the policy whose weights each job copies (the local actor, or the Ray driver's copy).
         prompts: the training prompt set; sampler: its PromptSampler (drawn on the main thread).
         n: responses per prompt; micro_batch_size, temperature, compute_dtype: as the actor's
@@ -279,7 +280,18 @@ class AsyncRollout:
         return batch
 
     # -------------------------------------------------------------- checkpoints
-    _TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "group_ids", "old_logprobs", "entropy", "rollout_logprobs")
+    _TENSORS = (
+        "prompt_ids",
+        "prompt_mask",
+        "response_ids",
+        "response_mask",
+        "generated_mask",
+        "truncated",
+        "group_ids",
+        "old_logprobs",
+        "entropy",
+        "rollout_logprobs",
+    )
 
     def save(self, directory: Path) -> None:
         """Write the pending batches (if any) as ``async_pending.safetensors``: per batch i, its token ids, masks,
@@ -334,13 +346,15 @@ class AsyncRollout:
                     f"{indices[:4]}..., which do not fit this run's {len(self.prompts)} prompts x rollout.n={self.n}"
                 )
             rep = [j for j in indices for _ in range(self.n)]
-            batch = self.runner._batch(
+            masks = {k: t.get(f"{i}.{k}") for k in ("response_mask", "generated_mask", "truncated")}  # None: older file
+            batch = self.runner.restore(
                 self.prompts,
                 rep,
-                t[f"{i}.prompt_ids"].to(device),
-                t[f"{i}.prompt_mask"].to(device),
-                ids.to(device),
-                t[f"{i}.group_ids"].to(device),
+                t[f"{i}.prompt_ids"],
+                t[f"{i}.prompt_mask"],
+                ids,
+                t[f"{i}.group_ids"],
+                **masks,
             )
             for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
                 setattr(batch, k, t[f"{i}.{k}"].to(device) if f"{i}.{k}" in t else None)

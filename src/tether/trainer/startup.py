@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from tether.config import ConfigError, TetherConfig, no_gold_message
+from tether.engines import entry
 from tether.plan import ModelShape
 from tether.rewards import GOLD_FUNCTIONS, get_gold_function
 
@@ -83,25 +84,20 @@ def device_memory_bytes(device) -> int | None:
         return None
 
 
-def rollout_bytes(shape, sequences: int, tokens: int, dtype_bytes: int) -> tuple[int, int]:
-    """``(KV cache, logits)`` bytes of HF generation of ``sequences`` rows of up to ``tokens`` tokens (prompt +
-    response): the cache of every layer's keys and values in the compute dtype, and one step's last-position
-    logits with their softmax in float32 (:class:`tether.plan.ModelShape` ``shape``)."""
-    return shape.kv_bytes_per_token(dtype_bytes) * tokens * sequences, 2 * 4 * shape.vocab * sequences
-
-
-def check_rollout_memory(cfg: TetherConfig, actor_path, device, *prompt_sets) -> int | None:
+def check_rollout_memory(cfg: TetherConfig, actor_path, device, engine: str, *prompt_sets) -> int | None:
     """Refuse, before the first step, a rollout whose generation cannot fit the device at all (its total memory,
     not what is free): ``data.batch_size`` × ``rollout.n`` sequences of the longest kept prompt plus
-    ``rollout.max_new_tokens``, with the HF engine (vLLM sizes its own cache). Returns the estimate, bytes (None
-    where nothing is checked: offline data, the vLLM engine, an architecture :mod:`tether.plan` cannot read).
+    ``rollout.max_new_tokens``, as engine ``engine`` (the resolved ``rollout.engine``) needs it beyond the weights
+    (its registry entry's ``generation_bytes``: HF generate's KV cache and logits). Returns the estimate, bytes
+    (None where nothing is checked: offline data, an engine that sizes its own memory (vLLM), an architecture
+    :mod:`tether.plan` cannot read).
 
     Raises:
         ConfigError: naming data.batch_size, rollout.n and the keys that lower it, the estimate and the device's memory.
     """
-    if cfg.rollout.mode == "offline" or cfg.rollout.engine == "vllm":
+    estimate = entry(engine).generation_bytes
+    if cfg.rollout.mode == "offline" or estimate is None:
         return None
-
     try:
         shape = ModelShape.from_config(actor_path)
     except (ValueError, OSError):
@@ -109,19 +105,16 @@ def check_rollout_memory(cfg: TetherConfig, actor_path, device, *prompt_sets) ->
     longest = max((len(ids) for ps in prompt_sets for ids in ps.ids), default=0)
     sequences, tokens = cfg.data.batch_size * cfg.rollout.n, longest + cfg.rollout.max_new_tokens
     dtype = cfg.rollout.compute_dtype or cfg.actor.compute_dtype
-    kv, logits = rollout_bytes(shape, sequences, tokens, 2 if dtype == "bfloat16" else 4)
-    limit = device_memory_bytes(device)
-    if limit is not None and kv + logits > limit:
-        gib = 2**30
+    parts = estimate(shape, sequences, tokens, 2 if dtype == "bfloat16" else 4)
+    total, limit, gib = sum(parts.values()), device_memory_bytes(device), 2**30
+    if limit is not None and total > limit:
+        shown = ", ".join(f"{what} {b / gib:.1f} GiB" for what, b in parts.items())
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences of up to "
-            f"{tokens} tokens need about "
-            f"{(kv + logits) / gib:.1f} GiB to generate (KV cache {kv / gib:.1f} GiB, logits {logits / gib:.1f} GiB), "
-            "more than this "
-            f"{device.type} device's {limit / gib:.1f} GiB: lower data.batch_size or rollout.n (or "
-            "rollout.max_new_tokens)"
+            f"{tokens} tokens need about {total / gib:.1f} GiB to generate ({shown}), more than this {device.type} "
+            f"device's {limit / gib:.1f} GiB: lower data.batch_size or rollout.n (or rollout.max_new_tokens)"
         )
-    return kv + logits
+    return total
 
 
 def warn_batch_larger_than_data(cfg: TetherConfig, n_prompts: int) -> bool:

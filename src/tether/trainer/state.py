@@ -196,9 +196,7 @@ class CheckpointManager:
                     "last_val": _clean(last_val),
                     "val_score": score,
                     "stopped": final,
-                    "diagnostics": None
-                    if diag is None
-                    else {"calls": diag._calls, "active": sorted([list(a) for a in diag._active])},
+                    "diagnostics": None if diag is None else diag.state_dict(),
                     "metrics": None if metrics is None else _clean(metrics),
                     "config": resolve_local_paths(self.cfg.to_dict()),
                 },
@@ -354,8 +352,7 @@ class CheckpointManager:
         for the trainer to re-apply what guard.on_hacking did with them."""
         s = self._diagnostics_state
         if s:
-            diagnostics._calls = int(s["calls"])
-            diagnostics._active = {tuple(a) for a in s["active"]}
+            diagnostics.load_state_dict(s)
             if self._step_record is not None:
                 return diagnostics.update(self.step, self._step_record)
         return []

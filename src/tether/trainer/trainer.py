@@ -193,13 +193,12 @@ class Trainer:
         startup.check_gold(cfg, val_rows)
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
-        if cfg.algo.rollout_correction.active and not getattr(self.roles.engine.engine, "returns_logprobs", False):
+        engine = self.roles.engine.engine
+        if cfg.algo.rollout_correction.active and not engine.capabilities.logprobs:
             raise ConfigError(
-                "algo.rollout_correction needs the sampled tokens' log-probs, and this rollout engine returns none (a "
-                "vLLM "
-                "without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set "
-                "algo.rollout_correction.level=none "
-                "and algo.rollout_correction.reject=none"
+                "algo.rollout_correction needs the sampled tokens' log-probs, and rollout.engine="
+                f"{engine.name} returns none here (a vLLM without logprobs_mode); use rollout.engine=hf or a newer "
+                "vLLM, or set algo.rollout_correction.level=none and algo.rollout_correction.reject=none"
             )
         if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
             train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
@@ -207,7 +206,9 @@ class Trainer:
         self.val_set = prepare_prompts(val_rows, self.tok, cfg.data, "data.val_files")
         startup.check_context_length(cfg, self.roles.model_paths, self.train_set, self.val_set)
         # before any work
-        startup.check_rollout_memory(cfg, self.roles.model_paths["actor.model"], self.device, self.train_set)
+        startup.check_rollout_memory(
+            cfg, self.roles.model_paths["actor.model"], self.device, engine.name, self.train_set
+        )
         startup.warn_batch_larger_than_data(cfg, len(self.train_set))
         startup.log_reuse_logprobs(cfg, has_critic=self.roles.critic is not None, has_dropout=self._actor_has_dropout)
         if hasattr(self.roles.reward, "check_rows"):
@@ -520,7 +521,7 @@ class Trainer:
         says which (1 or 0)."""
         if self.cfg.actor.old_logprobs_source != "rollout":
             return False
-        lp, mask = batch.rollout_logprobs, batch.response_mask.bool()
+        lp, mask = batch.rollout_logprobs, batch.update_mask.bool()  # the generated tokens
         ok = lp is not None and bool(torch.isfinite(lp[mask]).all())
         batch.extra["old_logprobs_metrics"] = {"rollout/old_logprobs_from_rollout": float(ok)}
         if ok:
@@ -564,13 +565,14 @@ class Trainer:
             return
         if batch.rollout_logprobs is None:  # every engine that setup accepts returns them; a batch without is a bug
             raise RuntimeError("algo.rollout_correction: the rollout engine returned no log-probs for this batch")
-        batch.is_weights, batch.loss_mask, metrics = rollout_correction(
+        batch.is_weights, keep, metrics = rollout_correction(
             batch.old_logprobs,
             batch.rollout_logprobs.to(batch.old_logprobs.device),
-            batch.response_mask,
+            batch.update_mask,  # the generated tokens: the engine's log-probs are of those
             batch_normalize=rc.batch_normalize,
             **correction_kwargs(self.cfg),
         )
+        batch.loss_mask = keep if batch.loss_mask is None else batch.loss_mask.to(keep.device) & keep
         batch.extra["rollout_corr_metrics"] = metrics
         if metrics.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
             log.warning(

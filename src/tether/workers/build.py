@@ -1,24 +1,32 @@
 """The role factory: each role built from its config, once, for the local process and for a Ray rank alike.
 
-:func:`actor_worker`, :func:`reference_worker` and :func:`critic_worker` wrap a loaded model in its role
-(``tether.distributed.worker.RankWorker`` calls them on each rank after sharding the model);
-:func:`build_local_roles` loads every model of a run in this process and wires the :class:`~tether.workers.roles.Roles`
-the loop drives (under ``trainer.backend=ray`` the driver's share: tokenizer, its copy of the policy, rollout
-engine, reward; ``tether.placement`` then puts actor, reference and critic on the worker groups).
-:func:`actor_spec` is one step's update settings.
+Models are assembled by one recipe, :func:`assemble_policy` (and :func:`assemble_critic`), which every placement
+runs with every check: this process for its own models, each Ray rank (``tether.distributed.worker.RankWorker``)
+before it shards them. :func:`actor_worker`, :func:`reference_worker` and :func:`critic_worker` wrap an assembled
+(and, on a rank, sharded) model in its role. :func:`build_driver_share` is what this process holds of a run (all of
+it locally; under ``trainer.backend=ray`` the tokenizer, its copy of the policy, the reward);
+:func:`build_runner` builds the rollout role whole, its engine by the engine registry (``tether.engines``,
+``tether.rollout.registry``); :func:`build_local_roles` wires the :class:`~tether.workers.roles.Roles` of the local
+backend. :func:`actor_spec` is one step's update settings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+from peft import set_peft_model_state_dict
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from tether import engines
 from tether.config import ConfigError, TetherConfig
 from tether.models import (
+    DTYPES,
     ValueModel,
     apply_lora,
     attention,
@@ -28,8 +36,8 @@ from tether.models import (
     resolve_model_path,
 )
 from tether.rewards import GoldReward, RewardManager, RewardResult
-from tether.rollout import HFRolloutEngine
-from tether.rollout import vllm as vllm_engine
+from tether.rollout import registry
+from tether.rollout.engine import GenerationEngine
 from tether.rollout.runner import RolloutRunner
 from tether.workers.actor import ActorUpdateSpec, ActorWorker, ReferenceWorker
 from tether.workers.critic import CriticWorker
@@ -215,94 +223,270 @@ def check_lora_reference(cfg: TetherConfig) -> None:
         )
 
 
-def build_local_roles(cfg: TetherConfig) -> Roles:
-    """Load every model of this process once and wire the roles (:class:`LocalPlacement`). Under ``trainer.backend=ray``
-    this is the driver's share (``tether.placement.build_roles`` then moves actor, reference and critic onto the worker
-    groups): the driver's copy of the policy, a reference only for exact/* validation (:func:`driver_holds_ref`), no
-    critic.
+# ---------------------------------------------------------------------------- the one model-assembly recipe
+@dataclass
+class PolicyModels:
+    """The policy and its reference as :func:`assemble_policy` made them.
 
-    Raises:
-        ConfigError: a bad model directory, tokenizers that differ, a refused combination (naming the keys).
+    Attributes:
+        policy: the policy module (with LoRA adapters when ``actor.lora.rank`` > 0).
+        reference: a separate frozen reference module, or None: a LoRA policy's reference is the policy with its
+            adapters disabled (``lora``), or this process holds none (``with_reference=False``).
+        lora: the policy carries LoRA adapters (its reference is adapters-off).
+        tokenizer: the actor's tokenizer.
+        paths: ``{config key: model directory}`` of the models that run over whole sequences (``actor.model``, and
+            ``ref.model`` when separate), for the start-up context-length check.
     """
-    device = pick_device(cfg.trainer.device)
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    lora: bool
+    tokenizer: Any
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+def _load_lm(cfg: TetherConfig, path, device: torch.device):
+    """A causal LM from ``path`` on ``device``; on the meta device its architecture only (no weights read)."""
+    trc = cfg.actor.trust_remote_code
+    if device.type == "meta":
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trc)
+            return AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.actor.dtype], trust_remote_code=trc)
+    return load_causal_lm(path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
+
+
+def assemble_policy(
+    cfg: TetherConfig,
+    device: torch.device,
+    *,
+    load_device: torch.device | None = None,
+    with_reference: bool = True,
+    lora_state: dict | None = None,
+    gradient_checkpointing: bool = False,
+    tokenizer=None,
+) -> PolicyModels:
+    """The policy and its reference, by one recipe for every placement (this process, each Ray rank): resolve the
+    model directories; check what can be checked before loading (a LoRA actor's reference, the tokenizer of a
+    separate reference); load; attention (``actor.attn_implementation`` on ``device``); LoRA adapters (the driver's
+    ``lora_state`` where given); the reference (adapters off, a copy of the policy, or ``ref.model``); the LM-head
+    patch on each (``actor.lm_head_fp32``). Sharding is the placement's, after this.
+
+    Args:
+        cfg: the run's config.
+        device: the device the models compute on (it decides the attention kernel).
+        load_device: where they are loaded (default ``device``): a Ray rank loads on the CPU (rank 0) or the meta
+            device (the others) and shards afterwards.
+        with_reference: build a separate reference (a LoRA policy's never needs one).
+        lora_state: the LoRA adapters' initial weights (every rank starts from the driver's).
+        gradient_checkpointing: ``actor.gradient_checkpointing`` on the policy (FSDP2 applies its own on a rank).
+        tokenizer: the actor's tokenizer if loaded already.
+    Raises:
+        ConfigError: a bad model directory, a refused combination, tokenizers that differ (naming the keys).
+    """
+    load_device = device if load_device is None else load_device
     if device.type == "cpu" and cfg.actor.dtype == "float16":
         raise ConfigError(
             "actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16"
         )
-    trc = cfg.actor.trust_remote_code
+    trc, lora = cfg.actor.trust_remote_code, cfg.actor.lora.rank > 0
     actor_path = resolve_model_path(cfg.actor.model, "actor.model")
-    if cfg.rollout.engine == "vllm":
-        # no vllm, or a head size its kernels refuse: fail before any model loads
-        vllm_engine.check_vllm_engine(actor_path, "actor.model", cfg.actor.model)
-    elif cfg.rollout.engine == "auto":
-        log.info(
-            "rollout.engine=auto: %s (%s)",
-            *vllm_engine.resolve_engine(
-                "auto",
-                actor_path,
-                backend=cfg.trainer.backend,
-                async_steps=cfg.rollout.async_steps,
-                value=cfg.actor.model,
-            ),
-        )
-    tok = load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
-    model_paths = {"actor.model": actor_path}
+    tok = tokenizer or load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
+    paths = {"actor.model": actor_path}
+    ref_path = actor_path
+    if lora:
+        check_lora_reference(cfg)
+    elif cfg.ref.model:
+        ref_path = resolve_model_path(cfg.ref.model, "ref.model")
+        if ref_path != actor_path:
+            check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
+            paths["ref.model"] = ref_path
+    attn = attention.for_config(cfg, device)
+    model = attention.set_attn_implementation(_load_lm(cfg, actor_path, load_device), attn)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if lora:
+        with torch.device("meta") if load_device.type == "meta" else contextlib.nullcontext():
+            model = apply_lora(model, cfg.actor.lora)
+        if lora_state is not None and load_device.type != "meta":
+            set_peft_model_state_dict(model, lora_state)
+    elif with_reference:
+        if ref_path == actor_path:
+            ref_model = copy.deepcopy(model)
+        else:
+            ref_model = attention.set_attn_implementation(_load_lm(cfg, ref_path, load_device), attn)
+        ref_model.requires_grad_(False)
+        patch_lm_head(ref_model, fp32=head_fp32(cfg))  # patched after the deepcopy: each head keeps its own forward
+    patch_lm_head(model, fp32=head_fp32(cfg))
+    return PolicyModels(model, ref_model, lora, tok, paths)
+
+
+def critic_path(cfg: TetherConfig, tokenizer) -> Path:
+    """``critic.model`` (default: the actor's initial model), its tokenizer checked against the actor's.
+
+    Raises:
+        ConfigError: a bad directory, or another tokenizer (naming ``critic.model``).
+    """
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
+    if path != actor_path:
+        check_same_tokenizer(tokenizer, path, "critic.model", trust_remote_code=cfg.actor.trust_remote_code)
+    return path
+
+
+def assemble_critic(
+    cfg: TetherConfig, device: torch.device, *, tokenizer, load_device: torch.device | None = None
+) -> ValueModel:
+    """The critic by the same recipe: its backbone (``critic.model``, tokenizer checked) with a value head, its
+    attention set as the actor's; on the meta device its architecture only (a Ray rank other than 0)."""
+    load_device = device if load_device is None else load_device
+    trc, dtype = cfg.actor.trust_remote_code, cfg.actor.dtype
+    path = critic_path(cfg, tokenizer)
+    if load_device.type == "meta":
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trc)
+            backbone = AutoModel.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trc)
+            vm = ValueModel(backbone, config.hidden_size).to(DTYPES[dtype])
+    else:
+        vm = ValueModel.from_pretrained(path, dtype=dtype, trust_remote_code=trc).to(load_device)
+    attention.set_attn_implementation(vm.backbone, attention.for_config(cfg, device))
+    return vm
+
+
+# ---------------------------------------------------------------------------- this process's share of a run
+@dataclass
+class DriverShare:
+    """What this process holds of a run: all of it under ``trainer.backend=local``; under ``ray`` the tokenizer, a
+    copy of the policy (generation, validation), a reference only for exact/* validation (:func:`driver_holds_ref`),
+    no critic, the reward and the resolved rollout engine's name (the placement then builds the rest)."""
+
+    tokenizer: Any
+    device: torch.device
+    actor: ActorWorker
+    ref: ReferenceWorker | None
+    critic: CriticWorker | None
+    actor_path: Path
+    model_paths: dict[str, Path]
+    engine_name: str
+    reward: Any
+    val_reward: Any
+    gold: Any
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return generation_eos_ids(self.actor.model_as_is)
+
+
+def resolve_engine(cfg: TetherConfig, actor_path) -> str:
+    """``rollout.engine`` resolved (:func:`tether.rollout.registry.resolve`), and a named engine checked
+    (:func:`tether.rollout.registry.check_usable`): before any model loads.
+
+    Raises:
+        ConfigError: the named engine cannot run here (vLLM not installed, a head size its CPU kernels lack, ...).
+    """
+    name, why = registry.resolve(
+        cfg.rollout.engine,
+        actor_path,
+        on_ray=cfg.trainer.backend == "ray",
+        async_steps=cfg.rollout.async_steps,
+        value=cfg.actor.model,
+    )
+    if engines.chosen(cfg) is None:
+        log.info("rollout.engine=auto: %s (%s)", name, why)
+    else:
+        registry.check_usable(name, actor_path, value=cfg.actor.model)
+    return name
+
+
+def build_driver_share(cfg: TetherConfig) -> DriverShare:
+    """Load this process's models once (:func:`assemble_policy`, :func:`assemble_critic`) and its reward.
+
+    Raises:
+        ConfigError: a bad model directory, tokenizers that differ, an engine that cannot run, a refused
+            combination (naming the keys), before the first model loads where it can be.
+    """
+    device = pick_device(cfg.trainer.device)
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    engine_name = resolve_engine(cfg, actor_path)  # no vllm, or a head size its kernels refuse: before any model loads
+    local = cfg.trainer.backend == "local"
+    models = assemble_policy(
+        cfg, device, with_reference=driver_holds_ref(cfg), gradient_checkpointing=cfg.actor.gradient_checkpointing
+    )
     attn = attention.for_config(cfg, device)
     log.info(
         "actor.attn_implementation=%s: %s",
         cfg.actor.attn_implementation,
         attn or "the model's own (config.json's, else sdpa)",
     )
-    model = attention.set_attn_implementation(
-        load_causal_lm(actor_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device), attn
-    )
-    if cfg.actor.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.actor.lora.rank > 0:
-        check_lora_reference(cfg)
-        model = apply_lora(model, cfg.actor.lora)
-        ref = reference_worker(cfg, adapter_host=model)
+    if models.lora:
+        ref = reference_worker(cfg, adapter_host=models.policy)
     else:
-        ref_path = resolve_model_path(cfg.ref.model, "ref.model") if cfg.ref.model else actor_path
-        if ref_path != actor_path:
-            check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
-            model_paths["ref.model"] = ref_path
-        ref = None
-        if driver_holds_ref(cfg):
-            if ref_path == actor_path:
-                ref_model = copy.deepcopy(model)
-            else:
-                ref_model = load_causal_lm(ref_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-                attention.set_attn_implementation(ref_model, attn)
-            patch_lm_head(ref_model, fp32=head_fp32(cfg))  # patched after the deepcopy: each head keeps its own forward
-            ref = reference_worker(cfg, ref_model)
-    patch_lm_head(model, fp32=head_fp32(cfg))
-    actor = actor_worker(cfg, model)
-    critic = None
+        ref = reference_worker(cfg, models.reference) if models.reference is not None else None
+    actor = actor_worker(cfg, models.policy)
+    critic, paths = None, dict(models.paths)
     if cfg.algo.adv_estimator == "gae":
-        critic_path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
-        if critic_path != actor_path:
-            check_same_tokenizer(tok, critic_path, "critic.model", trust_remote_code=trc)
-            model_paths["critic.model"] = critic_path
-        if cfg.trainer.backend == "ray":  # the critic lives on the workers only; the RNG advances as it would here
-            ValueModel.make_head(AutoConfig.from_pretrained(str(critic_path), trust_remote_code=trc).hidden_size)
-        else:
-            vm = ValueModel.from_pretrained(critic_path, dtype=cfg.actor.dtype, trust_remote_code=trc).to(device)
-            attention.set_attn_implementation(vm.backbone, attn)
-            critic = critic_worker(cfg, vm)
-    engine = build_engine(cfg, model, tok, actor_path)
-    runner = RolloutRunner(
-        engine,
-        tok,
-        device,
-        mode=cfg.rollout.mode,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        eos_token_ids=generation_eos_ids(model),
-    )
+        path = critic_path(cfg, models.tokenizer)
+        if path != actor_path:
+            paths["critic.model"] = path
+        if local:
+            critic = critic_worker(cfg, assemble_critic(cfg, device, tokenizer=models.tokenizer))
+        else:  # the critic lives on the workers only; the RNG advances as it would here
+            hidden = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.actor.trust_remote_code).hidden_size
+            ValueModel.make_head(hidden)
     reward, val_reward = build_reward(cfg, device)
     gold = build_gold(cfg, device)
+    return DriverShare(
+        models.tokenizer, device, actor, ref, critic, actor_path, paths, engine_name, reward, val_reward, gold
+    )
+
+
+def build_engine(
+    cfg: TetherConfig, model, tok, model_path, *, name: str | None = None, on_ray: bool = False
+) -> GenerationEngine:
+    """The rollout engine in this process over the policy ``model`` (``name``, else ``rollout.engine`` resolved as
+    on the local backend, or as under Ray with ``on_ray``).
+
+    Raises:
+        ConfigError: the engine cannot run here.
+    """
+    if name is None:
+        name, _ = registry.resolve(cfg.rollout.engine, model_path, on_ray=on_ray, async_steps=cfg.rollout.async_steps)
+    return registry.build_engine(
+        name, cfg, model=model, tokenizer=tok, model_path=model_path, eos_token_ids=generation_eos_ids(model)
+    )
+
+
+def build_runner(cfg: TetherConfig, share: DriverShare, engine: GenerationEngine | None = None) -> RolloutRunner:
+    """The rollout role, whole: ``engine`` (vLLM replicas, built by the placement) or the resolved engine built here
+    over this process's policy, the run's sampling settings (with the sampled tokens' log-probs where they are
+    used: :func:`tether.rollout.registry.wants_logprobs`), ``rollout.mode`` and the model's EOS ids."""
+    if engine is None:
+        engine = build_engine(cfg, share.actor.model, share.tokenizer, share.actor_path, name=share.engine_name)
+    params = replace(registry.sampling_params(cfg), logprobs=registry.wants_logprobs(cfg, engine))
+    return RolloutRunner(
+        engine, share.tokenizer, share.device, params=params, mode=cfg.rollout.mode, eos_token_ids=share.eos_token_ids
+    )
+
+
+def build_local_roles(cfg: TetherConfig) -> Roles:
+    """Every role of a run in this process (:class:`~tether.workers.roles.LocalPlacement`).
+
+    Raises:
+        ConfigError: a bad model directory, tokenizers that differ, a refused combination (naming the keys).
+    """
+    share = build_driver_share(cfg)
     return Roles(
-        tok, actor, ref, critic, runner, reward, device, actor_path, val_reward, model_paths=model_paths, gold=gold
+        share.tokenizer,
+        share.actor,
+        share.ref,
+        share.critic,
+        build_runner(cfg, share),
+        share.reward,
+        share.device,
+        share.actor_path,
+        share.val_reward,
+        model_paths=share.model_paths,
+        gold=share.gold,
     )
 
 
@@ -344,52 +528,6 @@ def driver_holds_ref(cfg: TetherConfig) -> bool:
     trainer.backend=ray only for the embedded task's exact/* validation metrics (the workers hold
     the reference that training uses)."""
     return cfg.trainer.backend == "local" or (cfg.exact_evaluation_applies and cfg.trainer.val_freq > 0)
-
-
-def build_engine(cfg: TetherConfig, model, tok, actor_path):
-    r = cfg.rollout
-    engine = r.engine
-    if engine == "auto":
-        engine = vllm_engine.resolve_engine(
-            "auto", actor_path, backend=cfg.trainer.backend, async_steps=cfg.rollout.async_steps
-        )[0]
-    if engine == "vllm" and cfg.trainer.backend == "ray":
-        return None  # vLLM replicas as Ray actors, set by tether.distributed.ray_backend.build_ray_roles
-    if engine == "vllm":
-        return vllm_engine.VLLMRolloutEngine(
-            actor_path,
-            tok,
-            temperature=r.engine_temperature or r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            do_sample=r.do_sample,
-            dtype=cfg.actor.dtype,
-            seed=cfg.trainer.seed,
-            trust_remote_code=cfg.actor.trust_remote_code,
-            gpu_memory_utilization=r.vllm.gpu_memory_utilization,
-            kv_cache_gib=r.vllm.kv_cache_gib,
-            max_model_len=r.vllm.max_model_len,
-            eos_token_ids=generation_eos_ids(model),
-        )
-    return HFRolloutEngine(
-        model,
-        tok,
-        temperature=r.engine_temperature or r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        do_sample=r.do_sample,
-        eos_token_ids=generation_eos_ids(model),
-        compute_dtype=r.compute_dtype or cfg.actor.compute_dtype,
-        # the sampled tokens' own log-probs: old_logprobs_source=rollout takes them as π_old, rollout correction weighs
-        # against them
-        returns_logprobs=cfg.actor.old_logprobs_source == "rollout" or cfg.algo.rollout_correction.active,
-        share_prefill=r.share_prefill,
-        hf_decode=r.hf_decode,
-        drop_finished=r.hf_drop_finished,
-        sampler=r.hf_sampler,
-    )
 
 
 def check_same_tokenizer(actor_tok, path, key: str, *, trust_remote_code: bool = False) -> None:

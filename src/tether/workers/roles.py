@@ -21,6 +21,7 @@ import torch
 
 from tether.batch import RolloutBatch
 from tether.checkpoint import CheckpointError, load_torch, save_torch
+from tether.rollout.engine import GenerationEngine
 
 log = logging.getLogger("tether")
 
@@ -93,14 +94,14 @@ class Critic(Protocol):
 
 @runtime_checkable
 class Rollout(Protocol):
-    """The rollout role (``tether.rollout.runner.RolloutRunner`` over an HF or vLLM engine)."""
+    """The rollout role (``tether.rollout.runner.RolloutRunner``, built whole by ``tether.workers.build.build_runner``
+    over a :class:`~tether.rollout.engine.GenerationEngine`: HF, vLLM, or engine replicas as Ray actors)."""
 
-    # the generation engine (HF, vLLM, or vLLM replicas): ``returns_logprobs`` says whether sampled tokens' log-probs
-    # come back
-    engine: Any
+    engine: GenerationEngine  # its ``name`` and ``capabilities`` say what it is and can do
 
     def rollout(self, prompts, indices, n: int) -> RolloutBatch:
-        """``n`` responses for each prompt of ``prompts`` at ``indices``."""
+        """``n`` responses for each prompt of ``prompts`` at ``indices``; ``generated_mask`` says which tokens the
+        model wrote (``loss_mask`` starts from it)."""
 
     def sync_weights(self, model) -> None:
         """The engine takes the policy's weights after an update."""
