@@ -184,8 +184,7 @@ def main() -> None:
         wall, share = gil_share(name, work)
         print(
             f"* {name}: generate {wall:.3f} s (profiled); inside aten ops {share:.0%}, Python (GIL held) "
-            f"~{1 - share:.0%}; "
-            f"snapshot copy {snapshot_copy_ms(name, work):.2f} ms"
+            f"~{1 - share:.0%}; snapshot copy {snapshot_copy_ms(name, work):.2f} ms"
         )
     # the pools' own defaults
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -200,8 +199,7 @@ def main() -> None:
         w, c = map(float, out.stdout.split())
         print(
             "* two threads x 300 matmuls 512² (no OMP/MKL_NUM_THREADS), second thread's first op "
-            f"{'elementwise' if first else 'a matmul'}: "
-            f"{w:.2f} s wall, {c:.2f} s CPU"
+            f"{'elementwise' if first else 'a matmul'}: {w:.2f} s wall, {c:.2f} s CPU"
         )
 
 

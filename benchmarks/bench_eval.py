@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_causal_lm(model_dir).to(a.device).eval()
         print(
             f"| batch size (prompts) | sequences / call | seconds | prompts/s | samples/s | tokens/s |   ({a.prompts} "
-            f"prompts x n={a.n}, "
-            f"<= {a.max_new_tokens} tokens, {a.engine} on {a.device})"
+            f"prompts x n={a.n}, <= {a.max_new_tokens} tokens, {a.engine} on {a.device})"
         )
         print("|---|---|---|---|---|---|")
         ev = Evaluator(

@@ -282,8 +282,7 @@ def main() -> None:
                 start = statistics.median(r["startup_s"] for r in ok)
                 lines.append(
                     f"| {name} | {wl} | {label} | {wall:.3f} | {cpu:.3f} | {push} | {tokens:.0f} | {tokens / wall:.0f} "
-                    "| "
-                    f"{tokens / cpu:.0f} | {start:.1f} |"
+                    f"| {tokens / cpu:.0f} | {start:.1f} |"
                 )
     print("\n" + "\n".join(lines))
     if args.json:

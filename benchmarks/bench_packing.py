@@ -215,8 +215,7 @@ def main() -> None:
     first = runs[next(iter(vs))][0]
     print(
         f"\n{N_ROWS} rows, prompts {P_RANGE[0]}-{P_RANGE[1]} tokens, responses 1-{T_MAX} (mean "
-        f"{first['mean_response']:.0f}); "
-        f"{first['valid']} valid tokens\n"
+        f"{first['mean_response']:.0f}); {first['valid']} valid tokens\n"
     )
     print(
         "| variant | micro-batches | positions computed (padding) | no-grad pass CPU s (wall) | update CPU s (wall) | "
@@ -228,9 +227,9 @@ def main() -> None:
         pad = 1 - r["valid"] / r["positions"]
         print(
             f"| {n} | {r['micro_batches']} | {r['positions']} ({pad:.0%}) | {m['nograd_cpu']:.2f} "
-            f"({m['nograd_s']:.2f}) | "
-            f"{m['update_cpu']:.2f} ({m['update_s']:.2f}) | {base['nograd_cpu'] / m['nograd_cpu']:.2f}x | "
-            f"{base['update_cpu'] / m['update_cpu']:.2f}x | {r['mean_lp']:.6f} | {r['loss']:.7f} |"
+            f"({m['nograd_s']:.2f}) | {m['update_cpu']:.2f} ({m['update_s']:.2f}) | "
+            f"{base['nograd_cpu'] / m['nograd_cpu']:.2f}x | {base['update_cpu'] / m['update_cpu']:.2f}x | "
+            f"{r['mean_lp']:.6f} | {r['loss']:.7f} |"
         )
 
 

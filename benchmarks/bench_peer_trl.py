@@ -585,8 +585,8 @@ def report_pair(name: str, params: int, runs: dict[str, list[dict]]) -> list[str
         mark = "**" if bold else ""
         return (
             f"* {num} / {den} s/step: wall {mark}{med[num] / med[den]:.2f}{mark} (per round "
-            f"{min(w):.2f}–{max(w):.2f}), "
-            f"CPU {mark}{cpu[num] / cpu[den]:.2f}{mark} (per round {min(c):.2f}–{max(c):.2f})"
+            f"{min(w):.2f}–{max(w):.2f}), CPU {mark}{cpu[num] / cpu[den]:.2f}{mark} (per round "
+            f"{min(c):.2f}–{max(c):.2f})"
         )
 
     for lab in runs:
@@ -777,8 +777,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="LABEL=SRC|ARGS",
-        help="another tether variant in the rotation: a source tree (empty: this one) and overrides, "
-        "e.g. 'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'",
+        help="another tether variant in the rotation: a source tree (empty: this one) and overrides, e.g. "
+        "'base=/tmp/old/src|' or 'bf16=|actor.compute_dtype=bfloat16'",
     )
     ap.add_argument("--extra", action="store_true", help="add tether-alone rows: embedded default, GSM8K-shaped")
     ap.add_argument("--extra-rounds", type=int, default=1, help="--extra: alternating rounds of the tether variants")
@@ -787,9 +787,8 @@ def main() -> None:
         "--curve",
         action="store_true",
         help="learning curves instead of throughput: --seeds seeds per variant at --lr over --steps steps, "
-        "alternating; "
-        "prints mean ± std per step and which steps agree within noise, and plots them (--pairs and --extra "
-        "do not apply). At the defaults nothing learns: the docs use --lr 3e-3 --steps 20 --seeds 5 (tiny) and "
+        "alternating; prints mean ± std per step and which steps agree within noise, and plots them (--pairs and "
+        "--extra do not apply). At the defaults nothing learns: the docs use --lr 3e-3 --steps 20 --seeds 5 (tiny) and "
         "--lr 1e-3 --steps 30 --seeds 3 (small)",
     )
     ap.add_argument(
@@ -931,9 +930,8 @@ def main_curve(args, work: Path, variants: list[tuple[str, Path, list[str]]]) ->
                 rw = [s["reward"] or 0.0 for s in r["steps"]]
                 print(
                     f"  {lab:10s} {name:5s} seed {seed}: reward {rw[0]:.3f} -> {rw[-1]:.3f}, KL "
-                    f"{r['steps'][-1]['kl'] or 0:.3g}, "
-                    f"median {median_step(r):.3f} s/step, CPU {median_step(r, 'cpu_s'):.3f} (process "
-                    f"{r['process_s']:.0f} s)",
+                    f"{r['steps'][-1]['kl'] or 0:.3g}, median {median_step(r):.3f} s/step, CPU "
+                    f"{median_step(r, 'cpu_s'):.3f} (process {r['process_s']:.0f} s)",
                     flush=True,
                 )
         everything[name] = runs

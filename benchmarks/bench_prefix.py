@@ -109,8 +109,7 @@ def main() -> None:
             }
             print(
                 f"| {name} | {shape} | {label} | {med[False][0]:.3f} | {med[True][0]:.3f} | "
-                f"{med[False][0] / med[True][0]:.2f} | "
-                f"{med[False][1]:.3f} | {med[True][1]:.3f} | {diff:.1e} |",
+                f"{med[False][0] / med[True][0]:.2f} | {med[False][1]:.3f} | {med[True][1]:.3f} | {diff:.1e} |",
                 flush=True,
             )
 

@@ -189,8 +189,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(
         f"# one torch thread; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; tether "
-        f"{args.tether_args or 'defaults (fp32)'}"
-        f"{'; TRL bf16' if args.trl and args.trl_bf16 else ''}",
+        f"{args.tether_args or 'defaults (fp32)'}{'; TRL bf16' if args.trl and args.trl_bf16 else ''}",
         flush=True,
     )
     peaks: dict[str, float] = {}
@@ -218,10 +217,8 @@ def main() -> None:
             floor = tf / tp
             print(
                 f"\n2× TRL's step is {rw / 2:.3f} s; tether's linear matmuls at the peak take {floor:.3f} s, which "
-                "leaves "
-                f"{rw / 2 - floor:.3f} s for all the rest (now {tw - ts['linear matmuls']:.3f} s: attention "
-                f"{ts['attention']:.3f}, "
-                f"sampling {ts['sampling']:.3f}, everything else {ts['everything else']:.3f}); "
+                f"leaves {rw / 2 - floor:.3f} s for all the rest (now {tw - ts['linear matmuls']:.3f} s: attention "
+                f"{ts['attention']:.3f}, sampling {ts['sampling']:.3f}, everything else {ts['everything else']:.3f}); "
                 f"at the peak with nothing else tether would be {rw / floor:.2f}× TRL"
             )
 

@@ -105,8 +105,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in r.items()}
         print(
             f"| {n} | {mib:g} | {med['bytes'] / 2**20:.1f} | {med['buckets']:.0f} | {med['sync_s']:.3f} | "
-            f"{med['gather_s']:.3f} | "
-            f"{med['bytes'] / med['sync_s'] / 1e6:.0f} | {med['pull_s']:.3f} |"
+            f"{med['gather_s']:.3f} | {med['bytes'] / med['sync_s'] / 1e6:.0f} | {med['pull_s']:.3f} |"
         )
 
 

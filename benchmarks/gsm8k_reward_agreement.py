@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, s in items:
             name = f"**{k}**" if k == "overall" else k
             print(
-                f"| {m:13} | {name:17} | {s['n']:5d} | {s['agree']:5d} | {100 * s['agreement']:8.2f}% "
-                f"| {s['false_pos']:7d} | {s['false_neg']:7d} |"
+                f"| {m:13} | {name:17} | {s['n']:5d} | {s['agree']:5d} | {100 * s['agreement']:8.2f}% | "
+                f"{s['false_pos']:7d} | {s['false_neg']:7d} |"
             )
     if a.show_disagreements:
         for m, lst in res["disagreements"].items():

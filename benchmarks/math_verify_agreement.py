@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sols
     print(
         f"\n2./3. GSM8K model solutions ({s['n']}, {s['seconds']} s; {s['fallback_used']} have no final 'A: N' line to "
-        "box, "
-        "math-verify finds no answer in them and the fallback scores them 0)"
+        "box, math-verify finds no answer in them and the fallback scores them 0)"
     )
     print("| verifier on | agrees with is_correct |\n|---|---|")
     names = {

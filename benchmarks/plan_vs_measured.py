@@ -237,8 +237,7 @@ def main() -> int:
         rows.append((name, err))
         print(
             f"| {name} | {m['params']:,} | {case[7]} × {case[8] + case[9]} | {'on' if case[-1] else 'off'} | "
-            f"{pr['predicted'] / 2**20:.1f} | "
-            f"{m['tracked'] / 2**20:.1f} | {err:+.1%} | {m['rss_growth'] / 2**20:.1f} |"
+            f"{pr['predicted'] / 2**20:.1f} | {m['tracked'] / 2**20:.1f} | {err:+.1%} | {m['rss_growth'] / 2**20:.1f} |"
         )
     worst = max(abs(e) for _, e in rows)
     print(f"\nworst |predicted / tracked - 1| = {worst:.1%} (goal: within 15%)")

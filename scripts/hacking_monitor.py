@@ -168,8 +168,7 @@ def main() -> None:
     if by_beta:
         print(
             "\n| β (start) | runs | hacked (gold below the reference's at a validation) | exact onset | monitor with "
-            "gold: lag | "
-            "without gold: lag | final gold, 20 prompts | final proxy | KL/token |"
+            "gold: lag | without gold: lag | final gold, 20 prompts | final proxy | KL/token |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
         for (guard, beta), group in sorted(by_beta.items()):
@@ -199,9 +198,8 @@ def main() -> None:
 
             print(
                 f"| {beta:g}{' + guard.on_hacking=rollback' if guard else ''} | {len(group)} | "
-                f"{len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | "
-                f"{lags_cell(lg, false_g)} | {lags_cell(lp, false_p)} | "
-                f"{mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |"
+                f"{len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | {lags_cell(lg, false_g)} | "
+                f"{lags_cell(lp, false_p)} | {mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |"
             )
         refs = {round(a["all_ref_gold"], 4) for a in rows if a["all_ref_gold"] is not None}
         print(f"\nthe reference's gold on the 20 prompts: {', '.join(map(str, refs))}")

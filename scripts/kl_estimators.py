@@ -94,9 +94,9 @@ def main() -> None:
         for k in ("k1", "k2", "k3"):
             print(
                 f"  {k}: tok mean {s[f'{k}_tok']:.4f} (bias {s[f'{k}_tok'] - s['kl_tok']:+.4f}) std/response "
-                f"{s[f'{k}_tok_std']:.4f}"
-                f" | seq mean {s[f'{k}_seq']:.4f} (bias {s[f'{k}_seq'] - s['kl_seq']:+.4f}) std {s[f'{k}_seq_std']:.4f}"
-                f" | sampled batch-128 mean {s[f'{k}_tok_batch_mean']:.4f} ± {s[f'{k}_tok_batch_std']:.4f}"
+                f"{s[f'{k}_tok_std']:.4f} | seq mean {s[f'{k}_seq']:.4f} (bias {s[f'{k}_seq'] - s['kl_seq']:+.4f}) std "
+                f"{s[f'{k}_seq_std']:.4f} | sampled batch-128 mean {s[f'{k}_tok_batch_mean']:.4f} ± "
+                f"{s[f'{k}_tok_batch_std']:.4f}"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"prompts": args.prompts, "results": results}, indent=1))

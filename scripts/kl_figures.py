@@ -279,9 +279,8 @@ def main() -> None:
             for k in ("k1", "k2", "k3"):
                 lines.append(
                     f"| `{name}` | {s['kl_tok']:.4f} | {k} | {s[f'{k}_tok']:.4f} | {s[f'{k}_tok'] - s['kl_tok']:+.4f} "
-                    f"| {s[f'{k}_tok_std']:.3f} | "
-                    f"{s[f'{k}_seq']:.4f} | {s[f'{k}_seq'] - s['kl_seq']:+.4f} | {s[f'{k}_seq_std']:.3f} | "
-                    f"{s[f'{k}_tok_batch_mean']:.4f} ± {s[f'{k}_tok_batch_std']:.4f} |"
+                    f"| {s[f'{k}_tok_std']:.3f} | {s[f'{k}_seq']:.4f} | {s[f'{k}_seq'] - s['kl_seq']:+.4f} | "
+                    f"{s[f'{k}_seq_std']:.3f} | {s[f'{k}_tok_batch_mean']:.4f} ± {s[f'{k}_tok_batch_std']:.4f} |"
                 )
     (out / "kl_tables.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

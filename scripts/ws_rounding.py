@@ -183,8 +183,8 @@ def main() -> None:
     print(
         f"worst element ws2 vs local: {worst}[{i}]: |g| = {float(exact_g[worst].flatten()[i].abs()):.3e} (float64), "
         f"per-micro-batch terms up to {float(terms.abs().max()):.3e}, local / ws2 g = "
-        f"{float(grads['local'][worst].flatten()[i]):.6e} / "
-        f"{float(grads['ws2'][worst].flatten()[i]):.6e}, weight diff {float(dl[worst].max()):.2e}"
+        f"{float(grads['local'][worst].flatten()[i]):.6e} / {float(grads['ws2'][worst].flatten()[i]):.6e}, weight diff "
+        f"{float(dl[worst].max()):.2e}"
     )
 
 

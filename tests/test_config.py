@@ -46,8 +46,8 @@ def test_unknown_key_without_close_match_lists_the_section():
     # nothing close to 'foo': the message lists the sections, not a bare "unknown key"
     with pytest.raises(
         ConfigError,
-        match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, "
-        r"reward, data, kl, algo, trainer, guard\)",
+        match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, reward, data, kl, algo, trainer, "
+        r"guard\)",
     ):
         load_config(None, ["foo.bar=1"])
     with pytest.raises(ConfigError, match=r"unknown config key 'guard.zzz' \(keys of guard: target_kl, max_kl, "):
@@ -208,8 +208,8 @@ def test_relative_paths_in_a_config_file_are_from_the_current_directory(tmp_path
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         ConfigError,
-        match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory "
-        r".*write 'cfgdir/rw.py:f' or an absolute path",
+        match=r"reward.function: 'rw.py' in cfgdir/c.yaml is not in the current directory .*write 'cfgdir/rw.py:f' or "
+        r"an absolute path",
     ):
         load_config("cfgdir/c.yaml")
     (tmp_path / "cfgdir" / "d.yaml").write_text("reward:\n  function: cfgdir/rw.py:f\ndata:\n  train_files: t.jsonl\n")

@@ -515,8 +515,8 @@ def test_eval_reward_routes_each_row_and_merges_the_scores(tmp_path):
 
     fn = tmp_path / "r.py"
     fn.write_text(
-        "def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n"
-        "    return [float('nan') if s == 'bad' else 1.0 for s in solution_strs]\n"
+        "def one_unless_bad(data_sources, solution_strs, ground_truths, extra_infos):\n    return [float('nan') if s "
+        "== 'bad' else 1.0 for s in solution_strs]\n"
     )
     rows = rows_from_records(
         [

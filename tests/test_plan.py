@@ -467,8 +467,8 @@ def test_vllm_tensor_parallel_wider_than_a_node_rules_the_plan_out():
     plan = plan_memory(s, shape)
     assert not plan.fits and plan.peak < s.device_memory
     assert plan.problems == [
-        "vLLM tensor parallel 8 needs 8 devices on one node; the plan has 4 device(s), 8 per node: "
-        "lower rollout.vllm.tensor_parallel_size (--rollout-tp)"
+        "vLLM tensor parallel 8 needs 8 devices on one node; the plan has 4 device(s), 8 per node: lower "
+        "rollout.vllm.tensor_parallel_size (--rollout-tp)"
     ]
     two_nodes = plan_memory(PlanSettings(**{**s.__dict__, "devices": 8, "gpus_per_node": 4}), shape)
     assert "needs 8 devices on one node; the plan has 8 device(s), 4 per node" in two_nodes.problems[0]
@@ -554,8 +554,7 @@ def test_cli_plans_a_named_shape_exactly_as_its_directory(capsys):
     named = capsys.readouterr().out
     note = (
         "note: named shapes (published config.json fields; tether plan only): actor.model=qwen2.5-7b, "
-        "ref.model=qwen2.5-7b, "
-        "critic.model=qwen2.5-7b, reward.model=qwen2.5-7b\n"
+        "ref.model=qwen2.5-7b, critic.model=qwen2.5-7b, reward.model=qwen2.5-7b\n"
     )
     assert note in named and named.replace(note, "") == from_directory
 
@@ -633,8 +632,8 @@ def test_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
     path.write_text('{"model_type": "qwen2",')
     assert main(["plan", f"actor.model={tmp_path}"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"tether plan: actor.model: {path}: not valid JSON (Expecting property name enclosed in "
-        "double quotes: line 1 column 24 (char 23))"
+        f"tether plan: actor.model: {path}: not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+        "column 24 (char 23))"
     ]
     path.write_text("[1, 2]")
     assert main(["plan", f"actor.model={tmp_path}"]) == 2

@@ -169,8 +169,8 @@ def test_run_name_keeps_the_minus_sign_of_negative_values():
 def test_load_spec_merges_file_and_command_line(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text(
-        "out: OUT\nworkers: 3\nfixed: {trainer.total_steps: 5}\ngrid: {kl.coef: [0, 0.1], trainer.seed: [0, 1]}\n"
-        "configs:\n  - {kl.controller: fixed}\n"
+        "out: OUT\nworkers: 3\nfixed: {trainer.total_steps: 5}\ngrid: {kl.coef: [0, 0.1], trainer.seed: [0, "
+        "1]}\nconfigs:\n  - {kl.controller: fixed}\n"
     )
     spec = sw.load_spec(
         p, grid=["kl.coef=0.3"], fixed=["trainer.total_steps=9", "actor.lr=0.01"], out=None, workers=None

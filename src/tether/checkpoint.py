@@ -413,8 +413,8 @@ def _set_aside(path: Path) -> Path:
         target = path.with_name(f"corrupt-{path.name}-{i}")
     os.replace(path, target)
     log.warning(
-        "checkpoint pruning: %s fails verification; moved it to %s (not counted toward trainer.keep_last, "
-        "never resumed from; delete it once inspected)",
+        "checkpoint pruning: %s fails verification; moved it to %s (not counted toward trainer.keep_last, never "
+        "resumed from; delete it once inspected)",
         path,
         target.name,
     )

@@ -126,8 +126,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     if out.is_dir() and any(out.iterdir()) and not (out / "model.safetensors").is_file():
         print(
             f"tether sft: --out {out} holds files but no model.safetensors (not a reference to rebuild): choose an "
-            "empty or new "
-            "directory",
+            "empty or new directory",
             file=sys.stderr,
         )
         return 2
@@ -141,8 +140,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     shipped = out.resolve() == default_reference_path().resolve()
     print(
         f"tether sft: {steps} SFT steps into {out}{' (the shipped reference)' if shipped else ''}, about "
-        f"{steps / 20:.0f} s on one core; "
-        "the loss is printed every 250 steps",
+        f"{steps / 20:.0f} s on one core; the loss is printed every 250 steps",
         file=sys.stderr,
     )
     path = build_reference(out, log_every=250, **kwargs)
@@ -303,8 +301,8 @@ def _add_eval_parser(sub) -> None:
     v.add_argument(
         "--reward-function",
         default=None,
-        help="file.py:name or module:name, scoring every row (default: each row's "
-        "built-in verifier by data_source, else the run's reward.function)",
+        help="file.py:name or module:name, scoring every row (default: each row's built-in verifier by data_source, "
+        "else the run's reward.function)",
     )
     v.add_argument(
         "--reward-model",
@@ -315,21 +313,20 @@ def _add_eval_parser(sub) -> None:
     v.add_argument(
         "--val-function",
         default=None,
-        help="gold reward, file.py:name or module:name (reward.val_function), scoring the same "
-        "samples: gold_mean, gold_gap (default: the run's reward.val_function / val_model, else each row's built-in "
-        "gold)",
+        help="gold reward, file.py:name or module:name (reward.val_function), scoring the same samples: gold_mean, "
+        "gold_gap (default: the run's reward.val_function / val_model, else each row's built-in gold)",
     )
     v.add_argument(
         "--val-model",
         default=None,
-        help="gold reward, a local sequence-classification reward model directory "
-        "(reward.val_model; default: as --val-function)",
+        help="gold reward, a local sequence-classification reward model directory (reward.val_model; default: as "
+        "--val-function)",
     )
     v.add_argument(
         "--engine",
         default="auto",
-        help="rollout engine: auto (the run's rollout.engine, else HF generate) or a rollout.engine name "
-        "(tether train --help-config lists them)",
+        help="rollout engine: auto (the run's rollout.engine, else HF generate) or a rollout.engine name (tether train "
+        "--help-config lists them)",
     )
     v.add_argument(
         "--ref", default=None, help="reference model directory for the KL (default: the run's ref.model or actor.model)"
@@ -344,8 +341,8 @@ def _add_eval_parser(sub) -> None:
     v.add_argument(
         "--out",
         default=None,
-        help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON "
-        "here, and the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)",
+        help="also write the metrics, settings and every sample (id, answer, correctness, length) as JSON here, and "
+        "the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)",
     )
     v.add_argument("--samples", action="store_true", help="include each sample's prompt and response text in the JSON")
     v.set_defaults(func=cmd_eval)
@@ -466,8 +463,8 @@ def _add_benchmark_parsers(da_sub) -> None:
         b.add_argument(
             "--template",
             default=None,
-            help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], "
-            "see docs/eval.md)",
+            help=f"prompt template; {ph} replaced literally (default: tether.data.benchmarks.TEMPLATES[{name!r}], see "
+            "docs/eval.md)",
         )
         b.add_argument("--data-source", default=None, help="data_source written in each row (selects the verifier)")
         if name == "gpqa":

@@ -58,18 +58,15 @@ class ActorConfig(Section):
         None,
         ge=1,
         description="Size the actor's and reference's micro-batches by tokens instead of micro_batch_size (verl's "
-        "dynamic "
-        "batch size): rows sorted by length, grouped while rows x (longest prompt + longest response) (or, with "
-        "padding_free, the "
-        "valid tokens) stay within this budget; a longer row runs alone. null = micro_batch_size rows. The loss is the "
-        "same.",
+        "dynamic batch size): rows sorted by length, grouped while rows x (longest prompt + longest response) (or, "
+        "with padding_free, the valid tokens) stay within this budget; a longer row runs alone. null = "
+        "micro_batch_size rows. The loss is the same.",
     )
     padding_free: bool = Field(
         False,
         description="Pack the valid tokens of several sequences into each row of the actor's and reference's forwards "
         "(position ids restart per sequence, attention stays within it; verl's use_remove_padding): no compute on "
-        "padding. "
-        "Needs transformers >= 4.56; not with actor.tp_size > 1.",
+        "padding. Needs transformers >= 4.56; not with actor.tp_size > 1.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of actor, reference and critic."
@@ -81,80 +78,61 @@ class ActorConfig(Section):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Autocast dtype of the actor's, reference's and rollout's forward passes; parameters, gradients "
-        "and "
-        "optimizer stay in actor.dtype (fp32 master weights), the LM head, log-softmax, KL and losses in fp32.",
+        "and optimizer stay in actor.dtype (fp32 master weights), the LM head, log-softmax, KL and losses in fp32.",
     )
     lm_head_fp32: bool = Field(
         True,
         description="Under actor.compute_dtype=bfloat16, run the LM head in fp32 (its input cast up; TRL's "
-        "cast_lm_head_to_fp32), "
-        "so logits, log-probs and KL keep fp32 precision; false runs it in bf16 under autocast like the other matmuls "
-        "(TRL's default): "
-        "-12% of the 5.2M bench model's bf16 step (a 2000-token vocabulary), token log-prob error against fp32 1.4e-3 "
-        "instead of 1.1e-3 nats "
+        "cast_lm_head_to_fp32), so logits, log-probs and KL keep fp32 precision; false runs it in bf16 under autocast "
+        "like the other matmuls (TRL's default): -12% of the 5.2M bench model's bf16 step (a 2000-token vocabulary), "
+        "token log-prob error against fp32 1.4e-3 instead of 1.1e-3 nats "
         "(docs/performance.md#bf16-and-the-kl-metrics). No effect in float32.",
     )
     attn_implementation: str = Field(
         "auto",
         description="Attention kernel of the actor, reference and critic (transformers' attn_implementation; the run "
-        "logs its "
-        "choice). auto = 'tether' on CPU when actor.dtype, actor.compute_dtype or trainer.fsdp.param_dtype is bfloat16 "
-        "(or float16) "
-        "(matmul attention for one-token decode queries and up to 128 keys, 1.1-6x faster than PyTorch's CPU flash "
-        "kernel in bf16; "
-        "sdpa itself, bit for bit, for everything else), else the model's own (sdpa); model = the model's own; any "
-        "other name (sdpa, "
-        "eager, flash_attention_2, ...) is given to transformers as is "
-        "(docs/performance.md#attention-actorattn_implementation).",
+        "logs its choice). auto = 'tether' on CPU when actor.dtype, actor.compute_dtype or trainer.fsdp.param_dtype is "
+        "bfloat16 (or float16) (matmul attention for one-token decode queries and up to 128 keys, 1.1-6x faster than "
+        "PyTorch's CPU flash kernel in bf16; sdpa itself, bit for bit, for everything else), else the model's own "
+        "(sdpa); model = the model's own; any other name (sdpa, eager, flash_attention_2, ...) is given to "
+        "transformers as is (docs/performance.md#attention-actorattn_implementation).",
     )
     reuse_update_logprobs: bool = Field(
         True,
         description="With one PPO epoch and one mini-batch per step, old_logprobs and entropy come from the update's "
-        "own forward, "
-        "detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update "
-        "(kl.placement loss/none, "
-        "kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the actor, "
-        "algo.top_entropy_quantile=1).",
+        "own forward, detached (ratio exactly 1), not a separate pass; only where nothing needs them before the update "
+        "(kl.placement loss/none, kl.estimator not full, no critic, guard.on_max_kl=raise_coef, no dropout in the "
+        "actor, algo.top_entropy_quantile=1).",
     )
     old_logprobs_source: Literal["recompute", "rollout"] = Field(
         "recompute",
         description="Where old_logprobs (π_old in the PPO ratio and the KL to the reference) come from: recompute = "
-        "the "
-        "actor's own forward (a no-grad pass, or the update's with actor.reuse_update_logprobs); rollout = the rollout "
-        "engine's "
-        "log-probs of the sampled tokens (vLLM's processed_logprobs, HF generate's own passes), no actor pass, so the "
-        "ratio also "
-        "corrects the engine-trainer mismatch (rollout/logprob_diff_*, docs/performance.md); policy/entropy is then "
-        "not measured (NaN).",
+        "the actor's own forward (a no-grad pass, or the update's with actor.reuse_update_logprobs); rollout = the "
+        "rollout engine's log-probs of the sampled tokens (vLLM's processed_logprobs, HF generate's own passes), no "
+        "actor pass, so the ratio also corrects the engine-trainer mismatch (rollout/logprob_diff_*, "
+        "docs/performance.md); policy/entropy is then not measured (NaN).",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (peft).")
     share_prompt_prefix: bool = Field(
         True,
         description="Run each distinct prompt of a micro-batch once (a GRPO group's rollout.n responses share one) and "
-        "only the "
-        "response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's log-prob "
-        "passes and the "
-        "update (gradients sum over the group). Equal to the ordinary pass up to float round-off (1e-5 in fp32), and "
-        "the actor's and "
-        "reference's passes are bitwise equal when their weights are, so the KL at π = π_ref is exactly 0 "
-        "(docs/training.md). Falls back "
-        "to the ordinary pass where no prompt repeats, under gradient checkpointing (update only), with sliding-window "
-        "models, and in Ray "
-        "worker groups of more than one rank (FSDP2 needs the same forward calls on every rank) (docs/training.md). "
-        "Composes with "
+        "only the response tokens per row, attending to the prompt's expanded KV cache, in the actor's and reference's "
+        "log-prob passes and the update (gradients sum over the group). Equal to the ordinary pass up to float "
+        "round-off (1e-5 in fp32), and the actor's and reference's passes are bitwise equal when their weights are, so "
+        "the KL at π = π_ref is exactly 0 (docs/training.md). Falls back to the ordinary pass where no prompt repeats, "
+        "under gradient checkpointing (update only), with sliding-window models, and in Ray worker groups of more than "
+        "one rank (FSDP2 needs the same forward calls on every rank) (docs/training.md). Composes with "
         "max_tokens_per_micro_batch (prompts are shared within each token-budget micro-batch). Left unset, it is off "
-        "where "
-        "actor.padding_free or, with a critic, critic.padding_free is on (packed rows hold whole sequences); set true, "
-        "that is refused.",
+        "where actor.padding_free or, with a critic, critic.padding_free is on (packed rows hold whole sequences); set "
+        "true, that is refused.",
     )
     tp_size: int = Field(
         1,
         ge=1,
         description="trainer.backend=ray: tensor-parallel degree of the worker groups (actor, reference and critic): "
-        "each "
-        "group's ranks form a (dp = ranks / tp_size) x tp_size mesh; attention/MLP projections split column/row-wise, "
-        "embedding and "
-        "LM head over the vocabulary (docs/distributed.md#tensor-parallelism). 1 = FSDP2 only.",
+        "each group's ranks form a (dp = ranks / tp_size) x tp_size mesh; attention/MLP projections split "
+        "column/row-wise, embedding and LM head over the vocabulary (docs/distributed.md#tensor-parallelism). 1 = "
+        "FSDP2 only.",
     )
 
 
@@ -189,9 +167,9 @@ class CriticConfig(Section):
 class RolloutConfig(Section):
     engine: EngineName = Field(
         AUTO,
-        description="Generation engine (tether.engines): auto = the first of its engines that is installed, usable "
-        "and supports the model (vLLM where it runs the model under trainer.backend=local without "
-        "rollout.async_steps; the embedded model's head size 16 is not one vLLM's CPU kernels take), else hf; "
+        description="Generation engine (tether.engines): auto = the first of its engines that is installed, usable and "
+        "supports the model (vLLM where it runs the model under trainer.backend=local without rollout.async_steps; the "
+        "embedded model's head size 16 is not one vLLM's CPU kernels take), else hf; "
         + "; ".join(f"{e.name} = {e.summary}" for e in ENGINES.values())
         + ". A named engine that cannot run is an error. docs/performance.md#generation-hf-generate-against-vllm.",
     )
@@ -209,52 +187,41 @@ class RolloutConfig(Section):
     share_prefill: bool = Field(
         True,
         description="HF engine: prefill each distinct prompt once and copy its KV cache to the rows that repeat it "
-        "(the "
-        "rollout.n samples of a prompt), instead of once per row. Same sampled tokens in the tests; the cache is "
-        "computed in a "
-        "smaller batch, so its last bits may differ (<= 4e-6 nats in the sampled log-probs measured).",
+        "(the rollout.n samples of a prompt), instead of once per row. Same sampled tokens in the tests; the cache is "
+        "computed in a smaller batch, so its last bits may differ (<= 4e-6 nats in the sampled log-probs measured).",
     )
     hf_decode: Literal["tether", "generate"] = Field(
         "tether",
         description="HF engine: tether = tether's own decode loop over a preallocated KV cache (the same tokens as "
         "generate for a fixed seed, bit for bit; measured -12% CPU on the 81k bench model, -17% on GSM8K-shaped "
-        "prompts, unchanged "
-        "on the 5.2M model's short prompts; calls it cannot serve exactly fall back to generate); generate = Hugging "
-        "Face "
-        "model.generate with its DynamicCache. docs/performance.md#hf-decode-loop.",
+        "prompts, unchanged on the 5.2M model's short prompts; calls it cannot serve exactly fall back to generate); "
+        "generate = Hugging Face model.generate with its DynamicCache. docs/performance.md#hf-decode-loop.",
     )
     hf_drop_finished: bool = Field(
         True,
         description="HF engine, hf_decode=tether: stop running the model on rows that have ended (EOS), keeping at "
-        "least 8, "
-        "so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped batch; "
-        "sdpa or tether "
-        "attention only, ignored with another actor.attn_implementation). Sampling still "
-        "draws for every row; the same tokens as without it in the tests and over 100 demo steps (bitwise), but a BLAS "
-        "may round "
-        "a smaller batch differently on other hardware (as vLLM's batches do): false keeps every row to the end.",
+        "least 8, so a ragged batch does not step finished rows to the longest one's end (-29% CPU of a GSM8K-shaped "
+        "batch; sdpa or tether attention only, ignored with another actor.attn_implementation). Sampling still draws "
+        "for every row; the same tokens as without it in the tests and over 100 demo steps (bitwise), but a BLAS may "
+        "round a smaller batch differently on other hardware (as vLLM's batches do): false keeps every row to the end.",
     )
     hf_sampler: Literal["multinomial", "inverse_cdf"] = Field(
         "multinomial",
-        description="HF engine, hf_decode=tether: how a token is drawn from the processed distribution. "
-        "multinomial = torch.multinomial, as generate (V exponential draws per row and step); inverse_cdf = one "
-        "uniform per row "
-        "and a search in the cumulative sum: the same distribution, a different random stream (other samples for a "
-        "seed).",
+        description="HF engine, hf_decode=tether: how a token is drawn from the processed distribution. multinomial = "
+        "torch.multinomial, as generate (V exponential draws per row and step); inverse_cdf = one uniform per row and "
+        "a search in the cumulative sum: the same distribution, a different random stream (other samples for a seed).",
     )
     engine_temperature: float | None = Field(
         None,
         gt=0,
         description="The engine samples at this temperature (and reports its log-probs at it) while the trainer's "
         "log-probs, ratio and KL stay at rollout.temperature: a known engine-trainer mismatch for stability "
-        "experiments "
-        "(docs/stability.md); null = rollout.temperature.",
+        "experiments (docs/stability.md); null = rollout.temperature.",
     )
     compute_dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description="HF engine: the dtype generation runs in (autocast), e.g. bfloat16 beside an fp32 trainer as vLLM "
-        "samples "
-        "in bf16 (the engine-trainer mismatch algo.rollout_correction corrects, docs/stability.md); null = "
+        "samples in bf16 (the engine-trainer mismatch algo.rollout_correction corrects, docs/stability.md); null = "
         "actor.compute_dtype.",
     )
     async_steps: int = Field(
@@ -262,12 +229,10 @@ class RolloutConfig(Section):
         ge=0,
         le=4,
         description="k = 1..4: off-policy overlap: batches are generated k steps ahead (on a snapshot of the policy, "
-        "in a "
-        "background thread; under trainer.backend=ray on the driver while the workers train), the next one during each "
-        "step's update, "
-        "so each batch is k updates stale and its old_logprobs are the generating policy's (the PPO ratio corrects the "
-        "staleness, "
-        "algo.rollout_correction the engine). 0 = generate, then train (docs/training.md, docs/stability.md).",
+        "in a background thread; under trainer.backend=ray on the driver while the workers train), the next one during "
+        "each step's update, so each batch is k updates stale and its old_logprobs are the generating policy's (the "
+        "PPO ratio corrects the staleness, algo.rollout_correction the engine). 0 = generate, then train "
+        "(docs/training.md, docs/stability.md).",
     )
     max_staleness: int | None = Field(
         None,
@@ -278,8 +243,7 @@ class RolloutConfig(Section):
     staleness_policy: Literal["drop", "wait"] = Field(
         "drop",
         description="A batch past rollout.max_staleness: drop = regenerate it at its step from the current weights "
-        "(same "
-        "prompts; rollout/stale_dropped), wait = never generate more than max_staleness steps ahead (as AReaL's "
+        "(same prompts; rollout/stale_dropped), wait = never generate more than max_staleness steps ahead (as AReaL's "
         "bounded staleness).",
     )
 
@@ -298,17 +262,14 @@ class RewardConfig(Section):
     val_function: str | None = Field(
         None,
         description="Gold reward of validation: 'path/file.py:name' or 'module:name', a batch function like "
-        "reward.function, scoring "
-        "the same sampled validation responses (val/gold_mean, val/gold_gap; tether eval too). null = "
-        "reward.val_model, else the data "
-        "source's built-in gold (tether.rewards.GOLD_FUNCTIONS), else none "
-        "(docs/rewards.md#gold-reward-for-validation).",
+        "reward.function, scoring the same sampled validation responses (val/gold_mean, val/gold_gap; tether eval "
+        "too). null = reward.val_model, else the data source's built-in gold (tether.rewards.GOLD_FUNCTIONS), else "
+        "none (docs/rewards.md#gold-reward-for-validation).",
     )
     val_model: str | None = Field(
         None,
         description="Gold reward of validation: a local AutoModelForSequenceClassification directory, like "
-        "reward.model "
-        "(exclusive with reward.val_function); null = see reward.val_function.",
+        "reward.model (exclusive with reward.val_function); null = see reward.val_function.",
     )
     clip: tuple[float, float] | None = Field(
         None, description="Clip scores to [low, high] (a reward model defaults to [-2, 2])."
@@ -335,10 +296,9 @@ class RewardConfig(Section):
         ge=0,
         description="DAPO's soft overlong penalty: L_cache, the last tokens before rollout.max_new_tokens over which a "
         "training response's score is lowered linearly, from 0 at length max_new_tokens − L_cache to "
-        "−reward.overlong_penalty at "
-        "max_new_tokens (Yu et al. 2025 eq. 13; verl's overlong_buffer.len); added to the score after reward.clip and "
-        "reward.normalize, "
-        "before advantages. Must be < rollout.max_new_tokens. null or 0 = off (docs/training.md#truncation).",
+        "−reward.overlong_penalty at max_new_tokens (Yu et al. 2025 eq. 13; verl's overlong_buffer.len); added to the "
+        "score after reward.clip and reward.normalize, before advantages. Must be < rollout.max_new_tokens. null or 0 "
+        "= off (docs/training.md#truncation).",
     )
     overlong_penalty: float = Field(
         1.0,
@@ -359,8 +319,7 @@ class RewardConfig(Section):
         if self.val_function and self.val_model:
             raise ValueError(
                 f"reward.val_function={self.val_function!r} and reward.val_model={self.val_model!r} are both set: the "
-                "gold "
-                "reward of validation is one of them; unset one"
+                "gold reward of validation is one of them; unset one"
             )
         return self
 
@@ -436,9 +395,8 @@ class DataConfig(Section):
     embedded_task: Literal["digitsum", "digitsum_hack"] = Field(
         "digitsum",
         description="data.train_files=embedded: digitsum (exact correctness), or digitsum_hack (the same prompts "
-        "trained on a "
-        "flawed proxy reward that pays short answers a bonus, with exact correctness as the gold reward; docs/task.md, "
-        "docs/hacking.md).",
+        "trained on a flawed proxy reward that pays short answers a bonus, with exact correctness as the gold reward; "
+        "docs/task.md, docs/hacking.md).",
     )
     embedded_train_size: int = Field(2000, ge=1, description="Prompts in the embedded task's train split.")
     embedded_val_size: int = Field(32, ge=1, description="Prompts in the embedded task's val split.")
@@ -448,8 +406,7 @@ class DataConfig(Section):
         if self.embedded_task != "digitsum" and self.train_files != EMBEDDED:
             raise ValueError(
                 f"data.embedded_task={self.embedded_task} has no effect with data.train_files={self.train_files}: it "
-                "picks the "
-                "embedded task's reward and rows (data.train_files=embedded); leave it at digitsum"
+                "picks the embedded task's reward and rows (data.train_files=embedded); leave it at digitsum"
             )
         return self
 
@@ -507,14 +464,11 @@ class KLConfig(Section):
     off_policy_correction: Literal["ratio", "none"] = Field(
         "ratio",
         description="KL in the loss when the tokens were sampled by π_old ≠ π_θ (every mini-batch after the first, PPO "
-        "epochs, "
-        "async and engine-sampled batches): ratio = each token's term importance-weighted by π_θ/π_old (differentiable "
-        "for k1/k3/abs, "
-        "detached for k2 and the `+` variants; log-ratio clamped at kl.log_ratio_clamp like the policy ratio), so its "
-        "expected "
-        "gradient is ∇KL(π_θ‖π_ref) exactly for k1, k3, k2 and every `+` (on-policy too, where plain k3's is "
-        "∇KL(π_ref‖π_θ)); "
-        "none = the plain estimator (verl's use_kl_loss). docs/training.md#kl-off-policy.",
+        "epochs, async and engine-sampled batches): ratio = each token's term importance-weighted by π_θ/π_old "
+        "(differentiable for k1/k3/abs, detached for k2 and the `+` variants; log-ratio clamped at kl.log_ratio_clamp "
+        "like the policy ratio), so its expected gradient is ∇KL(π_θ‖π_ref) exactly for k1, k3, k2 and every `+` "
+        "(on-policy too, where plain k3's is ∇KL(π_ref‖π_θ)); none = the plain estimator (verl's use_kl_loss). "
+        "docs/training.md#kl-off-policy.",
     )
 
     @field_validator("estimator", "loss_estimator")
@@ -540,19 +494,15 @@ class RolloutCorrectionConfig(Section):
     level: Literal["none", "token", "sequence", "geometric"] = Field(
         "none",
         description="Importance weight π_old/π_rollout for the engine-trainer gap, multiplying each token's policy "
-        "loss and KL "
-        "term: none = off; token = per token; sequence = the product of the token ratios over the response (exact "
-        "sequence "
-        "likelihood ratio); geometric = their geometric mean (length-normalised). Needs the engine's log-probs (HF and "
-        "vLLM give them).",
+        "loss and KL term: none = off; token = per token; sequence = the product of the token ratios over the response "
+        "(exact sequence likelihood ratio); geometric = their geometric mean (length-normalised). Needs the engine's "
+        "log-probs (HF and vLLM give them).",
     )
     mode: Literal["truncate", "mask"] = Field(
         "truncate",
         description="truncate = TIS, min(w, threshold); mask = MIS/IcePop, w where lower <= w <= threshold, else 0. "
-        "With "
-        "actor.old_logprobs_source=rollout (π_old = π_rollout) the weights are measured against π_θ per micro-batch "
-        "and only mask "
-        "applies (as 0/1): the PPO clip already bounds that ratio (verl's bypass mode).",
+        "With actor.old_logprobs_source=rollout (π_old = π_rollout) the weights are measured against π_θ per "
+        "micro-batch and only mask applies (as 0/1): the PPO clip already bounds that ratio (verl's bypass mode).",
     )
     threshold: float = Field(2.0, gt=0, description="Upper bound of the weight (verl's rollout_is_threshold).")
     lower: float | None = Field(None, gt=0, description="mode=mask: lower bound of the weight; null = 1/threshold.")
@@ -573,8 +523,7 @@ class RolloutCorrectionConfig(Section):
         "none",
         description="Reject divergent samples from the loss (weight 0, out of the token counts) by an estimate of "
         "KL(π_rollout‖π_old) from the sampled tokens, k1 = log π_rollout/π_old, k2 = ½k1², k3: per token, or the "
-        "sum/mean/max over "
-        "a response (verl's rollout_rs names).",
+        "sum/mean/max over a response (verl's rollout_rs names).",
     )
     reject_threshold: float | None = Field(
         None,
@@ -617,8 +566,7 @@ class RolloutCorrectionConfig(Section):
             if unused:
                 raise ValueError(
                     f"{', '.join(unused)} has no effect with level=none (no importance weight): set level=token, "
-                    "sequence or "
-                    "geometric, or leave them at their defaults"
+                    "sequence or geometric, or leave them at their defaults"
                 )
         return self
 
@@ -781,13 +729,10 @@ class AlgoConfig(Section):
     ] = Field(
         "vanilla",
         description="Policy loss (tether.algos.policy_loss; docs/training.md#policy-losses): vanilla = PPO clip "
-        "(algo.clip_eps_*, "
-        "algo.dual_clip_c); gspo / gspo_token = sequence-level ratio (algo.gspo.*); gmpo = geometric-mean ratio "
-        "(algo.gmpo.*); cispo = "
-        "capped detached IS weight (algo.cispo.*); sapo = soft gate (algo.sapo.*); clip_cov / kl_cov = PPO clip / "
-        "plain ratio with the "
-        "high-covariance tokens detached / penalised (algo.clip_cov.*, algo.kl_cov.*); dppo_tv / dppo_kl = "
-        "binary-divergence trust region "
+        "(algo.clip_eps_*, algo.dual_clip_c); gspo / gspo_token = sequence-level ratio (algo.gspo.*); gmpo = "
+        "geometric-mean ratio (algo.gmpo.*); cispo = capped detached IS weight (algo.cispo.*); sapo = soft gate "
+        "(algo.sapo.*); clip_cov / kl_cov = PPO clip / plain ratio with the high-covariance tokens detached / "
+        "penalised (algo.clip_cov.*, algo.kl_cov.*); dppo_tv / dppo_kl = binary-divergence trust region "
         "(algo.dppo_tv.*, algo.dppo_kl.*); gpg = no surrogate, -A log π.",
     )
     gspo: GSPOConfig = Field(
@@ -815,9 +760,8 @@ class AlgoConfig(Section):
     ) = Field(
         None,
         description="How the per-token loss is averaged (policy, entropy bonus, value loss, and the KL loss unless "
-        "kl.loss_agg_mode); "
-        "null = the policy loss's own: token-mean, seq-mean-token-mean for gspo, gspo_token, gmpo and sapo (their "
-        "papers').",
+        "kl.loss_agg_mode); null = the policy loss's own: token-mean, seq-mean-token-mean for gspo, gspo_token, gmpo "
+        "and sapo (their papers').",
     )
     entropy_coef: float = Field(
         0.0,
@@ -829,27 +773,22 @@ class AlgoConfig(Section):
         None,
         gt=0,
         description="Adaptive entropy bonus: the entropy to hold, nats per token (policy/entropy: π_old's entropy at "
-        "the "
-        "sampled positions, averaged per response then over responses). After each step α ← clip(α + "
-        "algo.entropy_coef_lr·(target − "
-        "policy/entropy), 0, algo.entropy_coef_max) (dual ascent), starting at algo.entropy_coef; α is saved in "
-        "checkpoints. null = "
-        "α stays algo.entropy_coef. Not with actor.old_logprobs_source=rollout (no entropy measured) "
-        "(docs/training.md#entropy-control).",
+        "the sampled positions, averaged per response then over responses). After each step α ← clip(α + "
+        "algo.entropy_coef_lr·(target − policy/entropy), 0, algo.entropy_coef_max) (dual ascent), starting at "
+        "algo.entropy_coef; α is saved in checkpoints. null = α stays algo.entropy_coef. Not with "
+        "actor.old_logprobs_source=rollout (no entropy measured) (docs/training.md#entropy-control).",
     )
     entropy_coef_lr: float = Field(
         0.01,
         gt=0,
         description="algo.entropy_target: the dual-ascent step, α per nat of entropy error per step (an entropy 0.1 "
-        "nats "
-        "below the target raises α by 0.001 per step).",
+        "nats below the target raises α by 0.001 per step).",
     )
     entropy_coef_max: float = Field(
         0.1,
         gt=0,
         description="algo.entropy_target: the upper bound of α, so that an unreachable target cannot grow the bonus "
-        "without "
-        "limit (at 0.1 the bonus of 1 nat per token is a tenth of a unit advantage's surrogate).",
+        "without limit (at 0.1 the bonus of 1 nat per token is a tenth of a unit advantage's surrogate).",
     )
     top_entropy_quantile: float = Field(
         1.0,
@@ -857,21 +796,17 @@ class AlgoConfig(Section):
         le=1,
         description="ρ: only the highest-entropy fraction ρ of a step's counted tokens get a policy-loss gradient "
         "(threshold: the 1 − ρ quantile of π_old's entropy over the whole batch, ties kept); the KL and entropy terms "
-        "keep every "
-        "token and the loss's denominators do not change (Wang et al. 2025, arXiv 2506.01939: 0.2; TRL's "
-        "top_entropy_quantile). "
-        "1.0 = every token. Logs actor/entropy_mask_frac. Not with actor.old_logprobs_source=rollout (no entropy "
-        "measured); turns off "
-        "actor.reuse_update_logprobs (the entropy is needed before the update).",
+        "keep every token and the loss's denominators do not change (Wang et al. 2025, arXiv 2506.01939: 0.2; TRL's "
+        "top_entropy_quantile). 1.0 = every token. Logs actor/entropy_mask_frac. Not with "
+        "actor.old_logprobs_source=rollout (no entropy measured); turns off actor.reuse_update_logprobs (the entropy "
+        "is needed before the update).",
     )
     mask_truncated: bool = Field(
         False,
         description="A response cut at rollout.max_new_tokens without EOS gets no gradient: it leaves the actor's loss "
-        "(policy, "
-        "KL and entropy terms) and its token counts, as a rejected sample (DAPO's overlong filtering; TRL's "
-        "mask_truncated_completions); "
-        "advantages, the critic and the metrics still see it. Logs actor/masked_truncated (response/truncated_frac: "
-        "their share).",
+        "(policy, KL and entropy terms) and its token counts, as a rejected sample (DAPO's overlong filtering; TRL's "
+        "mask_truncated_completions); advantages, the critic and the metrics still see it. Logs actor/masked_truncated "
+        "(response/truncated_frac: their share).",
     )
     filter_groups: bool = Field(
         False,
@@ -880,8 +815,8 @@ class AlgoConfig(Section):
     )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,
-        description="Correction for the gap between the engine that samples and the policy that "
-        "trains (TIS/MIS/rejection; metrics rollout_corr/*; docs/training.md#rollout-correction).",
+        description="Correction for the gap between the engine that samples and the policy that trains "
+        "(TIS/MIS/rejection; metrics rollout_corr/*; docs/training.md#rollout-correction).",
     )
     filter_groups_max_draws: int = Field(
         10,
@@ -911,8 +846,8 @@ class AlgoConfig(Section):
             if key not in used and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(
                     f"algo.{key}={getattr(self, key)} has no effect with algo.policy_loss={self.policy_loss} (read by "
-                    f"{'vanilla and clip_cov' if key != 'dual_clip_c' else 'vanilla'}): leave it at its default"
-                    f"{self._own_keys_hint()}"
+                    f"{'vanilla and clip_cov' if key != 'dual_clip_c' else 'vanilla'}): leave it at its "
+                    f"default{self._own_keys_hint()}"
                 )
         for section, modes in POLICY_LOSS_SECTIONS.items():
             value = getattr(self, section)
@@ -1004,8 +939,7 @@ class TrainerConfig(Section):
         gt=0,
         description="After a SIGTERM/SIGINT the step in progress may run this many seconds more to finish and be "
         "checkpointed; past it (a reward that never returns, a hung collective) it is abandoned and the run exits with "
-        "the last "
-        "complete checkpoint (docs/checkpoints.md). null = wait for the step however long it takes.",
+        "the last complete checkpoint (docs/checkpoints.md). null = wait for the step however long it takes.",
     )
     val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
     val_n: int = Field(
@@ -1130,12 +1064,9 @@ class GuardConfig(Section):
     on_hacking: Literal["warn", "rollback", "stop"] = Field(
         "warn",
         description="What a live reward-hacking warning (the doctor's hacking_gold or hacking_proxy check, "
-        "docs/hacking.md) does: "
-        "warn = log it; rollback = restore the last stable checkpoint (stable by guard.rollback_metric: gold with a "
-        "gold reward) and "
-        "multiply β by guard.coef_factor and the learning rates by guard.rollback_lr_factor, counted against "
-        "guard.max_rollbacks; "
-        "stop = checkpoint and stop (exit 3).",
+        "docs/hacking.md) does: warn = log it; rollback = restore the last stable checkpoint (stable by "
+        "guard.rollback_metric: gold with a gold reward) and multiply β by guard.coef_factor and the learning rates by "
+        "guard.rollback_lr_factor, counted against guard.max_rollbacks; stop = checkpoint and stop (exit 3).",
     )
     hacking_coef: float = Field(
         0.05,
@@ -1166,11 +1097,10 @@ def no_gold_message(sources) -> str:
     """Why ``guard.rollback_metric=gold`` cannot run: no gold reward for the validation data ``sources``."""
     shown = ", ".join(repr(s) for s in sources) or "none"
     return (
-        f"guard.rollback_metric=gold watches val/gold_mean, but validation has no gold reward: reward.val_function and "
+        "guard.rollback_metric=gold watches val/gold_mean, but validation has no gold reward: reward.val_function and "
         f"reward.val_model are unset, and the validation data source(s) {shown} have no built-in gold "
         "(tether.rewards.GOLD_FUNCTIONS). Set reward.val_function=path/file.py:name (or reward.val_model=DIR), or "
-        "choose "
-        "another guard.rollback_metric (docs/rewards.md#gold-reward-for-validation)"
+        "choose another guard.rollback_metric (docs/rewards.md#gold-reward-for-validation)"
     )
 
 
@@ -1259,8 +1189,8 @@ def _check_entropy_and_truncation(cfg) -> None:
     if r.overlong_buffer and r.overlong_buffer >= cfg.rollout.max_new_tokens:
         raise ValueError(
             f"reward.overlong_buffer={r.overlong_buffer} must be below "
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} "
-            "(the penalty ramps over the last overlong_buffer tokens before the limit)"
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty ramps over the last overlong_buffer "
+            "tokens before the limit)"
         )
     if not r.overlong_buffer and r.overlong_penalty != RewardConfig.model_fields["overlong_penalty"].default:
         raise ValueError(
@@ -1284,8 +1214,7 @@ def _check_async(cfg) -> None:
     if bad:
         raise ValueError(
             f"rollout.async_steps={cfg.rollout.async_steps} cannot be combined with {', '.join(bad)} "
-            "(docs/training.md, docs/performance.md); "
-            "set rollout.async_steps=0"
+            "(docs/training.md, docs/performance.md); set rollout.async_steps=0"
         )
 
 
@@ -1370,8 +1299,8 @@ class TetherConfig(Section):
         if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
             raise ValueError(
                 f"actor.padding_free / critic.padding_free do not support actor.tp_size={self.actor.tp_size} "
-                "(vocabulary-parallel "
-                "logits are not gathered per packed position); use actor.tp_size=1 or padding_free=false"
+                "(vocabulary-parallel logits are not gathered per packed position); use actor.tp_size=1 or "
+                "padding_free=false"
             )
         if self.actor.share_prompt_prefix:
             packed = [
@@ -1385,9 +1314,8 @@ class TetherConfig(Section):
             if packed:
                 raise ValueError(
                     f"actor.share_prompt_prefix=true cannot be combined with {packed[0]}=true (packed rows hold whole "
-                    "sequences, "
-                    "with no prompt KV cache to share); set one of them to false (left unset, share_prompt_prefix is "
-                    "off then)"
+                    "sequences, with no prompt KV cache to share); set one of them to false (left unset, "
+                    "share_prompt_prefix is off then)"
                 )
         if self.algo.adv_estimator == "gae" and self.critic.warmup_steps >= self.trainer.total_steps:
             raise ValueError(
@@ -1399,8 +1327,8 @@ class TetherConfig(Section):
         elif self.rollout.max_staleness is not None:
             raise ValueError(
                 f"rollout.max_staleness={self.rollout.max_staleness} has no effect with rollout.async_steps=0 (every "
-                "batch "
-                "is generated by the policy that trains on it); set rollout.async_steps or leave max_staleness null"
+                "batch is generated by the policy that trains on it); set rollout.async_steps or leave max_staleness "
+                "null"
             )
         f = self.data.filter
         if (
@@ -1418,16 +1346,14 @@ class TetherConfig(Section):
             and self.rollout.temperature != 1.0
         ):
             raise ValueError(
-                f"actor.old_logprobs_source=rollout with rollout.do_sample=false: greedy decoding's log-probs are the "
+                "actor.old_logprobs_source=rollout with rollout.do_sample=false: greedy decoding's log-probs are the "
                 f"untempered ones (vLLM reports no others), not the rollout.temperature={self.rollout.temperature} "
-                "ones "
-                "the trainer's ratio and KL use; use actor.old_logprobs_source=recompute or rollout.temperature=1"
+                "ones the trainer's ratio and KL use; use actor.old_logprobs_source=recompute or rollout.temperature=1"
             )
         if self.rollout.hf_sampler != "multinomial" and self.rollout.hf_decode != "tether":
             raise ValueError(
                 f"rollout.hf_sampler={self.rollout.hf_sampler} needs rollout.hf_decode=tether (model.generate samples "
-                "with "
-                "torch.multinomial); set rollout.hf_decode=tether or rollout.hf_sampler=multinomial"
+                "with torch.multinomial); set rollout.hf_decode=tether or rollout.hf_sampler=multinomial"
             )
         if self.actor.old_logprobs_source == "rollout" and (
             self.rollout.mode == "offline" or self.kl.estimator == "full"
@@ -1441,22 +1367,19 @@ class TetherConfig(Section):
         if self.algo.rollout_correction.batch_normalize and self.actor.old_logprobs_source == "rollout":
             raise ValueError(
                 "algo.rollout_correction.batch_normalize has no effect with actor.old_logprobs_source=rollout (bypass "
-                "mode: "
-                "the weights are 0/1 mask and rejection factors); set it false"
+                "mode: the weights are 0/1 mask and rejection factors); set it false"
             )
         if self.rollout.mode == "offline":
             for key in ("engine_temperature", "compute_dtype"):
                 if getattr(self.rollout, key) is not None:
                     raise ValueError(
                         f"rollout.{key}={getattr(self.rollout, key)} has no effect with rollout.mode=offline (nothing "
-                        "is generated "
-                        "for training)"
+                        "is generated for training)"
                     )
         if self.algo.rollout_correction.active and self.rollout.mode == "offline":
             raise ValueError(
                 "algo.rollout_correction needs sampled responses with the engine's log-probs: rollout.mode=offline has "
-                "none; "
-                "set algo.rollout_correction.level=none and algo.rollout_correction.reject=none"
+                "none; set algo.rollout_correction.level=none and algo.rollout_correction.reject=none"
             )
         _check_entropy_and_truncation(self)
         _check_gold_rollback(self)
@@ -1656,9 +1579,9 @@ def _check_file_relative_paths(tree: dict, config_path: Path) -> None:
         if (base / part).exists():
             fixed = value.replace(part, str(base / part), 1)
             raise ConfigError(
-                f"{key}: {part!r} in {config_path} is not in the current directory ({Path.cwd()}) but is next "
-                f"to the config file. Relative paths are taken from the current directory, in a config file as "
-                f"on the command line: write {fixed!r} or an absolute path"
+                f"{key}: {part!r} in {config_path} is not in the current directory ({Path.cwd()}) but is next to the "
+                "config file. Relative paths are taken from the current directory, in a config file as on the command "
+                f"line: write {fixed!r} or an absolute path"
             )
 
 

@@ -275,25 +275,24 @@ def check_kl_rising(
     placement = _cfg(config, "kl.placement")
     if placement == "none":
         suggestion = (
-            "set kl.placement=reward or kl.placement=loss (now none: the KL is measured but never "
-            f"penalised), with {_now(config, 'kl.coef', _kl_coef_now(history, config))}"
+            "set kl.placement=reward or kl.placement=loss (now none: the KL is measured but never penalised), with "
+            f"{_now(config, 'kl.coef', _kl_coef_now(history, config))}"
         )
     elif c_vals and c_vals[0] > 0 and c_vals[-1] > 1.05 * c_vals[0]:
         suggestion = (
-            f"kl/coef already rose from {_fmt(c_vals[0])} to {_fmt(c_vals[-1])} and the KL still climbs: "
-            f"lower {_now(config, 'kl.target')} or raise kl.beta_max, and lower {_now(config, 'actor.lr')} "
-            "to slow the drift"
+            f"kl/coef already rose from {_fmt(c_vals[0])} to {_fmt(c_vals[-1])} and the KL still climbs: lower "
+            f"{_now(config, 'kl.target')} or raise kl.beta_max, and lower {_now(config, 'actor.lr')} to slow the drift"
         )
     else:
         suggestion = (
             f"{_raise_kl_coef(history, config)}, or set kl.controller=adaptive with kl.target={_fmt(floor)} "
-            f"(nats/token, the kl/ref_mean scale) so β grows while KL exceeds the target; lowering "
+            "(nats/token, the kl/ref_mean scale) so β grows while KL exceeds the target; lowering "
             f"{_now(config, 'actor.lr')} also slows the drift"
         )
     msg = (
         f"kl/ref_mean rose steadily from {_fmt(t['fit_start'])} to {_fmt(t['fit_end'])} nats/token over steps "
-        f"{steps[0]}–{steps[-1]} (Theil–Sen slope {_fmt(t['slope_per_step'])}/step, Kendall τ "
-        f"{t['kendall_tau']:.2f}), above the {_fmt(floor)} floor"
+        f"{steps[0]}–{steps[-1]} (Theil–Sen slope {_fmt(t['slope_per_step'])}/step, Kendall τ {t['kendall_tau']:.2f}), "
+        f"above the {_fmt(floor)} floor"
     )
     evidence = {"steps": steps, "values": values, **t, "floor": floor}
     return [Finding("kl_rising", "kl/ref_mean", msg, evidence, suggestion)]
@@ -352,8 +351,8 @@ def check_entropy_collapse(
         else f"add an entropy bonus, e.g. algo.entropy_coef=0.001{' (now 0)' if ent == 0 else ''}"
     )
     suggestion = (
-        f"raise {_now(config, 'rollout.temperature')}, {bonus}, or {_raise_kl_coef(history, config)} "
-        "to keep the policy closer to the reference's entropy"
+        f"raise {_now(config, 'rollout.temperature')}, {bonus}, or {_raise_kl_coef(history, config)} to keep the "
+        "policy closer to the reference's entropy"
     )
     return [Finding("entropy_collapse", "policy/entropy", msg, ev, suggestion)]
 
@@ -386,9 +385,8 @@ def check_length_shrinking(
         return []
     ev.update(drop=drop, max_drop=max_drop)
     msg = (
-        f"response/length_mean shrank {100 * drop:.0f}% from {_fmt(ev['early_median'])} tokens (median of "
-        f"steps {steps[0]}–{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps "
-        f"{steps[-recent]}–{steps[-1]})"
+        f"response/length_mean shrank {100 * drop:.0f}% from {_fmt(ev['early_median'])} tokens (median of steps "
+        f"{steps[0]}–{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]})"
     )
     placement = _cfg(config, "kl.placement")
     coef = _kl_coef_now(history, config)
@@ -438,9 +436,9 @@ def check_reward_flat_kl_growing(
         return []
     r_med = statistics.median(r_vals)
     msg = (
-        f"reward/score_mean shows no upward trend over steps {r_steps[0]}–{r_steps[-1]} (Kendall τ {r_tau:.2f}, "
-        f"median {_fmt(r_med)}) while kl/ref_mean grew from {_fmt(kt['fit_start'])} to {_fmt(kt['fit_end'])} "
-        "nats/token: the policy drifts from the reference without gaining reward"
+        f"reward/score_mean shows no upward trend over steps {r_steps[0]}–{r_steps[-1]} (Kendall τ {r_tau:.2f}, median "
+        f"{_fmt(r_med)}) while kl/ref_mean grew from {_fmt(kt['fit_start'])} to {_fmt(kt['fit_end'])} nats/token: the "
+        "policy drifts from the reference without gaining reward"
     )
     evidence = {
         "steps": r_steps,
@@ -452,9 +450,9 @@ def check_reward_flat_kl_growing(
         **{f"kl_{k}": v for k, v in kt.items()},
     }
     suggestion = (
-        f"lower {_now(config, 'actor.lr')}, e.g. halve it, and {_raise_kl_coef(history, config)}; check that "
-        "the reward function still separates good from bad responses (a saturated or mis-wired reward "
-        "gives no gradient signal)"
+        f"lower {_now(config, 'actor.lr')}, e.g. halve it, and {_raise_kl_coef(history, config)}; check that the "
+        "reward function still separates good from bad responses (a saturated or mis-wired reward gives no gradient "
+        "signal)"
     )
     return [Finding("reward_flat_kl_growing", "reward/score_mean", msg, evidence, suggestion)]
 
@@ -484,9 +482,8 @@ def check_clipfrac_high(
         run += 1
     ev = {"steps": steps[-patience:], "values": values[-patience:], "run_length": run, "threshold": threshold}
     msg = (
-        f"policy/clipfrac has exceeded {_fmt(threshold)} for the last {run} logged steps "
-        f"({steps[-run]}–{steps[-1]}; latest {_fmt(values[-1])}): the updates move the policy well past "
-        "the clip range"
+        f"policy/clipfrac has exceeded {_fmt(threshold)} for the last {run} logged steps ({steps[-run]}–{steps[-1]}; "
+        f"latest {_fmt(values[-1])}): the updates move the policy well past the clip range"
     )
     suggestion = (
         f"lower {_now(config, 'actor.lr')} or {_now(config, 'algo.ppo_epochs')}; widening "
@@ -520,14 +517,13 @@ def check_collapse_rising(
         return []
     ev.update(rise=rise, min_rise=min_rise)
     msg = (
-        f"diversity/collapse_rate rose from {_fmt(ev['early_median'])} (median of steps {steps[0]}–"
-        f"{steps[early - 1]}) to {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]}): "
-        "more prompts get n identical samples"
+        f"diversity/collapse_rate rose from {_fmt(ev['early_median'])} (median of steps {steps[0]}–{steps[early - 1]}) "
+        f"to {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]}): more prompts get n identical "
+        "samples"
     )
     suggestion = (
         f"{_raise_kl_coef(history, config)} to keep the reference's diversity, raise "
-        f"{_now(config, 'rollout.temperature')}, or add an entropy bonus by raising "
-        f"{_now(config, 'algo.entropy_coef')}"
+        f"{_now(config, 'rollout.temperature')}, or add an entropy bonus by raising {_now(config, 'algo.entropy_coef')}"
     )
     return [Finding("collapse_rising", "diversity/collapse_rate", msg, ev, suggestion)]
 
@@ -586,15 +582,14 @@ def check_no_learning_signal(
     )
     if flat or metric == "advantages/abs_mean":
         fix = (
-            "raise algo.filter_groups_max_draws (now "
-            f"{_fmt(_cfg(config, 'algo.filter_groups_max_draws'))}) or rollout.n"
+            f"raise algo.filter_groups_max_draws (now {_fmt(_cfg(config, 'algo.filter_groups_max_draws'))}) or "
+            "rollout.n"
             if _cfg(config, "algo.filter_groups") is True
             else "set algo.filter_groups=true (DAPO dynamic sampling: train only on prompts whose samples differ)"
         )
         suggestion = (
             "check a few responses and their rewards (tether eval MODEL DATA): a reward that never matches the output "
-            "format, "
-            f"or a task far too hard or too easy for the model, gives every sample the same score; raise "
+            "format, or a task far too hard or too easy for the model, gives every sample the same score; raise "
             f"{_now(config, 'rollout.temperature')} or {_now(config, 'rollout.n')} so that samples differ, or {fix}"
         )
     else:
@@ -667,10 +662,9 @@ def check_hacking_gold(
         return []
     msg = (
         f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to "
-        f"{_fmt(gold[last])} at "
-        f"step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training reward {p_key} went "
-        "from "
-        f"{_fmt(p_by[peak])} to {_fmt(p_by[last])}: the policy gains on the reward's flaw, not on the task"
+        f"{_fmt(gold[last])} at step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training "
+        f"reward {p_key} went from {_fmt(p_by[peak])} to {_fmt(p_by[last])}: the policy gains on the reward's flaw, "
+        "not on the task"
     )
     evidence = {
         "steps": steps,
@@ -684,8 +678,8 @@ def check_hacking_gold(
     }
     suggestion = (
         f"{_raise_kl_coef(history, config)}, or let the guard act ({_now(config, 'guard.on_hacking')}: rollback "
-        "restores the last "
-        "checkpoint whose gold was stable and raises β); fix the training reward's flaw if you can name it"
+        "restores the last checkpoint whose gold was stable and raises β); fix the training reward's flaw if you can "
+        "name it"
     )
     return [Finding("hacking_gold", g_key, msg, evidence, suggestion)]
 
@@ -744,12 +738,9 @@ def check_hacking_proxy(
     ratio, at, s_prev, s_now = best
     msg = (
         f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the "
-        "last "
-        f"{window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while response/length_mean "
-        "drifted "
-        f"{100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new behaviour is spreading fast; "
-        "without a gold "
-        "reward this is a warning sign, not proof"
+        f"last {window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while "
+        f"response/length_mean drifted {100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new "
+        "behaviour is spreading fast; without a gold reward this is a warning sign, not proof"
     )
     evidence = {
         "steps": k_steps[-(2 * window + lookback) :],
@@ -890,8 +881,8 @@ def _read_records(path: Path) -> tuple[list[dict], list[Finding]]:
                 Finding(
                     "metrics_file",
                     METRICS_FILE,
-                    f"{path}: the last line ({i}, {len(line)} characters, no final newline) is truncated "
-                    "and was ignored, as when a run is stopped mid-write",
+                    f"{path}: the last line ({i}, {len(line)} characters, no final newline) is truncated and was "
+                    "ignored, as when a run is stopped mid-write",
                     {"path": str(path), "line": i, "excerpt": excerpt, "error": err},
                     "nothing to change if the run was killed or is still writing",
                     "info",

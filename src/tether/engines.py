@@ -123,8 +123,8 @@ def _hf_plan(s, actor) -> tuple[list[PlanRow], list[str]]:
 HF = EngineEntry(
     name="hf",
     module="tether.rollout.hf",
-    summary="Hugging Face generate (CPU or GPU) on the actor's own module: tether's decode loop over a "
-    "preallocated KV cache, or model.generate (rollout.hf_decode)",
+    summary="Hugging Face generate (CPU or GPU) on the actor's own module: tether's decode loop over a preallocated KV "
+    "cache, or model.generate (rollout.hf_decode)",
     auto=100,
     snapshot_async=True,
     on_ray="driver",
@@ -146,8 +146,8 @@ class VLLMSettings(Section):
     kv_cache_gib: float | None = Field(
         None,
         gt=0,
-        description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend "
-        "1 GiB of host RAM.",
+        description="vLLM's KV cache, GiB; null = on a GPU what gpu_memory_utilization leaves, on the CPU backend 1 "
+        "GiB of host RAM.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + response vLLM plans for, tokens; null = the model's maximum."
@@ -155,8 +155,8 @@ class VLLMSettings(Section):
     replicas: int = Field(
         1,
         ge=1,
-        description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across "
-        "them in order.",
+        description="trainer.backend=ray: vLLM engine replicas (Ray actors); each step's prompts are split across them "
+        "in order.",
     )
     tensor_parallel_size: int = Field(
         1,
@@ -167,8 +167,8 @@ class VLLMSettings(Section):
     sync_bucket_mib: float = Field(
         64.0,
         gt=0,
-        description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of "
-        "at most this many MiB (a transformer block is never split).",
+        description="trainer.backend=ray: weights go from the actor's FSDP2 shards to the replicas in buckets of at "
+        "most this many MiB (a transformer block is never split).",
     )
     sleep: bool = Field(
         True,
@@ -248,9 +248,9 @@ def _vllm_plan(s, actor) -> tuple[list[PlanRow], list[str]]:
     problems = []
     if seqs < 1:
         problems.append(
-            f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {tp} "
-            f"({weights / GIB:.1f} GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization "
-            "or rollout.vllm.tensor_parallel_size (--rollout-tp)"
+            f"vLLM's reservation ({reserve / GIB:.1f} GiB) does not hold its weights at tp {tp} ({weights / GIB:.1f} "
+            "GiB) and one sequence's KV cache: raise rollout.vllm.gpu_memory_utilization or "
+            "rollout.vllm.tensor_parallel_size (--rollout-tp)"
         )
     if tp > s.node_devices:  # a replica's tp ranks share one node (vLLM's mp executor)
         problems.append(

@@ -45,13 +45,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     if (p / "adapter_config.json").is_file():
         raise CheckpointError(
-            f"{p} is a peft adapter directory, not a tether checkpoint; load it with "
-            "peft.AutoPeftModelForCausalLM and merge_and_unload() to get a plain model"
+            f"{p} is a peft adapter directory, not a tether checkpoint; load it with peft.AutoPeftModelForCausalLM and "
+            "merge_and_unload() to get a plain model"
         )
     if (p / "config.json").is_file():
         raise CheckpointError(
-            f"{p} is a Hugging Face model directory (config.json), not a tether checkpoint: it "
-            "already loads with from_pretrained, there is nothing to export"
+            f"{p} is a Hugging Face model directory (config.json), not a tether checkpoint: it already loads with "
+            "from_pretrained, there is nothing to export"
         )
     raise CheckpointError(
         f"{p} is not a tether checkpoint (no actor/ or {MANIFEST}) nor a run directory (no checkpoints/)"

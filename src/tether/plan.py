@@ -930,8 +930,8 @@ def format_plan(plan: Plan) -> str:
     s = plan.settings
     lines = [
         f"devices {s.devices} (dp {s.dp} × tp {s.tp}), {s.device_memory / GIB:.1f} GiB each; weights "
-        f"{s.storage_dtype}, compute {s.compute_dtype}"
-        f"{', CPU offload' if s.offload else ''}; prompt {s.prompt_len} + response {s.response_len} tokens",
+        f"{s.storage_dtype}, compute {s.compute_dtype}{', CPU offload' if s.offload else ''}; prompt {s.prompt_len} + "
+        f"response {s.response_len} tokens",
         "parameters: "
         + ", ".join(f"{k} {v / 1e9:.3f} B" if v >= 1e8 else f"{k} {v:,}" for k, v in plan.params.items()),
         "",
@@ -959,8 +959,7 @@ def format_plan(plan: Plan) -> str:
     if plan.fits:
         lines.append(
             f"verdict: FITS: peak {plan.peak / GIB:.1f} GiB of {s.device_memory / GIB:.1f} GiB, headroom "
-            f"{plan.headroom / GIB:.1f} GiB "
-            f"({plan.headroom / s.device_memory:.0%})"
+            f"{plan.headroom / GIB:.1f} GiB ({plan.headroom / s.device_memory:.0%})"
             + (
                 f"; needs {plan.host_per_node / GIB:.0f} GiB of host RAM per node for the offloaded shards"
                 if plan.host_per_node

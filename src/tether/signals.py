@@ -84,8 +84,8 @@ class StopSignals:
             raise TrainingInterrupted(signum)
         self.signum = signum
         log.warning(
-            "%s received: finishing the step in progress, then writing a checkpoint and stopping "
-            "(send it again to stop at once%s)",
+            "%s received: finishing the step in progress, then writing a checkpoint and stopping (send it again to "
+            "stop at once%s)",
             signal_name(signum),
             f"; after trainer.stop_grace_s={self.grace_s:g} s the step is abandoned" if self.grace_s else "",
         )

@@ -281,8 +281,8 @@ def expand_grid(
     ]:
         if any(k.lstrip("+") in SWEEP_OWNED for k, _ in pairs):
             raise SweepError(
-                f"{where} sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name> "
-                "(choose the sweep directory with --out DIR or 'out:' in the spec)"
+                f"{where} sets trainer.output_dir, which the sweep owns: each run writes to <out>/<run name> (choose "
+                "the sweep directory with --out DIR or 'out:' in the spec)"
             )
     runs: list[RunSpec] = []
     seen: dict[str, RunSpec] = {}
@@ -736,16 +736,14 @@ def write_table(rows: Sequence[Mapping[str, Any]], out: Path, varying: Sequence[
     notes = [
         "",
         f"Exact columns: enumeration on the embedded task's prompts ({', '.join(src) or 'none'}), at each run's final "
-        "β. "
-        "Sampled columns: mean of the last `tail` logged steps. KL in nats (per token or per response). "
-        "collapse: share of prompts whose n samples are all identical; collapse@n exact = Σ_y π(y)^n.",
+        "β. Sampled columns: mean of the last `tail` logged steps. KL in nats (per token or per response). collapse: "
+        "share of prompts whose n samples are all identical; collapse@n exact = Σ_y π(y)^n.",
         "",
     ]
     if gold:
         notes[-1:] = [
             "val score / val gold: the training reward's and the gold reward's mean on the same validation samples at "
-            "the "
-            "last validation (val/score_mean, val/gold_mean); gap = score − gold "
+            "the last validation (val/score_mean, val/gold_mean); gap = score − gold "
             "(docs/rewards.md#gold-reward-for-validation).",
             "",
         ]

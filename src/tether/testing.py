@@ -46,10 +46,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 #: A Qwen2-style chat template (ChatML without Qwen's default system prompt).
 QWEN2_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 _ENV_GSM8K = "TETHER_GSM8K_DIR"
@@ -141,21 +139,20 @@ def synthetic_math_texts(n: int = 400) -> list[str]:
         kind = i % 3
         if kind == 0:
             text = (
-                f"{name} has {a} {thing} and buys {b} more at the {place} on {day}. "
-                f"How many {thing} does {name} have now?\n"
-                f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}"
+                f"{name} has {a} {thing} and buys {b} more at the {place} on {day}. How many {thing} does {name} have "
+                f"now?\n{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {thing}.\n#### {a + b}"
             )
         elif kind == 1:
             text = (
-                f"Each of the {c} boxes at the {place} holds {a} {thing}. {other} takes {b} of them. "
-                f"How many {thing} are left?\nThere are {c} * {a} = <<{c}*{a}={c * a}>>{c * a} {thing} in "
-                f"total.\nSo {c * a} - {b} = <<{c * a}-{b}={c * a - b}>>{c * a - b} are left.\n#### {c * a - b}"
+                f"Each of the {c} boxes at the {place} holds {a} {thing}. {other} takes {b} of them. How many {thing} "
+                f"are left?\nThere are {c} * {a} = <<{c}*{a}={c * a}>>{c * a} {thing} in total.\nSo {c * a} - {b} = "
+                f"<<{c * a}-{b}={c * a - b}>>{c * a - b} are left.\n#### {c * a - b}"
             )
         else:
             text = (
-                f"{name} earns ${a} per hour and works {c} hours every {day}. {name} spends ${b} on lunch. "
-                f"How much money does {name} save?\n{name} earns {a} * {c} = $<<{a}*{c}={a * c}>>{a * c}.\n"
-                f"{name} saves {a * c} - {b} = $<<{a * c}-{b}={a * c - b}>>{a * c - b}.\n#### {a * c - b}"
+                f"{name} earns ${a} per hour and works {c} hours every {day}. {name} spends ${b} on lunch. How much "
+                f"money does {name} save?\n{name} earns {a} * {c} = $<<{a}*{c}={a * c}>>{a * c}.\n{name} saves {a * c} "
+                f"- {b} = $<<{a * c}-{b}={a * c - b}>>{a * c - b}.\n#### {a * c - b}"
             )
         out.append(text)
     return out

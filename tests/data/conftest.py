@@ -13,8 +13,8 @@ def gsm8k_dir() -> Path:
     d = find_gsm8k_dir(Path(__file__))
     if d is None:
         pytest.skip(
-            "GSM8K data not found at ../shared/data/gsm8k (relative to the project root) "
-            "and TETHER_GSM8K_DIR is not set"
+            "GSM8K data not found at ../shared/data/gsm8k (relative to the project root) and TETHER_GSM8K_DIR is not "
+            "set"
         )
     return d
 

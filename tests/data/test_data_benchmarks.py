@@ -246,8 +246,8 @@ def test_a_source_that_is_not_utf8_is_one_line_naming_the_file_and_byte_offset(t
     with pytest.raises(DataError) as e:
         convert_gpqa(src, tmp_path / "o.jsonl")
     assert str(e.value) == (
-        f"{src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in position 91: "
-        "invalid continuation byte; re-save it as UTF-8"
+        f"{src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in position 91: invalid "
+        "continuation byte; re-save it as UTF-8"
     )
     assert "\n" not in str(e.value)
     # the same file as jsonl: the converters and the training loader say the same thing
@@ -261,8 +261,8 @@ def test_a_source_that_is_not_utf8_is_one_line_naming_the_file_and_byte_offset(t
         str(conv.value)
         == str(train.value)
         == (
-            f"{bad_jsonl}: not a UTF-8 text file, so not .jsonl: 'utf-8' codec can't decode "
-            "byte 0xe9 in position 16: invalid continuation byte"
+            f"{bad_jsonl}: not a UTF-8 text file, so not .jsonl: 'utf-8' codec can't decode byte 0xe9 in position 16: "
+            "invalid continuation byte"
         )
     )
     capsys.readouterr()
@@ -270,8 +270,8 @@ def test_a_source_that_is_not_utf8_is_one_line_naming_the_file_and_byte_offset(t
     assert main(["data", "gpqa", str(src), str(out)]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        f"tether data: {src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in "
-        "position 91: invalid continuation byte; re-save it as UTF-8"
+        f"tether data: {src}: not a UTF-8 text file, so not .csv: 'utf-8' codec can't decode byte 0xe9 in position 91: "
+        "invalid continuation byte; re-save it as UTF-8"
     ]
     assert not out.exists()
 

@@ -20,9 +20,8 @@ def test_chat_template_applied_with_generation_prompt(chat_tokenizer_dir):
     assert has_chat_template(tok)
     text = render_prompt(_row(MSGS), tok, instruction_suffix=" Answer after ####.")
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nWhat is 2+3? Answer after ####.<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3? Answer after "
+        "####.<|im_end|>\n<|im_start|>assistant\n"
     )
     # the special tokens are single tokens of the tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -135,8 +134,8 @@ def test_no_template_and_multi_turn_conversations_is_an_error(plain_tokenizer_di
     rows = [_row(MSGS, 0), _row(MULTI, 1), _row(MULTI, 5)]
     with pytest.raises(
         DataError,
-        match=r"2 prompt\(s\) are multi-turn conversations \(first: record 2, roles user, assistant, "
-        r"user\) but the tokenizer of actor.model .* has no chat template",
+        match=r"2 prompt\(s\) are multi-turn conversations \(first: record 2, roles user, assistant, user\) but the "
+        r"tokenizer of actor.model .* has no chat template",
     ) as e:
         check_chat_template(rows, tok)
     assert e.value.problems == ["record 2", "record 6"] and e.value.n_bad == 2

@@ -212,8 +212,8 @@ def test_killed_worker_names_the_role(cluster, tmp_path):
     ray.kill(trainer.roles.placement.actor_group.workers[1])
     with pytest.raises(
         WorkerDiedError,
-        match=r"actor\+ref worker group: rank 1 died during compute_logprobs "
-        r"\(ActorDiedError: The actor is dead because it was killed by `ray.kill`\.\)",
+        match=r"actor\+ref worker group: rank 1 died during compute_logprobs \(ActorDiedError: The actor is dead "
+        r"because it was killed by `ray.kill`\.\)",
     ):
         trainer.train_step()
     trainer.roles.close()
@@ -243,8 +243,8 @@ def test_an_actor_that_fails_to_start_is_named_with_its_error(cluster):
     with pytest.raises(ray.exceptions.RayActorError) as info:
         ray.get(actor.ping.remote())
     assert death_cause(info.value) == (
-        "its __init__ raised tether.config.ConfigError: rollout.vllm.tensor_parallel_size=3 "
-        "on the CPU backend needs a core per tp rank"
+        "its __init__ raised tether.config.ConfigError: rollout.vllm.tensor_parallel_size=3 on the CPU backend needs a "
+        "core per tp rank"
     )
 
 
@@ -553,7 +553,7 @@ def test_a_sharded_checkpoints_failure_is_named_by_each_ranks_own_error():
     full = OSError(28, "No space left on device")
     e = CheckpointException("save failed", {1: (full, None), 0: (OSError(28, "No space left on device"), None)})
     assert failure_text(e) == (
-        "CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
-        "rank 1: OSError: [Errno 28] No space left on device)"
+        "CheckpointException (rank 0: OSError: [Errno 28] No space left on device; rank 1: OSError: [Errno 28] No "
+        "space left on device)"
     )
     assert failure_text(RuntimeError("boom")) == "RuntimeError: boom"

@@ -80,11 +80,9 @@ def test_a_listener_that_is_no_ray_gcs_fails_within_the_connect_timeout(silent_l
     took = time.monotonic() - t0
     assert str(info.value) == (
         f"trainer.ray_address='{address}': cannot connect to a Ray cluster there ({address} accepts connections, but "
-        "no Ray GCS "
-        "answered within 1.5 s; is it the GCS port (6379 by default)? a Ray client port (10001) needs ray://); start "
-        "one with "
-        "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null for a "
-        "local Ray"
+        "no Ray GCS answered within 1.5 s; is it the GCS port (6379 by default)? a Ray client port (10001) needs "
+        "ray://); start one with `ray start --head` (or name its GCS address, `ray status` prints it), or leave "
+        "trainer.ray_address null for a local Ray"
     )
     assert 1.4 < took < 5 and init == []  # ray.init was never called
 
@@ -116,8 +114,8 @@ def test_auto_without_a_cluster_or_with_a_stale_record_fails_at_once(loopback_ke
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
     with pytest.raises(
         ConfigError,
-        match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(Could not find any "
-        r"running Ray instance\. Please specify",
+        match=r"^trainer.ray_address='auto': cannot connect to a Ray cluster there \(Could not find any running Ray "
+        r"instance\. Please specify",
     ):
         probe_ray_address("auto")
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: "127.0.0.1:1")
@@ -139,8 +137,8 @@ def test_a_loopback_address_names_where_ray_really_connects():
         pytest.skip("Ray keeps 127.0.0.1 on this machine")
     with pytest.raises(
         ConfigError,
-        match=rf"\(nothing listens at {here}:1: Connection refused; Ray connects there for 127\.0\.0\.1:1: "
-        r"it replaces a loopback host by this machine's address\)",
+        match=rf"\(nothing listens at {here}:1: Connection refused; Ray connects there for 127\.0\.0\.1:1: it replaces "
+        r"a loopback host by this machine's address\)",
     ):
         probe_ray_address("127.0.0.1:1")
 

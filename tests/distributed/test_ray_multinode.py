@@ -123,8 +123,8 @@ def test_two_nodes_one_rank_each_sharded_checkpoint_and_resume_equal_the_local_r
 
     with pytest.raises(
         WorkerDiedError,
-        match=r"^actor\+ref worker group: trainer.nnodes=3, but Ray found no 3 distinct nodes with room for "
-        r"1 bundles of \{'CPU': 1\} each within 2 s \(2 alive node\(s\), available: ",
+        match=r"^actor\+ref worker group: trainer.nnodes=3, but Ray found no 3 distinct nodes with room for 1 bundles "
+        r"of \{'CPU': 1\} each within 2 s \(2 alive node\(s\), available: ",
     ):
         spread_over_nodes("actor+ref", 3, 3, {"CPU": 1}, 2.0)
     assert ray.util.placement_group_table() and all(

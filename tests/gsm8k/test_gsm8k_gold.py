@@ -33,8 +33,8 @@ TINY = [
 ]
 # the share of a response's characters that are digits: a gold whose every value can be recomputed from the samples
 DIGITS = (
-    "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n"
-    "    return [sum(c.isdigit() for c in s) / max(len(s), 1) for s in solution_strs]\n"
+    "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [sum(c.isdigit() for c in s) / "
+    "max(len(s), 1) for s in solution_strs]\n"
 )
 
 

@@ -24,12 +24,9 @@ def _fn(tmp_path, body, name="gold"):
 CONST = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.25] * len(solution_strs)\n"
 # 1 for a response that starts with '1', raises on one that starts with '9'
 FLAKY = (
-    "from tether.rewards import batched\n"
-    "@batched\n"
-    "def gold(data_source, solution_str, ground_truth, extra_info):\n"
-    "    if solution_str.startswith('9'):\n"
-    "        raise RuntimeError('cannot judge a 9')\n"
-    "    return float(solution_str.startswith('1'))\n"
+    "from tether.rewards import batched\n@batched\ndef gold(data_source, solution_str, ground_truth, extra_info):\n    "
+    "if solution_str.startswith('9'):\n        raise RuntimeError('cannot judge a 9')\n    return "
+    "float(solution_str.startswith('1'))\n"
 )
 
 
@@ -63,8 +60,8 @@ def test_a_gold_that_breaks_the_manager_itself_marks_the_batch_unscored(tmp_path
 
 def test_a_gold_past_reward_timeout_s_counts_its_samples_unscored(tmp_path):
     slow = (
-        "import time\ndef gold(data_sources, solution_strs, ground_truths, extra_infos):\n"
-        "    time.sleep(3)\n    return [1.0] * len(solution_strs)\n"
+        "import time\ndef gold(data_sources, solution_strs, ground_truths, extra_infos):\n    time.sleep(3)\n    "
+        "return [1.0] * len(solution_strs)\n"
     )
     res = GoldReward(_fn(tmp_path, slow), timeout_s=0.05)(_rows(2), ["p"] * 2, ["1", "2"])
     assert res.unscored == 2 and "reward.timeout_s" in res.errors[0]

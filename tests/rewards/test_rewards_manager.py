@@ -366,10 +366,10 @@ def test_a_hung_reward_call_does_not_block_interpreter_exit(tmp_path):
 
     spec = _user_fn(tmp_path, HANGS_ON_FIRST_CALL)
     code = (
-        "from tether.data import PromptRow\nfrom tether.rewards import RewardManager\n"
-        f"rm = RewardManager(function={spec!r}, timeout_s=0.2)\n"
-        "res = rm([PromptRow(prompt='q', data_source='x', ground_truth='1', extra_info={}, index=0)], ['p'], ['a'])\n"
-        "print('timeouts', res.metrics['reward/timeout_count'])\n"
+        "from tether.data import PromptRow\nfrom tether.rewards import RewardManager\nrm = "
+        f"RewardManager(function={spec!r}, timeout_s=0.2)\nres = rm([PromptRow(prompt='q', data_source='x', "
+        "ground_truth='1', extra_info={}, index=0)], ['p'], ['a'])\nprint('timeouts', "
+        "res.metrics['reward/timeout_count'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -399,8 +399,8 @@ def test_sys_exit_and_keyboard_interrupt_in_reward_code_are_that_samples_error(t
         res = m(_rows(3), ["p"] * 3, ["a", "exit", "interrupt"])
     assert res.valid.tolist() == [True, False, False] and res.metrics["reward/error_count"] == 2
     assert res.errors[1] == (
-        "sample 1: RuntimeError: the reward code raised sys.exit(0): counted as this sample's error "
-        "(a reward function must return scores)"
+        "sample 1: RuntimeError: the reward code raised sys.exit(0): counted as this sample's error (a reward function "
+        "must return scores)"
     )
     assert "raised KeyboardInterrupt" in res.errors[2]
 

@@ -111,8 +111,8 @@ def test_a_causal_lm_is_named_as_such_not_as_num_labels_2(tok_dir, tmp_path):
     lm = build_tiny_causal_lm(tmp_path / "lm", tok_dir)
     with pytest.raises(
         ValueError,
-        match=r"is a causal language model \(config.json architectures: Qwen2ForCausalLM\); "
-        r"a reward model must be a sequence classifier with one label",
+        match=r"is a causal language model \(config.json architectures: Qwen2ForCausalLM\); a reward model must be a "
+        r"sequence classifier with one label",
     ) as e:
         RewardManager(reward_model=str(lm))
     assert "num_labels=2" not in str(e.value)
@@ -138,8 +138,8 @@ def test_a_head_size_mismatch_names_both_sizes(rm_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
         ValueError,
-        match=r"config.json says num_labels=2 \(id2label has 2 entries\) but the weights hold "
-        r"score.weight of shape \[1, 32\] \(1 label\(s\)\); a reward model must be",
+        match=r"config.json says num_labels=2 \(id2label has 2 entries\) but the weights hold score.weight of shape "
+        r"\[1, 32\] \(1 label\(s\)\); a reward model must be",
     ) as e:
         RewardManager(reward_model=str(d))
     assert "look at the above report" not in str(e.value)

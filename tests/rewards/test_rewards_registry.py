@@ -33,16 +33,15 @@ def test_builtins():
 def test_unknown_data_source_lists_known():
     with pytest.raises(
         ValueError,
-        match=r"no built-in reward function for data_source 'nope'; known: .*openai/gsm8k.*"
-        r"reward\.function=",
+        match=r"no built-in reward function for data_source 'nope'; known: .*openai/gsm8k.*reward\.function=",
     ):
         get_reward_function("nope")
 
 
 def test_import_is_lazy():
     code = (
-        "import sys, tether.rewards, tether.data; "
-        "print(any(m.startswith('tether.tasks') for m in sys.modules), 'torch' in sys.modules)"
+        "import sys, tether.rewards, tether.data; print(any(m.startswith('tether.tasks') for m in sys.modules), "
+        "'torch' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -117,8 +116,8 @@ def test_load_user_function_from_module(tmp_path, monkeypatch):
     # a built-in per-sample function takes 3 arguments, not the 4 lists: refused at load time
     with pytest.raises(
         ValueError,
-        match=r"'tether.rewards.math:gsm8k_compute_score' has signature "
-        r"gsm8k_compute_score\(solution_str.*cannot take the four lists",
+        match=r"'tether.rewards.math:gsm8k_compute_score' has signature gsm8k_compute_score\(solution_str.*cannot take "
+        r"the four lists",
     ):
         load_user_function("tether.rewards.math:gsm8k_compute_score")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
@@ -152,16 +151,16 @@ def test_load_user_function_checks_the_signature(tmp_path):
     )
     with pytest.raises(
         ValueError,
-        match=r"'.*sig\.py:no_args' has signature no_args\(\), which cannot take the four "
-        r"lists tether passes .*expected a batch function \(data_sources, solution_strs",
+        match=r"'.*sig\.py:no_args' has signature no_args\(\), which cannot take the four lists tether passes "
+        r".*expected a batch function \(data_sources, solution_strs",
     ):
         load_user_function(f"{f}:no_args")
     with pytest.raises(ValueError, match=r"cannot take the four lists .*missing a required argument: 'e'"):
         load_user_function(f"{f}:five")
     with pytest.raises(
         ValueError,
-        match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*"
-        r"Decorate it with @tether.rewards.batched",
+        match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*Decorate it with "
+        r"@tether.rewards.batched",
     ):
         load_user_function(f"{f}:verl_style")
     assert load_user_function(f"{f}:decorated")(["d", "d"], ["1", "2"], ["1", "1"], [{}, {}]) == [1.0, 0.0]

@@ -19,7 +19,9 @@ def test_a_new_engine_is_one_module_and_one_entry(tmp_path, monkeypatch):
     """tests/rollout/naive_engine.py, registered by one EngineEntry, trains two steps through the unchanged trainer
     (factory, runner, startup checks, rollout correction). Its log-probs are a full forward's, the trainer's are its own
     recomputation: rollout correction's weights π_old/π_rollout are then 1 to float32 rounding (|log w| < 1e-5)."""
-    entry = engines.EngineEntry(name="naive", module="naive_engine", summary="tests' naive sampler", plan=engines.HF.plan)
+    entry = engines.EngineEntry(
+        name="naive", module="naive_engine", summary="tests' naive sampler", plan=engines.HF.plan
+    )
     monkeypatch.setitem(engines.ENGINES, "naive", entry)
     cfg = load_config(
         None,
@@ -71,7 +73,9 @@ def test_runner_trajectories_mark_what_the_model_wrote():
         def next_turn(self, trajectory):
             return [7, 8] if trajectory.turns == 1 else None
 
-    tok = type("Tok", (), {"eos_token_id": 2, "pad_token_id": 0, "batch_decode": lambda self, x, **k: ["" for _ in x]})()
+    tok = type(
+        "Tok", (), {"eos_token_id": 2, "pad_token_id": 0, "batch_decode": lambda self, x, **k: ["" for _ in x]}
+    )()
     prompts = type("P", (), {"ids": [[5, 6]], "texts": ["p"], "rows": [None]})()
     engine = Engine()
     runner = TwoTurns(engine, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=4, logprobs=True))
@@ -80,7 +84,9 @@ def test_runner_trajectories_mark_what_the_model_wrote():
     assert batch.response_ids.tolist() == [[10, 2, 7, 8, 20, 2]]
     assert batch.response_mask.tolist() == [[1, 1, 1, 1, 1, 1]]
     assert batch.generated_mask.tolist() == [[1, 1, 0, 0, 1, 1]]
-    assert torch.equal(batch.loss_mask, batch.generated_mask.bool()) and torch.equal(batch.update_mask, batch.generated_mask)
+    assert torch.equal(batch.loss_mask, batch.generated_mask.bool()) and torch.equal(
+        batch.update_mask, batch.generated_mask
+    )
     assert batch.rollout_logprobs.tolist() == [[-0.5, -0.25, 0.0, 0.0, -0.5, -0.25]]
     assert batch.finish_reasons == ["eos"] and batch.truncated.tolist() == [False]
 

@@ -264,8 +264,8 @@ def test_a_checkpoint_without_a_pending_batch_warns_on_resume(tmp_path, caplog):
     assert not ar._ready
     assert [r.getMessage() for r in caplog.records] == [
         "resume: checkpoint step_000004 holds no pending batch (async_pending.safetensors): the next step's batch is "
-        "generated from "
-        "the restored weights, not from the previous ones, so the run will not match an uninterrupted one"
+        "generated from the restored weights, not from the previous ones, so the run will not match an uninterrupted "
+        "one"
     ]
 
 

@@ -191,8 +191,7 @@ def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path):
     (user / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(
         ConfigError,
-        match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. "
-        r"A run would overwrite them",
+        match=r"userdir' holds files but is not a tether run .*: metrics.jsonl, notes.txt\. A run would overwrite them",
     ):
         claim_run_dir(None, str(user))
     assert (user / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -56,8 +56,8 @@ def test_too_little_free_space_is_refused_before_writing(small_cfg, tmp_path, mo
     monkeypatch.setattr(ckpt_mod, "_seal", lambda *a, _seal=ckpt_mod._seal: written.append(a[3]) or _seal(*a))
     with pytest.raises(
         CheckpointWriteError,
-        match=r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last "
-        r"checkpoint\), 0\.00 GiB \(10 bytes\) free",
+        match=r"no space left on device: it needs about 0\.\d\d GiB \(\d+ bytes\) \(the size of the last checkpoint\), "
+        r"0\.00 GiB \(10 bytes\) free",
     ):
         Trainer(small_cfg(*QUICK, out=run)).fit()
     assert _step_dirs(run) == ["step_000001"] and written == [1]  # step 2 never reached its writers
@@ -94,14 +94,14 @@ def test_a_ray_worker_groups_error_text_is_read_for_the_os_reason(tmp_path):
 
     def ranks_failed(d):
         raise RuntimeError(
-            "actor group: save failed: CheckpointException (rank 0: OSError: [Errno 28] No space left on device; "
-            "rank 1: OSError: [Errno 28] No space left on device)"
+            "actor group: save failed: CheckpointException (rank 0: OSError: [Errno 28] No space left on device; rank "
+            "1: OSError: [Errno 28] No space left on device)"
         )
 
     with pytest.raises(
         CheckpointWriteError,
-        match=r"checkpoint step 3 not written to .*: no space left on device: its size is unknown "
-        r"\(no earlier checkpoint\), [\d.]+ GiB \(\d+ bytes\) free; the partial write was removed",
+        match=r"checkpoint step 3 not written to .*: no space left on device: its size is unknown \(no earlier "
+        r"checkpoint\), [\d.]+ GiB \(\d+ bytes\) free; the partial write was removed",
     ):
         write_checkpoint(tmp_path / "checkpoints", 3, {"weights": ranks_failed})
     assert list((tmp_path / "checkpoints").iterdir()) == []

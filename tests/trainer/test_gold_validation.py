@@ -15,17 +15,13 @@ from tether.rewards import GOLD_FUNCTIONS
 CONST = "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [0.25] * len(solution_strs)\n"
 # the gold of the brief: 1 for a response that starts with '1', else 0
 STARTS_WITH_1 = (
-    "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n"
-    "    return [float(s.startswith('1')) for s in solution_strs]\n"
+    "def gold(data_sources, solution_strs, ground_truths, extra_infos):\n    return [float(s.startswith('1')) for s in "
+    "solution_strs]\n"
 )
 # raises on every response that starts with an even digit (retried sample by sample by the manager, those counted)
 FLAKY = (
-    "from tether.rewards import batched\n"
-    "@batched\n"
-    "def gold(data_source, solution_str, ground_truth, extra_info):\n"
-    "    if solution_str[:1] in '02468':\n"
-    "        raise RuntimeError('cannot judge this one')\n"
-    "    return 1.0\n"
+    "from tether.rewards import batched\n@batched\ndef gold(data_source, solution_str, ground_truth, extra_info):\n    "
+    "if solution_str[:1] in '02468':\n        raise RuntimeError('cannot judge this one')\n    return 1.0\n"
 )
 ALWAYS_ONE = (
     "def reward(data_sources, solution_strs, ground_truths, extra_infos):\n    return [1.0] * len(solution_strs)\n"

@@ -87,8 +87,8 @@ def test_an_absurd_learning_rate_stops_cleanly_after_max_nonfinite_steps(tmp_pat
     assert rc == 3, err
     assert (
         "tether train: stopped by a guard: step 3: a non-finite loss or gradient in 3 steps in a row "
-        "(guard.max_nonfinite_steps=3; "
-        "actor.lr=1e+10): the run is not learning; lower actor.lr or check the data and reward"
+        "(guard.max_nonfinite_steps=3; actor.lr=1e+10): the run is not learning; lower actor.lr or check the data and "
+        "reward"
     ) in err
     # undone whole: the weights are sound
     assert "Traceback" not in err and (run / "checkpoints" / "step_000003").is_dir()

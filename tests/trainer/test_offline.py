@@ -182,8 +182,8 @@ def test_overlong_responses_drop_or_truncate_with_a_count(model_dir, caplog, mod
     assert overlong_responses(rows, tok, limit - 1) == [(1, n_long), (2, limit - 1)]  # no room left for the EOS
     out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", overlong_responses=mode), limit)
     msg = (
-        f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: "
-        f"record 2 ({n_long} tokens)"
+        f"1 of 3 offline response(s) do not fit rollout.max_new_tokens={limit} with their EOS: record 2 ({n_long} "
+        "tokens)"
     )
     assert msg in caplog.text
     if mode == "drop":
@@ -223,8 +223,8 @@ def test_a_length_limit_that_drops_most_of_the_data_is_refused(model_dir, caplog
     rows = _offline_rows([("q1", long, 1.0), ("q1", long, 0.0), ("q2", long, 1.0), ("q2", "#### 7", 1.0)])
     with pytest.raises(
         ConfigError,
-        match=r"3 of 4 offline response\(s\) do not fit rollout.max_new_tokens=5 .*would leave 1 of 4 rows, more "
-        r"than data.max_dropped_frac=0.5 of the data gone; raise rollout.max_new_tokens",
+        match=r"3 of 4 offline response\(s\) do not fit rollout.max_new_tokens=5 .*would leave 1 of 4 rows, more than "
+        r"data.max_dropped_frac=0.5 of the data gone; raise rollout.max_new_tokens",
     ):
         prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl"), 5)
     out = prepare_offline_rows(rows, tok, DataConfig(train_files="x.jsonl", max_dropped_frac=0.75), 5)

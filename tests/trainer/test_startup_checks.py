@@ -239,8 +239,8 @@ def test_reuse_update_logprobs_says_why_it_is_not_in_effect(small_cfg, caplog):
         Trainer(small_cfg("kl.placement=loss", "algo.ppo_epochs=2"))  # 4 prompts × 4 samples = 16 > mini_batch_size=8
     assert _reuse_lines(caplog) == [
         "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): "
-        "algo.ppo_epochs=2 (more than "
-        "one epoch); data.batch_size × rollout.n = 16 responses > algo.mini_batch_size=8 (more than one mini-batch)"
+        "algo.ppo_epochs=2 (more than one epoch); data.batch_size × rollout.n = 16 responses > algo.mini_batch_size=8 "
+        "(more than one mini-batch)"
     ]
 
 
@@ -326,8 +326,8 @@ def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_pat
     cfg = load_config(None, ["data.batch_size=100000000", f"trainer.output_dir={tmp_path / 'run'}"])
     with pytest.raises(
         ConfigError,
-        match=r"data.batch_size=100000000 x rollout.n=8 = 800000000 sequences of up to \d+ tokens need about "
-        r"[\d.]+ GiB to generate .* more than this cpu device's [\d.]+ GiB: lower data.batch_size or rollout.n",
+        match=r"data.batch_size=100000000 x rollout.n=8 = 800000000 sequences of up to \d+ tokens need about [\d.]+ "
+        r"GiB to generate .* more than this cpu device's [\d.]+ GiB: lower data.batch_size or rollout.n",
     ):
         Trainer(cfg)
     assert not (tmp_path / "run").exists() and device_memory_bytes(torch.device("cpu")) > 2**30

@@ -75,12 +75,9 @@ def test_samples_the_reward_could_not_score_are_counted_and_warned(small_cfg, tm
 
     fn = tmp_path / "flaky.py"
     fn.write_text(
-        "from tether.rewards import batched\n"
-        "@batched\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if solution_str[:1] in '02468':\n"
-        "        raise RuntimeError('cannot score this one')\n"
-        "    return 1.0\n"
+        "from tether.rewards import batched\n@batched\ndef compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None):\n    if solution_str[:1] in '02468':\n        raise RuntimeError('cannot score this one')\n "
+        "   return 1.0\n"
     )
     t = Trainer(small_cfg(f"reward.function={fn}:compute_score", "trainer.report=false"))
     samples: list[dict] = []

@@ -43,14 +43,14 @@ def test_lora_and_full_checkpoints_say_which_they_are(ref, tmp_path):
     save_policy(apply_lora(load_causal_lm(path), LORA), tok, tmp_path / "lora")
     with pytest.raises(
         CheckpointError,
-        match=r"actor/adapter_model.safetensors is missing \(it holds a full model: it was saved without "
-        r"actor.lora; resume it with actor.lora.rank=0\)$",
+        match=r"actor/adapter_model.safetensors is missing \(it holds a full model: it was saved without actor.lora; "
+        r"resume it with actor.lora.rank=0\)$",
     ):
         load_policy(apply_lora(load_causal_lm(path), LORA), tmp_path / "full", tmp_path)
     with pytest.raises(
         CheckpointError,
-        match=r"actor/ holds LoRA adapters \(saved with actor.lora.rank > 0\), not a full model: resume it "
-        r"with its actor.lora settings$",
+        match=r"actor/ holds LoRA adapters \(saved with actor.lora.rank > 0\), not a full model: resume it with its "
+        r"actor.lora settings$",
     ):
         load_policy(load_causal_lm(path), tmp_path / "lora", tmp_path)
 
@@ -62,8 +62,8 @@ def test_a_file_or_a_run_directory_is_not_a_checkpoint(tmp_path):
         verify_checkpoint(tmp_path / "optim.pt")
     with pytest.raises(
         CheckpointError,
-        match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), "
-        r"or set trainer.output_dir='.*run' with trainer.resume=auto to continue the run$",
+        match=r"run is a run directory, not one of its checkpoints: give .*checkpoints/<step> \(step_000002\), or set "
+        r"trainer.output_dir='.*run' with trainer.resume=auto to continue the run$",
     ):
         verify_checkpoint(tmp_path / "run")
 

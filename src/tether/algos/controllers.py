@@ -195,8 +195,8 @@ class AdaptiveKLController(KLController):
     def _next(self, kl: float, n_steps: int) -> float:
         if n_steps * self.clip >= self.horizon:
             raise ValueError(
-                f"n_steps ({n_steps}) times clip ({self.clip}) must be < horizon ({self.horizon}); "
-                "otherwise one update could make beta <= 0 — raise horizon"
+                f"n_steps ({n_steps}) times clip ({self.clip}) must be < horizon ({self.horizon}); otherwise one "
+                "update could make beta <= 0 — raise horizon"
             )
         error = min(max(kl / self.target - 1.0, -self.clip), self.clip)
         return self._value * (1.0 + error * n_steps / self.horizon)

@@ -110,8 +110,8 @@ def kl_penalty(
     """
     if estimator == "full":
         raise ValueError(
-            "kl_penalty cannot compute estimator 'full' from log-probs of the sampled tokens alone; "
-            "call kl_full(logits, ref_logits, temperature) with both logit tensors instead"
+            "kl_penalty cannot compute estimator 'full' from log-probs of the sampled tokens alone; call "
+            "kl_full(logits, ref_logits, temperature) with both logit tensors instead"
         )
     name = canonical_kl_estimator(estimator)
     if tuple(logprobs.shape) != tuple(ref_logprobs.shape):

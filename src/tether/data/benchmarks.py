@@ -67,8 +67,8 @@ GPQA_DATA_SOURCE = "Idavidrein/gpqa"
 _MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 _GPQA_TEMPLATE = (
     "Answer the following multiple choice question. The last line of your response should be of the following format: "
-    "'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before answering.\n\n"
-    "{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
+    "'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before "
+    "answering.\n\n{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
 )
 #: The default prompt template of each set (module docstring).
 TEMPLATES = {

@@ -84,8 +84,8 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
     if long:
         shown = ", ".join(f"{kept[i].where} ({n} tokens)" for i, n in long[:5])
         msg = (
-            f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} "
-            f"with their EOS: {shown}"
+            f"{len(long)} of {len(kept)} offline response(s) do not fit rollout.max_new_tokens={max_new_tokens} with "
+            f"their EOS: {shown}"
         )
         mode = cfg.overlong_responses
         if mode == "error":
@@ -100,8 +100,7 @@ def prepare_offline_rows(rows: list[PromptRow], tokenizer, cfg: DataConfig, max_
             raise ConfigError(
                 f"{msg}: dropping them would leave {len(kept) - len(long)} of {len(kept)} rows, more than "
                 f"data.max_dropped_frac={cfg.max_dropped_frac:g} of the data gone; raise rollout.max_new_tokens, or "
-                "set "
-                "data.overlong_responses=truncate (or data.max_dropped_frac=1 to train on what is left)"
+                "set data.overlong_responses=truncate (or data.max_dropped_frac=1 to train on what is left)"
             )
         else:
             drop = {i for i, _ in long}

@@ -84,10 +84,8 @@ def check_chat_template(
         roles = ", ".join(str(m.get("role")) for m in first.prompt)
         raise DataError(
             f"{len(multi)} prompt(s) are multi-turn conversations (first: {first.where}, roles {roles}) but the "
-            "tokenizer of "
-            f"{what} ({name}) has no chat template: joining the turns would erase who said what. To train on them, "
-            f"{how}; "
-            "or give single-turn prompts",
+            f"tokenizer of {what} ({name}) has no chat template: joining the turns would erase who said what. To train "
+            f"on them, {how}; or give single-turn prompts",
             [r.where for r in multi[:MAX_REPORTED_ERRORS]],
             len(multi),
         )
@@ -95,9 +93,9 @@ def check_chat_template(
         _warned_no_template.add(name)
         log.warning(
             "the tokenizer of %s (%s) has no chat template: the %d chat prompt(s) are rendered as their message "
-            "contents "
-            "joined by a blank line, roles dropped and no generation prompt (right for a base model, wrong for a chat "
-            "model). To use a template, %s; data.apply_chat_template=false uses the joined text without this warning.",
+            "contents joined by a blank line, roles dropped and no generation prompt (right for a base model, wrong "
+            "for a chat model). To use a template, %s; data.apply_chat_template=false uses the joined text without "
+            "this warning.",
             what,
             name,
             len(chats),

@@ -309,8 +309,8 @@ def _check_prompt(prompt: Any, key: str) -> str | None:
                 return f"{key!r} message {j} has no 'content'"
             if not isinstance(m["content"], str):
                 return (
-                    f"{key!r} message {j} content is a {type(m['content']).__name__}, expected a string "
-                    "(multimodal content parts are not supported)"
+                    f"{key!r} message {j} content is a {type(m['content']).__name__}, expected a string (multimodal "
+                    "content parts are not supported)"
                 )
         if not any(m["content"].strip() for m in prompt):
             return f"empty prompt (every message in {key!r} has empty content)"

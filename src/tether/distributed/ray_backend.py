@@ -82,9 +82,8 @@ RAY_CLIENT_PORT = 10001  # a ``ray://host`` address without a port: Ray client's
 
 def _connect_error(address: str, why: str) -> ConfigError:
     return ConfigError(
-        f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({why}); start one with "
-        "`ray start --head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null "
-        "for a local Ray"
+        f"trainer.ray_address={address!r}: cannot connect to a Ray cluster there ({why}); start one with `ray start "
+        "--head` (or name its GCS address, `ray status` prints it), or leave trainer.ray_address null for a local Ray"
     )
 
 
@@ -128,8 +127,8 @@ def _ray_target(address: str) -> tuple[str | None, bool]:
         raise _connect_error(address, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     except ValueError:
         raise ConfigError(
-            f"trainer.ray_address={address!r} is not a Ray address: expected auto, HOST:PORT (the cluster's GCS, "
-            f"port 6379 by default) or ray://HOST[:PORT] (Ray client, port {RAY_CLIENT_PORT})"
+            f"trainer.ray_address={address!r} is not a Ray address: expected auto, HOST:PORT (the cluster's GCS, port "
+            f"6379 by default) or ray://HOST[:PORT] (Ray client, port {RAY_CLIENT_PORT})"
         ) from None
     return target, False
 
@@ -176,8 +175,8 @@ def probe_ray_address(address: str, timeout_s: float | None = None) -> None:
     if answered == "silent":
         raise _connect_error(
             address,
-            f"{target} accepts connections, but no Ray GCS answered within {timeout_s:g} s{note}; is it the "
-            "GCS port (6379 by default)? a Ray client port (10001) needs ray://",
+            f"{target} accepts connections, but no Ray GCS answered within {timeout_s:g} s{note}; is it the GCS port "
+            "(6379 by default)? a Ray client port (10001) needs ray://",
         )
     if answered is not None:
         raise _connect_error(address, f"{target} answers, but not as a Ray GCS: {answered}{note}")
@@ -274,8 +273,8 @@ class RayCluster:
         if self.started and nnodes > 1:
             self.close()
             raise ConfigError(
-                f"trainer.nnodes={nnodes}, but without trainer.ray_address tether starts a one-node local Ray; "
-                "attach to a cluster of that many nodes (trainer.ray_address) or set trainer.nnodes=1"
+                f"trainer.nnodes={nnodes}, but without trainer.ray_address tether starts a one-node local Ray; attach "
+                "to a cluster of that many nodes (trainer.ray_address) or set trainer.nnodes=1"
             )
 
     def close(self) -> None:
@@ -327,9 +326,8 @@ def spread_over_nodes(name: str, n: int, nnodes: int, bundle: dict, timeout_s: f
         alive = sum(1 for node in ray.nodes() if node.get("Alive"))
         raise WorkerDiedError(
             f"{name} worker group: trainer.nnodes={nnodes}, but Ray found no {nnodes} distinct nodes with room for "
-            f"{per} bundles of "
-            f"{bundle} each within {timeout_s:g} s ({alive} alive node(s), available: {ray.available_resources()}); "
-            "add nodes or lower trainer.nnodes"
+            f"{per} bundles of {bundle} each within {timeout_s:g} s ({alive} alive node(s), available: "
+            f"{ray.available_resources()}); add nodes or lower trainer.nnodes"
         ) from None
     finally:
         remove_placement_group(probe)
@@ -367,8 +365,8 @@ class WorkerGroup:
             avail = ray.available_resources()
             raise WorkerDiedError(
                 f"{name} worker group: Ray could not place {n} bundles of "
-                f"{bundle}{f' on the {nnodes} nodes it chose' if selectors else ''} "
-                f"(available: {avail}); lower trainer.n_workers or add nodes"
+                f"{bundle}{f' on the {nnodes} nodes it chose' if selectors else ''} (available: {avail}); lower "
+                "trainer.n_workers or add nodes"
             ) from None
         if selectors:
             log.info(
@@ -433,8 +431,7 @@ class WorkerGroup:
                         except died as d:
                             raise WorkerDiedError(
                                 f"{self.name} worker group: rank {pending[other]} died during {what} "
-                                f"({death_cause(d)}); "
-                                f"the run cannot continue (then {failed})"
+                                f"({death_cause(d)}); the run cannot continue (then {failed})"
                             ) from None
                         except ray.exceptions.RayTaskError:
                             pass
@@ -537,8 +534,8 @@ class RemoteActor:
         """The driver's copy takes the actor group's trainable weights."""
         if self.group.workers is None:
             raise RuntimeError(
-                "the driver's copy of the policy is stale and the actor worker group is closed: "
-                "read the trained weights from the run's last checkpoint (`tether export`)"
+                "the driver's copy of the policy is stale and the actor worker group is closed: read the trained "
+                "weights from the run's last checkpoint (`tether export`)"
             )
         state = self.group.call("full_state", "actor", True)
         self.pulls += 1
@@ -691,8 +688,8 @@ class RayBackend:
         """
         if not (path / "dcp" / ".metadata").is_file():
             raise CheckpointError(
-                f"checkpoint {path} holds no sharded dcp/ weights: it was written by trainer.backend=local; "
-                "resume it with trainer.backend=local (or start a new run from its `tether export`)"
+                f"checkpoint {path} holds no sharded dcp/ weights: it was written by trainer.backend=local; resume it "
+                "with trainer.backend=local (or start a new run from its `tether export`)"
             )
         if self._critic_group_separate() and not (path / "dcp_critic" / ".metadata").is_file():
             raise CheckpointError(

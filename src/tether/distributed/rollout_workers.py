@@ -293,8 +293,7 @@ class ReplicaGroup:
         self.last_sync_stats = stats
         log.debug(
             "weight sync to %d engine replica(s): %.1f MiB in %d tensors / %d buckets, %.3f s (gather %.3f s, send "
-            "%.3f "
-            "s)",
+            "%.3f s)",
             self.n,
             stats["bytes"] / 2**20,
             stats["tensors"],

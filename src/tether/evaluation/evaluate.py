@@ -161,8 +161,8 @@ def resolve_policy(path: str | Path) -> tuple[Path, str, Path | None]:
     if (p / "config.json").is_file():
         return p, "model", run
     raise ConfigError(
-        f"{p} is neither a model directory (config.json), a peft adapter (adapter_config.json), "
-        "a tether checkpoint (actor/) nor a run directory (checkpoints/)"
+        f"{p} is neither a model directory (config.json), a peft adapter (adapter_config.json), a tether checkpoint "
+        "(actor/) nor a run directory (checkpoints/)"
     )
 
 
@@ -585,8 +585,7 @@ class Evaluator:
                 )
             log.warning(
                 "tether eval: %d row(s) of %s left out: no reward_model.ground_truth their verifier can use, so they "
-                "cannot be "
-                "scored (not counted in pass@k; no_ground_truth): %s",
+                "cannot be scored (not counted in pass@k; no_ground_truth): %s",
                 n,
                 self.data,
                 which,
@@ -1200,8 +1199,7 @@ def main_eval(args) -> int:
     )
     text = (
         f"{args.model} on {args.data}: {int(metrics['prompts'])} prompts x n={r['n']} ({mode}, at most "
-        f"{r['max_new_tokens']} tokens, "
-        f"engine {r['engine']}), {seconds:.1f}s; scored by "
+        f"{r['max_new_tokens']} tokens, engine {r['engine']}), {seconds:.1f}s; scored by "
         f"{describe_scorers(r.get('scorers', {}))}{_gold_words(r)}{left_out}\n" + format_table(metrics, r, by_source)
     )
     print(text)

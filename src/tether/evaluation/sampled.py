@@ -206,8 +206,7 @@ def evaluate_prompts(
         covered = [r for r in records if "gold" in r]
         logging.getLogger("tether").warning(
             "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): gold_mean "
-            "counts them 0 "
-            "(gold_unscored_frac); first: %s",
+            "counts them 0 (gold_unscored_frac); first: %s",
             desc,
             sum(not r["gold_scored"] for r in covered),
             len(covered),

@@ -46,8 +46,7 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
     if m.get("unscored_frac"):
         logging.getLogger("tether").warning(
             "validation: %.0f of %.0f samples could not be scored by the reward (errors or reward.timeout_s): "
-            "val/score_mean "
-            "and val/pass@k count them 0 (val/unscored_frac)",
+            "val/score_mean and val/pass@k count them 0 (val/unscored_frac)",
             m["unscored_frac"] * m["samples"],
             m["samples"],
         )

@@ -190,7 +190,7 @@ def for_config(cfg, device: torch.device | str) -> str | None:
     known = ["eager", *AttentionInterface._global_mapping]
     if name not in known:
         raise ConfigError(
-            f"actor.attn_implementation={name!r} is not an attention implementation transformers knows; "
-            f"use auto, model, {NAME} or one of {sorted(known)}"
+            f"actor.attn_implementation={name!r} is not an attention implementation transformers knows; use auto, "
+            f"model, {NAME} or one of {sorted(known)}"
         )
     return name

@@ -33,8 +33,8 @@ def resolve_model_path(name: str, key: str = "actor.model") -> Path:
     p = Path(name).expanduser()
     if p.is_file():
         raise ConfigError(
-            f"{key}={name!r} is a file, not a model directory: give the Hugging Face model directory "
-            "(the one holding config.json and the weights)"
+            f"{key}={name!r} is a file, not a model directory: give the Hugging Face model directory (the one holding "
+            "config.json and the weights)"
         )
     if not p.is_dir():
         raise ConfigError(f"{key}={name!r}: no such local model directory (tether never downloads models)")

@@ -358,8 +358,8 @@ class RewardManager:
         seq = _as_list(out)
         if seq is None or len(seq) != b:
             e = ValueError(
-                f"{self.function_spec} returned {_describe(out)} for {b} samples; expected a list of "
-                f"{b} scores (one per sample; use tether.rewards.batched for a per-sample function)"
+                f"{self.function_spec} returned {_describe(out)} for {b} samples; expected a list of {b} scores (one "
+                "per sample; use tether.rewards.batched for a per-sample function)"
             )
             errors.append(f"samples 0..{b - 1}: {_brief(e)}")
             for i in range(b):
@@ -400,9 +400,9 @@ class RewardManager:
             what = self.function_spec or "the built-in reward function"
             errors.insert(
                 0,
-                f"{what} did not return within reward.timeout_s={self.timeout_s:g} s: {n_left} of "
-                f"{len(outcomes)} sample(s) count as errors; the call was abandoned (it may still be "
-                f"running in a background thread: {len(self._abandoned)} such call(s) alive)",
+                f"{what} did not return within reward.timeout_s={self.timeout_s:g} s: {n_left} of {len(outcomes)} "
+                "sample(s) count as errors; the call was abandoned (it may still be running in a background thread: "
+                f"{len(self._abandoned)} such call(s) alive)",
             )
         return n_left
 

@@ -170,11 +170,7 @@ def _numbers(text: str) -> list[tuple[int, int, Fraction]]:
 
 # ------------------------------------------------------------------------------------- GSM8K
 
-_MARKERS = re.compile(
-    r"####"
-    r"|(?m:^[ \t]*A:)"
-    r"|(?i:\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*:?|:))"
-)
+_MARKERS = re.compile(r"####|(?m:^[ \t]*A:)|(?i:\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*:?|:))")
 _MARKER_GAP = re.compile(r"\s*(?:\*\*|\\\(|\\\[)?\s*")
 
 

@@ -13,9 +13,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.m
 
 #: What the error messages say a reward model must be.
 REWARD_MODEL_IS = (
-    "a reward model must be a sequence classifier with one label: an AutoModelForSequenceClassification "
-    "directory (architectures *ForSequenceClassification) with num_labels=1 and its trained score head in "
-    "the weights, e.g. one trained with TRL's RewardTrainer"
+    "a reward model must be a sequence classifier with one label: an AutoModelForSequenceClassification directory "
+    "(architectures *ForSequenceClassification) with num_labels=1 and its trained score head in the weights, e.g. one "
+    "trained with TRL's RewardTrainer"
 )
 _HEAD_NAMES = ("score", "classifier")  # the head module of *ForSequenceClassification models
 
@@ -117,8 +117,8 @@ class RewardModelScorer:
         # files, so check for them first and sanity-check the result.
         if not any((p / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(
-                f"reward model {p}: cannot load its tokenizer: no tokenizer files "
-                f"(expected one of {', '.join(_TOKENIZER_FILES)})"
+                f"reward model {p}: cannot load its tokenizer: no tokenizer files (expected one of "
+                f"{', '.join(_TOKENIZER_FILES)})"
             )
         try:
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
@@ -136,8 +136,8 @@ class RewardModelScorer:
             if "mismatched" in str(e) or "size mismatch" in str(e):
                 raise ValueError(f"reward model {p}: {_head_mismatch(p)}; {REWARD_MODEL_IS}") from None
             raise ValueError(
-                f"reward model {p}: cannot load it as AutoModelForSequenceClassification: "
-                f"{type(e).__name__}: {str(e)[:300]}"
+                f"reward model {p}: cannot load it as AutoModelForSequenceClassification: {type(e).__name__}: "
+                f"{str(e)[:300]}"
             ) from None
         if model.config.num_labels != 1:
             raise ValueError(
@@ -147,8 +147,8 @@ class RewardModelScorer:
         missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] in _HEAD_NAMES]
         if missing:
             raise ValueError(
-                f"reward model {p}: its weights hold no classification head (missing {', '.join(sorted(missing))}): "
-                f"it would score with a randomly initialised head; {REWARD_MODEL_IS}"
+                f"reward model {p}: its weights hold no classification head (missing {', '.join(sorted(missing))}): it "
+                f"would score with a randomly initialised head; {REWARD_MODEL_IS}"
             )
         pad_id = tok.pad_token_id
         if pad_id is None:

@@ -172,8 +172,8 @@ def get_reward_function(data_source: str) -> SampleRewardFn:
     if path is None:
         known = ", ".join(sorted(REWARD_FUNCTIONS))
         raise ValueError(
-            f"no built-in reward function for data_source {data_source!r}; known: {known}. "
-            "Set reward.function=path/to/file.py:name or reward.model=/path/to/model."
+            f"no built-in reward function for data_source {data_source!r}; known: {known}. Set "
+            "reward.function=path/to/file.py:name or reward.model=/path/to/model."
         )
     if path in _cache:
         return _cache[path]
@@ -282,15 +282,15 @@ def check_batch_signature(fn: Callable, spec: str) -> None:
         sig.bind(*([None] * 4))
     except TypeError as e:
         raise ValueError(
-            f"{where}, which cannot take the four lists tether passes ({e}); expected a batch "
-            f"function {_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched"
+            f"{where}, which cannot take the four lists tether passes ({e}); expected a batch function "
+            f"{_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched"
         ) from None
     names = tuple(list(sig.parameters)[:2])
     if names == _PER_SAMPLE_NAMES:
         raise ValueError(
-            f"{where}: verl's per-sample names, but tether calls user functions once per batch "
-            f"{_BATCH_SIGNATURE}. Decorate it with @tether.rewards.batched (from tether.rewards "
-            "import batched), or name the parameters in the plural if it already takes lists"
+            f"{where}: verl's per-sample names, but tether calls user functions once per batch {_BATCH_SIGNATURE}. "
+            "Decorate it with @tether.rewards.batched (from tether.rewards import batched), or name the parameters in "
+            "the plural if it already takes lists"
         )
 
 

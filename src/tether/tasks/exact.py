@@ -197,8 +197,8 @@ def enumerate_policy(
                 n = response_space_size(vocab, max_new_tokens)
                 if n > max_responses:
                     raise ValueError(
-                        f"max_new_tokens={max_new_tokens} over a vocabulary of {vocab} gives {n} responses, "
-                        f"more than max_responses={max_responses}"
+                        f"max_new_tokens={max_new_tokens} over a vocabulary of {vocab} gives {n} responses, more than "
+                        f"max_responses={max_responses}"
                     )
                 keep = torch.tensor([t for t in range(vocab) if t != eos], dtype=torch.long)
             P = pre_ids.shape[0]
@@ -585,10 +585,9 @@ def exact_space_problem(
     if n <= max_responses:
         return None
     return (
-        f"exact/* metrics skipped: the model's vocabulary of {vocab} tokens gives {n} responses of up to "
-        f"{T} tokens, more than max_responses={max_responses}; exact enumeration needs the embedded task's "
-        "own tokenizer (its reference, src/tether/tasks/assets/digitsum_ref); set data.train_files to train on other "
-        "data"
+        f"exact/* metrics skipped: the model's vocabulary of {vocab} tokens gives {n} responses of up to {T} tokens, "
+        f"more than max_responses={max_responses}; exact enumeration needs the embedded task's own tokenizer (its "
+        "reference, src/tether/tasks/assets/digitsum_ref); set data.train_files to train on other data"
     )
 
 

@@ -104,10 +104,9 @@ def check_no_dropout(models: dict[str, torch.nn.Module | None]) -> None:
         if model is not None and has_dropout(model):
             raise ConfigError(
                 f"rollout.async_steps with trainer.backend=local needs {role} without dropout: its training forward "
-                "draws from "
-                "torch's global RNG while the background generation samples from it, so runs would not repeat. Use "
-                "rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a model without "
-                "dropout"
+                "draws from torch's global RNG while the background generation samples from it, so runs would not "
+                "repeat. Use rollout.async_steps=0, trainer.backend=ray (the update then draws on the workers), or a "
+                "model without dropout"
             )
 
 
@@ -322,8 +321,7 @@ class AsyncRollout:
         if not path.is_file():  # e.g. the checkpoint of a run's last step, after which no next batch was started
             log.warning(
                 "resume: checkpoint %s holds no pending batch (%s): the next step's batch is generated from the "
-                "restored "
-                "weights, not from the previous ones, so the run will not match an uninterrupted one",
+                "restored weights, not from the previous ones, so the run will not match an uninterrupted one",
                 Path(directory).name,
                 PENDING_FILE,
             )

@@ -79,10 +79,9 @@ class GuardMonitor:
         if bad > 0:
             raise self._stop(
                 "nonfinite_weights",
-                f"step {step}: the update left {bad:g} non-finite weight(s) (actor.lr={lr:g}: a learning rate "
-                "far too large, or non-finite inputs): stopped without checkpointing them; the latest complete "
-                "checkpoint "
-                "is the resume point",
+                f"step {step}: the update left {bad:g} non-finite weight(s) (actor.lr={lr:g}: a learning rate far too "
+                "large, or non-finite inputs): stopped without checkpointing them; the latest complete checkpoint is "
+                "the resume point",
                 save=False,
             )
         skipped = metrics.get("guard/nonfinite_skip", 0.0) > 0
@@ -92,8 +91,7 @@ class GuardMonitor:
                 "nonfinite",
                 f"step {step}: a non-finite loss or gradient in {self.nonfinite_streak} steps in a row "
                 f"(guard.max_nonfinite_steps={self.cfg.max_nonfinite_steps}; actor.lr={lr:g}): the run is not "
-                "learning; "
-                "lower actor.lr or check the data and reward",
+                "learning; lower actor.lr or check the data and reward",
                 save=self.cfg.atomic_update,
             )
 
@@ -142,10 +140,8 @@ class GuardMonitor:
                 raise self._stop(
                     "empty_batch",
                     f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} "
-                    "steps in a "
-                    f"row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the data never "
-                    "give a valid sample "
-                    "(see the reward warnings above)",
+                    f"steps in a row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the "
+                    "data never give a valid sample (see the reward warnings above)",
                 )
             self._event("empty_batch", msg)
             return "skip"
@@ -175,8 +171,8 @@ class GuardMonitor:
             return None
         return self._stop(
             "empty_batch",
-            f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
-            "nothing was trained; the reward function or the data never give a valid sample",
+            f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): nothing "
+            "was trained; the reward function or the data never give a valid sample",
         )
 
     def check_kl(self, step: int, kl_mean: float, beta: float, *, after_update: bool = False) -> str:
@@ -217,8 +213,7 @@ class GuardMonitor:
         if metrics.get("guard/early_stop", 0.0) > 0:
             log.info(
                 "guard/early_stop: step %d: policy/approx_kl > guard.target_kl=%s; the remaining PPO epochs and "
-                "mini-batches "
-                "were skipped after %d update(s)",
+                "mini-batches were skipped after %d update(s)",
                 step,
                 self.cfg.target_kl,
                 int(metrics.get("policy/updates", 0)),
@@ -276,8 +271,8 @@ class GuardMonitor:
         if self.stable_step is None:
             self._event(
                 "hacking_no_rollback",
-                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a "
-                "checkpoint is stable once a validation of its weights is not a drop: trainer.save_freq)",
+                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a checkpoint is stable "
+                "once a validation of its weights is not a drop: trainer.save_freq)",
             )
             return
         self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
@@ -291,10 +286,9 @@ class GuardMonitor:
             raise self._stop(
                 "rollback_limit",
                 f"{drop}, and the run has already rolled back {self.rollbacks} time(s) "
-                f"(guard.max_rollbacks={self.cfg.max_rollbacks}). "
-                f"The last stable checkpoint is {ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a "
-                "lower "
-                f"actor.lr or a higher kl.coef (trainer.resume=<that path>).",
+                f"(guard.max_rollbacks={self.cfg.max_rollbacks}). The last stable checkpoint is "
+                f"{ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower actor.lr or a higher "
+                "kl.coef (trainer.resume=<that path>).",
             )
         try:
             ckpt.restore_weights(self.stable_step)
@@ -309,9 +303,8 @@ class GuardMonitor:
         self._event(
             event,
             f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
-            f"×{self.cfg.coef_factor:g} "
-            f"→ {self.beta(controller_beta):.4g}, learning rates ×{self.cfg.rollback_lr_factor:g} → "
-            f"{roles.actor.optimizer.param_groups[0]['lr']:.3g}",
+            f"×{self.cfg.coef_factor:g} → {self.beta(controller_beta):.4g}, learning rates "
+            f"×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
     def beta(self, controller_beta: float) -> float:

@@ -56,8 +56,7 @@ def acquire(run_dir: Path) -> str | None:
         f.close()
         raise RunDirLocked(
             f"trainer.output_dir={str(run_dir)!r} is in use by another tether train ({holder}): one run per directory. "
-            "Wait for it to "
-            f"finish, stop it, or choose another trainer.output_dir"
+            "Wait for it to finish, stop it, or choose another trainer.output_dir"
         ) from None
     f.seek(0)
     f.truncate()

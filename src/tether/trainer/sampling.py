@@ -88,10 +88,8 @@ def dynamic_sample(rollout, score, timer, *, batch_size: int, max_draws: int, pa
     if exhausted:
         log.warning(
             "step %d: algo.filter_groups: after %d draws (algo.filter_groups_max_draws=%d) only %d of "
-            "data.batch_size=%d prompts "
-            "had rewards that differ; training on %s. If this persists, the task is too hard or too easy for the "
-            "policy "
-            "(check reward/score_mean), or raise rollout.n / rollout.temperature",
+            "data.batch_size=%d prompts had rewards that differ; training on %s. If this persists, the task is too "
+            "hard or too easy for the policy (check reward/score_mean), or raise rollout.n / rollout.temperature",
             step,
             draws,
             cap,

@@ -60,13 +60,12 @@ def check_context_length(cfg: TetherConfig, models: dict, *prompt_sets) -> None:
             f"lower rollout.max_new_tokens to at most {limit - longest}"
             if longest < limit
             else f"the prompts alone do not fit: lower data.max_prompt_length below {limit} "
-            "(data.overlong_prompts=drop "
-            "drops longer ones) and rollout.max_new_tokens to fit"
+            "(data.overlong_prompts=drop drops longer ones) and rollout.max_new_tokens to fit"
         )
         raise ConfigError(
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} plus the longest prompt ({longest} tokens; "
-            "data.max_prompt_length="
-            f"{cfg.data.max_prompt_length}) is {total} tokens, beyond {role}'s {key}={limit} (config.json): {fix}"
+            f"data.max_prompt_length={cfg.data.max_prompt_length}) is {total} tokens, beyond {role}'s {key}={limit} "
+            f"(config.json): {fix}"
         )
 
 

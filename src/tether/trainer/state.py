@@ -71,10 +71,8 @@ def check_fresh_start(run_dir: Path, resume: str) -> None:
     held += [f"metrics.jsonl with {lines} line(s)"] if lines else []
     raise ConfigError(
         f"trainer.resume=off: trainer.output_dir={str(run_dir)!r} holds an earlier run ({' and '.join(held)}); a fresh "
-        "start "
-        f"would mix with it. Choose a new trainer.output_dir, delete {str(run_dir)!r} to start over there, or continue "
-        "it "
-        "with trainer.resume=auto"
+        f"start would mix with it. Choose a new trainer.output_dir, delete {str(run_dir)!r} to start over there, or "
+        "continue it with trainer.resume=auto"
     )
 
 
@@ -319,8 +317,7 @@ class CheckpointManager:
             if state.get("entropy_controller") is None:
                 log.warning(
                     "resume: checkpoint %s holds no entropy coefficient (algo.entropy_target was not set): α starts "
-                    "again at "
-                    "algo.entropy_coef=%g",
+                    "again at algo.entropy_coef=%g",
                     path.name,
                     self.cfg.algo.entropy_coef,
                 )

@@ -118,8 +118,8 @@ def claim_run_dir(run_dir: Path | None, output_dir: str) -> tuple[Path, bool]:
         if others:
             raise ConfigError(
                 f"trainer.output_dir={str(path)!r} holds files but is not a tether run (no config.yaml or "
-                f"checkpoints/): {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. A run would "
-                "overwrite them (metrics.jsonl, summary.md, ...): choose an empty or new directory"
+                f"checkpoints/): {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}. A run would overwrite "
+                "them (metrics.jsonl, summary.md, ...): choose an empty or new directory"
             )
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -196,9 +196,9 @@ class Trainer:
         engine = self.roles.engine.engine
         if cfg.algo.rollout_correction.active and not engine.capabilities.logprobs:
             raise ConfigError(
-                "algo.rollout_correction needs the sampled tokens' log-probs, and rollout.engine="
-                f"{engine.name} returns none here (a vLLM without logprobs_mode); use rollout.engine=hf or a newer "
-                "vLLM, or set algo.rollout_correction.level=none and algo.rollout_correction.reject=none"
+                f"algo.rollout_correction needs the sampled tokens' log-probs, and rollout.engine={engine.name} "
+                "returns none here (a vLLM without logprobs_mode); use rollout.engine=hf or a newer vLLM, or set "
+                "algo.rollout_correction.level=none and algo.rollout_correction.reject=none"
             )
         if cfg.rollout.mode == "offline":  # data.filter, data.overlong_responses (counts logged)
             train_rows = prepare_offline_rows(train_rows, self.tok, cfg.data, cfg.rollout.max_new_tokens)
@@ -261,8 +261,8 @@ class Trainer:
                     self.logger.log(0, val)
                 if self.step >= self.cfg.trainer.total_steps:
                     log.warning(
-                        "nothing to train: the run is already at step %d >= trainer.total_steps=%d "
-                        "(raise trainer.total_steps to continue it)",
+                        "nothing to train: the run is already at step %d >= trainer.total_steps=%d (raise "
+                        "trainer.total_steps to continue it)",
                         self.step,
                         self.cfg.trainer.total_steps,
                     )
@@ -484,8 +484,7 @@ class Trainer:
             if bool(cut.any()) and bool(cut.sum() == counted.sum()):
                 log.warning(
                     "step %d: algo.mask_truncated took all %d responses out of the loss (none ended within "
-                    "rollout.max_new_tokens=%d): "
-                    "nothing of this batch is trained; raise rollout.max_new_tokens",
+                    "rollout.max_new_tokens=%d): nothing of this batch is trained; raise rollout.max_new_tokens",
                     self.step,
                     int(cut.sum()),
                     self.cfg.rollout.max_new_tokens,
@@ -577,8 +576,8 @@ class Trainer:
         if metrics.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
             log.warning(
                 "step %d: algo.rollout_correction rejected every token (reject=%s, reject_threshold=%g; "
-                "rollout_corr/k3_kl=%.4f): "
-                "nothing of this batch is trained; raise algo.rollout_correction.reject_threshold",
+                "rollout_corr/k3_kl=%.4f): nothing of this batch is trained; raise "
+                "algo.rollout_correction.reject_threshold",
                 self.step,
                 rc.reject,
                 rc.reject_threshold,

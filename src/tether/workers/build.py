@@ -218,8 +218,8 @@ def check_lora_reference(cfg: TetherConfig) -> None:
         raise ConfigError("actor.lora.rank > 0 uses the adapter-disabled actor as the reference; leave ref.model null")
     if cfg.ref.reset_every:
         raise ConfigError(
-            "ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 "
-            "(the reference is the base model with the adapters disabled)"
+            "ref.reset_every needs a separate reference copy; it cannot be combined with actor.lora.rank > 0 (the "
+            "reference is the base model with the adapters disabled)"
         )
 
 

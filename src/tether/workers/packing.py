@@ -129,8 +129,7 @@ def check_padding_free(model, key: str = "actor.padding_free") -> None:
     if not any(c.__module__.startswith("transformers.models.") for c in cls.__mro__):
         raise ValueError(
             f"{key}=true supports Hugging Face's own model classes only ({cls.__module__}.{cls.__name__} is custom "
-            "code, which may let "
-            f"packed sequences attend to each other); set {key}=false"
+            f"code, which may let packed sequences attend to each other); set {key}=false"
         )
 
 
@@ -403,7 +402,6 @@ def _check_contiguous(mb: RolloutBatch, plen: torch.Tensor, rlen: torch.Tensor, 
         i = int(bad.nonzero()[0])
         raise ValueError(
             "padding_free needs each row's prompt left-padded (prompt_mask 0…0 1…1), its response_mask a prefix (1…1 "
-            "0…0) "
-            f"and at least one prompt token; row {i} has prompt_mask {mb.prompt_mask[i].tolist()} and response_mask "
-            f"{mb.response_mask[i].tolist()}"
+            f"0…0) and at least one prompt token; row {i} has prompt_mask {mb.prompt_mask[i].tolist()} and "
+            f"response_mask {mb.response_mask[i].tolist()}"
         )

@@ -217,8 +217,7 @@ class LocalPlacement:
         elif (path / "critic.safetensors").is_file():
             log.warning(
                 "checkpoint %s holds a critic (algo.adv_estimator=gae) that this run does not use: it is not loaded, "
-                "and this "
-                "run's checkpoints will not hold it",
+                "and this run's checkpoints will not hold it",
                 path,
             )
         if with_ref:
