@@ -30,8 +30,6 @@ EMBEDDED = "embedded"
 #: ``rollout.engine``'s values: auto and the registered engines (tether.engines)
 EngineName = Literal[engine_names()]
 
-__all__ = ["ConfigError", "TetherConfig", "build_config", "load_config"]
-
 
 class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 trains all weights, >0 trains peft LoRA adapters.")

@@ -121,3 +121,35 @@ def test_requests_an_engine_cannot_serve_are_refused_before_work():
         check_requests(hf, [GenerationRequest([1], SamplingParams(stop=("\n",)))])
     with pytest.raises(ValueError, match="request 1: an empty prompt"):
         hf.generate([GenerationRequest([1]), GenerationRequest([])])
+
+
+def test_a_saved_batch_restores_as_rolled_out_with_or_without_its_masks():
+    """A pending async batch is saved as tensors: restored with its masks, or from a checkpoint written before
+    batches carried them (its responses cut at their first EOS, every token generated), it is the batch the runner
+    rolled out, field for field (the embedded model, 32 responses, some cut at max_new_tokens)."""
+    from tether.config import load_config
+    from tether.data import rows_from_records
+    from tether.data.loading import prepare_prompts
+    from tether.models import load_causal_lm, load_tokenizer, resolve_model_path
+    from tether.rollout import HFRolloutEngine
+    from tether.tasks import embedded_task
+
+    path = resolve_model_path("embedded")
+    tok, model = load_tokenizer(path), load_causal_lm(path)
+    rows = rows_from_records(embedded_task("digitsum").make_dataset("val", 8, seed=0), "val")
+    prompts = prepare_prompts(rows, tok, load_config(None, []).data, "val")
+    runner = RolloutRunner(
+        HFRolloutEngine(model, tok), tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=3)
+    )
+    torch.manual_seed(0)
+    batch = runner.rollout(prompts, list(range(8)), n=4)
+    assert batch.truncated.any() and not batch.truncated.all()  # both kinds of row
+    rep = [i for i in range(8) for _ in range(4)]
+    saved = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.group_ids)
+    masks = {"response_mask": batch.response_mask, "generated_mask": batch.generated_mask, "truncated": batch.truncated}
+    for given in (masks, {}):
+        back = runner.restore(prompts, rep, *saved, **given)
+        for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "generated_mask", "group_ids"):
+            assert torch.equal(getattr(back, name), getattr(batch, name)), name
+        assert torch.equal(back.loss_mask, batch.loss_mask) and torch.equal(back.truncated, batch.truncated)
+        assert back.finish_reasons == batch.finish_reasons and back.responses == batch.responses
