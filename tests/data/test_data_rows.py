@@ -76,20 +76,22 @@ def test_blank_lines_skipped_and_unicode_line_separator_in_string(tmp_path):
 
 
 def test_malformed_rows_fatal_with_line_numbers(tmp_path):
+    # fmt: off
     lines = [
-        json.dumps({"prompt": "ok"}),  # 1
-        "",  # 2 blank
-        json.dumps({"question": "q", "answer": "#### 1"}),  # 3 missing prompt (raw gsm8k)
-        json.dumps({"prompt": "   "}),  # 4 empty prompt
-        json.dumps({"prompt": 5}),  # 5 wrong type
-        json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),  # 6 bad role
-        "{not json",  # 7 invalid JSON
-        json.dumps({"prompt": [{"role": "user", "content": ["x"]}]}),  # 8 content not str
-        json.dumps({"prompt": []}),  # 9 empty list
-        json.dumps([1, 2]),  # 10 not an object
-        json.dumps({"prompt": [{"content": "x"}]}),  # 11 no role
-        json.dumps({"prompt": "x", "extra_info": 3}),  # 12 extra_info not dict
+        json.dumps({"prompt": "ok"}),                                     # 1
+        "",                                                                # 2 blank
+        json.dumps({"question": "q", "answer": "#### 1"}),               # 3 missing prompt (raw gsm8k)
+        json.dumps({"prompt": "   "}),                                    # 4 empty prompt
+        json.dumps({"prompt": 5}),                                        # 5 wrong type
+        json.dumps({"prompt": [{"role": "robot", "content": "x"}]}),     # 6 bad role
+        "{not json",                                                       # 7 invalid JSON
+        json.dumps({"prompt": [{"role": "user", "content": ["x"]}]}),    # 8 content not str
+        json.dumps({"prompt": []}),                                       # 9 empty list
+        json.dumps([1, 2]),                                               # 10 not an object
+        json.dumps({"prompt": [{"content": "x"}]}),                      # 11 no role
+        json.dumps({"prompt": "x", "extra_info": 3}),                    # 12 extra_info not dict
     ]
+    # fmt: on
     p = _write_lines(tmp_path / "bad.jsonl", lines)
     with pytest.raises(DataError) as ei:
         load_rows(p)

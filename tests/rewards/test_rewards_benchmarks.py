@@ -23,27 +23,26 @@ from tether.rewards.math import extract_math_answer, math_verify_score
 # ------------------------------------------------------------------------------------------- MATH
 
 
-@pytest.mark.parametrize(
-    ("solution", "gt", "score"),
-    [
-        ("So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac12", 1.0),
-        ("$\\boxed{0.5}$", "\\frac{1}{2}", 1.0),
-        ("$\\boxed{\\dfrac{\\sqrt{2}}{2}}$", "\\frac{\\sqrt2}{2}", 1.0),
-        ("$\\boxed{\\sqrt{2}/2}$", "\\frac{\\sqrt{2}}{2}", 1.0),  # the fallback says no
-        ("$\\boxed{(1,2]}$", "(1,2]", 1.0),  # intervals
-        ("$\\boxed{(1,2)}$", "(1,2]", 0.0),  # near miss: open end
-        ("$\\boxed{\\{2,1\\}}$", "\\{1,2\\}", 1.0),  # sets are unordered
-        ("$\\boxed{x^2+1}$", "1+x^2", 1.0),  # symbolic
-        ("$\\boxed{5\\text{ cm}}$", "5", 1.0),  # units dropped
-        ("The final answer is $3$.", "3", 1.0),  # a marked answer, no box
-        ("We get 3 and then 4.", "4", 0.0),  # no marked answer: 0
-        ("$\\boxed{3}$ ... on second thought $\\boxed{4}$", "3", 0.0),  # the last box counts
-        ("$\\boxed{1/3}$", "0.3333", 0.0),  # near miss beyond rounding
-        ("", "3", 0.0),  # empty output
-        ("\\boxed{", "3", 0.0),  # malformed
-        ("The answer is $\\boxed{\\text{Evelyn}}$", "\\text{Evelyn}", 1.0),  # text answers
-    ],
-)
+# fmt: off
+@pytest.mark.parametrize(("solution", "gt", "score"), [
+    ("So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac12", 1.0),
+    ("$\\boxed{0.5}$", "\\frac{1}{2}", 1.0),
+    ("$\\boxed{\\dfrac{\\sqrt{2}}{2}}$", "\\frac{\\sqrt2}{2}", 1.0),
+    ("$\\boxed{\\sqrt{2}/2}$", "\\frac{\\sqrt{2}}{2}", 1.0),                 # the fallback says no
+    ("$\\boxed{(1,2]}$", "(1,2]", 1.0),                                      # intervals
+    ("$\\boxed{(1,2)}$", "(1,2]", 0.0),                                      # near miss: open end
+    ("$\\boxed{\\{2,1\\}}$", "\\{1,2\\}", 1.0),                              # sets are unordered
+    ("$\\boxed{x^2+1}$", "1+x^2", 1.0),                                      # symbolic
+    ("$\\boxed{5\\text{ cm}}$", "5", 1.0),                                   # units dropped
+    ("The final answer is $3$.", "3", 1.0),                                  # a marked answer, no box
+    ("We get 3 and then 4.", "4", 0.0),                                      # no marked answer: 0
+    ("$\\boxed{3}$ ... on second thought $\\boxed{4}$", "3", 0.0),           # the last box counts
+    ("$\\boxed{1/3}$", "0.3333", 0.0),                                       # near miss beyond rounding
+    ("", "3", 0.0),                                                          # empty output
+    ("\\boxed{", "3", 0.0),                                                  # malformed
+    ("The answer is $\\boxed{\\text{Evelyn}}$", "\\text{Evelyn}", 1.0),      # text answers
+])
+# fmt: on
 def test_math_verify_cases(solution, gt, score):
     assert math_compute_score(solution, gt) == score
 
@@ -79,24 +78,23 @@ def test_math_answer_canonical_form_for_voting():
 # ------------------------------------------------------------------------------------------- AIME
 
 
-@pytest.mark.parametrize(
-    ("solution", "want"),
-    [
-        ("... so $m+n = \\boxed{033}$.", 33),
-        ("Thus the answer is 33.", 33),
-        ("Answer: 204", 204),
-        ("\\boxed{0}", 0),
-        ("\\boxed{999}", 999),
-        ("\\boxed{33^\\circ}", 33),
-        ("The answer is 12. Wait, recheck: \\boxed{13}", 13),  # the last marker
-        ("\\boxed{1000}", None),  # out of range
-        ("\\boxed{-5}", None),
-        ("\\boxed{3.5}", None),
-        ("\\boxed{x}", None),
-        ("We compute 12 * 3 = 36 and 36 + 1 = 37", None),  # no marker: scratch numbers are not answers
-        ("", None),
-    ],
-)
+# fmt: off
+@pytest.mark.parametrize(("solution", "want"), [
+    ("... so $m+n = \\boxed{033}$.", 33),
+    ("Thus the answer is 33.", 33),
+    ("Answer: 204", 204),
+    ("\\boxed{0}", 0),
+    ("\\boxed{999}", 999),
+    ("\\boxed{33^\\circ}", 33),
+    ("The answer is 12. Wait, recheck: \\boxed{13}", 13),   # the last marker
+    ("\\boxed{1000}", None),                                  # out of range
+    ("\\boxed{-5}", None),
+    ("\\boxed{3.5}", None),
+    ("\\boxed{x}", None),
+    ("We compute 12 * 3 = 36 and 36 + 1 = 37", None),        # no marker: scratch numbers are not answers
+    ("", None),
+])
+# fmt: on
 def test_aime_extraction(solution, want):
     assert extract_aime_answer(solution) == want
 
@@ -118,27 +116,26 @@ def test_aime_score_and_ground_truths():
 CHOICES = {"A": "4.2 eV", "B": "2.1 eV", "C": "10^{-4} eV", "D": "42 eV"}
 
 
-@pytest.mark.parametrize(
-    ("solution", "want"),
-    [
-        ("Reasoning...\nAnswer: C", "C"),
-        ("**Answer:** B", "B"),
-        ("The answer is (D).", "D"),
-        ("So the correct answer is $\\boxed{A}$", "A"),
-        ("Answer: \\boxed{C}", "C"),
-        ("Therefore \\boxed{\\text{B}}", "B"),
-        ("\\boxed{(c)}", "C"),  # lower case inside a box
-        ("\\boxed{D) 42 eV}", "D"),
-        ("Option (A) fails, so it must be (B)", "B"),  # the last bare (X)
-        ("Answer: A\nThen I doubt (B).", "A"),  # a marker beats a later bare (X)
-        ("The energy is 4.2 eV", "A"),  # the option text itself
-        ("The energy is 42 eV", "D"),  # longest matching option ("4.2"? no: "42 eV")
-        ("Answer: All of the above", None),  # 'All' is not 'A'
-        ("Answer: E", None),  # not an option
-        ("I am not sure.", None),
-        ("", None),
-    ],
-)
+# fmt: off
+@pytest.mark.parametrize(("solution", "want"), [
+    ("Reasoning...\nAnswer: C", "C"),
+    ("**Answer:** B", "B"),
+    ("The answer is (D).", "D"),
+    ("So the correct answer is $\\boxed{A}$", "A"),
+    ("Answer: \\boxed{C}", "C"),
+    ("Therefore \\boxed{\\text{B}}", "B"),
+    ("\\boxed{(c)}", "C"),                                       # lower case inside a box
+    ("\\boxed{D) 42 eV}", "D"),
+    ("Option (A) fails, so it must be (B)", "B"),                  # the last bare (X)
+    ("Answer: A\nThen I doubt (B).", "A"),                        # a marker beats a later bare (X)
+    ("The energy is 4.2 eV", "A"),                                 # the option text itself
+    ("The energy is 42 eV", "D"),                                  # longest matching option ("4.2"? no: "42 eV")
+    ("Answer: All of the above", None),                            # 'All' is not 'A'
+    ("Answer: E", None),                                           # not an option
+    ("I am not sure.", None),
+    ("", None),
+])
+# fmt: on
 def test_gpqa_extraction(solution, want):
     assert extract_choice_letter(solution, CHOICES) == want
 

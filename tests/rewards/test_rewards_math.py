@@ -25,59 +25,57 @@ from tether.testing import find_gsm8k_dir
 F = Fraction
 
 
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("#### 72", 72),
-        ("so she makes 18\n#### 18", 18),
-        ("####18", 18),
-        ("A: 26", 26),
-        ("work\nA: $1,000.00", 1000),
-        ("The answer is 1000.", 1000),
-        ("the answer is: 42", 42),
-        ("The final answer is **-5**", -5),
-        ("Final answer: 3.75", F(15, 4)),
-        ("Answer: $5,600", 5600),
-        ("The answer is $\\boxed{72}$.", 72),
-        ("so \\boxed{1,000} dollars", 1000),
-        ("\\boxed{\\$18}", 18),
-        ("\\boxed{\\frac{3}{4}}", F(3, 4)),
-        ("#### -3", -3),
-        ("#### \u22123", -3),  # Unicode minus
-        ("#### $-3", -3),
-        ("#### 0.5", F(1, 2)),
-        ("#### .5", F(1, 2)),
-        ("#### 25%", 25),  # percent sign dropped, not divided by 100
-        ("#### 3/4", F(3, 4)),
-        ("#### 5\nA: 6", 6),  # the last marker wins
-        ("A: 6\n#### 5", 5),
-        ("The answer is 7.\nA: 8", 8),
-        ("#### 5\nI hope this helps, 2 times", 5),  # a marker beats the last number
-    ],
-)
+# fmt: off
+@pytest.mark.parametrize("text, expected", [
+    ("#### 72", 72),
+    ("so she makes 18\n#### 18", 18),
+    ("####18", 18),
+    ("A: 26", 26),
+    ("work\nA: $1,000.00", 1000),
+    ("The answer is 1000.", 1000),
+    ("the answer is: 42", 42),
+    ("The final answer is **-5**", -5),
+    ("Final answer: 3.75", F(15, 4)),
+    ("Answer: $5,600", 5600),
+    ("The answer is $\\boxed{72}$.", 72),
+    ("so \\boxed{1,000} dollars", 1000),
+    ("\\boxed{\\$18}", 18),
+    ("\\boxed{\\frac{3}{4}}", F(3, 4)),
+    ("#### -3", -3),
+    ("#### \u22123", -3),          # Unicode minus
+    ("#### $-3", -3),
+    ("#### 0.5", F(1, 2)),
+    ("#### .5", F(1, 2)),
+    ("#### 25%", 25),              # percent sign dropped, not divided by 100
+    ("#### 3/4", F(3, 4)),
+    ("#### 5\nA: 6", 6),           # the last marker wins
+    ("A: 6\n#### 5", 5),
+    ("The answer is 7.\nA: 8", 8),
+    ("#### 5\nI hope this helps, 2 times", 5),  # a marker beats the last number
+])
+# fmt: on
 def test_marked_answers(text, expected):
     assert extract_gsm8k_answer(text, "strict") == expected
     assert extract_gsm8k_answer(text, "flexible") == expected
 
 
-@pytest.mark.parametrize(
-    "text, flexible",
-    [
-        ("She has 3 + 4 = 7 apples", 7),
-        ("<<48/2=24>>24 clips", 24),
-        ("costs $5.50 each", F(11, 2)),
-        ("in 16-3 days", 3),  # '-' after a digit is an operator
-        ("x=\u22127", -7),
-        ("blah 3,4", 4),  # commas not grouping by three separate numbers
-        ("1,2345", 2345),
-        ("It is 1,000,000.", 1000000),
-        ("No answer at all.", None),
-        ("", None),
-        ("A: ten", None),  # words are not numbers
-        ("COVID19 cases", None),  # digits glued to letters are not numbers
-        ("The answer is", None),
-    ],
-)
+# fmt: off
+@pytest.mark.parametrize("text, flexible", [
+    ("She has 3 + 4 = 7 apples", 7),
+    ("<<48/2=24>>24 clips", 24),
+    ("costs $5.50 each", F(11, 2)),
+    ("in 16-3 days", 3),                 # '-' after a digit is an operator
+    ("x=\u22127", -7),
+    ("blah 3,4", 4),                      # commas not grouping by three separate numbers
+    ("1,2345", 2345),
+    ("It is 1,000,000.", 1000000),
+    ("No answer at all.", None),
+    ("", None),
+    ("A: ten", None),                     # words are not numbers
+    ("COVID19 cases", None),              # digits glued to letters are not numbers
+    ("The answer is", None),
+])
+# fmt: on
 def test_unmarked_text(text, flexible):
     assert extract_gsm8k_answer(text, "strict") is None
     assert extract_gsm8k_answer(text, "flexible") == flexible

@@ -88,15 +88,17 @@ __all__ = [
 
 _MINUS = "-\u2212"
 #: The number grammar used for extraction (see the module docstring).
+# fmt: off
 NUMBER_PATTERN = (
-    r"(?<![0-9A-Za-z_)\]])"  # a '-' after these is an operator
-    r"(?:[" + _MINUS + r"]\s?)?"  # sign
-    r"(?:\\?\$\s?)?"  # currency: $ or \$
-    r"(?:[" + _MINUS + r"])?"  # sign after the currency: $-5
-    r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)|\d+)(?:\.\d+)?"  # 1,000 | 1000 | 1000.5
-    r"(?:\s?/\s?\d+(?![\d.,]\d))?"  # simple fraction a/b
-    r"|(?<![0-9A-Za-z_)\]])(?:[" + _MINUS + r"]\s?)?(?:\\?\$\s?)?\.\d+"  # .5
+    r"(?<![0-9A-Za-z_)\]])"                      # a '-' after these is an operator
+    r"(?:[" + _MINUS + r"]\s?)?"                  # sign
+    r"(?:\\?\$\s?)?"                              # currency: $ or \$
+    r"(?:[" + _MINUS + r"])?"                     # sign after the currency: $-5
+    r"(?:\d{1,3}(?:,\d{3})+(?!\d)(?!,\d)|\d+)(?:\.\d+)?"     # 1,000 | 1000 | 1000.5
+    r"(?:\s?/\s?\d+(?![\d.,]\d))?"                # simple fraction a/b
+    r"|(?<![0-9A-Za-z_)\]])(?:[" + _MINUS + r"]\s?)?(?:\\?\$\s?)?\.\d+"   # .5
 )
+# fmt: on
 _NUMBER_RE = re.compile(NUMBER_PATTERN)
 #: Longer number strings (e.g. a degenerate run of digits) are not numbers.
 _MAX_NUMBER_CHARS = 200
