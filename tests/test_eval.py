@@ -376,8 +376,8 @@ def test_the_runs_vllm_engine_is_built_once_and_synced_per_policy(tmp_path, monk
     monkeypatch.setattr(vllm_mod, "check_vllm_available", missing)
     with caplog.at_level("WARNING", logger="tether"):
         assert ev._pick_engine("auto", "vllm") == "hf"
-    assert "evaluating with hf" in caplog.text
-    with pytest.raises(ConfigError, match="vllm package"):
+    assert "rollout.engine=vllm, but the vllm package is not installed here; evaluating with hf" in caplog.text
+    with pytest.raises(ConfigError, match=r"^--engine vllm: the vllm package is not installed \(--engine hf runs"):
         ev._pick_engine("vllm", "hf")
 
 

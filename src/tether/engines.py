@@ -182,23 +182,17 @@ VLLM_MAX_NUM_SEQS = 256
 
 
 def _vllm_check(cfg) -> None:
-    """rollout.vllm.* against the backend and placement; the HF engine's rollout.compute_dtype refused."""
+    """Replicas and their tensor parallelism only under Ray; the HF engine's rollout.compute_dtype refused; on GPUs a
+    colocated replica shares one worker's GPU. (Settings of an engine that does not run: :func:`check_engines`.)"""
     r, t, v = cfg.rollout, cfg.trainer, cfg.rollout.vllm
-    chosen = r.engine == VLLM.name
-    if t.backend != "ray":  # vLLM replicas and their tp exist only under Ray, with the vLLM engine
-        unused = "needs trainer.backend=ray (the local backend runs one vLLM engine in its own process)"
-    elif not chosen:
-        unused = (
-            f"has no effect with rollout.engine={r.engine} under trainer.backend=ray (the engine runs on the driver"
-            + ("; auto keeps it there" if r.engine == AUTO else "")
-            + "): use rollout.engine=vllm, or leave rollout.vllm.* at their defaults"
-        )
-    else:
-        unused = None
-    for key in ("replicas", "tensor_parallel_size") if unused else ():
-        if getattr(v, key) > 1:
-            raise ValueError(f"rollout.vllm.{key}={getattr(v, key)} {unused}")
-    if not chosen:
+    if t.backend != "ray":  # vLLM replicas and their tp exist only under Ray
+        for key in ("replicas", "tensor_parallel_size"):
+            if getattr(v, key) > 1:
+                raise ValueError(
+                    f"rollout.vllm.{key}={getattr(v, key)} needs trainer.backend=ray (the local backend runs one vLLM "
+                    "engine in its own process)"
+                )
+    if r.engine != VLLM.name:
         return
     if r.compute_dtype is not None:
         raise ValueError(
@@ -339,20 +333,60 @@ def chosen(cfg) -> EngineEntry | None:
     return None if cfg.rollout.engine == AUTO else entry(cfg.rollout.engine)
 
 
+def passed_over_by_auto(e: EngineEntry, *, async_steps: int = 0, on_ray: bool = False) -> str | None:
+    """Why ``rollout.engine=auto`` never picks ``e`` in such a run (None: it may): it cannot generate on a policy
+    snapshot (``rollout.async_steps``), or it runs as Ray replicas, which auto never starts (they are asked for by
+    name), or auto does not rank it at all."""
+    if e.auto is None:
+        return "auto never picks it"
+    if async_steps and not e.snapshot_async:
+        return "rollout.async_steps generates on a snapshot of the policy, which it cannot"
+    if on_ray and e.on_ray == "replicas":
+        return f"under trainer.backend=ray it runs as Ray replicas, which rollout.engine={e.name} asks for"
+    return None
+
+
 def check_engines(cfg) -> None:
-    """Every entry's cross-checks (:attr:`EngineEntry.check`) on a ``TetherConfig``; raises ValueError."""
+    """The engines' settings against the rest of a ``TetherConfig``; raises ValueError naming the key.
+
+    Settings of an engine that will not run are refused, not ignored: ``rollout.<name>.*`` changed from its default
+    while ``rollout.engine`` names another engine, or is ``auto`` in a run where auto passes the engine over
+    (:func:`passed_over_by_auto`). Then every entry's own cross-checks (:attr:`EngineEntry.check`).
+    """
+    engine = cfg.rollout.engine
+    for e in ENGINES.values():
+        if e.section is None or engine == e.name:
+            continue
+        why = None
+        if engine != AUTO:
+            why = f"with rollout.engine={engine}"
+        elif reason := passed_over_by_auto(e, async_steps=cfg.rollout.async_steps, on_ray=cfg.trainer.backend == "ray"):
+            where = "under trainer.backend=ray" if cfg.trainer.backend == "ray" else "with rollout.async_steps"
+            why = f"with rollout.engine=auto {where} (auto does not run {e.name} there: {reason})"
+        section, defaults = getattr(cfg.rollout, e.name), e.section()
+        changed = [k for k in type(section).model_fields if getattr(section, k) != getattr(defaults, k)]
+        if why and changed:
+            k = changed[0]
+            raise ValueError(
+                f"rollout.{e.name}.{k}={getattr(section, k)} has no effect {why}: use rollout.engine={e.name}, or "
+                "leave "
+                f"rollout.{e.name}.* at their defaults"
+            )
     for e in ENGINES.values():
         if e.check is not None:
             e.check(cfg)
 
 
-def planned_engine(engine: str, accelerator: bool) -> str:
-    """``rollout.engine`` on the machine ``tether plan`` plans for: ``auto`` is the first engine auto tries that
-    installs with a GPU set-up when planning an accelerator (vLLM), else the fallback (HF)."""
+def planned_engine(engine: str, accelerator: bool, *, async_steps: int = 0, on_ray: bool = False) -> str:
+    """``rollout.engine`` on the machine ``tether plan`` plans for: ``auto`` is the first engine auto would try in such
+    a run (:func:`passed_over_by_auto`) that a GPU set-up installs when planning an accelerator (vLLM), else the
+    fallback (HF)."""
     if engine != AUTO:
         return engine
     for e in auto_order():
-        if accelerator or not e.plan_auto_on_accelerator:
+        if passed_over_by_auto(e, async_steps=async_steps, on_ray=on_ray) is None and (
+            accelerator or not e.plan_auto_on_accelerator
+        ):
             return e.name
     return fallback().name
 

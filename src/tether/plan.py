@@ -499,7 +499,12 @@ class PlanSettings:
             ac = activation_checkpointing
         mini = max(1, math.ceil(cfg.algo.mini_batch_size / dp))
         rollout_batch = cfg.data.batch_size * cfg.rollout.n
-        engine = planned_engine(cfg.rollout.engine, accelerator)
+        engine = planned_engine(
+            cfg.rollout.engine,
+            accelerator,
+            async_steps=cfg.rollout.async_steps,
+            on_ray=getattr(cfg.trainer, "backend", "local") == "ray",
+        )
         sections = {name: getattr(cfg.rollout, name) for name, e in ENGINES.items() if e.section is not None}
         # devices per engine replica: the planned engine's tensor_parallel_size, else another section's that has one
         with_tp = [name for name, v in sections.items() if "tensor_parallel_size" in type(v).model_fields]

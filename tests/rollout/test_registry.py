@@ -153,3 +153,30 @@ def test_a_saved_batch_restores_as_rolled_out_with_or_without_its_masks():
             assert torch.equal(getattr(back, name), getattr(batch, name)), name
         assert torch.equal(back.loss_mask, batch.loss_mask) and torch.equal(back.truncated, batch.truncated)
         assert back.finish_reasons == batch.finish_reasons and back.responses == batch.responses
+
+
+def test_settings_of_an_engine_that_will_not_run_are_refused():
+    """rollout.vllm.* changed while rollout.engine names another engine, or is auto where auto never runs vLLM (under
+    rollout.async_steps, or under trainer.backend=ray where vLLM runs only as replicas asked for by name): refused,
+    naming the key; with auto where vLLM may run, or with vllm itself, accepted."""
+    from tether.config import ConfigError
+
+    for overrides, where in (
+        (["rollout.engine=hf", "rollout.vllm.gpu_memory_utilization=0.9"], "with rollout.engine=hf"),
+        (["rollout.async_steps=1", "rollout.vllm.kv_cache_gib=2"], "with rollout.engine=auto with rollout.async_steps"),
+        (
+            ["trainer.backend=ray", "rollout.vllm.max_model_len=64"],
+            "with rollout.engine=auto under trainer.backend=ray",
+        ),
+    ):
+        with pytest.raises(
+            ConfigError, match=rf"rollout.vllm.\w+=[\d.]+ has no effect {where}.*use rollout.engine=vllm"
+        ):
+            load_config(None, overrides)
+    assert load_config(None, ["rollout.vllm.gpu_memory_utilization=0.9"]).rollout.vllm.gpu_memory_utilization == 0.9
+    assert load_config(None, ["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2"]).rollout.vllm.kv_cache_gib == 2
+    # tether plan resolves auto as a run would: an async run samples with the snapshot engine
+    assert engines.planned_engine("auto", True) == "vllm"
+    assert (
+        engines.planned_engine("auto", True, async_steps=1) == engines.planned_engine("auto", True, on_ray=True) == "hf"
+    )

@@ -607,12 +607,13 @@ class Evaluator:
         try:
             registry.check_usable(want, None)
         except ConfigError as e:
+            why, other = registry.unusable_reason(e, want), fallback().name
             if asked != AUTO:
-                raise
+                raise ConfigError(f"--engine {want}: {why} (--engine {other} runs every model)") from None
             log.warning(
-                "tether eval: the run used rollout.engine=%s but %s; evaluating with %s", want, e, fallback().name
+                "tether eval: the run used rollout.engine=%s, but %s here; evaluating with %s", want, why, other
             )
-            return fallback().name
+            return other
         return want
 
     # ---------------------------------------------------------------------------- reference, engine
@@ -674,7 +675,11 @@ class Evaluator:
         r = self.resolved
         if self.engine is None:
             cfg = self.engine_config()
-            self.engine = build_engine(cfg, model, self.tok, model_path)
+            try:
+                self.engine = build_engine(cfg, model, self.tok, model_path)
+            except ConfigError as e:  # an engine asked for by name that cannot run this model
+                why, name = registry.unusable_reason(e, r["engine"]), r["engine"]
+                raise ConfigError(f"--engine {name}: {why} (--engine {fallback().name} runs every model)") from None
             self._params = registry.sampling_params(cfg)
             r["engine"] = self.engine.name  # the run's rollout.engine=auto: what it resolved to
         self.engine.sync_weights(model)

@@ -24,7 +24,7 @@ import logging
 from types import ModuleType
 
 from tether.config import ConfigError
-from tether.engines import AUTO, EngineEntry, auto_order, entry
+from tether.engines import AUTO, auto_order, entry, passed_over_by_auto
 from tether.rollout.engine import GenerationEngine, SamplingParams
 
 log = logging.getLogger("tether")
@@ -61,26 +61,23 @@ def resolve(
     if engine != AUTO:
         return engine, f"rollout.engine={engine}"
     passed: list[str] = []
-    candidates = auto_order()
-    for e in candidates:
-        why = _ruled_out(e, on_ray=on_ray, async_steps=async_steps)
+    for e in auto_order():
+        why = passed_over_by_auto(e, on_ray=on_ray, async_steps=async_steps)
         if why is None:
             try:
                 found = engine_module(e.name).check_usable(model_path, key=key, value=value)
             except ConfigError as err:
-                why = str(err).removeprefix(f"rollout.engine={e.name}").lstrip(": ").split(". ")[0]
+                why = unusable_reason(err, e.name)
             else:
                 return e.name, "; ".join([*passed, found]) if passed else found
         passed.append(f"not {e.name}: {why}")
     raise RuntimeError(f"rollout.engine=auto: no engine can run ({'; '.join(passed)})")  # the fallback always can
 
 
-def _ruled_out(e: EngineEntry, *, on_ray: bool, async_steps: int) -> str | None:
-    if async_steps and not e.snapshot_async:
-        return "rollout.async_steps generates on a snapshot of the policy, which it cannot"
-    if on_ray and e.on_ray == "replicas":
-        return f"under trainer.backend=ray it runs as Ray replicas, which rollout.engine={e.name} asks for"
-    return None
+def unusable_reason(err: ConfigError, name: str) -> str:
+    """The reason of a ``check_usable`` error without its ``rollout.engine=<name>:`` prefix and the advice after its
+    first sentence (which names config keys): what a log line or ``tether eval`` quotes."""
+    return str(err).removeprefix(f"rollout.engine={name}").lstrip(": ").split(". ")[0]
 
 
 def check_usable(name: str, model_path, *, key: str = "actor.model", value: str | None = None) -> str:
