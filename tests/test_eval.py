@@ -602,3 +602,27 @@ def test_rows_without_a_usable_ground_truth_are_reported_not_scored_zero(tmp_pat
         "nothing to evaluate: no row has a reward_model.ground_truth its verifier can use (3 row(s) checked; aime: 3 "
         "row(s)" in err
     )
+
+
+def test_the_engine_config_of_a_run_takes_the_evaluations_engine(tmp_path):
+    """A run that sampled with vLLM (its rollout.vllm.* set) evaluated with --engine hf, and an async run evaluated
+    with --engine vllm: the engine's config is the run's with the evaluation's engine, the other engines' settings
+    at their defaults and no async generation, so neither is refused as settings that do nothing."""
+    from tether.config import config_to_yaml, load_config
+    from tether.evaluation.evaluate import Evaluator
+    from tether.models import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("embedded"))
+    for run_overrides, engine in (
+        (["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.25"], "hf"),
+        (["rollout.async_steps=2", "rollout.max_staleness=1"], "vllm"),
+    ):
+        run = tmp_path / engine
+        run.mkdir()
+        (run / "config.yaml").write_text(config_to_yaml(load_config(None, run_overrides)))
+        ev = Evaluator("embedded", EvalSettings(n=2, top_p=0.99), tok, torch.device("cpu"), run=run)
+        ev.resolved["engine"] = engine  # as --engine would (without vllm installed, _pick_engine falls back)
+        cfg = ev.engine_config()
+        assert cfg.rollout.engine == engine and cfg.rollout.async_steps == 0
+        if engine == "hf":
+            assert cfg.rollout.vllm.kv_cache_gib is None  # the run's vLLM setting, dropped

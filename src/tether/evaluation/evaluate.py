@@ -46,7 +46,7 @@ from tether.checkpoint import CheckpointError, latest_valid_checkpoint, list_che
 from tether.config import EMBEDDED, ConfigError, DataConfig, load_config
 from tether.data import DataError, load_rows, rows_from_records
 from tether.data.loading import prepare_prompts
-from tether.engines import AUTO, engine_names, fallback
+from tether.engines import AUTO, ENGINES, engine_names, fallback
 from tether.evaluation.sampled import KLProbe, distinct_prompt_indices, evaluate_prompts
 from tether.export import ACTOR, load_sharded_actor
 from tether.metrics.accuracy import parse_ks
@@ -664,7 +664,11 @@ class Evaluator:
             f"rollout.do_sample={str(not r['greedy']).lower()}",
             f"actor.dtype={s.dtype}",
             f"trainer.seed={s.seed}",
+            "rollout.async_steps=0",  # tether eval generates in this process, never ahead
+            "rollout.max_staleness=null",
         ]
+        if r["engine"] != AUTO:  # the run's settings of other engines do nothing here: their defaults
+            overrides += [f"rollout.{name}={{}}" for name, e in ENGINES.items() if e.section and name != r["engine"]]
         return load_config(self.run / "config.yaml" if self.cfg is not None else None, overrides)
 
     def _runner(self, model, model_path: Path | None):
