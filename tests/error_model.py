@@ -129,3 +129,63 @@ class AdamTrace:
             assert ratio <= 1.0, (what, name, float(d.max()), ratio)
             worst = max(worst, ratio)
         return worst
+
+
+def _roles(trainer) -> dict:
+    return {r: w for r in ("actor", "critic") if (w := getattr(trainer.roles, r, None)) is not None}
+
+
+def lockstep(trainers: dict, steps: int) -> tuple[dict, dict, dict]:
+    """Train ``steps`` steps of each of ``trainers`` (local Trainers of two code paths), every step from the same
+    state: before each step the first trainer's weights, AdamW states and RNG states are copied into the others. So
+    every step's comparison is one update from equal inputs, its samples the same bits (the same weights, RNG, kernels
+    and shapes generate them), with no RL feedback (samples drawn from weights that already differ) and no AdamW
+    accumulation of earlier differences: the one-step error model of :class:`AdamTrace`.
+
+    Returns ``(runs, traces, spans)``: ``runs[name]`` one dict per step, {"metrics", "batch" (the actor update's),
+    "actor", "critic" (trainable weights after the step)}; ``traces[role]`` the first trainer's :class:`AdamTrace`;
+    ``spans[role][step]`` the slice of its recorded optimizer steps that step took.
+    """
+    import copy
+    import random
+
+    import numpy as np
+
+    first = next(iter(trainers.values()))
+    traces = {role: AdamTrace(w.optimizer, w.model) for role, w in _roles(first).items()}
+    spans: dict = {role: [] for role in traces}
+    runs: dict = {name: [] for name in trainers}
+    seen: dict = {}
+    for name, t in trainers.items():  # the batch each actor update trains on
+        orig = t.roles.actor.update
+
+        def update(batch, *a, _orig=orig, _name=name, **k):
+            seen[_name] = copy.deepcopy(batch)
+            return _orig(batch, *a, **k)
+
+        t.roles.actor.update = update
+    for _ in range(steps):
+        rngs = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        state = {
+            role: (copy.deepcopy(w.model.state_dict()), copy.deepcopy(w.optimizer_state()))
+            for role, w in _roles(first).items()
+        }
+        begin = {role: len(tr.steps) for role, tr in traces.items()}
+        for i, (name, t) in enumerate(trainers.items()):
+            if i:
+                for role, w in _roles(t).items():
+                    w.model.load_state_dict(state[role][0])
+                    w.load_optimizer_state(copy.deepcopy(state[role][1]))
+            torch.set_rng_state(rngs[0])
+            random.setstate(rngs[1])
+            np.random.set_state(rngs[2])
+            metrics = t.train_step()
+            rec = {"metrics": metrics, "batch": seen.pop(name)}
+            for role, w in _roles(t).items():
+                rec[role] = {n: p.detach().clone() for n, p in w.model.named_parameters() if p.requires_grad}
+            runs[name].append(rec)
+        for role, tr in traces.items():
+            spans[role].append(slice(begin[role], len(tr.steps)))
+    for tr in traces.values():
+        tr.close()
+    return runs, traces, spans
