@@ -70,8 +70,10 @@ class AdamTrace:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         self.names = {id(p): names[id(p)] for g in optimizer.param_groups for p in g["params"]}
-        self.steps: list[dict] = []  # per step: {"lr", "t", "betas", "shat": {name: √v̂}}
-        self._handle = optimizer.register_step_post_hook(self._record)
+        self.steps: list[dict] = []  # per step: {"lr", "t", "betas", "eps", "shat": {name: √v̂}}
+        # another optimizer (a test's SGD in AdamW's place) is not traced: tolerance() then refuses
+        self.adam = all("betas" in g for g in optimizer.param_groups)
+        self._handle = optimizer.register_step_post_hook(self._record) if self.adam else None
 
     def _record(self, opt, args, kwargs) -> None:
         shat, meta = {}, None
@@ -90,13 +92,17 @@ class AdamTrace:
 
     def close(self) -> AdamTrace:
         """Stop recording (the steps recorded so far stay); returns self."""
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         return self
 
     def tolerance(self, weights: dict[str, torch.Tensor], n_terms: int, steps: slice = slice(None)) -> dict:
         """{name: per-element bound on |w − w'|} after ``self.steps[steps]``, for another run of the same steps whose
         gradients differ by float32 rounding of sums of ``n_terms`` terms (class docstring); ``weights``: one run's
         final weights (for the ulp term)."""
+        if not self.adam:
+            raise TypeError("AdamTrace.tolerance: the traced optimizer is not AdamW")
         recorded = self.steps[steps]
         out = {}
         for name, w in weights.items():
