@@ -202,6 +202,7 @@ def _sgd_rank_main(*args) -> None:
     test_tp_train._rank_main(*args)
 
 
+@pytest.mark.kernels
 def test_trainer_replay_with_sgd_matches_one_process(tmp_path, monkeypatch):
     import test_tp_train as T
 
@@ -248,6 +249,7 @@ def test_biases_are_sharded_with_their_columns(runs):
         assert local == (32,), k  # 64 outputs over the 2 tp ranks (dp = 1)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_eps"])
 def test_weights_match_one_process_without_adams_small_eps(runs, opt_name):
     ref, tp = runs

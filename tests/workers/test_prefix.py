@@ -450,6 +450,7 @@ def _critic(share: bool):
     return critic
 
 
+@pytest.mark.kernels
 def test_critic_values_and_update_equal_the_ordinary_path(monkeypatch):
     calls = []
     real = prefix.shared_prefix_values
