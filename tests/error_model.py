@@ -44,7 +44,7 @@ def _adam_constants(t: int, beta1: float, beta2: float) -> tuple[float, float]:
 
     with m̂_t = Σ_j a_j g_j and v̂_t = Σ_j b_j g_j², Cauchy-Schwarz gives |m̂_t| ≤ c_t·√v̂_t, c_t = √(Σ_j a_j²/b_j),
     and the step's derivative in any one g_j is at most (a_j + c_t·√b_j)/(√v̂_t + eps), summed over j at most
-    k_t = (1 + c_t·√t)/(√v̂_t + eps) per unit of gradient difference (Σ a_j = 1, Σ √b_j ≤ √t). c_1 = 1, k_1 = 2.
+    k_t/(√v̂_t + eps) with k_t = 1 + c_t·√t (Σ a_j = 1, Σ √b_j ≤ √t). c_1 = 1, k_1 = 2.
     """
     a = [(1 - beta1) * beta1 ** (t - j) / (1 - beta1**t) for j in range(1, t + 1)]
     b = [(1 - beta2) * beta2 ** (t - j) / (1 - beta2**t) for j in range(1, t + 1)]
@@ -70,13 +70,13 @@ class AdamTrace:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         self.names = {id(p): names[id(p)] for g in optimizer.param_groups for p in g["params"]}
-        self.steps: list[dict] = []  # per step: {"lr", "t", "betas", "eps", "shat": {name: √v̂}}
+        self.steps: list[dict] = []  # per optimizer step: {name: (√v̂, t, lr, betas, eps)}
         # another optimizer (a test's SGD in AdamW's place) is not traced: tolerance() then refuses
         self.adam = all("betas" in g for g in optimizer.param_groups)
         self._handle = optimizer.register_step_post_hook(self._record) if self.adam else None
 
     def _record(self, opt, args, kwargs) -> None:
-        shat, meta = {}, None
+        step = {}  # name: (√v̂, t, lr, betas, eps), for every parameter with AdamW state
         for group in opt.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -86,9 +86,9 @@ class AdamTrace:
                 t = int(st["step"])
                 v = st["exp_avg_sq"].detach()
                 v = v.full_tensor() if hasattr(v, "full_tensor") else v
-                shat[self.names[id(p)]] = (v.float() / (1 - beta2**t)).sqrt().cpu()
-                meta = {"lr": float(group["lr"]), "t": t, "betas": (beta1, beta2), "eps": float(group["eps"])}
-        self.steps.append({**meta, "shat": shat})
+                shat = (v.float() / (1 - beta2**t)).sqrt().cpu()
+                step[self.names[id(p)]] = (shat, t, float(group["lr"]), (beta1, beta2), float(group["eps"]))
+        self.steps.append(step)
 
     def close(self) -> AdamTrace:
         """Stop recording (the steps recorded so far stay); returns self."""
@@ -106,13 +106,15 @@ class AdamTrace:
         recorded = self.steps[steps]
         out = {}
         for name, w in weights.items():
-            G = max(float(s["shat"][name].max()) for s in recorded)
-            dg = n_terms * U * G
             tol = len(recorded) * 2.0**-22 * w.detach().float().abs().cpu()  # two ulps of the weight per step
-            for s in recorded:
-                c, k = _adam_constants(s["t"], *s["betas"])
-                sens = k * dg / ((s["shat"][name] - dg).clamp(min=0) + s["eps"])
-                tol = tol + s["lr"] * torch.clamp(sens, max=2 * c)
+            mine = [s[name] for s in recorded if name in s]  # the steps that updated it
+            if not mine:
+                out[name] = tol
+                continue
+            dg = n_terms * U * max(float(shat.max()) for shat, *_ in mine)  # n·u·G
+            for shat, t, lr, betas, eps in mine:
+                c, k = _adam_constants(t, *betas)
+                tol = tol + lr * torch.clamp(k * dg / ((shat - dg).clamp(min=0) + eps), max=2 * c)
             out[name] = tol
         return out
 
