@@ -3,6 +3,7 @@
 #
 #   make demo   # tether train on the embedded default task (CPU, minutes)
 #   make test   # the test suite
+#   make test-kernels   # the float32-rounding-sensitive tests under each CPU kernel setting (below)
 #
 # PyTorch comes first: without a GPU, the CPU build (torch==$(TORCH_VERSION)); set
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu where the CPU wheel is not on a local index.
@@ -32,7 +33,7 @@ VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf RAY_AUTH_MODE=disabled
 
-.PHONY: install install-ray demo test test-fast bench bench-peer lint lint-imports clean install-vllm test-vllm
+.PHONY: install install-ray demo test test-fast test-kernels bench bench-peer lint lint-imports clean install-vllm test-vllm
 
 install: $(VENV)/.installed
 
@@ -65,6 +66,23 @@ test: install $(VENV)/.installed-ray
 test-fast: install $(VENV)/.installed-ray
 	mkdir -p $(TEST_TMP)
 	$(RAY_TEST_ENV) $(BIN)/python -m pytest -q -m "not slow"
+
+# The tests whose equalities depend on float32 rounding (pytest -m kernels: two code paths, or two runs, compared
+# under the error models of tests/error_model.py) under each CPU kernel setting of ATen, MKL and oneDNN: the
+# machine's default, SSE4.2, AVX2 and, where /proc/cpuinfo lists avx512f, AVX-512. They must pass under every one:
+# `make test` then holds on any x86-64 CPU, not only on the kernels the tolerances were first measured with.
+KERNEL_SETTINGS := "" \
+	"ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41" \
+	"ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2" \
+	$(if $(shell grep -qsw avx512f /proc/cpuinfo && echo y),"ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE")
+
+test-kernels: install $(VENV)/.installed-ray
+	mkdir -p $(TEST_TMP)
+	@for k in $(KERNEL_SETTINGS); do \
+		echo "== make test-kernels: $${k:-the machine's default kernels}"; \
+		env $$k $(RAY_TEST_ENV) $(BIN)/python -c "import torch; print('ATen CPU capability:', torch.backends.cpu.get_cpu_capability())" \
+			&& env $$k $(RAY_TEST_ENV) $(BIN)/python -m pytest -q -m kernels || exit 1; \
+	done
 
 bench: install
 	$(BIN)/python benchmarks/bench_gae.py

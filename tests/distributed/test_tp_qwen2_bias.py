@@ -202,6 +202,7 @@ def _sgd_rank_main(*args) -> None:
     test_tp_train._rank_main(*args)
 
 
+@pytest.mark.kernels
 def test_trainer_replay_with_sgd_matches_one_process(tmp_path, monkeypatch):
     import test_tp_train as T
 
@@ -248,6 +249,7 @@ def test_biases_are_sharded_with_their_columns(runs):
         assert local == (32,), k  # 64 outputs over the 2 tp ranks (dp = 1)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_eps"])
 def test_weights_match_one_process_without_adams_small_eps(runs, opt_name):
     ref, tp = runs
@@ -259,6 +261,7 @@ def test_weights_match_one_process_without_adams_small_eps(runs, opt_name):
         assert _max_diff(want["w"], got["w"]) < 1e-7, (s, _max_diff(want["w"], got["w"]))
 
 
+@pytest.mark.kernels
 def test_adamw_gap_is_its_normalisation_of_near_zero_gradients(runs):
     ref, tp = runs
     want, got = ref["adamw"][0], tp["adamw"][0]  # the first step: m̂ = ĝ, √v̂ = |ĝ| exactly
@@ -271,7 +274,11 @@ def test_adamw_gap_is_its_normalisation_of_near_zero_gradients(runs):
             upd[side] = LR["adamw"] * g / (g.abs() + EPS["adamw"])
         measured = w_ref - got["w"][n]  # = upd_tp - upd_ref, since both started from the same weights
         predicted = upd["tp"] - upd["ref"]
-        assert float((measured - predicted).abs().max()) < 1e-7, n  # float32 rounding of weights of size ≤ ~1
+        # float32 rounding of the updated weights, of size ≤ ~1: the two land on neighbouring floats, one ulp of the
+        # largest apart (2^-23 = 1.2e-7 at |w| = 1: SSE4.2 and AVX2 kernels reach it, where < 1e-7 had been asserted),
+        # and AdamW's own arithmetic (bias corrections, √v̂) rounds its step apart from the formula above: 2 ulps
+        ulp = 2.0**-22 * max(1.0, float(w_ref.abs().max()))
+        assert float((measured - predicted).abs().max()) <= ulp, n
         d = measured.abs()
         i = int(d.flatten().argmax())
         if float(d.max()) > worst[0]:

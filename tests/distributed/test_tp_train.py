@@ -5,7 +5,7 @@ embeddings) with GAE (the default estimator: a critic), the k3 KL in the loss an
 aggregation, recording every batch its actor and critic update on. RankWorkers (the same
 ActorWorker and CriticWorker, tensor-parallel then FSDP2-sharded) replay those batches at tp = 2
 (dp = 1) and at dp = 2 × tp = 2: log-probs, values, every update metric and the final weights must
-match the single process within 1e-5. Each run writes a DCP checkpoint, and a fresh
+match the single process up to float32 rounding (tests/error_model.py). Each run writes a DCP checkpoint, and a fresh
 worker group at another mesh (dp = 2 → tp = 2, tp = 2 → dp = 2 × tp = 2, tp = 2 → one process)
 loads it with the same weights and AdamW state.
 
@@ -20,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from error_model import AdamTrace, reduction_tol, update_terms
 
 from tether.testing import free_port
 
@@ -78,8 +79,12 @@ def _record(cfg) -> dict:
         return out
 
     actor.update, critic.update = actor_update, critic_update
+    # each optimizer step's gradient RMS: the error model of the final weights (AdamTrace)
+    traces = {"actor": AdamTrace(actor.optimizer, actor.model), "critic": AdamTrace(critic.optimizer, critic.model)}
     for _ in range(3):
         trainer.train_step()
+    rec["traces"] = {role: t.close() for role, t in traces.items()}
+    rec["n_terms"] = max(update_terms(s["batch"], actor.model.config) for s in rec["steps"])
     for role in ("actor", "critic"):
         rec[f"{role}_final"] = {n: p.detach().clone() for n, p in getattr(trainer.roles, role).model.named_parameters()}
     return rec
@@ -162,6 +167,7 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp_train")
     rec = _record(load_config(None, [*SMALL, f"trainer.output_dir={root / 'local'}"]))
+    replay = {k: v for k, v in rec.items() if k != "traces"}
     by_world: dict[int, list] = {}
     for name, (world, tp) in MESHES.items():
         by_world.setdefault(world, []).append(("replay", name, tp))
@@ -170,39 +176,41 @@ def runs(tmp_path_factory):
     results = {}
     for world in (2, 4, 1):  # every checkpoint is written before it is read
         torch.multiprocessing.spawn(
-            _rank_main, args=(world, free_port(), rec, str(root), by_world[world]), nprocs=world, join=True
+            _rank_main, args=(world, free_port(), replay, str(root), by_world[world]), nprocs=world, join=True
         )
         results |= torch.load(root / f"results_ws{world}.pt", weights_only=False)
     return rec, results
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["tp2", "dp2xtp2", "dp2"])
 def test_tp_update_equals_one_process(runs, name):
+    """Error model (tests/error_model.py), as in test_fsdp: per step, log-probs, values and update metrics are float32
+    reductions over n = 16 rows × 10 positions + 256 = 416 O(1) terms (rel = abs = n·u = 2.5e-5); the final weights
+    after 3 AdamW steps are held to AdamTrace's per-element bound, which lets an element whose gradient is within
+    rounding of zero take AdamW's normalized step either way (tensor parallelism splits the matmuls' sums: up to
+    2.7e-5 = 0.09·lr on this CPU, past the 1e-5 once asserted). Measured under SSE4.2, AVX2 and AVX-512 kernels: the
+    log-probs and values at most 0.32 of n·u, the metrics 0.11, the weights 0.09 of the bound."""
     rec, results = runs
     res = results[name]
     world, tp = MESHES[name]
+    tol = reduction_tol(rec["n_terms"])
     assert res["mesh"] == (("dp_shard", "tp") if tp > 1 else ("dp_shard",))
     assert res["up_local"] == (256 // world, 64)  # (intermediate, hidden) split over every rank of the mesh
     assert len(res["steps"]) == 3
     for s, (want, got) in enumerate(zip(rec["steps"], res["steps"], strict=True)):
         batch = want["batch"]
         mask = batch.response_mask.bool()
-        assert float((got["old_logprobs"][mask] - batch.old_logprobs[mask]).abs().max()) < 1e-5, (name, s)
-        assert float((got["values"][mask] - batch.values[mask]).abs().max()) < 1e-5, (name, s)
+        assert torch.allclose(got["old_logprobs"][mask], batch.old_logprobs[mask], atol=tol, rtol=tol), (name, s)
+        assert torch.allclose(got["values"][mask], batch.values[mask], atol=tol, rtol=tol), (name, s)
         for role in ("critic", "actor"):
             assert set(got[role]) == set(want[role]), (name, s, role)
             for k, v in want[role].items():
-                assert got[role][k] == pytest.approx(v, abs=1e-5, rel=1e-5), (name, s, role, k)
+                assert got[role][k] == pytest.approx(v, abs=tol, rel=tol), (name, s, role, k)
         assert want["actor"]["policy/updates"] == 1.0
     assert rec["steps"][-1]["actor"]["actor/kl_loss"] > 1e-6  # the KL term is really in the loss by step 3
     for role in ("actor", "critic"):
-        want, weights = rec[f"{role}_final"], res["state"][role][0]
-        assert set(weights) == set(want)
-        diffs = torch.cat([(weights[k] - w).abs().flatten() for k, w in want.items()])
-        # as in test_fsdp: all but a few elements within 1e-6; those few have |g| ~ AdamW's eps, where
-        # the layouts' rounding of g is a large relative change (measured: see docs/distributed.md)
-        assert float((diffs > 1e-6).float().mean()) <= 2e-3, (role, int((diffs > 1e-6).sum()))
-        assert float(diffs.max()) < 1e-5, (role, float(diffs.max()))
+        rec["traces"][role].check(res["state"][role][0], rec[f"{role}_final"], rec["n_terms"], what=(name, role))
 
 
 @pytest.mark.parametrize("name", list(RESUMES))

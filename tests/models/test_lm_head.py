@@ -33,13 +33,25 @@ def pair():
     return actor, ref
 
 
+@pytest.mark.kernels
 def test_unpatched_heads_round_differently_when_only_one_weight_requires_grad(pair):
     """The hazard the patch removes: the head over the strided hidden[:, -T:] view takes an mm or a bmm
-    by requires_grad, and the two disagree on some of these shapes (measured: 6 of 18, up to 2.9e-6 nats)."""
-    assert _mismatches(*pair)
+    by requires_grad, and whether the two round alike is the CPU's BLAS's business: with SSE4.2 or AVX2 kernels
+    they disagree on some of these shapes (measured: 15 of 18 with SSE4.2, 11 with AVX2), with MKL's AVX-512
+    kernels on none. Checked where the hazard is present; skipped, saying so, where it is not."""
+    mismatches = _mismatches(*pair)
+    if not mismatches:
+        pytest.skip(
+            f"this CPU's kernels (ATen {torch.backends.cpu.get_cpu_capability()}) round the unpatched heads' mm and "
+            f"bmm alike on all {len(SHAPES)} shapes: the hazard the patch removes is absent here"
+        )
+    assert mismatches
 
 
+@pytest.mark.kernels
 def test_patched_heads_agree_bitwise_in_every_micro_batch_shape(pair):
+    """By construction: the patched head takes the same mm on a contiguous input whether or not its weight
+    requires grad, so the actor and the reference agree bitwise on every CPU (make test-kernels)."""
     actor, ref = pair
     for model in pair:
         patch_lm_head(model)

@@ -3,6 +3,7 @@ bit."""
 
 import pytest
 import torch
+from error_model import reduction_tol
 
 from tether.rollout import HFRolloutEngine, SamplingParams, hf_decode
 from tether.tasks.sft import load_reference
@@ -141,9 +142,14 @@ def test_the_models_generation_config_applies_as_in_generate(qwen2_padded, monke
     assert not torch.equal(a[0], plain)  # the penalty did something
 
 
+@pytest.mark.kernels
 def test_drop_finished_rows_keeps_every_token_bitwise(monkeypatch):
     """rollout.hf_drop_finished: rows that ended (EOS ids '5' and '1' make the ends ragged) stop being stepped;
-    the tokens and the counted log-probs are still generate's, and the batch really shrank."""
+    the tokens and the counted log-probs are still generate's, and the batch really shrank. Error model: the
+    shrunk batch is another matmul shape, which MKL's AVX-512 kernels round row by row as the whole batch (bitwise
+    here) and its SSE4.2 ones do not (issue 35): the log-probs are float32 reductions over n = 256 (the MLP's width)
+    terms, compared at n·u = 1.5e-5 relative and absolute; the tokens stay bitwise (a draw would have to land within
+    that of a boundary of the sampling distribution to move)."""
     from tether.rollout import response_mask_from_ids
 
     model, tok = load_reference()
@@ -171,7 +177,9 @@ def test_drop_finished_rows_keeps_every_token_bitwise(monkeypatch):
     b = _run(model, tok, prompt["input_ids"], prompt["attention_mask"], "tether", drop_finished=True, **kw)
     assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1], b[1])
     m = response_mask_from_ids(a[0][0], [tok.eos_token_id, *eos]).bool()
-    assert torch.equal(a[0][1][m], b[0][1][m])  # after EOS the log-probs are meaningless (zero logits when dropped)
+    tol = reduction_tol(model.config.intermediate_size)
+    # after EOS the log-probs are meaningless (zero logits when dropped)
+    torch.testing.assert_close(b[0][1][m], a[0][1][m], rtol=tol, atol=tol)
     sizes = [s for s in shrunk if s is not None]
     assert sizes and min(sizes) >= 8 and sizes[0] < 64  # compacted, never below the floor
 

@@ -8,13 +8,14 @@ import copy
 
 import pytest
 import torch
+from error_model import reduction_tol
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import tether.models.prefix as prefix
 from tether.batch import RolloutBatch
 from tether.config import ConfigError, TetherConfig
 from tether.data import PromptRow
-from tether.models import response_logprobs
+from tether.models import patch_lm_head, response_logprobs
 from tether.models.prefix import micro_batch_logprobs, prompt_groups, shared_prefix_logprobs
 from tether.workers import ActorWorker, ReferenceWorker
 from tether.workers.actor import ActorUpdateSpec
@@ -136,14 +137,17 @@ def _scaled_model():
     return model
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("share", [False, True])
 def test_actor_and_reference_passes_are_bitwise_equal_with_equal_weights(share):
     # The actor's parameters require grad and the reference's do not. torch's matmul folds a (b, l, H)
     # input into one (b·l, H) mm when the weight requires grad, else takes a bmm for a non-contiguous
     # input; for l = 1 (the prompt pass's last position) bmm and mm round differently (issue 13).
-    # The two no-grad passes must agree exactly, so that KL = 0 at π = π_ref is exactly 0.
-    model = _scaled_model()
-    ref = ReferenceWorker(copy.deepcopy(model), micro_batch_size=4, share_prompt_prefix=share)
+    # The two no-grad passes must agree exactly, so that KL = 0 at π = π_ref is exactly 0. By construction,
+    # with the heads patched as tether.workers.build patches them (contiguous input: the same mm for both):
+    # unpatched, MKL's AVX-512 kernels happen to round both alike, its SSE4.2 ones do not (issue 35).
+    model = patch_lm_head(_scaled_model())
+    ref = ReferenceWorker(patch_lm_head(copy.deepcopy(model)), micro_batch_size=4, share_prompt_prefix=share)
     actor = ActorWorker(
         model,
         lr=1e-3,
@@ -162,12 +166,16 @@ def test_actor_and_reference_passes_are_bitwise_equal_with_equal_weights(share):
     assert float(old[b.response_mask.bool()].abs().min()) > 0  # real log-probs, not zeros
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("rows", [[1, 3, 6, 8], [0, 2, 5, 7, 9], [3, 1, 2, 0, 5, 4, 7, 6, 9, 8], [4, 1, 6]])
 def test_a_rows_shared_logprobs_do_not_depend_on_its_micro_batch(rows):
     # one group alone (U = 1), another, the batch reordered, a singleton with two groups: each row's
-    # log-probs are bitwise those it gets in the whole batch (the update's shuffled micro-batches and the
-    # no-grad passes in rollout order then agree exactly, as the ordinary pass's do; issue 13)
-    model = _scaled_model().eval()
+    # log-probs are those it gets in the whole batch (the update's shuffled micro-batches and the no-grad
+    # passes in rollout order agree, as the ordinary pass's do; issue 13). Error model: a micro-batch of other
+    # rows is another matmul shape, which MKL's AVX-512 kernels round row by row alike (bitwise here) and its
+    # SSE4.2 and AVX2 ones do not: float32 reductions over n = 64 (the MLP's width) terms, compared at n·u = 3.8e-6
+    # relative and absolute (issue 35). A row put at another's place is off by > 1e-2.
+    model = patch_lm_head(_scaled_model()).eval()
     b = _batch()
 
     def shared(mb):
@@ -176,7 +184,8 @@ def test_a_rows_shared_logprobs_do_not_depend_on_its_micro_batch(rows):
             return micro_batch_logprobs(model, mb, ids, mask, t, share_prefix=True)[0]
 
     whole, part = shared(b), shared(b.select(rows))
-    assert torch.equal(part, whole[rows, : part.shape[1]])
+    tol = reduction_tol(model.config.intermediate_size)
+    torch.testing.assert_close(part, whole[rows, : part.shape[1]], rtol=tol, atol=tol)
 
 
 def test_prompt_groups_none_when_the_prompt_pass_would_be_one_token():
@@ -441,6 +450,7 @@ def _critic(share: bool):
     return critic
 
 
+@pytest.mark.kernels
 def test_critic_values_and_update_equal_the_ordinary_path(monkeypatch):
     calls = []
     real = prefix.shared_prefix_values
@@ -460,6 +470,8 @@ def test_critic_values_and_update_equal_the_ordinary_path(monkeypatch):
     assert False in calls and True in calls  # the shared path ran in the no-grad pass and in the update
     torch.testing.assert_close(v1, v0, rtol=0, atol=1e-5)
     assert float(v0.abs().max()) > 0.1
-    assert m1 == pytest.approx(m0, abs=1e-5) and m0["value/grad_norm"] > 1e-2
+    # float32 reductions over n ≈ 10 rows × 12 positions + 64: relative to the metric (value/grad_norm is ~54)
+    tol = reduction_tol(10 * 12 + 64)
+    assert m1 == pytest.approx(m0, abs=tol, rel=tol) and m0["value/grad_norm"] > 1e-2
     for a, b in zip(g0, g1, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
