@@ -312,3 +312,19 @@ def test_without_the_bar_each_step_logs_one_line(caplog):
             }
         )
     assert caplog.messages == ["step 12/300  reward 0.500  kl 0.0123  β 0.0500  H nan  1.25 s"]
+
+
+def test_kl_value_clamp_may_be_null_and_reaches_the_actor():
+    """kl.value_clamp: null disables k3's clamp (exact k3, docs/api.md); a non-positive clamp is refused."""
+    from tether.workers.build import actor_spec
+
+    cfg = load_config(overrides=["kl.value_clamp=null", "kl.placement=loss", "kl.estimator=k3"])
+    assert cfg.kl.value_clamp is None and actor_spec(cfg, 0.05).value_clamp is None
+    assert actor_spec(load_config(), 0.05).value_clamp == 10.0
+    with pytest.raises(ConfigError, match="value_clamp"):
+        load_config(overrides=["kl.value_clamp=0"])
+
+
+def test_token_sum_is_an_aggregation_mode():
+    assert load_config(overrides=["algo.loss_agg_mode=token-sum"]).algo.agg_mode == "token-sum"
+    assert load_config(overrides=["kl.loss_agg_mode=token-sum"]).kl.loss_agg_mode == "token-sum"

@@ -430,7 +430,8 @@ class KLConfig(Section):
     )
     loss_estimator: str | None = Field(None, description="Estimator for the loss placement; null = kl.estimator.")
     loss_agg_mode: (
-        Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None
+        Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+        | None
     ) = Field(
         None,
         description="Aggregation of the KL loss; null = algo.loss_agg_mode (or, when that is null, the policy loss's "
@@ -458,7 +459,12 @@ class KLConfig(Section):
         description="Inside k3 only, |log π − log π_ref| is clamped to this before exp (verl's default); k1/abs/k2 and "
         "the `+` gradients use the exact log-ratio.",
     )
-    value_clamp: float = Field(10.0, gt=0, description="k3 values are clamped to ±this (verl's default).")
+    value_clamp: float | None = Field(
+        10.0,
+        gt=0,
+        description="k3 values are clamped to ±this (verl's default 10); a clamped token gets no gradient, which "
+        "biases k3 where π_ref/π_θ > 13.6 or π_θ/π_ref > 6e4 (docs/api.md); null = no clamp, exact.",
+    )
     off_policy_correction: Literal["ratio", "none"] = Field(
         "ratio",
         description="KL in the loss when the tokens were sampled by π_old ≠ π_θ (every mini-batch after the first, PPO "
@@ -754,7 +760,8 @@ class AlgoConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     mini_batch_size: int = Field(64, ge=1, description="Responses per optimizer step.")
     loss_agg_mode: (
-        Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None
+        Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+        | None
     ) = Field(
         None,
         description="How the per-token loss is averaged (policy, entropy bonus, value loss, and the KL loss unless "

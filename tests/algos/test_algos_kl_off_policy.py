@@ -233,6 +233,50 @@ def test_the_ratio_clamp_costs_exactly_the_clipped_mass():
     assert default == pytest.approx(kl, rel=1e-12)
 
 
+def test_the_k3_value_clamp_costs_the_clamped_tokens_gradient_and_never_reverses_it():
+    """k3 clamped at c = 10 (verl's default) on three actions where π_ref/π_θ(a0) = 22.5 > 13.6, so k3(a0) = 18.4 is
+    held at 10. Hand values: E_{π_old}[value] = Σ π_θ·min(k3, c); the clamped token carries no gradient (ρ
+    detached there), so E[gradient] = ∇_θ Σ_{a unclamped} π_θ(a)·k3_a, the same on- and off-policy. Before, a
+    differentiable ρ times the constant c gave 10·∇π_θ(a0): the expected gradient was −1.44 times the KL's, a KL
+    loss pushing π_θ away from π_ref. With value_clamp=None the term is exact."""
+    ref = torch.log(torch.tensor([0.90, 0.05, 0.05], dtype=F64))
+    theta = torch.log(torch.tensor([0.04, 0.48, 0.48], dtype=F64))
+    c = 10.0
+
+    def enumerate_(old: torch.Tensor, value_clamp):
+        th = theta.clone().requires_grad_(True)
+        lp, lold = torch.log_softmax(th, -1), torch.log_softmax(old, -1)
+        total = th.new_zeros(())
+        for a in range(3):
+            term = off_policy_kl_penalty(
+                lp[a].view(1, 1), ref[a].view(1, 1), lold[a].view(1, 1), "k3", value_clamp=value_clamp
+            )
+            total = total + lold[a].exp() * term.sum()
+        (grad,) = torch.autograd.grad(total, th)
+        return float(total.detach()), grad
+
+    # hand values, written without tether: k3 = e^{-r} + r − 1, r = log π_θ − log π_ref
+    th = theta.clone().requires_grad_(True)
+    p = torch.softmax(th, -1)
+    r = torch.log(p) - ref
+    k3 = torch.exp(-r) + r - 1
+    clamped = (k3 > c).detach()
+    assert clamped.tolist() == [True, False, False] and float(k3[0]) == pytest.approx(18.3865, abs=1e-4)
+    want_value = float((p * k3.clamp(max=c)).sum())
+    (want_grad,) = torch.autograd.grad((p * torch.where(clamped, torch.zeros_like(k3), k3)).sum(), th)
+    kl = float((p * r).sum())
+    exact_grad = (p * (r - kl)).detach()
+    for old in (theta, torch.log(torch.tensor([0.2, 0.4, 0.4], dtype=F64))):  # on-policy, then off-policy
+        value, grad = enumerate_(old, c)
+        assert value == pytest.approx(want_value, rel=1e-12)
+        torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=0)
+        # the bias, stated: 0.42 of the KL's gradient along it here, the same direction
+        assert float(grad @ exact_grad / exact_grad.norm() ** 2) == pytest.approx(0.4208, abs=1e-4)
+        value, grad = enumerate_(old, None)
+        assert value == pytest.approx(kl, rel=1e-12)
+        torch.testing.assert_close(grad, exact_grad, atol=1e-12, rtol=0)
+
+
 # -------------------------------------------------------------------------------------------- kl_loss
 
 

@@ -33,6 +33,8 @@ MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])  # the third res
     "mode,kwargs,expected",
     [
         ("token-mean", {}, (1 + 2 + 5 + 6 + 7) / 5),
+        ("token-sum", {}, 1 + 2 + 5 + 6 + 7),  # no count: the empty row adds 0
+        ("token-sum", {"total_tokens": 10, "total_seqs": 7}, 21),  # and the totals change nothing
         ("seq-mean-token-sum", {}, (3 + 18) / 2),  # the empty row is not a response: S = 2
         ("seq-mean-token-mean", {}, (1.5 + 6) / 2),
         ("seq-mean-token-sum-norm", {}, (3 / 4 + 18 / 4) / 2),  # C = T = 4
@@ -55,7 +57,7 @@ def test_agg_loss_empty_mask_is_zero_and_masked_garbage_never_reaches_gradient()
 
 
 def test_agg_loss_errors():
-    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
+    with pytest.raises(ValueError, match="token-mean, token-sum, seq-mean-token-sum"):
         agg_loss(LOSS, MASK, "mean")
     with pytest.raises(ValueError, match="total_tokens"):
         agg_loss(LOSS, MASK, "token-mean", total_tokens=-1)
@@ -102,12 +104,16 @@ def test_micro_batch_sum_equals_mini_batch_loss_and_gradient(mode):
         acc = acc + micro.detach()
     assert acc.item() == pytest.approx(whole.item(), abs=1e-12)
     torch.testing.assert_close(part.grad, full.grad, atol=1e-12, rtol=0)
-    # without the mini-batch totals, the micro-batch means do not add up (this test can fail)
+    # without the mini-batch totals, the micro-batch means do not add up (this test can fail); token-sum has no
+    # totals, so its micro-batch sums add up by themselves
     naive = sum(
         agg_loss(lm, mm, mode, norm_constant=t)
         for lm, mm in zip(_split(loss_mat, [3, 1, 5]), _split(mask, [3, 1, 5]), strict=True)
     )
-    assert abs(naive.item() - whole.item()) > 1e-3
+    if mode == "token-sum":
+        assert naive.item() == pytest.approx(whole.item(), abs=1e-12)
+    else:
+        assert abs(naive.item() - whole.item()) > 1e-3
 
 
 # ---------------------------------------------------------------- PPO policy loss

@@ -149,6 +149,21 @@ def test_gspo_by_hand():
     assert loss.item() == pytest.approx(math.exp(0.05), rel=1e-12)
 
 
+def test_gspo_one_token_past_the_ratio_clamp_moves_the_sequence_ratio_by_its_excess_over_the_length():
+    """Four tokens, log r = (25, 0, 0, −1) with the ±20 clamp (docs/api.md, deviations): log s = (20 + 0 + 0 − 1)/4 =
+    4.75 instead of 6: s is off by e^{(25 − 20)/4} = e^1.25, and the metric reports the clamped s. A = −1 takes the
+    unclipped side, ℓ = s."""
+    old = t64([[-30.0, -1.0, -1.0, -1.0]])
+    lp = old + t64([[25.0, 0.0, 0.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.long)
+    loss, m = policy_loss("gspo", lp, old, t64([[-1.0] * 4]), mask)
+    assert loss.item() == pytest.approx(math.exp(4.75), rel=1e-12)
+    assert m["policy/seq_ratio_mean"] == pytest.approx(math.exp(4.75), rel=1e-12)
+    assert math.exp(6.0) / loss.item() == pytest.approx(math.exp((25 - 20) / 4), rel=1e-12)
+    wide, _ = policy_loss("gspo", lp, old, t64([[-1.0] * 4]), mask, log_ratio_clamp=30.0)  # no clamp binds: exact
+    assert wide.item() == pytest.approx(math.exp(6.0), rel=1e-12)
+
+
 def test_gmpo_by_hand():
     """log r = (0.6, −0.1), A = 1 > 0: the token above e^0.4 is clipped to 0.4, the other kept: ratio exp(0.15);
     A = −1: the pessimistic side keeps 0.6 and clips nothing below: −A·exp(0.25)."""

@@ -42,6 +42,17 @@ def test_token_truncation_by_hand():
     assert m["rollout_corr/ess"] == pytest.approx(sum(used) ** 2 / (5 * sum(x * x for x in used)), rel=1e-12)
 
 
+def test_k3_kl_metric_clamps_delta_at_20_nats():
+    """δ = (95, 0): the engine gave the first token e^-95 of the trainer's probability. k3 = e^δ − 1 − δ overflows
+    float32 there (verl's metric is inf); tether clamps δ at 20 first, as the weights are (docs/api.md,
+    deviations): k3_kl = (e^20 − 21 + 0)/2, finite in float32."""
+    old = torch.tensor([[-1.0, -0.5]])
+    rollout = torch.tensor([[-96.0, -0.5]])
+    _, _, m = rollout_correction(old, rollout, torch.ones(1, 2), threshold=2.0)
+    assert math.isfinite(m["rollout_corr/k3_kl"])
+    assert m["rollout_corr/k3_kl"] == pytest.approx((E(20) - 21) / 2, rel=1e-6)  # float32 rounding of e^20
+
+
 def test_sequence_product_and_geometric_mean_by_hand():
     w, _, _ = correct(level="sequence", threshold=10.0)
     assert close(w, [[E(-0.8)] * 3, [E(-1.0)] * 2 + [0.0]])

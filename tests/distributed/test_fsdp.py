@@ -31,7 +31,7 @@ SMALL = [
     "rollout.n=4",
     "actor.share_prompt_prefix=false",
 ]  # world size 2 runs the ordinary pass (no sharing at ws > 1): so does ws 1
-AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 VARIANTS = {  # name -> extra overrides; micro_batch_size 3 makes uneven micro-batches and padding rows
     **{f"grpo-{m}": [f"algo.loss_agg_mode={m}"] for m in AGG_MODES},
     "kl-loss": [

@@ -184,7 +184,10 @@ def off_policy_kl_penalty(
     differentiable variants, carries no gradient, so the expectation over such tokens is off by
     π_old(a)·(ρ − e^{±c})·k. With c = 20 that needs a token whose probability moved by a factor of
     4.9e8 since sampling; ``tests/algos/test_algos_kl_off_policy.py`` checks the cost by enumeration
-    at a small c.
+    at a small c. k3's ``value_clamp`` (default 10) is the other clamp that can bind: a token whose k3 exceeds
+    it (π_ref/π_θ > 13.6 or π_θ/π_ref > 6.0e4 at 10) gets the value ``value_clamp`` and a detached ρ, so no
+    gradient, as plain k3's clamp gives none on-policy; the expectation misses that token's π_θ(a)·k3(a) and its
+    gradient. ``value_clamp=None`` makes k1/k3 exact (enumerated in the same test file).
 
     Args:
         logprobs: (B, T) log π_θ(a_t | s_t), nats, differentiable.
@@ -218,9 +221,13 @@ def off_policy_kl_penalty(
         -is_log_ratio_clamp, is_log_ratio_clamp
     )
     rho = torch.exp(log_rho)  # (B, T) π_θ/π_old, differentiable through logprobs
-    if name in _VALUE_ESTIMATORS:
-        return rho * kl
-    return rho.detach() * kl
+    if name not in _VALUE_ESTIMATORS:
+        return rho.detach() * kl
+    if name == "k3" and value_clamp is not None:
+        # a k3 held at its clamp has no gradient of its own; a differentiable ρ times the constant would push
+        # π_θ(a) down, away from π_ref, where π_ref/π_θ is large: such a token gets no gradient at all, as on-policy
+        rho = torch.where(kl.abs() >= value_clamp, rho.detach(), rho)
+    return rho * kl
 
 
 def _k2_gradient(r: torch.Tensor) -> torch.Tensor:

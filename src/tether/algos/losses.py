@@ -23,6 +23,7 @@ __all__ = ["AGG_MODES", "agg_loss", "loss_normalizers", "ppo_policy_loss", "ppo_
 
 AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -76,6 +77,10 @@ def agg_loss(
 
     * ``token-mean``: Σ_{b,t valid} ℓ / N — a true per-token mean over the whole mini-batch
       (DAPO's token-level loss; verl's default);
+    * ``token-sum``: Σ_{b,t valid} ℓ — the mini-batch's unnormalised token sum, no counts used (verl's
+      ``token-sum``: its local sum times the data-parallel size, so that mean-reduced gradients are the
+      global sum; tether sums gradients across ranks instead, with the same result). The loss and its
+      gradient grow with the number of tokens in the mini-batch: the learning rate has to account for it;
     * ``seq-mean-token-sum``: Σ_b (Σ_t ℓ) / S;
     * ``seq-mean-token-mean``: Σ_b (Σ_t ℓ / n_b) / S (the original GRPO objective);
     * ``seq-mean-token-sum-norm``: Σ_b (Σ_t ℓ / C) / S with a constant C = ``norm_constant``
@@ -107,7 +112,8 @@ def agg_loss(
             non-finite total, ``norm_constant`` ≤ 0.
 
     Source: verl ``core_algos.agg_loss`` (mode names, formulas, and the mean over non-empty
-    sequences); Yu et al. 2025 (DAPO, token-level loss); Liu et al. 2025 (Dr. GRPO).
+    sequences; ``token-sum`` as verl PR #7197); Yu et al. 2025 (DAPO, token-level loss); Liu et al.
+    2025 (Dr. GRPO).
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
@@ -116,6 +122,8 @@ def agg_loss(
     x = torch.where(m, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))  # (B, T)
     if mode == "token-mean":
         return x.sum() / _denominator(total_tokens, m.sum(), "total_tokens", x)
+    if mode == "token-sum":
+        return x.sum()
     seq = x.sum(dim=-1)  # (B,) token sums
     if mode == "seq-mean-token-mean":
         seq = seq / m.sum(dim=-1).clamp(min=1).to(seq.dtype)

@@ -42,7 +42,7 @@ class ActorUpdateSpec:
     kl_loss_estimator: str
     kl_loss_agg_mode: str
     log_ratio_clamp: float
-    value_clamp: float
+    value_clamp: float | None  # k3's clamp; None = none
     target_kl: float | None  # early stop on policy/approx_kl (guard.target_kl)
     seed: int
     norm_constant: float  # seq-mean-token-sum-norm divisor: the maximum response length, tokens
