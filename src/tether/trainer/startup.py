@@ -212,9 +212,9 @@ def warn_partly_inert_settings(cfg: TetherConfig) -> list[str]:
     ):
         lines.append(
             f"rollout.max_staleness={r.max_staleness} < rollout.async_steps={r.async_steps} with "
-            f"rollout.staleness_policy=drop: from step {r.max_staleness + 2} on every batch is more than max_staleness "
-            "updates old and is regenerated at its step (rollout/stale_dropped = 1), so the generation ahead is wasted; use "
-            f"rollout.staleness_policy=wait, or rollout.async_steps={r.max_staleness}"
+            f"rollout.staleness_policy=drop: from step {r.max_staleness + 2} on every batch is more than "
+            "max_staleness updates old and is regenerated at its step (rollout/stale_dropped = 1), so the generation "
+            f"ahead is wasted; use rollout.staleness_policy=wait, or rollout.async_steps={r.max_staleness}"
         )
     if cfg.actor.old_logprobs_source == "rollout" and rc.level != "none" and rc.mode == "truncate":
         lines.append(
