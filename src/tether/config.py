@@ -255,14 +255,18 @@ RolloutConfig = create_model("RolloutConfig", __base__=RolloutConfig, __module__
 
 class RewardConfig(Section):
     function: str | None = Field(
-        None, description="Reward function 'path/file.py:name' or 'module:name'; null = built-in by data_source."
+        None,
+        description="Reward function 'path/file.py:name' or 'module:name': verl's per-sample "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None) (called per sample, a number or "
+        "{'score': x}) or a batch function of four lists (docs/rewards.md#your-own-reward-function); null = built-in "
+        "by data_source.",
     )
     model: str | None = Field(
         None, description="Local AutoModelForSequenceClassification directory used as the reward model."
     )
     val_function: str | None = Field(
         None,
-        description="Gold reward of validation: 'path/file.py:name' or 'module:name', a batch function like "
+        description="Gold reward of validation: 'path/file.py:name' or 'module:name', a function like "
         "reward.function, scoring the same sampled validation responses (val/gold_mean, val/gold_gap; tether eval "
         "too). null = reward.val_model, else the data source's built-in gold (tether.rewards.GOLD_FUNCTIONS), else "
         "none (docs/rewards.md#gold-reward-for-validation).",

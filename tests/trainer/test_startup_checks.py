@@ -381,3 +381,16 @@ def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_pat
     assert not (tmp_path / "run").exists() and device_memory_bytes(torch.device("cpu")) > 2**30
     default = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'ok'}"]))  # the default run is far inside
     assert default.step == 0
+
+
+def test_a_verl_reward_file_trains_as_it_is(small_cfg, tmp_path):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) returning verl's dict: a step
+    scores every sample with its "score" (0.5 each: raw mean 0.5, none invalid)."""
+    f = tmp_path / "verl_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'acc': False}\n"
+    )
+    t = Trainer(small_cfg(f"reward.function={f}:compute_score", "trainer.val_freq=0"))
+    m = t.train_step()
+    assert m["reward/raw_mean"] == 0.5 and m["reward/invalid_count"] == 0.0
