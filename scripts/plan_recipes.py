@@ -27,7 +27,8 @@ GRPO = [
 ]
 LORA = ["actor.dtype=bfloat16", "actor.lora.rank=64", "actor.lora.alpha=128", "ref.model=null"]
 BF16 = {"param_dtype": "bfloat16"}
-LONG = ["rollout.max_new_tokens=8192", "actor.micro_batch_size=1", "rollout.engine=vllm"]
+# vLLM's own tensor parallelism (--rollout-tp) runs in Ray replicas: planned under trainer.backend=ray
+LONG = ["rollout.max_new_tokens=8192", "actor.micro_batch_size=1", "rollout.engine=vllm", "trainer.backend=ray"]
 
 # (model, node memory, algorithm, overrides, flags)
 RECIPES = [

@@ -616,13 +616,27 @@ def test_the_engine_config_of_a_run_takes_the_evaluations_engine(tmp_path):
     for run_overrides, engine in (
         (["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.25"], "hf"),
         (["rollout.async_steps=2", "rollout.max_staleness=1"], "vllm"),
+        # and a run whose knobs act only on async generation or on sampling, evaluated greedily
+        (
+            [
+                "rollout.async_steps=2",
+                "rollout.max_staleness=1",
+                "rollout.staleness_policy=wait",
+                "rollout.engine_temperature=1.5",
+            ],
+            "greedy",
+        ),
     ):
         run = tmp_path / engine
         run.mkdir()
         (run / "config.yaml").write_text(config_to_yaml(load_config(None, run_overrides)))
-        ev = Evaluator("embedded", EvalSettings(n=2, top_p=0.99), tok, torch.device("cpu"), run=run)
+        settings = EvalSettings(n=1, greedy=True) if engine == "greedy" else EvalSettings(n=2, top_p=0.99)
+        ev = Evaluator("embedded", settings, tok, torch.device("cpu"), run=run)
+        if engine == "greedy":
+            engine = "hf"
         ev.resolved["engine"] = engine  # as --engine would (without vllm installed, _pick_engine falls back)
         cfg = ev.engine_config()
         assert cfg.rollout.engine == engine and cfg.rollout.async_steps == 0
+        assert cfg.rollout.engine_temperature is None  # the evaluation's own temperature
         if engine == "hf":
             assert cfg.rollout.vllm.kv_cache_gib is None  # the run's vLLM setting, dropped

@@ -640,3 +640,71 @@ def test_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"tether plan: actor.model: {path}: holds a JSON list, not an object of config fields"
     ]
+
+
+# ---- issue 33: messages of a third new-user trial
+def test_rollout_tp_is_refused_where_no_engine_has_tensor_parallelism_of_its_own(capsys):
+    """--rollout-tp sizes vLLM's replicas under Ray: on the local backend (one engine in its process) and with the hf
+    engine (it generates on the actor's module) it would change nothing; refused, naming why (exit 2, one line)."""
+    rc = main(["plan", "actor.model=qwen2.5-7b", "rollout.engine=vllm", "--rollout-tp", "2"])
+    assert rc == 2 and capsys.readouterr().err.splitlines() == [
+        "tether plan: --rollout-tp 2 needs trainer.backend=ray: a rollout engine's own tensor parallelism runs in Ray "
+        "replicas, and the local backend runs one engine in its own process; set trainer.backend=ray or drop "
+        "--rollout-tp"
+    ]
+    rc = main(["plan", "actor.model=qwen2.5-7b", "trainer.backend=ray", "rollout.engine=hf", "--rollout-tp", "2"])
+    assert rc == 2 and capsys.readouterr().err.splitlines() == [
+        "tether plan: --rollout-tp 2 with rollout.engine=hf: it has no tensor parallelism of its own (it generates on "
+        "the actor's module, split as the actor is: --tp-size); drop --rollout-tp, or plan rollout.engine=vllm"
+    ]
+    # auto under Ray is hf (auto never starts replicas): said so
+    assert main(["plan", "actor.model=qwen2.5-7b", "trainer.backend=ray", "--rollout-tp", "2"]) == 2
+    assert "with rollout.engine=hf (what rollout.engine=auto plans here)" in capsys.readouterr().err
+    cfg = load_config(None, ["actor.model=qwen2.5-7b", "trainer.backend=ray", "rollout.engine=vllm"])
+    assert PlanSettings.from_config(cfg, devices=2, rollout_tp=2).engine_tp == 2
+
+
+def test_a_change_ruled_out_says_what_rules_it_out(capsys):
+    """Switching 72 B to vLLM on 8 x 80 GiB: its 35% reservation, 28.0 GiB, cannot hold the float32 weights at tp 1;
+    the suggestion line says so (it said "ruled out (see above)" with nothing above)."""
+    m = FIXTURES / "qwen2.5-72b"
+    assert main(["plan", f"actor.model={m}", "rollout.engine=hf", "--devices", "8"]) == 1
+    out = capsys.readouterr().out
+    weights = ModelShape.from_config(m).causal_lm_params() * 4 / GIB  # float32, tp 1
+    line = next(x for x in out.splitlines() if "(rollout.engine=vllm)" in x)
+    assert line.endswith(
+        f"ruled out: vLLM's reservation (28.0 GiB) does not hold its weights at tp 1 ({weights:.1f} GiB) and one "
+        "sequence's KV cache: raise rollout.vllm.gpu_memory_utilization or rollout.vllm.tensor_parallel_size "
+        "(--rollout-tp)"
+    )
+    assert "see above" not in out
+
+
+def test_a_model_planned_at_the_default_response_length_says_so(capsys):
+    note = (
+        "note: responses of rollout.max_new_tokens=4 tokens, the default sized for the embedded digit-sum task: add "
+        "rollout.max_new_tokens=N (and data.max_prompt_length=N, now 512) with your task's lengths, e.g. "
+        "rollout.max_new_tokens=1024"
+    )
+    main(["plan", "actor.model=qwen2.5-0.5b"])
+    assert note in capsys.readouterr().out.splitlines()
+    main(["plan", "actor.model=qwen2.5-0.5b", "rollout.max_new_tokens=1024"])
+    assert "rollout.max_new_tokens=4" not in capsys.readouterr().out
+    main(["plan"])  # the embedded task itself: 4 tokens is its length
+    assert "rollout.max_new_tokens=4" not in capsys.readouterr().out
+
+
+def test_the_validation_reward_model_is_counted():
+    """reward.val_model is loaded at start-up and kept: its weights, in the checkpoint's bfloat16, on each device as
+    the reward model's; the peak grows by exactly that."""
+    from tether.plan import plan_config
+
+    base = ["actor.model=qwen2.5-7b", "rollout.engine=hf"]
+    without = plan_config(load_config(None, base), devices=1, device_memory=141 * GIB)
+    plan = plan_config(load_config(None, [*base, "reward.val_model=qwen2.5-0.5b"]), devices=1, device_memory=141 * GIB)
+    val = ModelShape.from_config(SHAPES["qwen2.5-0.5b"])
+    want = val.reward_model_params() * 2  # bfloat16
+    # Qwen2.5-0.5B's 494,032,768 (tied) + the score head, 896 x 2 labels (transformers' default without id2label)
+    assert plan.params["val reward model"] == val.reward_model_params() == 494_032_768 + 896 * 2
+    assert [i.bytes for i in plan.items if i.role == "val reward model"] == [want]
+    assert plan.peak - without.peak == want

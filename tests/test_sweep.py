@@ -537,6 +537,46 @@ def test_cli_dry_run_and_bad_spec(tmp_path, capsys):
     assert cli_main(["sweep", "--grid", "kl.coef", "--dry-run"]) == 2
 
 
+def test_cli_overrides_may_stand_anywhere_among_the_flags(tmp_path, capsys):
+    """`--grid ... KEY=V --out D --workers 2 KEY2=V2` said "unrecognized arguments: KEY2=V2": every run gets both,
+    in the order written (the later one wins for a repeated key); an unknown flag among them is still an error."""
+    rc = cli_main(
+        [
+            "sweep",
+            "--grid",
+            "kl.coef=0,0.05",
+            "trainer.total_steps=2",
+            "--out",
+            str(tmp_path / "s"),
+            "--workers",
+            "2",
+            "trainer.seed=3",
+            "--dry-run",
+            "trainer.total_steps=5",
+        ]
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0 and len(out) == 2
+    for line in out:  # the sweep keeps one value per key: the later one
+        assert "trainer.seed=3" in line and "trainer.total_steps=5" in line and "trainer.total_steps=2" not in line
+    with pytest.raises(SystemExit) as e:
+        cli_main(["sweep", "--grid", "kl.coef=0,1", "trainer.seed=3", "--wokers", "2", "--dry-run"])
+    assert e.value.code == 2 and "unrecognized arguments: --wokers 2" in capsys.readouterr().err
+
+
+def test_cli_a_misspelt_command_gets_a_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["trian", "kl.coef=0.1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tether: error: unknown command 'trian'; did you mean train? commands: train, sft, report, doctor, export, "
+        "sweep, eval, plan, data (tether --help)"
+    )
+    with pytest.raises(SystemExit):
+        cli_main(["frobnicate"])
+    assert "unknown command 'frobnicate'; commands: train, sft," in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_real_sweep(tmp_path, capsys):
     """2 configs × 2 steps of real training, exact evaluation on the val prompts, then a resumed no-op."""

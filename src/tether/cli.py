@@ -525,13 +525,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the subcommands that take key=value overrides, and the argument that holds them: overrides may stand anywhere
+#: among the flags (argparse takes one run of positionals; the later runs come back unparsed and are added here, in
+#: order)
+OVERRIDE_ARGS = {"train": "overrides", "sweep": "items", "plan": "overrides"}
+
+
+def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The error line for a first argument that is no subcommand (a did-you-mean from difflib), else None."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    if not argv or argv[0].startswith("-") or argv[0] in sub.choices:
+        return None
+    close = difflib.get_close_matches(argv[0], list(sub.choices), n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"unknown command {argv[0]!r}; {hint}commands: {', '.join(sub.choices)} (tether --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    if problem := _unknown_command(parser, argv):
+        parser.error(problem)
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "command", None) == "plan" and not any(e.startswith("-") for e in extra):
-        args.overrides = [*args.overrides, *extra]  # key=value overrides after the flags
+    dest = OVERRIDE_ARGS.get(getattr(args, "command", None))
+    if extra and dest is not None and not any(e.startswith("-") for e in extra):
+        setattr(args, dest, [*getattr(args, dest), *extra])  # key=value overrides among or after the flags
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):

@@ -214,7 +214,8 @@ class RolloutConfig(Section):
         gt=0,
         description="The engine samples at this temperature (and reports its log-probs at it) while the trainer's "
         "log-probs, ratio and KL stay at rollout.temperature: a known engine-trainer mismatch for stability "
-        "experiments (docs/stability.md); null = rollout.temperature.",
+        "experiments (docs/stability.md); null = rollout.temperature. Refused with rollout.do_sample=false (greedy "
+        "decoding ignores the temperature).",
     )
     compute_dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
@@ -236,13 +237,15 @@ class RolloutConfig(Section):
         None,
         ge=0,
         description="rollout.async_steps > 0: the most updates a batch may be behind the policy that trains on it "
-        "(rollout/staleness); null = async_steps. A bound below async_steps: see rollout.staleness_policy.",
+        "(rollout/staleness); null = async_steps. A bound below async_steps: see rollout.staleness_policy; above it, "
+        "or set with async_steps=0, it would do nothing and is refused.",
     )
     staleness_policy: Literal["drop", "wait"] = Field(
         "drop",
         description="A batch past rollout.max_staleness: drop = regenerate it at its step from the current weights "
-        "(same prompts; rollout/stale_dropped), wait = never generate more than max_staleness steps ahead (as AReaL's "
-        "bounded staleness).",
+        "(same prompts; rollout/stale_dropped; from step max_staleness + 2 on that is every batch, said at start), "
+        "wait = never generate more than max_staleness steps ahead (as AReaL's bounded staleness). Acts only with "
+        "rollout.max_staleness below rollout.async_steps: wait is refused otherwise.",
     )
 
 
@@ -252,14 +255,18 @@ RolloutConfig = create_model("RolloutConfig", __base__=RolloutConfig, __module__
 
 class RewardConfig(Section):
     function: str | None = Field(
-        None, description="Reward function 'path/file.py:name' or 'module:name'; null = built-in by data_source."
+        None,
+        description="Reward function 'path/file.py:name' or 'module:name': verl's per-sample "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None) (called per sample, a number or "
+        "{'score': x}) or a batch function of four lists (docs/rewards.md#your-own-reward-function); null = built-in "
+        "by data_source.",
     )
     model: str | None = Field(
         None, description="Local AutoModelForSequenceClassification directory used as the reward model."
     )
     val_function: str | None = Field(
         None,
-        description="Gold reward of validation: 'path/file.py:name' or 'module:name', a batch function like "
+        description="Gold reward of validation: 'path/file.py:name' or 'module:name', a function like "
         "reward.function, scoring the same sampled validation responses (val/gold_mean, val/gold_gap; tether eval "
         "too). null = reward.val_model, else the data source's built-in gold (tether.rewards.GOLD_FUNCTIONS), else "
         "none (docs/rewards.md#gold-reward-for-validation).",
@@ -506,9 +513,15 @@ class RolloutCorrectionConfig(Section):
         "truncate",
         description="truncate = TIS, min(w, threshold); mask = MIS/IcePop, w where lower <= w <= threshold, else 0. "
         "With actor.old_logprobs_source=rollout (π_old = π_rollout) the weights are measured against π_θ per "
-        "micro-batch and only mask applies (as 0/1): the PPO clip already bounds that ratio (verl's bypass mode).",
+        "micro-batch and only mask applies (as 0/1): the PPO clip already bounds that ratio (verl's bypass mode); "
+        "truncate then only measures (rollout_corr/*), said at start.",
     )
-    threshold: float = Field(2.0, gt=0, description="Upper bound of the weight (verl's rollout_is_threshold).")
+    threshold: float = Field(
+        2.0,
+        gt=0,
+        description="Upper bound of the weight (verl's rollout_is_threshold); at least 1 under mode=truncate (below 1 "
+        "it would cap every weight, about 1, and only shrink the loss).",
+    )
     lower: float | None = Field(None, gt=0, description="mode=mask: lower bound of the weight; null = 1/threshold.")
     reject: Literal[
         "none",
@@ -555,6 +568,12 @@ class RolloutCorrectionConfig(Section):
             raise ValueError(
                 f"mode=mask with threshold={self.threshold} below 1 needs lower (<= threshold): the default "
                 "1/threshold is above it"
+            )
+        if self.level != "none" and self.mode == "truncate" and self.threshold < 1:
+            raise ValueError(
+                f"threshold={self.threshold} below 1 with mode=truncate caps the weights at {self.threshold} (min(w, "
+                f"{self.threshold}), and w is about 1): every token's loss is scaled down, a smaller learning rate "
+                "rather than a correction; use a threshold >= 1 (verl's 2), or mode=mask with lower"
             )
         if self.lower is not None and (self.mode != "mask" or self.level == "none"):
             raise ValueError(
@@ -737,7 +756,8 @@ class AlgoConfig(Section):
         "geometric-mean ratio (algo.gmpo.*); cispo = capped detached IS weight (algo.cispo.*); sapo = soft gate "
         "(algo.sapo.*); clip_cov / kl_cov = PPO clip / plain ratio with the high-covariance tokens detached / "
         "penalised (algo.clip_cov.*, algo.kl_cov.*); dppo_tv / dppo_kl = binary-divergence trust region "
-        "(algo.dppo_tv.*, algo.dppo_kl.*); gpg = no surrogate, -A log π.",
+        "(algo.dppo_tv.*, algo.dppo_kl.*); gpg = no surrogate, -A log π (no ratio to π_old: refused with "
+        "algo.ppo_epochs > 1 or rollout.async_steps > 0).",
     )
     gspo: GSPOConfig = Field(
         default_factory=GSPOConfig, description="algo.policy_loss=gspo|gspo_token hyper-parameters."
@@ -1223,6 +1243,56 @@ def _check_async(cfg) -> None:
         )
 
 
+def _check_staleness(cfg) -> None:
+    """rollout.max_staleness and rollout.staleness_policy act only on batches generated ahead, and only where the
+    bound is below rollout.async_steps (every batch is exactly async_steps updates old): set where they can do nothing,
+    refused naming them. (A bound below async_steps under drop runs, said at start:
+    :func:`tether.trainer.startup.warn_partly_inert_settings`.)"""
+    r = cfg.rollout
+    k, bound, policy = r.async_steps, r.max_staleness, r.staleness_policy
+    default_policy = RolloutConfig.model_fields["staleness_policy"].default
+    if not k:
+        given = (("max_staleness", bound, None), ("staleness_policy", policy, default_policy))
+        unused = [f"rollout.{key}={v}" for key, v, d in given if v != d]
+        if unused:
+            raise ValueError(
+                f"{' and '.join(unused)} {'have' if len(unused) > 1 else 'has'} no effect with rollout.async_steps=0 "
+                "(every batch is generated by the policy that trains on it); set rollout.async_steps or leave "
+                + ("them at their defaults" if len(unused) > 1 else "it at its default")
+            )
+        return
+    if bound is not None and bound > k:
+        raise ValueError(
+            f"rollout.max_staleness={bound} has no effect above rollout.async_steps={k} (no batch is more than "
+            f"async_steps updates old); set it to at most {k}, or leave it null (= async_steps)"
+        )
+    if policy != default_policy and (bound is None or bound >= k):
+        raise ValueError(
+            f"rollout.staleness_policy={policy} has no effect unless rollout.max_staleness is below "
+            f"rollout.async_steps={k} (every batch is exactly async_steps updates old); set rollout.max_staleness "
+            f"below {k}, or leave rollout.staleness_policy at {default_policy}"
+        )
+
+
+def _check_gpg(cfg) -> None:
+    """``algo.policy_loss=gpg`` (−A·log π_θ) ignores π_old, so it is the policy gradient only on the policy's own
+    samples: more PPO epochs or batches generated ahead train it on an older policy's samples with nothing correcting
+    them; refused, naming the key."""
+    if cfg.algo.policy_loss != "gpg":
+        return
+    off = [
+        f"{key}={v}"
+        for key, v in (("algo.ppo_epochs", cfg.algo.ppo_epochs), ("rollout.async_steps", cfg.rollout.async_steps))
+        if v > (1 if key == "algo.ppo_epochs" else 0)
+    ]
+    if off:
+        raise ValueError(
+            f"algo.policy_loss=gpg with {' and '.join(off)}: gpg's loss −A·log π_θ has no ratio to π_old, so it is the "
+            "policy gradient only on-policy and nothing corrects samples of an older policy; use a ratio-based loss "
+            "(vanilla, cispo, ...) or set algo.ppo_epochs=1 and rollout.async_steps=0"
+        )
+
+
 class TetherConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
@@ -1329,12 +1399,8 @@ class TetherConfig(Section):
             )
         if self.rollout.async_steps:
             _check_async(self)
-        elif self.rollout.max_staleness is not None:
-            raise ValueError(
-                f"rollout.max_staleness={self.rollout.max_staleness} has no effect with rollout.async_steps=0 (every "
-                "batch is generated by the policy that trains on it); set rollout.async_steps or leave max_staleness "
-                "null"
-            )
+        _check_staleness(self)
+        _check_gpg(self)
         f = self.data.filter
         if (
             self.rollout.mode == "offline"
@@ -1354,6 +1420,12 @@ class TetherConfig(Section):
                 "actor.old_logprobs_source=rollout with rollout.do_sample=false: greedy decoding's log-probs are the "
                 f"untempered ones (vLLM reports no others), not the rollout.temperature={self.rollout.temperature} "
                 "ones the trainer's ratio and KL use; use actor.old_logprobs_source=recompute or rollout.temperature=1"
+            )
+        if self.rollout.engine_temperature is not None and not self.rollout.do_sample:
+            raise ValueError(
+                f"rollout.engine_temperature={self.rollout.engine_temperature} has no effect with "
+                "rollout.do_sample=false (greedy decoding picks the most likely token at any temperature and reports "
+                "untempered log-probs); set rollout.do_sample=true or leave rollout.engine_temperature null"
             )
         if self.rollout.hf_sampler != "multinomial" and self.rollout.hf_decode != "tether":
             raise ValueError(

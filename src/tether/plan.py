@@ -17,7 +17,8 @@ adds up what each role keeps on one device:
 * the **logits** of one micro-batch and the chunked log-prob buffers of
   :mod:`tether.algos.logprobs`;
 * the frozen **reference** (weights only), the **critic** (a value model trained like the actor),
-  the **reward model** (weights only, in its checkpoint's dtype) and the rollout engine, whose registry
+  the **reward model** and the validation's gold reward model ``reward.val_model`` (weights only, in
+  their checkpoints' dtype) and the rollout engine, whose registry
   entry plans its own memory (``tether.engines``: HF ``generate``'s KV cache, or **vLLM**'s reservation,
   ``rollout.vllm.gpu_memory_utilization`` of the device or the weights plus ``rollout.vllm.kv_cache_gib``).
 
@@ -505,6 +506,8 @@ class PlanSettings:
             async_steps=cfg.rollout.async_steps,
             on_ray=getattr(cfg.trainer, "backend", "local") == "ray",
         )
+        if rollout_tp is not None:
+            _check_rollout_tp(cfg, engine, rollout_tp)
         sections = {name: getattr(cfg.rollout, name) for name, e in ENGINES.items() if e.section is not None}
         # devices per engine replica: the planned engine's tensor_parallel_size, else another section's that has one
         with_tp = [name for name, v in sections.items() if "tensor_parallel_size" in type(v).model_fields]
@@ -549,6 +552,35 @@ class PlanSettings:
         )
 
 
+def _check_rollout_tp(cfg, engine: str, rollout_tp: int) -> None:
+    """``--rollout-tp`` sizes the tensor parallelism of a rollout engine's own replicas: refused where the plan has
+    none, naming why (the local backend runs one engine in its process; an engine whose settings have no
+    ``tensor_parallel_size`` generates on the actor's module, at the training tp).
+
+    Raises:
+        ValueError: one line naming ``--rollout-tp`` and the key that rules it out.
+    """
+    if rollout_tp < 1:
+        raise ValueError(f"--rollout-tp {rollout_tp} must be at least 1")
+    if getattr(cfg.trainer, "backend", "local") != "ray":
+        raise ValueError(
+            f"--rollout-tp {rollout_tp} needs trainer.backend=ray: a rollout engine's own tensor parallelism runs in "
+            "Ray replicas, and the local backend runs one engine in its own process; set trainer.backend=ray or drop "
+            "--rollout-tp"
+        )
+    section = ENGINES[engine].section
+    if section is None or "tensor_parallel_size" not in section.model_fields:
+        picked = f" (what rollout.engine={cfg.rollout.engine} plans here)" if cfg.rollout.engine != engine else ""
+        own = [
+            n for n, e in ENGINES.items() if e.section is not None and "tensor_parallel_size" in e.section.model_fields
+        ]
+        raise ValueError(
+            f"--rollout-tp {rollout_tp} with rollout.engine={engine}{picked}: it has no tensor parallelism of its own "
+            "(it generates on the actor's module, split as the actor is: --tp-size); drop --rollout-tp, or plan "
+            + " or ".join(f"rollout.engine={n}" for n in own)
+        )
+
+
 @dataclass(frozen=True)
 class Item:
     """One row of a plan: ``bytes`` on one device (``host`` bytes per node when offloaded).
@@ -573,7 +605,7 @@ class Plan:
     params: dict[str, int]
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    suggestions: list[tuple[str, int, int]] = field(default_factory=list)
+    suggestions: list[tuple[str, int, int, tuple[str, ...]]] = field(default_factory=list)
     combined: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
@@ -760,6 +792,7 @@ def plan_memory(
     ref: ModelShape | None = None,
     critic: ModelShape | None = None,
     reward: ModelShape | None = None,
+    val_reward: ModelShape | None = None,
 ) -> Plan:
     """Per-device memory of one training step with every role colocated on each device (verl's hybrid engine).
 
@@ -767,6 +800,8 @@ def plan_memory(
         settings: see :class:`PlanSettings`.
         actor: the policy's shape; ``ref``/``critic``/``reward`` default to it (reward: only when
             ``settings.reward_model``).
+        val_reward: the shape of ``reward.val_model``, the validation's gold reward model, loaded at start-up and
+            kept through the run like the reward model (weights only); None = no such model.
 
     Returns:
         A :class:`Plan`; its ``peak`` is bytes on one device, ``fits`` compares it with
@@ -827,13 +862,15 @@ def plan_memory(
             lm=False,
             accumulates=s.accumulates,
         )
-    if s.reward_model and reward is not None:
-        params["reward model"] = reward.reward_model_params()
-        rd = reward.dtype if s.accelerator else "float32"
-        b = params["reward model"] * DTYPE_BYTES[rd] // n
+    for role, shape in (("reward model", reward if s.reward_model else None), ("val reward model", val_reward)):
+        if shape is None:
+            continue
+        params[role] = shape.reward_model_params()
+        rd = shape.dtype if s.accelerator else "float32"
+        b = params[role] * DTYPE_BYTES[rd] // n
         items.append(
             Item(
-                "reward model",
+                role,
                 f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""),
                 0 if s.offload else b,
                 host=b if s.offload else 0,
@@ -902,15 +939,16 @@ def suggestions(
     full-parameter actor, vLLM instead of HF generate, bfloat16 compute with fp32 master weights.
 
     Returns:
-        ``(single, combined)``: [(label, score, peak bytes)] for each change alone (score = peak, plus
-        2**62 when something else rules the run out, e.g. vLLM's reservation too small); and the
-        changes taken one after another, each time the one that lowers the score most, until the
-        plan fits (or nothing lowers it further), with the score and peak after each.
+        ``(single, combined)``: [(label, score, peak bytes, problems)] for each change alone (score =
+        peak, plus 2**62 when something else rules the run out, e.g. vLLM's reservation too small;
+        problems = what rules it out, the changed plan's :attr:`Plan.problems`); and the changes taken
+        one after another, each time the one that lowers the score most, until the plan fits (or
+        nothing lowers it further), as (label, score, peak) after each.
     """
 
-    def score(t: PlanSettings) -> tuple[int, int]:
+    def score(t: PlanSettings) -> tuple[int, int, tuple[str, ...]]:
         p = plan_memory(t, **shapes)
-        return p.peak + (1 << 62 if p.problems else 0), p.peak
+        return p.peak + (1 << 62 if p.problems else 0), p.peak, tuple(p.problems)
 
     single = [(label, *score(t)) for label, t in _changes(settings, shapes["actor"], max_tp)]
     combined: list[tuple[str, int, int]] = []
@@ -918,7 +956,7 @@ def suggestions(
     for _ in range(8):
         if best <= cur.device_memory:
             break
-        options = [(*score(t), label, t) for label, t in _changes(cur, shapes["actor"], max_tp)]
+        options = [(*score(t)[:2], label, t) for label, t in _changes(cur, shapes["actor"], max_tp)]
         if not options or min(options, key=lambda o: o[0])[0] >= best:
             break
         best, peak, label, cur = min(options, key=lambda o: o[0])
@@ -978,9 +1016,11 @@ def format_plan(plan: Plan) -> str:
         )
         if plan.suggestions:
             lines.append("each change alone would give (peak per device):")
-            for label, score, peak in sorted(plan.suggestions, key=lambda x: x[1]):
+            for label, score, peak, problems in sorted(plan.suggestions, key=lambda x: x[1]):
                 verdict = (
-                    "fits" if score <= s.device_memory else ("still over" if score == peak else "ruled out (see above)")
+                    "fits"
+                    if score <= s.device_memory
+                    else ("still over" if score == peak else "ruled out: " + "; ".join(problems))
                 )
                 lines.append(f"  {label:<82} {_gib(peak)} GiB  {verdict}")
         if plan.combined:
@@ -1001,8 +1041,8 @@ def _named_shape(name: str) -> dict | None:
 
 def resolve_shape(name: str | None, key: str) -> ModelShape | None:
     """The shape of a model key of ``tether plan`` (``actor.model``, ``ref.model``, ``critic.model``,
-    ``reward.model``): a local model directory's ``config.json`` (``embedded`` included), else a
-    named shape of :mod:`tether.plan_shapes` (``qwen2.5-7b``; a directory of the same name wins).
+    ``reward.model``, ``reward.val_model``): a local model directory's ``config.json`` (``embedded`` included), else
+    a named shape of :mod:`tether.plan_shapes` (``qwen2.5-7b``; a directory of the same name wins).
     None for None (the role defaults to the actor's model).
 
     Raises:
@@ -1045,8 +1085,8 @@ def plan_config(
     rollout_tp: int | None = None,
 ) -> Plan:
     """The plan of a :class:`tether.config.TetherConfig`: reads ``config.json`` of ``actor.model``,
-    ``ref.model``, ``critic.model`` and ``reward.model`` (local directories; no weights), or takes
-    their named shapes (:func:`resolve_shape`).
+    ``ref.model``, ``critic.model``, ``reward.model`` and ``reward.val_model`` (local directories; no weights), or
+    takes their named shapes (:func:`resolve_shape`).
 
     Raises:
         ValueError: a model that is neither a directory with a valid config.json nor a named shape,
@@ -1068,6 +1108,7 @@ def plan_config(
         "ref": ("ref.model", cfg.ref.model),
         "critic": ("critic.model", cfg.critic.model),
         "reward": ("reward.model", cfg.reward.model),
+        "val_reward": ("reward.val_model", cfg.reward.val_model),
     }
     shapes = {role: resolve_shape(name, key) for role, (key, name) in keys.items()}
     actor = shapes["actor"]
@@ -1083,6 +1124,13 @@ def plan_config(
     named = [f"{key}={name}" for key, name in keys.values() if name is not None and _named_shape(name) is not None]
     if named:
         plan.notes.append(f"named shapes (published config.json fields; tether plan only): {', '.join(named)}")
+    default_len = type(cfg.rollout).model_fields["max_new_tokens"].default
+    if cfg.actor.model != EMBEDDED and cfg.rollout.max_new_tokens == default_len:
+        plan.notes.append(
+            f"responses of rollout.max_new_tokens={default_len} tokens, the default sized for the embedded digit-sum "
+            f"task: add rollout.max_new_tokens=N (and data.max_prompt_length=N, now {cfg.data.max_prompt_length}) "
+            "with your task's lengths, e.g. rollout.max_new_tokens=1024"
+        )
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
         plan.notes.append(
             f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local "

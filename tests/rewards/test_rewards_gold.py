@@ -90,8 +90,8 @@ def test_loading_errors_name_the_gold_keys(tmp_path):
         GoldReward("a.py:f", "/m")
     with pytest.raises(ValueError, match=r"reward function file not found: .*missing.py \(from reward.val_function="):
         GoldReward(f"{tmp_path}/missing.py:gold")
-    per_sample = "def gold(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n"
-    with pytest.raises(ValueError, match=r"^reward.val_function=.*verl's per-sample names.*@tether.rewards.batched"):
+    per_sample = "def gold(data_source, solution_str, ground_truth, judge):\n    return 1.0\n"
+    with pytest.raises(ValueError, match=r"^reward.val_function=.*a per-sample function .*'judge'"):
         GoldReward(_fn(tmp_path, per_sample))
     with pytest.raises(ValueError, match=r"^reward.val_function=.*has no 'nope'"):
         GoldReward(_fn(tmp_path, CONST).rsplit(":", 1)[0] + ":nope")

@@ -129,6 +129,72 @@ def fn(data_sources, solution_strs, ground_truths, extra_infos):
     assert res.valid.all()
 
 
+# verl's own reward files, as they are: compute_score(data_source, solution_str, ground_truth, extra_info=None)
+VERL_FILE = """
+CALLS = []
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    CALLS.append((data_source, solution_str, ground_truth, extra_info))
+    if solution_str == "boom":
+        raise ValueError("cannot parse")
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+
+def compute_score_dict(data_source, solution_str, ground_truth, extra_info=None):
+    correct = solution_str.strip() == ground_truth
+    return {"score": 2.0 if correct else -0.5, "acc": correct, "pred": solution_str.strip()}
+
+def reordered(solution_str, ground_truth, data_source, extra_info):  # verl calls by keyword: any order
+    return float(len(solution_str)) + (10.0 if data_source == "ds" else 0.0) + extra_info["i"]
+
+def three(solution_str, ground_truth, extra_info=None):  # verl's own scorers' signature, no data_source
+    return 0.25 if ground_truth in solution_str else 0.0
+"""
+
+
+def test_verl_per_sample_function_is_called_once_per_sample_with_verls_keywords(tmp_path):
+    """A verl reward file works unchanged: called per sample (the issue: it was recognised, then refused asking for
+    @batched), a float or verl's {"score": ...} dict (the score taken, as verl's reward manager does), a sample that
+    raises is that sample's error only (no batch retry)."""
+    spec = _user_fn(tmp_path, VERL_FILE, name="verl_reward")
+    rm = RewardManager(function=spec.replace(":verl_reward", ":compute_score"))
+    res = rm(_rows(4, ds="ds", gt="7"), ["p"] * 4, ["7", " 7 ", "8", "boom"])
+    assert res.raw_scores.tolist()[:3] == [1.0, 1.0, 0.0] and math.isnan(res.raw_scores[3])
+    assert res.valid.tolist() == [True, True, True, False]
+    assert res.metrics["reward/error_count"] == 1.0
+    assert res.errors == ["sample 3: ValueError: cannot parse"]  # no "batch call ... retrying" line
+    calls = rm.user_fn.__globals__["CALLS"]
+    assert calls == [("ds", r, "7", {"i": i}) for i, r in enumerate(["7", " 7 ", "8", "boom"])]  # once per sample
+
+    res = RewardManager(function=spec.replace(":verl_reward", ":compute_score_dict"))(
+        _rows(2, ds="ds", gt="7"), ["p"] * 2, ["7", "x"]
+    )
+    assert res.raw_scores.tolist() == [2.0, -0.5] and res.valid.all()
+
+    res = RewardManager(function=spec.replace(":verl_reward", ":reordered"))(_rows(2, ds="ds"), ["p"] * 2, ["ab", ""])
+    assert res.raw_scores.tolist() == [12.0, 11.0]  # len + 10 (data_source "ds") + extra_info["i"]
+    res = RewardManager(function=spec.replace(":verl_reward", ":three"))(_rows(2, gt="18"), ["p"] * 2, ["x18", "y"])
+    assert res.raw_scores.tolist() == [0.25, 0.0]
+
+
+def test_verl_per_sample_function_under_a_timeout_keeps_what_it_scored(tmp_path):
+    """With reward.timeout_s the per-sample calls run in the worker thread and stop at the cancel between samples."""
+    spec = _user_fn(
+        tmp_path,
+        """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "slow":
+        time.sleep(30)
+    return 1.0
+""",
+    )
+    res = RewardManager(function=spec.replace(":fn", ":compute_score"), timeout_s=1.0)(
+        _rows(3), ["p"] * 3, ["a", "slow", "b"]
+    )
+    assert res.valid.tolist() == [True, False, False] and res.metrics["reward/timeout_count"] == 2.0
+
+
 def test_user_batch_function_raising_is_isolated_per_sample(tmp_path):
     spec = _user_fn(
         tmp_path,

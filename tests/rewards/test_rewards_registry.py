@@ -16,6 +16,7 @@ from tether.rewards import (
     gsm8k_compute_score,
     load_user_function,
     math_compute_score,
+    per_sample_keywords,
     register_reward_function,
 )
 
@@ -113,13 +114,10 @@ def test_load_user_function_from_module(tmp_path, monkeypatch):
     (tmp_path / "my_rewards_pkg_xyz.py").write_text(USER_FILE)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_user_function("my_rewards_pkg_xyz:my_reward")(["d"], ["1"], [1], [{}]) == [1.0]
-    # a built-in per-sample function takes 3 arguments, not the 4 lists: refused at load time
-    with pytest.raises(
-        ValueError,
-        match=r"'tether.rewards.math:gsm8k_compute_score' has signature gsm8k_compute_score\(solution_str.*cannot take "
-        r"the four lists",
-    ):
-        load_user_function("tether.rewards.math:gsm8k_compute_score")
+    # a built-in per-sample function (solution_str, ground_truth, extra_info=None), verl's scorers' signature: it is
+    # verl's per-sample kind, called with the keywords it takes
+    fn = load_user_function("tether.rewards.math:gsm8k_compute_score")
+    assert per_sample_keywords(fn) == ("solution_str", "ground_truth", "extra_info")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_user_function("tether.rewards.math:nope")
     with pytest.raises(ValueError, match="cannot import module"):
@@ -147,6 +145,12 @@ def test_load_user_function_checks_the_signature(tmp_path):
 
         def five(a, b, c, d, e):
             return []
+
+        def needs_more(data_source, solution_str, ground_truth, judge):
+            return 0.0
+
+        def kwargs(solution_str, **kw):
+            return 0.0
     """)
     )
     with pytest.raises(
@@ -157,12 +161,28 @@ def test_load_user_function_checks_the_signature(tmp_path):
         load_user_function(f"{f}:no_args")
     with pytest.raises(ValueError, match=r"cannot take the four lists .*missing a required argument: 'e'"):
         load_user_function(f"{f}:five")
+    # verl's per-sample function is loaded as it is (called per sample with keywords); one that needs another
+    # argument cannot be called so
+    assert per_sample_keywords(load_user_function(f"{f}:verl_style")) == (
+        "data_source",
+        "solution_str",
+        "ground_truth",
+        "extra_info",
+    )
     with pytest.raises(
         ValueError,
-        match=r"verl_style\(data_source, solution_str, .*verl's per-sample names.*Decorate it with "
-        r"@tether.rewards.batched",
+        match=r"needs_more\(data_source, solution_str, ground_truth, judge\): a per-sample function \(it takes "
+        r"solution_str\), called once per sample with the keywords data_source, solution_str, ground_truth, which it "
+        r"cannot take \(missing a required argument: 'judge'\)",
     ):
-        load_user_function(f"{f}:verl_style")
+        load_user_function(f"{f}:needs_more")
+    assert per_sample_keywords(load_user_function(f"{f}:kwargs")) == (
+        "data_source",
+        "solution_str",
+        "ground_truth",
+        "extra_info",
+    )
+    assert per_sample_keywords(load_user_function(f"{f}:decorated")) is None  # @batched: a batch function
     assert load_user_function(f"{f}:decorated")(["d", "d"], ["1", "2"], ["1", "1"], [{}, {}]) == [1.0, 0.0]
     assert load_user_function(f"{f}:star")(["d"], ["1"], [1], [{}]) == [0.0]
 

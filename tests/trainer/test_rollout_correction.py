@@ -237,9 +237,10 @@ def test_bad_settings_are_refused_naming_the_key(overrides, message):
 
 def test_a_threshold_below_one_truncates_without_a_lower_bound():
     """truncate never uses lower: threshold=0.5 caps every weight at 0.5 (it crashed at step 1 on the default lower,
-    2)."""
-    cfg = load_config(None, ["algo.rollout_correction.level=token", "algo.rollout_correction.threshold=0.5"])
-    assert cfg.algo.rollout_correction.lower is None
+    2). So every token's loss is halved, no correction: the config refuses it (naming the key), the function still
+    computes it."""
+    with pytest.raises(ConfigError, match=r"threshold=0.5 below 1 with mode=truncate caps the weights at 0.5"):
+        load_config(None, ["algo.rollout_correction.level=token", "algo.rollout_correction.threshold=0.5"])
     from tether.algos import rollout_correction
 
     w, _, m = rollout_correction(torch.zeros(1, 2), torch.full((1, 2), -1.0), torch.ones(1, 2), threshold=0.5)

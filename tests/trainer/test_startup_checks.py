@@ -252,6 +252,54 @@ def test_reuse_update_logprobs_says_when_it_is_in_effect(small_cfg, caplog):
     ]
 
 
+def test_reuse_update_logprobs_under_rollout_old_logprobs_says_it_does_not_apply(small_cfg, caplog):
+    """With actor.old_logprobs_source=rollout there is no actor pass before the update at all (the engine's log-probs
+    are the old ones): the line said 'a separate no-grad pass', which does not run."""
+    with caplog.at_level(logging.INFO, logger="tether"):
+        Trainer(small_cfg("kl.placement=loss", "actor.old_logprobs_source=rollout"))
+    assert _reuse_lines(caplog) == [
+        "actor.reuse_update_logprobs=true does not apply: actor.old_logprobs_source=rollout takes old_logprobs from "
+        "the rollout engine's sampled-token log-probs (no actor pass before the update)"
+    ]
+
+
+def test_settings_that_do_less_than_they_read_are_said_once_at_start(small_cfg, caplog):
+    """A staleness bound below async_steps under drop regenerates every batch from step bound + 2 on; truncate in
+    bypass mode (actor.old_logprobs_source=rollout) weighs nothing: one warning line each, at start."""
+    from tether.trainer.startup import warn_partly_inert_settings
+
+    drop = small_cfg("rollout.async_steps=3", "rollout.max_staleness=1")
+    assert warn_partly_inert_settings(drop) == [
+        "rollout.max_staleness=1 < rollout.async_steps=3 with rollout.staleness_policy=drop: from step 3 on every "
+        "batch is more than max_staleness updates old and is regenerated at its step (rollout/stale_dropped = 1), so "
+        "the generation ahead is wasted; use rollout.staleness_policy=wait, or rollout.async_steps=1"
+    ]
+    bypass = small_cfg("actor.old_logprobs_source=rollout", "algo.rollout_correction.level=token")
+    assert warn_partly_inert_settings(bypass) == [
+        "algo.rollout_correction.level=token with mode=truncate applies no weight under "
+        "actor.old_logprobs_source=rollout (π_old is π_rollout and the PPO clip bounds π_θ/π_rollout, verl's bypass "
+        "mode): it only logs rollout_corr/*; use mode=mask to mask tokens outside [lower, threshold], or "
+        "actor.old_logprobs_source=recompute for truncated weights"
+    ]
+    for quiet in (
+        small_cfg("rollout.async_steps=3", "rollout.max_staleness=1", "rollout.staleness_policy=wait"),
+        small_cfg("rollout.async_steps=3", "rollout.max_staleness=3"),
+        small_cfg(
+            "actor.old_logprobs_source=rollout",
+            "algo.rollout_correction.level=token",
+            "algo.rollout_correction.mode=mask",
+        ),
+        small_cfg("algo.rollout_correction.level=token"),  # recomputed π_old: the weights apply
+    ):
+        assert warn_partly_inert_settings(quiet) == []
+    caplog.clear()  # the direct calls above logged too
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        Trainer(bypass)
+    assert [r.getMessage() for r in caplog.records if "applies no weight" in r.getMessage()] == (
+        warn_partly_inert_settings(bypass)
+    )
+
+
 def test_reuse_update_logprobs_off_logs_nothing(small_cfg, caplog):
     with caplog.at_level(logging.INFO, logger="tether"):
         Trainer(small_cfg("actor.reuse_update_logprobs=false"))
@@ -333,3 +381,16 @@ def test_a_rollout_that_cannot_fit_the_device_is_refused_before_any_work(tmp_pat
     assert not (tmp_path / "run").exists() and device_memory_bytes(torch.device("cpu")) > 2**30
     default = Trainer(load_config(None, [f"trainer.output_dir={tmp_path / 'ok'}"]))  # the default run is far inside
     assert default.step == 0
+
+
+def test_a_verl_reward_file_trains_as_it_is(small_cfg, tmp_path):
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) returning verl's dict: a step
+    scores every sample with its "score" (0.5 each: raw mean 0.5, none invalid)."""
+    f = tmp_path / "verl_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.5, 'acc': False}\n"
+    )
+    t = Trainer(small_cfg(f"reward.function={f}:compute_score", "trainer.val_freq=0"))
+    m = t.train_step()
+    assert m["reward/raw_mean"] == 0.5 and m["reward/invalid_count"] == 0.0

@@ -666,6 +666,8 @@ class Evaluator:
             f"trainer.seed={s.seed}",
             "rollout.async_steps=0",  # tether eval generates in this process, never ahead
             "rollout.max_staleness=null",
+            "rollout.staleness_policy=drop",
+            "rollout.engine_temperature=null",  # sampled at the evaluation's temperature, its log-probs' and KL's
         ]
         if r["engine"] != AUTO:  # the run's settings of other engines do nothing here: their defaults
             overrides += [f"rollout.{name}={{}}" for name, e in ENGINES.items() if e.section and name != r["engine"]]

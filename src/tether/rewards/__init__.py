@@ -32,6 +32,7 @@ from .registry import (
     get_gold_function,
     get_reward_function,
     load_user_function,
+    per_sample_keywords,
     register_reward_function,
     resolve_import_path,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "math_is_equiv",
     "normalize_math_answer",
     "parse_number",
+    "per_sample_keywords",
     "register_reward_function",
     "resolve_import_path",
     "to_score",

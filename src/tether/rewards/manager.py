@@ -6,9 +6,12 @@ Dispatch (:class:`RewardManager`):
   ``data_source`` (:func:`~tether.rewards.registry.get_reward_function`), called as
   ``fn(response, row.ground_truth, row.extra_info)``. Offline rows that carry a dataset ``score``
   use it instead when the response being scored *is* the row's ``response`` (no function needed).
-* ``function="path.py:name"`` (or ``"module:name"``): the user **batch** function, called once as
+* ``function="path.py:name"`` (or ``"module:name"``): the user function. verl's per-sample
+  ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` (any function with a
+  ``solution_str`` parameter) is called once per sample with those keywords, as verl calls it, and
+  may return a number or verl's ``{"score": x, ...}``; a **batch** function is called once as
   ``fn(data_sources, solution_strs, ground_truths, extra_infos)`` and expected to return one number
-  per sample.
+  per sample (:mod:`tether.rewards.registry`).
 * ``reward_model="/local/dir"``: a sequence-classification reward model
   (:class:`~tether.rewards.model.RewardModelScorer`); its scores are clipped to ``[-2, 2]`` unless
   ``clip`` says otherwise (pass ``clip=(-math.inf, math.inf)`` to disable).
@@ -16,7 +19,8 @@ Dispatch (:class:`RewardManager`):
 Bad samples (:class:`RewardResult`): a per-sample exception, a non-finite value (NaN, ±inf) or a
 non-number (``None``, a string, a list, ...) makes that sample *invalid*: score 0.0,
 ``valid=False``, raw score NaN, counted in the metrics, described in ``errors``. A batch user
-function that raises as a whole is called again once per sample to isolate the bad ones. A batch
+function that raises as a whole is called again once per sample to isolate the bad ones (a
+per-sample one is, by construction). A batch
 function that returns the wrong number of scores (or not a sequence) makes the whole batch invalid.
 Every sample invalid is reported (``reward/all_invalid = 1``); the trainer decides what to do.
 Empty responses (``""``) are scored like any other (the trainer counts them separately).
@@ -55,7 +59,7 @@ from tether.signals import TrainingInterrupted
 
 from .model import RewardModelScorer
 from .normalize import NORMALIZE_MODES, RunningMeanStd, clip_values, whiten
-from .registry import get_reward_function, load_user_function
+from .registry import VERL_KEYWORDS, get_reward_function, load_user_function, per_sample_keywords
 
 __all__ = ["DEFAULT_REWARD_MODEL_CLIP", "MAX_ERRORS", "RewardManager", "RewardResult", "to_score"]
 
@@ -240,6 +244,8 @@ class RewardManager:
         self.function_spec = function
         self.reward_model_path = reward_model
         self.user_fn = load_user_function(function, base_dir=base_dir, key=keys[0]) if function else None
+        # verl's per-sample kind: the keywords it is called with; None = a batch function
+        self.user_keywords = per_sample_keywords(self.user_fn) if self.user_fn is not None else None
         self._builtin = builtin  # None: get_reward_function, and dataset scores where a row has one
         self.scorer = None
         if reward_model:
@@ -337,6 +343,16 @@ class RewardManager:
             [dict(r.extra_info) if isinstance(r.extra_info, dict) else r.extra_info for r in rows],
         )
         b = len(rows)
+        if self.user_keywords is not None:  # verl's per-sample function: one keyword call per sample, as verl's
+            for i in range(b):
+                if cancel is not None and cancel.is_set():
+                    return
+                sample = dict(zip(VERL_KEYWORDS, (a[i] for a in args), strict=True))
+                try:
+                    outcomes[i] = ("value", fn(**{k: sample[k] for k in self.user_keywords}))
+                except CAUGHT as e:
+                    outcomes[i] = ("error", reward_error(e))
+            return
         try:
             out = fn(*args)
         except CAUGHT as e:
@@ -359,7 +375,7 @@ class RewardManager:
         if seq is None or len(seq) != b:
             e = ValueError(
                 f"{self.function_spec} returned {_describe(out)} for {b} samples; expected a list of {b} scores (one "
-                "per sample; use tether.rewards.batched for a per-sample function)"
+                "per sample; a per-sample function takes verl's solution_str, ...: see docs/rewards.md)"
             )
             errors.append(f"samples 0..{b - 1}: {_brief(e)}")
             for i in range(b):

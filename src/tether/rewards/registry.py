@@ -5,14 +5,19 @@ Built-in functions have verl's per-sample signature
 imported lazily from a ``"module:function"`` path, so importing ``tether.rewards`` never imports a
 task module.
 
-User functions (``reward.function=path/to/file.py:name`` or ``package.module:name``) are **batch**
-functions::
+User functions (``reward.function=path/to/file.py:name`` or ``package.module:name``) come in two kinds:
+
+* verl's **per-sample** ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, as
+  written for verl: any function with a parameter named ``solution_str``. It is called once per sample
+  with keywords, as verl's reward managers call it (those of ``data_source``, ``solution_str``,
+  ``ground_truth``, ``extra_info`` it takes; all four with ``**kwargs``), and may return a number or
+  verl's ``{"score": x, ...}`` dict (:func:`per_sample_keywords`).
+* **batch** functions, called once per batch::
 
     def my_reward(data_sources: list[str], solution_strs: list[str],
                   ground_truths: list, extra_infos: list[dict]) -> list[float]: ...
 
-A verl-style per-sample function ``fn(data_source, solution_str, ground_truth, extra_info)`` can be
-adapted with the :func:`batched` decorator.
+  (:func:`batched` turns a per-sample function into one, for those who call it themselves.)
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ __all__ = [
     "BatchRewardFn",
     "SampleRewardFn",
     "batched",
-    "check_batch_signature",
+    "VERL_KEYWORDS",
+    "check_user_signature",
     "extract_answer",
     "get_answer_extractor",
     "get_gold_function",
     "get_reward_function",
     "load_user_function",
+    "per_sample_keywords",
     "register_reward_function",
     "resolve_import_path",
 ]
@@ -205,7 +212,7 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
         key: the config key the spec came from, named in the errors (``reward.val_function`` for the gold).
 
     Returns:
-        The function (called in batches, see the module docstring).
+        The function (called per sample or per batch, by its kind: see the module docstring).
 
     Raises:
         ValueError: malformed spec; file not found (naming the file); the file fails to import
@@ -219,7 +226,7 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
         raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     if not (target.endswith(".py") or "/" in target or "\\" in target):
         fn = resolve_import_path(f"{target}:{name}")
-        check_batch_signature(fn, spec)
+        check_user_signature(fn, spec)
         return fn
 
     path = Path(target).expanduser()
@@ -252,46 +259,69 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
         )
     if not callable(fn):
         raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
-    check_batch_signature(fn, spec)
+    check_user_signature(fn, spec)
     return fn
 
 
-#: verl's per-sample parameter names (``compute_score(data_source, solution_str, ground_truth, extra_info)``).
-_PER_SAMPLE_NAMES = ("data_source", "solution_str")
+#: verl's per-sample keywords, in the order of ``compute_score(data_source, solution_str, ground_truth, extra_info)``.
+VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _BATCH_SIGNATURE = "(data_sources, solution_strs, ground_truths, extra_infos) -> list of scores"
+_SAMPLE_SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> score"
 
 
-def check_batch_signature(fn: Callable, spec: str) -> None:
-    """Fail at load time when ``fn`` cannot be called the way tether calls a user function:
-    ``fn(data_sources, solution_strs, ground_truths, extra_infos)``, four lists, positionally.
+def _signature(fn: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn, follow_wrapped=False)  # @batched's own (plural) signature, not the wrapped one
+    except (TypeError, ValueError):
+        return None
 
-    A function whose first parameters are verl's per-sample ``data_source, solution_str`` is taken
-    for an undecorated per-sample function (it would receive lists and score every batch as one
-    sample). Functions whose signature cannot be read (some builtins) pass.
+
+def per_sample_keywords(fn: Callable) -> tuple[str, ...] | None:
+    """The keywords a verl-style per-sample reward function is called with, or None for a batch function.
+
+    A function with a parameter named ``solution_str`` is verl's per-sample kind: verl's reward managers call
+    ``compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`` once per sample; tether
+    passes those of the four names it takes (all four when it takes ``**kwargs``), so verl's 4-argument files and
+    the 3-argument ``compute_score(solution_str, ground_truth, extra_info=None)`` of verl's own scorers both work.
+    """
+    sig = _signature(fn)
+    if sig is None or "solution_str" not in sig.parameters:
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return VERL_KEYWORDS
+    return tuple(k for k in VERL_KEYWORDS if k in sig.parameters)
+
+
+def check_user_signature(fn: Callable, spec: str) -> None:
+    """Fail at load time when ``fn`` cannot be called the way tether calls a user function of its kind
+    (:func:`per_sample_keywords`): a per-sample one with verl's keywords, a batch one as
+    ``fn(data_sources, solution_strs, ground_truths, extra_infos)``, four lists, positionally. Functions whose
+    signature cannot be read (some builtins) pass, as batch functions.
 
     Raises:
-        ValueError: naming ``spec``, the function's signature and the one expected (and pointing at
-            :func:`batched` for a per-sample function).
+        ValueError: naming ``spec``, the function's signature and what tether passes.
     """
-    try:
-        sig = inspect.signature(fn, follow_wrapped=False)  # @batched's own (plural) signature, not the wrapped one
-    except (TypeError, ValueError):
+    sig = _signature(fn)
+    if sig is None:
         return
     where = f"reward function {spec!r} has signature {getattr(fn, '__name__', 'fn')}{sig}"
+    keywords = per_sample_keywords(fn)
+    if keywords is not None:
+        try:
+            sig.bind(**dict.fromkeys(keywords))
+        except TypeError as e:
+            raise ValueError(
+                f"{where}: a per-sample function (it takes solution_str), called once per sample with the keywords "
+                f"{', '.join(keywords)}, which it cannot take ({e}); expected verl's {_SAMPLE_SIGNATURE}"
+            ) from None
+        return
     try:
         sig.bind(*([None] * 4))
     except TypeError as e:
         raise ValueError(
             f"{where}, which cannot take the four lists tether passes ({e}); expected a batch function "
-            f"{_BATCH_SIGNATURE}, or a per-sample one decorated with @tether.rewards.batched"
+            f"{_BATCH_SIGNATURE}, or verl's per-sample {_SAMPLE_SIGNATURE}"
         ) from None
-    names = tuple(list(sig.parameters)[:2])
-    if names == _PER_SAMPLE_NAMES:
-        raise ValueError(
-            f"{where}: verl's per-sample names, but tether calls user functions once per batch {_BATCH_SIGNATURE}. "
-            "Decorate it with @tether.rewards.batched (from tether.rewards import batched), or name the parameters in "
-            "the plural if it already takes lists"
-        )
 
 
 def batched(fn: Callable[[str, str, Any, dict], Any]) -> BatchRewardFn:

@@ -173,7 +173,12 @@ def log_reuse_logprobs(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool
     if not cfg.actor.reuse_update_logprobs:
         return None
     why = reuse_logprobs_blockers(cfg, has_critic=has_critic, has_dropout=has_dropout)
-    if why:
+    if cfg.actor.old_logprobs_source == "rollout":  # no actor pass at all: nothing to reuse, nothing separate
+        msg = (
+            "actor.reuse_update_logprobs=true does not apply: actor.old_logprobs_source=rollout takes old_logprobs "
+            "from the rollout engine's sampled-token log-probs (no actor pass before the update)"
+        )
+    elif why:
         msg = (
             "actor.reuse_update_logprobs=true is not in effect (old_logprobs come from a separate no-grad pass): "
             + "; ".join(why)
@@ -184,6 +189,43 @@ def log_reuse_logprobs(cfg: TetherConfig, *, has_critic: bool, has_dropout: bool
         )
     log.info("%s", msg)
     return msg
+
+
+def warn_partly_inert_settings(cfg: TetherConfig) -> list[str]:
+    """One warning line at start for each setting that runs but does less than it reads (the config refuses those
+    that do nothing at all); returns them.
+
+    * ``rollout.max_staleness`` below ``rollout.async_steps`` under ``staleness_policy=drop``: from step
+      max_staleness + 2 on every batch is past the bound and regenerated at its step, so the overlap's generation
+      is thrown away (:class:`tether.trainer.async_rollout.AsyncRollout`).
+    * ``algo.rollout_correction.mode=truncate`` with a level under ``actor.old_logprobs_source=rollout`` (bypass
+      mode): the weights are left at 1 and only measured (``rollout_corr/*``), since π_old is π_rollout and the PPO
+      clip bounds π_θ/π_rollout (:func:`tether.algos.rollout_correction`, ``apply_truncation=False``).
+    """
+    r, rc = cfg.rollout, cfg.algo.rollout_correction
+    lines = []
+    if (
+        r.async_steps
+        and r.max_staleness is not None
+        and r.max_staleness < r.async_steps
+        and (r.staleness_policy == "drop")
+    ):
+        lines.append(
+            f"rollout.max_staleness={r.max_staleness} < rollout.async_steps={r.async_steps} with "
+            f"rollout.staleness_policy=drop: from step {r.max_staleness + 2} on every batch is more than "
+            "max_staleness updates old and is regenerated at its step (rollout/stale_dropped = 1), so the generation "
+            f"ahead is wasted; use rollout.staleness_policy=wait, or rollout.async_steps={r.max_staleness}"
+        )
+    if cfg.actor.old_logprobs_source == "rollout" and rc.level != "none" and rc.mode == "truncate":
+        lines.append(
+            f"algo.rollout_correction.level={rc.level} with mode=truncate applies no weight under "
+            "actor.old_logprobs_source=rollout (π_old is π_rollout and the PPO clip bounds π_θ/π_rollout, verl's "
+            "bypass mode): it only logs rollout_corr/*; use mode=mask to mask tokens outside [lower, threshold], or "
+            "actor.old_logprobs_source=recompute for truncated weights"
+        )
+    for line in lines:
+        log.warning("%s", line)
+    return lines
 
 
 def check_gold(cfg: TetherConfig, val_rows) -> None:

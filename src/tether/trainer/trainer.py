@@ -211,6 +211,7 @@ class Trainer:
         )
         startup.warn_batch_larger_than_data(cfg, len(self.train_set))
         startup.log_reuse_logprobs(cfg, has_critic=self.roles.critic is not None, has_dropout=self._actor_has_dropout)
+        startup.warn_partly_inert_settings(cfg)
         if hasattr(self.roles.reward, "check_rows"):
             self.roles.reward.check_rows(train_rows + val_rows)  # an unknown data_source fails here, not mid-run
         self.sampler = PromptSampler(len(self.train_set), cfg.data.batch_size, cfg.trainer.seed, cfg.data.shuffle)
