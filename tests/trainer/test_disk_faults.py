@@ -105,3 +105,30 @@ def test_a_ray_worker_groups_error_text_is_read_for_the_os_reason(tmp_path):
     ):
         write_checkpoint(tmp_path / "checkpoints", 3, {"weights": ranks_failed})
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_rank_that_dies_while_writing_is_a_worker_failure_not_the_disks(tmp_path):
+    """A rank killed during its checkpoint shard reaches write_checkpoint as a WorkerDiedError with no OS reason:
+    tether train reports the dead rank (exit 5), not a disk to fix; a rank's full disk stays the disk's (exit 4)."""
+    from tether.checkpoint import write_checkpoint
+    from tether.cli import worker_failure
+    from tether.distributed.errors import WorkerDiedError
+
+    def fails(text):
+        def write(d):
+            raise WorkerDiedError(text)
+
+        return write
+
+    died = "actor+ref worker group: rank 1 died during save_checkpoint (ActorDiedError: killed); the run cannot go on"
+    full = (
+        "actor+ref worker group: rank 0 failed in save_checkpoint: CheckpointException (rank 0: OSError: [Errno 28] No "
+        "space left on device)"
+    )
+    with pytest.raises(CheckpointWriteError) as info:
+        write_checkpoint(tmp_path / "checkpoints", 3, {"weights": fails(died)})
+    assert worker_failure(info.value) and info.value.errno == 0
+    with pytest.raises(CheckpointWriteError) as info:
+        write_checkpoint(tmp_path / "checkpoints", 3, {"weights": fails(full)})
+    assert not worker_failure(info.value) and "no space left on device" in str(info.value)
+    assert worker_failure(WorkerDiedError(died)) and not worker_failure(RuntimeError("a bug"))
