@@ -107,3 +107,22 @@ def test_the_checkpoint_curve_shows_the_gold_when_every_policy_has_one(tmp_path)
     assert plot_curve(results, settings, tmp_path / "curve.png").is_file()
     results[0]["metrics"].pop("gold_mean")  # not every policy has one: no column
     assert "gold_mean" not in curve_table(results, settings)
+
+
+def test_an_evaluation_without_a_run_times_its_rewards_out_as_a_run_does(tmp_path):
+    """tether eval of a bare model: the reward and the gold reward get reward.timeout_s's default (600 s), as in a
+    run's validation (before: none, so a gold that hung waited forever); a run's own reward.timeout_s is kept."""
+    import torch
+
+    from tether.evaluation.evaluate import Evaluator
+    from tether.models import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("embedded"))
+    s = EvalSettings(n=2, kl=False, top_p=0.99, val_function=_fn(tmp_path, CONST))
+    ev = Evaluator("embedded", s, tok, torch.device("cpu"))
+    assert ev.gold.manager.timeout_s == 600.0 and ev.reward._kw["timeout_s"] == 600.0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_to_yaml(load_config(None, ["reward.timeout_s=5"])))
+    ev = Evaluator("embedded", EvalSettings(n=2, kl=False, top_p=0.99), tok, torch.device("cpu"), run=run)
+    assert ev.gold.manager.timeout_s == 5.0 and ev.reward._kw["timeout_s"] == 5.0

@@ -115,26 +115,39 @@ def _expected_bytes(ckpt_root: Path, step: int) -> int | None:
     return _tree_bytes(max(others, key=lambda p: p.name)) if others else None
 
 
-def _write_failure(e: BaseException, ckpt_root: Path, step: int, expected: int | None) -> CheckpointWriteError:
+#: an errno in an error's text: Python's OSError (a Ray worker group's error gives each rank's as text), Rust's
+#: io::Error (safetensors: "(os error 28)", or its Debug form "Os { code: 28, ...")
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]|\(os error (\d+)\)|Os \{ code: (\d+)")
+#: torch.save's short write, which is how it reports a full disk: no errno, "[enforce fail at inline_container.cc:N]
+#: . unexpected pos 407872 vs 407764", or "PytorchStreamWriter failed writing file data/0: file write failed"
+_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|file write failed")
+
+
+def _write_failure(
+    e: BaseException, ckpt_root: Path, step: int, expected: int | None, written: int = 0
+) -> CheckpointWriteError:
     """One line for a failed write: the OS's reason (ENOSPC, EROFS, ...), found also under torch's and DCP's
-    wrappers."""
+    wrappers, in the text of a Ray worker group's error, and behind torch.save's short write (``written``: the
+    bytes of the partial checkpoint, the least a whole one needs)."""
     cause, seen = e, set()
     while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     free = shutil.disk_usage(ckpt_root).free if ckpt_root.exists() else None
     code = getattr(cause, "errno", None)
-    # a Ray worker group's error: each rank's OSError as text
-    if code is None and (m := re.search(r"\[Errno (\d+)\]", str(e))):
-        code = int(m.group(1))
-    if code is None and free is not None and expected is not None and free < expected:
+    if code is None and (m := _ERRNO_TEXT.search(str(e))):
+        code = int(next(g for g in m.groups() if g))
+    if code is None and (
+        _SHORT_WRITE.search(str(e)) or (free is not None and expected is not None and free < expected)
+    ):
         code = errno.ENOSPC  # torch.save reports a full disk as "unexpected pos ..." with no errno
     if code == errno.ENOSPC:
-        need = (
-            f"it needs about {_gib(expected)} (the size of the last checkpoint)"
-            if expected
-            else "its size is unknown (no earlier checkpoint)"
-        )
+        if expected:
+            need = f"it needs about {_gib(expected)} (the size of the last checkpoint)"
+        elif written:
+            need = f"it needs more than the {_gib(written)} written before the disk filled (no earlier checkpoint)"
+        else:
+            need = "its size is unknown (no earlier checkpoint)"
         why = f"no space left on device: {need}, {_gib(free)} free"
     elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = f"{os.strerror(code).lower()}: the directory cannot be written"
@@ -227,8 +240,12 @@ def write_checkpoint(ckpt_root: Path, step: int, writers: dict, verified: dict |
             _fault_point(step, name)
         return _seal(ckpt_root, tmp, final, step, verified)
     except Exception as e:  # a full or read-only disk, from any writer (torch, safetensors, DCP, json)
+        try:
+            written = _tree_bytes(tmp) if tmp.is_dir() else 0
+        except OSError:  # a vanished or unreadable directory: its size is no clue
+            written = 0
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_failure(e, ckpt_root, step, expected) from e
+        raise _write_failure(e, ckpt_root, step, expected, written) from e
 
 
 def _seal(ckpt_root: Path, tmp: Path, final: Path, step: int, verified: dict | None) -> Path:

@@ -74,10 +74,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"tether train: stopped by a guard: {e}", file=sys.stderr)
         return 3
     except CheckpointWriteError as e:  # a full or read-only disk: one line, the resume point, the command
-        saved = trainer.ckpt.checkpoints()
-        last = f"the last complete checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
+        if worker_failure(e):  # a rank that died while writing its shard: not the disk's fault
+            return _worker_failed(e.__cause__, trainer, config, overrides)
         print(
-            f"tether train: {e.strerror}; {last}. To continue once the disk is fixed:\n  "
+            f"tether train: {e.strerror}; {_last_checkpoint(trainer)}. To continue once the disk is fixed:\n  "
             f"{resume_command(config, overrides, trainer.run_dir)}",
             file=sys.stderr,
         )
@@ -101,8 +101,46 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"\ntether train: {what}. {again}:\n  {resume_command(config, overrides, trainer.run_dir)}", file=sys.stderr
         )
         return e.exit_code if isinstance(e, TrainingInterrupted) else 130
+    except Exception as e:
+        if not worker_failure(e):
+            raise  # a bug: its traceback
+        return _worker_failed(e, trainer, config, overrides)
     print(f"done: {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+#: ``tether train``'s exit status when a Ray worker (a rank of a worker group, an engine replica) died or failed
+WORKER_FAILED_EXIT = 5
+
+
+def worker_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a Ray worker's death or failure (``WorkerDiedError``, or Ray's own error where a call is not
+    wrapped), also under a checkpoint write that found no OS reason (a rank died while writing its shard)."""
+    from tether.checkpoint import CheckpointWriteError
+    from tether.distributed.errors import WorkerDiedError
+
+    if isinstance(e, CheckpointWriteError):
+        return not e.errno and e.__cause__ is not None and worker_failure(e.__cause__)
+    return isinstance(e, WorkerDiedError) or type(e).__module__.startswith("ray.")
+
+
+def _last_checkpoint(trainer) -> str:
+    saved = trainer.ckpt.checkpoints()
+    return f"the last complete checkpoint is step {saved[-1]}" if saved else "no checkpoint was written yet"
+
+
+def _worker_failed(e: BaseException, trainer, config: str | None, overrides: list[str]) -> int:
+    """A Ray worker died or failed mid-run (killed, out of memory, a lost node): one line saying which, the resume
+    point and the command that continues (re-running it starts fresh workers from that checkpoint)."""
+    saved = trainer.ckpt.checkpoints()
+    what = str(e).splitlines()[0] if str(e) else type(e).__name__
+    print(
+        f"tether train: {what}; {_last_checkpoint(trainer)}. "
+        f"{'To continue' if saved else 'To start again (from step 0)'}:\n  "
+        f"{resume_command(config, overrides, trainer.run_dir)}",
+        file=sys.stderr,
+    )
+    return WORKER_FAILED_EXIT
 
 
 def resume_command(config: str | None, overrides: list[str], run_dir) -> str:

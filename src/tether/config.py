@@ -966,6 +966,13 @@ class TrainerConfig(Section):
         "checkpointed; past it (a reward that never returns, a hung collective) it is abandoned and the run exits with "
         "the last complete checkpoint (docs/checkpoints.md). null = wait for the step however long it takes.",
     )
+    wait_notice_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="A phase of a step (rollout, reward, update, validation, checkpoint, ...) still running after this "
+        "many seconds logs 'step N: still waiting for <the phase, its reward and timeout> (S s)', again every as many "
+        "seconds, so a reward that hangs or a stalled worker is never silent. null = no such lines.",
+    )
     val_freq: int = Field(50, ge=0, description="Validate every N steps (0 = never).")
     val_n: int = Field(
         4, ge=1, description="Samples per validation prompt: mean@n, pass@k and maj@k for k = 1, 2, 4, ... <= n."

@@ -497,6 +497,46 @@ def test_cli_sigkill_of_the_driver_then_resume(cluster, tmp_path, sharded_run):
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 4
 
 
+def test_cli_sigkill_of_a_rank_names_the_checkpoint_and_the_command_then_resumes(
+    cluster, tmp_path, sharded_run, monkeypatch, capsys
+):
+    """Rank 0 SIGKILLed during step 3 (before its update): `tether train` ends with one line naming the dead rank and
+    the last complete checkpoint (step 2), then the command that continues, exit status 5 and no traceback; that
+    command resumes from step 2 on fresh workers and ends with the uninterrupted run's metrics."""
+    import re
+    import shlex
+    import signal
+
+    from tether.cli import WORKER_FAILED_EXIT, main
+
+    _, metrics, _ = sharded_run
+    run = tmp_path / "run"
+    args = [*SMALL, "trainer.backend=ray", "trainer.n_workers=2", "trainer.total_steps=4", f"trainer.output_dir={run}"]
+    update_actor = Trainer.update_actor
+
+    def kill_rank_0_at_step_3(self, batch):
+        if self.step == 3:
+            os.kill(ray.get(self.roles.placement.actor_group.workers[0].pid.remote()), signal.SIGKILL)
+        return update_actor(self, batch)
+
+    monkeypatch.setattr(Trainer, "update_actor", kill_rank_0_at_step_3)
+    assert main(["train", *args]) == WORKER_FAILED_EXIT
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.startswith("tether train: ")]
+    assert len(lines) == 1 and re.fullmatch(
+        r"tether train: actor\+ref worker group: rank 0 died during update_actor \(.+\); the run cannot continue; the "
+        r"last complete checkpoint is step 2\. To continue:",
+        lines[0],
+    ), err[-3000:]
+    command = err.split("To continue:\n  ", 1)[1].splitlines()[0]
+    assert shlex.split(command) == ["tether", "train", *args]
+    assert [r["step"] for r in _metrics(run)] == [0, 1, 2]
+    monkeypatch.undo()
+    assert main(shlex.split(command)[1:]) == 0
+    _compare(metrics, _metrics(run), tol=1e-6)  # steps 3-4 from the step-2 checkpoint, as the uninterrupted run
+
+
 def test_rollback_restores_sharded_weights_and_keeps_the_lr(sharded_run, tmp_path):
     """The guard's rollback path (CheckpointManager.restore_weights) on the Ray backend: the weights
     and AdamW moments of the step-2 checkpoint come back, the current (lowered) learning rate stays."""

@@ -7,6 +7,7 @@ processes.
 """
 
 import json
+import logging
 import math
 import shutil
 
@@ -308,3 +309,80 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
     resumed.fit()
     assert_same_metrics(read_lines(run), want)
     assert resumed.sampler.state_dict() == full.sampler.state_dict()
+
+
+RESUMED = ["data.embedded_train_size=8", "trainer.val_freq=0", "trainer.total_steps=2"]
+
+
+def _saved_state(run, step: int) -> dict:
+    return json.loads((run / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
+
+
+def test_resume_applies_a_changed_fixed_kl_coef_and_says_so(tmp_path, caplog):
+    """kl.controller=fixed: β is kl.coef, so a new kl.coef on resume is the β of the steps that follow (an info line
+    says old → new); before, config.yaml said 0.2 while the checkpoint's 0.05 went on."""
+    run = tmp_path / "run"
+    Trainer(cfg(run, *RESUMED)).fit()
+    assert _saved_state(run, 2)["controller"]["value"] == 0.05
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tether"):
+        t = Trainer(cfg(run, *RESUMED, "trainer.total_steps=3", "kl.coef=0.2"))
+    assert "resume: kl.coef 0.05 → 0.2 applied (kl.controller=fixed: β is kl.coef from the next step)" in caplog.text
+    assert t.beta == 0.2
+    t.fit()
+    assert read_lines(run)[-1]["step"] == 3 and read_lines(run)[-1]["kl/coef"] == 0.2
+
+
+def test_resume_says_a_changed_kl_coef_of_a_moving_controller_is_not_applied(tmp_path, caplog):
+    """kl.controller=adaptive: kl.coef is only β's starting value; the resumed run goes on from the checkpoint's β,
+    and a warning says so."""
+    run = tmp_path / "run"
+    extra = [*RESUMED, "kl.controller=adaptive", "kl.horizon=10"]
+    Trainer(cfg(run, *extra)).fit()
+    saved = _saved_state(run, 2)["controller"]["value"]
+    assert saved != 0.05  # it moved
+    caplog.clear()
+    t = Trainer(cfg(run, *extra, "kl.coef=0.2"))
+    assert t.controller.value == saved
+    assert (
+        f"resume: kl.coef 0.05 → 0.2 is not applied: with kl.controller=adaptive it is only β's starting value, and "
+        f"the run goes on from the checkpoint's β={saved:g}"
+    ) in caplog.text
+
+
+def test_resume_of_gae_as_grpo_says_the_critic_is_dropped_and_grpo_to_gae_is_refused(tmp_path, caplog):
+    run = tmp_path / "run"
+    Trainer(cfg(run, *RESUMED, "algo.adv_estimator=gae")).fit()
+    caplog.clear()
+    t = Trainer(cfg(run, *RESUMED, "trainer.total_steps=3", "algo.adv_estimator=grpo"))
+    assert t.step == 2 and t.roles.critic is None
+    assert (
+        "resume: algo.adv_estimator changed gae → grpo: checkpoint step_000002's critic (its value model and its "
+        "optimizer state) is dropped; advantages are grpo's from the next step, and this run's checkpoints hold no "
+        "critic"
+    ) in caplog.text
+    t.fit()
+    assert not (run / "checkpoints" / "step_000003" / "critic.safetensors").exists()
+    with pytest.raises(
+        CheckpointError,
+        match=r"^resume: checkpoint step_000003 is of a run with algo.adv_estimator=grpo, which has no critic, and "
+        r"algo.adv_estimator=gae needs one: resume with algo.adv_estimator=grpo, or start a new run",
+    ):
+        Trainer(cfg(run, *RESUMED, "trainer.total_steps=4", "algo.adv_estimator=gae"))
+
+
+def test_resume_does_not_warn_for_checkpoint_settings_or_auto_as_the_engine_it_resolved_to(tmp_path, caplog):
+    """trainer.save_freq and trainer.keep_last do not change the training, and rollout.engine=auto ran hf here: none
+    of them is a difference that makes the run not match; another engine than the one auto resolved to is."""
+    run = tmp_path / "run"
+    Trainer(cfg(run, *RESUMED)).fit()
+    assert _saved_state(run, 2)["rollout_engine"] == "hf"
+    caplog.clear()
+    t = Trainer(cfg(run, *RESUMED, "trainer.save_freq=1", "trainer.keep_last=1", "rollout.engine=hf"))
+    assert t.step == 2 and "config differs" not in caplog.text
+    saved = _saved_state(run, 2)["config"]
+    assert saved["rollout"]["engine"] == "auto"
+    path = run / "checkpoints" / "step_000002"
+    assert t.ckpt._warn_config_changes(saved, path, None) == {}  # a checkpoint from before the engine was recorded
+    assert t.ckpt._warn_config_changes(saved, path, "vllm") == {"rollout.engine": ("vllm", "hf")}
+    assert "(rollout.engine: 'vllm' → 'hf'); the run will not match" in caplog.text

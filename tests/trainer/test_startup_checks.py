@@ -394,3 +394,28 @@ def test_a_verl_reward_file_trains_as_it_is(small_cfg, tmp_path):
     t = Trainer(small_cfg(f"reward.function={f}:compute_score", "trainer.val_freq=0"))
     m = t.train_step()
     assert m["reward/raw_mean"] == 0.5 and m["reward/invalid_count"] == 0.0
+
+
+@pytest.mark.parametrize("key", ["reward.function", "reward.val_function"])
+@pytest.mark.parametrize("case", ["missing file", "bad signature"])
+def test_a_bad_reward_function_fails_before_any_model_is_built(small_cfg, tmp_path, monkeypatch, key, case):
+    """reward.function and the gold reward reward.val_function are loaded before the models: a missing file or a
+    function that cannot take the four lists fails naming the key, and no model is built."""
+    from tether.workers import build
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built before the reward function was checked")
+
+    monkeypatch.setattr(build, "assemble_policy", no_model)
+    fn = tmp_path / "r.py"
+    if case == "bad signature":
+        fn.write_text("def f(a):\n    return [0.0]\n")
+    spec = f"{fn}:f"
+    expected = (
+        rf"reward function file not found: {fn} \(from {key}='{spec}', name 'f'\)"
+        if case == "missing file"
+        else rf"reward function '{spec}' has signature f\(a\), which cannot take the four lists tether passes"
+    )
+    with pytest.raises(ValueError, match=expected) as info:
+        Trainer(small_cfg(f"{key}={spec}"))
+    assert key in str(info.value)

@@ -348,6 +348,10 @@ class RankWorker:
     def ping(self) -> int:
         return self.rank
 
+    def pid(self) -> int:
+        """This rank's process id (to find, or kill, the process of a rank)."""
+        return os.getpid()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

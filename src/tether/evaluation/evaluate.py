@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from tether.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
-from tether.config import EMBEDDED, ConfigError, DataConfig, load_config
+from tether.config import EMBEDDED, ConfigError, DataConfig, TetherConfig, load_config
 from tether.data import DataError, load_rows, rows_from_records
 from tether.data.loading import prepare_prompts
 from tether.engines import AUTO, ENGINES, engine_names, fallback
@@ -501,8 +501,8 @@ class Evaluator:
             rows = rows_from_records(task.make_dataset(split), source=f"embedded:{split}")
         else:
             rows = load_rows(data, prompt_key=r["prompt_key"])
-        # the run's reward.timeout_s
-        timeout = getattr(self.cfg.reward, "timeout_s", None) if self.cfg is not None else None
+        # the run's reward.timeout_s, else its default: the reward and the gold of an evaluation time out as a run's do
+        timeout = (self.cfg if self.cfg is not None else TetherConfig()).reward.timeout_s
         self.reward = EvalReward(
             r["reward_function"],
             r["reward_model"],

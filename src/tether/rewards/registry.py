@@ -215,10 +215,20 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
         The function (called per sample or per batch, by its kind: see the module docstring).
 
     Raises:
-        ValueError: malformed spec; file not found (naming the file); the file fails to import
-            (naming the file, with the original exception chained); the name is missing (naming the
-            file and the name, and listing the callables it defines) or not callable.
+        ValueError: each naming ``key`` and the spec: malformed spec; file not found (naming the file); the file fails
+            to import (naming the file, with the original exception chained); the name is missing (naming the
+            file and the name, and listing the callables it defines) or not callable; a signature that cannot take
+            the four lists (:func:`check_batch_signature`).
     """
+    try:
+        return _load_user_function(spec, base_dir, key)
+    except ValueError as e:
+        if key in str(e):
+            raise
+        raise ValueError(f"{key}={spec!r}: {e}") from e
+
+
+def _load_user_function(spec: str, base_dir: str | Path | None, key: str) -> BatchRewardFn:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     target, _, name = spec.rpartition(":")

@@ -21,6 +21,8 @@ from tether.checkpoint import (
     write_json,
 )
 from tether.config import ConfigError, resolve_local_paths
+from tether.engines import AUTO
+from tether.rollout.registry import resolve as resolve_engine
 from tether.trainer.logging import _clean as clean_value
 from tether.trainer.logging import _flatten
 
@@ -37,6 +39,9 @@ RESUME_FREE_KEYS = {
     "trainer.threads",
     "trainer.device",
     "trainer.project",
+    "trainer.save_freq",  # when checkpoints are written, and how many are kept, do not change the training
+    "trainer.keep_last",
+    "trainer.wait_notice_s",
     "reward.timeout_s",
 }
 
@@ -197,6 +202,7 @@ class CheckpointManager:
                     "diagnostics": None if diag is None else diag.state_dict(),
                     "metrics": None if metrics is None else _clean(metrics),
                     "config": resolve_local_paths(self.cfg.to_dict()),
+                    "rollout_engine": roles.engine.engine.name,  # what rollout.engine (auto) resolved to
                 },
                 d / "trainer_state.json",
             )
@@ -293,7 +299,8 @@ class CheckpointManager:
         """
         path = Path(path)
         state = read_json(path / "trainer_state.json")
-        changed = self._warn_config_changes(state.get("config"), path)
+        changed = self._warn_config_changes(state.get("config"), path, state.get("rollout_engine"))
+        self._check_estimator_change(changed, path)
         try:
             self._load_weights(path)
         except CheckpointError as e:
@@ -312,6 +319,7 @@ class CheckpointManager:
             ) from e
         self.step = int(state["step"])
         self.controller.load_state_dict(state["controller"])
+        self._apply_kl_coef(changed, state["controller"])
         if self.entropy_controller is not None:
             # a checkpoint of a run without algo.entropy_target (or from before it existed)
             if state.get("entropy_controller") is None:
@@ -400,12 +408,27 @@ class CheckpointManager:
             )
             path.write_text("")
 
-    def _warn_config_changes(self, saved: dict | None, path: Path) -> dict:
+    def _warn_config_changes(self, saved: dict | None, path: Path, saved_engine: str | None = None) -> dict:
         """Warn about the keys (outside :data:`RESUME_FREE_KEYS`) whose value differs from the
-        checkpoint's config, local paths compared absolute; returns them, key -> (old, new)."""
+        checkpoint's config, local paths compared absolute, ``rollout.engine=auto`` as the engine it resolved to
+        (``saved_engine``: the checkpoint's, recorded since it was; else resolved here as the run was set);
+        returns them, key -> (old, new)."""
         if not saved:
             return {}
         old, new = _flatten(resolve_local_paths(saved)), _flatten(resolve_local_paths(self.cfg.to_dict()))
+        key = "rollout.engine"
+        if new.get(key) == AUTO:
+            new[key] = self.roles.engine.engine.name
+        if old.get(key) == AUTO:
+            old[key] = (
+                saved_engine
+                or resolve_engine(
+                    AUTO,
+                    self.roles.actor_path,
+                    on_ray=old.get("trainer.backend") == "ray",
+                    async_steps=old.get("rollout.async_steps") or 0,
+                )[0]
+            )
         changed = {
             k: (old.get(k), new.get(k))
             for k in sorted(set(old) | set(new))
@@ -419,6 +442,54 @@ class CheckpointManager:
                 shown,
             )
         return changed
+
+    def _check_estimator_change(self, changed: dict, path: Path) -> None:
+        """``algo.adv_estimator`` changed on resume: from gae, the checkpoint's critic (its value model and AdamW state)
+        is dropped, said in one warning; to gae, there is no critic to load: refused.
+
+        Raises:
+            CheckpointError: resuming a run without a critic as algo.adv_estimator=gae (naming both values).
+        """
+        if "algo.adv_estimator" not in changed:
+            return
+        before, after = changed["algo.adv_estimator"]
+        if before == "gae":
+            log.warning(
+                "resume: algo.adv_estimator changed gae → %s: checkpoint %s's critic (its value model and its "
+                "optimizer state) is dropped; advantages are %s's from the next step, and this run's checkpoints hold "
+                "no critic",
+                after,
+                path.name,
+                after,
+            )
+        elif after == "gae":
+            raise CheckpointError(
+                f"resume: checkpoint {path.name} is of a run with algo.adv_estimator={before}, which has no critic, "
+                f"and algo.adv_estimator=gae needs one: resume with algo.adv_estimator={before}, or start a new run (a "
+                "new trainer.output_dir)"
+            )
+
+    def _apply_kl_coef(self, changed: dict, saved_controller: dict) -> None:
+        """``kl.coef`` changed on resume. With ``kl.controller=fixed`` β is kl.coef: the new value applies from the next
+        step (an info line says old → new). With a controller that moves β, kl.coef is only its starting value: the run
+        goes on from the checkpoint's β (a warning says so)."""
+        if "kl.coef" not in changed:
+            return
+        before, after = changed["kl.coef"]
+        if self.cfg.kl.controller == "fixed":
+            self.controller.load_state_dict(saved_controller | {"value": self.cfg.kl.coef})
+            log.info(
+                "resume: kl.coef %r → %r applied (kl.controller=fixed: β is kl.coef from the next step)", before, after
+            )
+        else:
+            log.warning(
+                "resume: kl.coef %r → %r is not applied: with kl.controller=%s it is only β's starting value, and the "
+                "run goes on from the checkpoint's β=%g (start a new run for a new starting value)",
+                before,
+                after,
+                self.cfg.kl.controller,
+                self.controller.value,
+            )
 
     def restore_weights(self, step: int) -> None:
         """Rollback: weights and optimizer moments of checkpoint ``step``; the data position, RNG,

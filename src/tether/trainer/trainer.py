@@ -50,21 +50,25 @@ from tether.trainer.progress import Progress
 from tether.trainer.sampling import dynamic_sample
 from tether.trainer.state import CheckpointManager, check_fresh_start
 from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
+from tether.trainer.waiting import WaitNotices, what_phases_wait_for
 from tether.workers.build import actor_spec, correction_kwargs
 
 log = logging.getLogger("tether")
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of one step, as ``timing/<phase>_s``."""
+    """Wall-clock seconds per phase of step ``step``, as ``timing/<phase>_s``; a phase that runs long says what it
+    waits for (``notices``: ``trainer.wait_notice_s``, :mod:`tether.trainer.waiting`)."""
 
-    def __init__(self):
+    def __init__(self, notices: WaitNotices | None = None, step: int = 0):
         self.times: dict[str, float] = {}
+        self.notices, self.step = notices or WaitNotices(None), step
 
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
-        yield
+        with self.notices(phase, self.step):
+            yield
         self.times[f"timing/{phase}_s"] = self.times.get(f"timing/{phase}_s", 0.0) + time.perf_counter() - t0
 
 
@@ -225,6 +229,8 @@ class Trainer:
             )
         )
         self.guard = GuardMonitor(cfg.guard, max_failed_steps=cfg.reward.max_failed_steps)
+        # trainer.wait_notice_s: a phase that runs long says what it waits for
+        self.notices = WaitNotices(cfg.trainer.wait_notice_s, what_phases_wait_for(cfg))
         self.step = 0
         self.last_val: dict[str, float] = {}
 
@@ -257,7 +263,8 @@ class Trainer:
             # SIGTERM/SIGINT: finish the step, checkpoint, stop
             with StopSignals(self.cfg.trainer.stop_grace_s) as self._signals:
                 if self.step == 0 and self.cfg.trainer.val_freq:
-                    val = self.maybe_validate(force=True)  # the reference's scores, as step 0
+                    with self.notices("validate", 0):
+                        val = self.maybe_validate(force=True)  # the reference's scores, as step 0
                     self.guard_validation(val)
                     self.logger.log(0, val)
                 if self.step >= self.cfg.trainer.total_steps:
@@ -319,7 +326,7 @@ class Trainer:
         """One step: the algorithm, phase by phase."""
         self.step += 1
         t_step = time.perf_counter()
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.notices, self.step)
         batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
             self.compute_logprobs(batch)

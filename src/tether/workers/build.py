@@ -399,7 +399,8 @@ def resolve_engine(cfg: TetherConfig, actor_path) -> str:
 
 
 def build_driver_share(cfg: TetherConfig) -> DriverShare:
-    """Load this process's models once (:func:`assemble_policy`, :func:`assemble_critic`) and its reward.
+    """Load this process's rewards (first: a bad reward function fails before any model loads) and its models once
+    (:func:`assemble_policy`, :func:`assemble_critic`).
 
     Raises:
         ConfigError: a bad model directory, tokenizers that differ, an engine that cannot run, a refused
@@ -408,6 +409,9 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
     device = pick_device(cfg.trainer.device)
     actor_path = resolve_model_path(cfg.actor.model, "actor.model")
     engine_name = resolve_engine(cfg, actor_path)  # no vllm, or a head size its kernels refuse: before any model loads
+    # a missing file or a bad signature of reward.function / reward.val_function: before any model loads
+    reward, val_reward = build_reward(cfg, device)
+    gold = build_gold(cfg, device)
     local = cfg.trainer.backend == "local"
     models = assemble_policy(
         cfg, device, with_reference=driver_holds_ref(cfg), gradient_checkpointing=cfg.actor.gradient_checkpointing
@@ -433,8 +437,6 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
         else:  # the critic lives on the workers only; the RNG advances as it would here
             hidden = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.actor.trust_remote_code).hidden_size
             ValueModel.make_head(hidden)
-    reward, val_reward = build_reward(cfg, device)
-    gold = build_gold(cfg, device)
     return DriverShare(
         models.tokenizer, device, actor, ref, critic, actor_path, paths, engine_name, reward, val_reward, gold
     )

@@ -212,14 +212,8 @@ class LocalPlacement:
                 "trainer.backend=ray (any trainer.n_workers), or `tether export` it to a model directory"
             )
         roles.actor.load(path / "actor", path)
-        if roles.critic is not None:
+        if roles.critic is not None:  # a checkpoint's critic this run does not use: tether.trainer.state says so
             roles.critic.load(path / "critic.safetensors")
-        elif (path / "critic.safetensors").is_file():
-            log.warning(
-                "checkpoint %s holds a critic (algo.adv_estimator=gae) that this run does not use: it is not loaded, "
-                "and this run's checkpoints will not hold it",
-                path,
-            )
         if with_ref:
             roles.ref.load(path / "ref.safetensors")
         optim = load_torch(path / "optim.pt")
