@@ -639,7 +639,7 @@ def check_hacking_gold(
     """
     g_key, p_key, exact = _gold_keys(history)
     g_steps, g_vals = _series(history, g_key)
-    if not exact:  # a validation where the gold failed on some samples (counted 0) says nothing about the policy
+    if not exact:  # a validation where the gold failed on some samples: its scored ones may not stand for the rest
         failed = {s for s, v in zip(*_series(history, "val/gold_unscored_frac"), strict=True) if v > 0}
         g_steps, g_vals = (
             [s for s in g_steps if s not in failed],
