@@ -285,9 +285,10 @@ class RewardConfig(Section):
     max_failed_steps: int = Field(
         3,
         ge=1,
-        description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps whose every "
-        "sample was dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them); a run that "
-        "ends with every one of its steps so failed also stops with that error. See docs/rewards.md.",
+        description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps that trained "
+        "nothing: every sample dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them), or "
+        "every token taken out of the loss (algo.mask_truncated, algo.rollout_correction.reject); a run that ends with "
+        "every one of its steps so failed also stops with that error. See docs/rewards.md.",
     )
     overlong_buffer: int | None = Field(
         None,

@@ -48,6 +48,9 @@ class GuardMonitor:
         self.stable_score: float | None = None
         self.stable_sem = 0.0
         self.empty_streak = 0  # consecutive steps whose every sample was dropped
+        # consecutive steps that trained no token (every sample dropped, or every token masked out of the loss) and why
+        self.untrained_streak = 0
+        self.untrained_why = ""
         self.nonfinite_streak = 0  # consecutive steps with a non-finite update skipped (guard.max_nonfinite_steps)
         self.val_step: int | None = None
         self.val_score: float | None = None
@@ -143,7 +146,9 @@ class GuardMonitor:
         self._step_metrics = {}
         if n_valid == 0:
             self.empty_streak += 1
+            self.untrained_streak += 1
             why = why or "no valid response"
+            self.untrained_why = f"every sample was dropped ({why})"
             msg = f"step {step}: every sample of the batch was dropped ({why}); the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
@@ -175,15 +180,41 @@ class GuardMonitor:
             return "skip"
         return self.check_kl(step, kl_mean, beta)
 
+    def check_trained(self, step: int, why: str) -> None:
+        """After an update: ``why`` is empty when it trained some token, else why it trained none (the setting that
+        took every token out of the loss, e.g. ``algo.mask_truncated``). ``reward.max_failed_steps`` steps in a row
+        that trained nothing stop the run as an all-failing reward does (``guard/nothing_trained``, exit 3).
+
+        Raises:
+            TrainingStopped: the streak reached ``reward.max_failed_steps``; the message names ``why``.
+        """
+        if not why:
+            self.untrained_streak, self.untrained_why = 0, ""
+            return
+        self.untrained_streak += 1
+        self.untrained_why = why
+        if self.untrained_streak >= self.max_failed_steps:
+            raise self._stop(
+                "nothing_trained",
+                f"step {step}: no token was trained for {self.untrained_streak} steps in a row "
+                f"(reward.max_failed_steps={self.max_failed_steps}): {why}",
+            )
+
     def all_steps_failed(self, steps_run: int) -> TrainingStopped | None:
-        """The error for a run that ended with every one of its ``steps_run`` steps empty (fewer than
-        reward.max_failed_steps, else :meth:`before_update` stopped it already); None otherwise."""
-        if steps_run <= 0 or self.empty_streak < steps_run:
+        """The error for a run that ended with every one of its ``steps_run`` steps empty, or training no token
+        (fewer than reward.max_failed_steps, else :meth:`before_update` or :meth:`check_trained` stopped it already);
+        None otherwise."""
+        if steps_run <= 0 or self.untrained_streak < steps_run:
             return None
+        if self.empty_streak >= steps_run:
+            return self._stop(
+                "empty_batch",
+                f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
+                "nothing was trained; the reward function or the data never give a valid sample",
+            )
         return self._stop(
-            "empty_batch",
-            f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): nothing "
-            "was trained; the reward function or the data never give a valid sample",
+            "nothing_trained",
+            f"no token of all {steps_run} step(s) of this run was trained: {self.untrained_why}",
         )
 
     def check_kl(self, step: int, kl_mean: float, beta: float, *, after_update: bool = False) -> str:
@@ -451,6 +482,8 @@ class GuardMonitor:
             "stable_sem": self.stable_sem,
             "val_sem": self.val_sem,
             "empty_streak": self.empty_streak,
+            "untrained_streak": self.untrained_streak,
+            "untrained_why": self.untrained_why,
             "nonfinite_streak": self.nonfinite_streak,
             "rollback_step": self.rollback_step,
             "restored_step": self.restored_step,
@@ -473,6 +506,8 @@ class GuardMonitor:
         self.stable_sem = float(state.get("stable_sem", 0.0))
         self.val_sem = float(state.get("val_sem", 0.0))
         self.empty_streak = int(state.get("empty_streak", 0))
+        self.untrained_streak = int(state.get("untrained_streak", self.empty_streak))
+        self.untrained_why = str(state.get("untrained_why", ""))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         # checkpoints before the gold-stable target: a gold rollback falls back on the stable checkpoint
         self.rollback_step = state.get("rollback_step")
