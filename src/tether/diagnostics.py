@@ -12,15 +12,17 @@ check reads the series of one or two metrics from it:
 Checks (thresholds are keyword arguments of each function, defaults in brackets; windows count
 *logged points* of the metric, not training steps):
 
-* ``kl_rising`` (``kl/ref_mean``): over the last ``window`` [20] points (at least ``min_points``
-  [10]), Kendall τ ≥ ``min_tau`` [0.5], the Theil–Sen fit rises by ≥ ``min_rel_rise`` [20 %] and
-  ends at ≥ ``floor`` [0.05 nats/token; ``kl.target`` if higher under an adaptive controller].
+* ``kl_rising`` (``kl/ref_mean``): after the first ``warmup`` [30] points (the policy leaving the reference), over
+  the last ``window`` [20] points (at least ``min_points`` [10]), Kendall τ ≥ ``min_tau`` [0.5], the Theil–Sen
+  fit rises by ≥ ``min_rel_rise`` [20 %] and ends at ≥ ``floor`` [0.05 nats/token; ``kl.target`` if higher under an
+  adaptive controller].
 * ``entropy_collapse`` (``policy/entropy``): the median of the last ``recent`` [5] points fell by
   more than ``max_drop`` [50 %] from the median of the first ``early`` [5], or is below ``floor``
   [0.05 nats/token].
 * ``length_shrinking`` (``response/length_mean``): recent median fell by more than ``max_drop``
   [30 %] from the early median.
-* ``reward_flat_kl_growing`` (``reward/score_mean``): over the last ``window`` [20] points the
+* ``reward_flat_kl_growing`` (``reward/score_mean``): after the first ``warmup`` [30] points, over the last
+  ``window`` [20] points the
   reward has Kendall τ ≤ ``max_reward_tau`` [0.2] while the KL rises (τ ≥ 0.5, fit +20 %, ends
   ≥ ``kl_floor`` [0.02]).
 * ``clipfrac_high`` (``policy/clipfrac``): the last ``patience`` [5] points all exceed
@@ -242,11 +244,14 @@ def check_kl_rising(
     min_tau: float = 0.5,
     min_rel_rise: float = 0.2,
     floor: float = 0.05,
+    warmup: int = 30,
     config: Any = None,
 ) -> list[Finding]:
     """KL to the reference rising steadily (``kl/ref_mean``, nats per token).
 
-    Looks at the last ``window`` points (needs at least ``min_points``). Fires when all hold:
+    Leaves out the series' first ``warmup`` points: there the policy leaves the reference (KL 0 at step 1), which
+    every run does before its KL levels off (on the demo between steps 20 and 40), so a rise among them is not drift.
+    Looks at the last ``window`` of the remaining points (needs at least ``min_points``). Fires when all hold:
     Kendall's τ between step and KL is ≥ ``min_tau`` (a mostly monotone rise); the Theil–Sen fit
     rises by at least ``min_rel_rise`` of its starting value over the window; and the fit ends at
     or above ``floor`` (a rise among tiny values is not worth a warning; 0.05 nats/token is the top
@@ -258,7 +263,7 @@ def check_kl_rising(
     window, lowering ``kl.target``; if the run measures KL without penalising it, ``kl.placement``.
     """
     steps, values = _series(history, "kl/ref_mean")
-    steps, values = steps[-window:], values[-window:]
+    steps, values = steps[warmup:][-window:], values[warmup:][-window:]
     if len(steps) < max(2, min_points):
         return []
     t = _trend(steps, values)
@@ -411,11 +416,14 @@ def check_reward_flat_kl_growing(
     min_kl_tau: float = 0.5,
     min_kl_rel_rise: float = 0.2,
     kl_floor: float = 0.02,
+    warmup: int = 30,
     config: Any = None,
 ) -> list[Finding]:
     """Reward flat (or falling) while the KL to the reference grows: drift without gain.
 
-    Over the last ``window`` points of each (at least ``min_points``): Kendall's τ of
+    Leaves out the first ``warmup`` points of each series (the policy leaving the reference, as in
+    :func:`check_kl_rising`). Over the last ``window`` remaining points of each (at least ``min_points``): Kendall's τ
+    of
     ``reward/score_mean`` against step is ≤ ``max_reward_tau`` (no upward trend; scale-free, so no
     reward units are assumed), while ``kl/ref_mean`` has τ ≥ ``min_kl_tau``, a Theil–Sen fit rising
     by ≥ ``min_kl_rel_rise`` and ending at ≥ ``kl_floor`` nats/token.
@@ -424,8 +432,8 @@ def check_reward_flat_kl_growing(
     """
     r_steps, r_vals = _series(history, "reward/score_mean")
     k_steps, k_vals = _series(history, "kl/ref_mean")
-    r_steps, r_vals = r_steps[-window:], r_vals[-window:]
-    k_steps, k_vals = k_steps[-window:], k_vals[-window:]
+    r_steps, r_vals = r_steps[warmup:][-window:], r_vals[warmup:][-window:]
+    k_steps, k_vals = k_steps[warmup:][-window:], k_vals[warmup:][-window:]
     if min(len(r_steps), len(k_steps)) < max(2, min_points):
         return []
     r_tau = _kendall_tau(r_steps, r_vals)
