@@ -59,6 +59,25 @@ def test_cli_reports_the_gold_beside_the_score(tmp_path, capsys):
     assert doc["settings"]["gold"] == {"tether/digitsum": f"reward.val_function {spec}"}
 
 
+FAILING = (
+    "from tether.rewards import batched\n@batched\ndef gold(data_source, solution_str, ground_truth, extra_info):\n    "
+    "raise RuntimeError('no judge today')\n"
+)
+
+
+def test_a_gold_that_fails_on_every_sample_reports_no_gold_measurement(tmp_path, capsys):
+    # issue 33: gold_mean 0.0 and a gold_gap of the whole score were reported for a gold that scored nothing
+    out = tmp_path / "eval.json"
+    spec = _fn(tmp_path, FAILING)
+    args = ["eval", "embedded", "embedded", "--n", "2", "--val-function", spec, "--no-progress", "--out", str(out)]
+    assert main(args) == 0
+    rows = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines() if ln.split()}
+    assert rows["gold_unscored_frac"] == ["1.0000"] and "gold_mean" not in rows and "gold_gap" not in rows
+    m = json.loads(out.read_text())["metrics"]
+    assert m["gold_unscored_frac"] == 1.0 and "score_mean" in m
+    assert [k for k in m if k.startswith("gold")] == ["gold_unscored_frac"]
+
+
 def test_without_a_gold_nothing_is_added(capsys):
     s = EvalSettings(n=2, kl=False)
     m = evaluate("embedded", "embedded", s)

@@ -106,6 +106,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise  # a bug: its traceback
         return _worker_failed(e, trainer, config, overrides)
     print(f"done: {trainer.run_dir}", file=sys.stderr)
+    summary = train_summary(trainer.run_dir)
+    if summary:
+        print(f"  {summary}", file=sys.stderr)
     return 0
 
 
@@ -141,6 +144,40 @@ def _worker_failed(e: BaseException, trainer, config: str | None, overrides: lis
         file=sys.stderr,
     )
     return WORKER_FAILED_EXIT
+
+
+def train_summary(run_dir) -> str:
+    """One line on how a finished run ended, from its ``metrics.jsonl``: the last validation's exact success rate
+    (``exact/score_mean``, the reference's at step 0 beside it) and KL per token (``exact/kl_ref_tok``) on the
+    embedded task, else its ``val/score_mean`` and the last step's ``kl/ref_mean``; and where ``report/summary.md`` is.
+    "" when the run has no metrics to quote."""
+    from pathlib import Path
+
+    from tether.diagnostics import read_metrics
+
+    try:
+        recs = read_metrics(run_dir)
+    except OSError:
+        return ""
+    vals = [r for r in recs if isinstance(r.get("exact/score_mean", r.get("val/score_mean")), (int, float))]
+    kls = [r["kl/ref_mean"] for r in recs if isinstance(r.get("kl/ref_mean"), (int, float))]
+    parts = []
+    if vals:
+        last, ref = vals[-1], vals[0]
+        if "exact/score_mean" in last:
+            was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
+            parts.append(f"step {last['step']}: exact success {last['exact/score_mean']:.3f}{was}")
+            if isinstance(last.get("exact/kl_ref_tok"), (int, float)):
+                parts.append(f"KL {last['exact/kl_ref_tok']:.3f} nats/token")
+        else:
+            was = f" (reference {ref['val/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
+            parts.append(f"step {last['step']}: validation score {last['val/score_mean']:.3f}{was}")
+    if kls and not any("KL" in p for p in parts):
+        parts.append(f"KL {kls[-1]:.3f} nats/token (last training batch)")
+    report = Path(run_dir) / "report" / "summary.md"
+    if report.is_file():
+        parts.append(f"report: {report}")
+    return "; ".join(parts)
 
 
 def resume_command(config: str | None, overrides: list[str], run_dir) -> str:

@@ -292,9 +292,10 @@ class RewardConfig(Section):
     max_failed_steps: int = Field(
         3,
         ge=1,
-        description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps whose every "
-        "sample was dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them); a run that "
-        "ends with every one of its steps so failed also stops with that error. See docs/rewards.md.",
+        description="Stop the run (exit status 3, checkpoint written) after this many consecutive steps that trained "
+        "nothing: every sample dropped (the reward raised, timed out, or gave NaN or non-numbers for all of them), or "
+        "every token taken out of the loss (algo.mask_truncated, algo.rollout_correction.reject); a run that ends with "
+        "every one of its steps so failed also stops with that error. See docs/rewards.md.",
     )
     overlong_buffer: int | None = Field(
         None,
@@ -1096,9 +1097,11 @@ class GuardConfig(Section):
     on_hacking: Literal["warn", "rollback", "stop"] = Field(
         "warn",
         description="What a live reward-hacking warning (the doctor's hacking_gold or hacking_proxy check, "
-        "docs/hacking.md) does: warn = log it; rollback = restore the last stable checkpoint (stable by "
-        "guard.rollback_metric: gold with a gold reward) and multiply β by guard.coef_factor and the learning rates by "
-        "guard.rollback_lr_factor, counted against guard.max_rollbacks; stop = checkpoint and stop (exit 3).",
+        "docs/hacking.md) does: warn = log it; rollback = restore the last checkpoint whose validated gold is within "
+        "guard.rollback_drop of the best gold so far, the reference's included (without a gold reward: the stable one "
+        "by guard.rollback_metric), multiply β by guard.coef_factor and the learning rates by "
+        "guard.rollback_lr_factor, counted against guard.max_rollbacks (a step whose validation already rolled back is "
+        "not rolled back twice); needs trainer.save_freq > 0; stop = checkpoint and stop (exit 3).",
     )
     hacking_coef: float = Field(
         0.05,
@@ -1356,6 +1359,12 @@ class TetherConfig(Section):
             )
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
+        if self.guard.on_hacking == "rollback" and not self.trainer.save_freq:
+            raise ValueError(
+                "guard.on_hacking=rollback needs checkpoints to return to, and trainer.save_freq=0 writes one only at "
+                "the end: set trainer.save_freq (no larger than the time hacking takes to show, e.g. 10 with "
+                "trainer.val_freq=10) or guard.on_hacking=warn|stop"
+            )
         if self.trainer.backend == "ray":
             _check_distributed(self)
         elif self.actor.tp_size > 1:

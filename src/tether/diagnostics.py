@@ -12,15 +12,17 @@ check reads the series of one or two metrics from it:
 Checks (thresholds are keyword arguments of each function, defaults in brackets; windows count
 *logged points* of the metric, not training steps):
 
-* ``kl_rising`` (``kl/ref_mean``): over the last ``window`` [20] points (at least ``min_points``
-  [10]), Kendall τ ≥ ``min_tau`` [0.5], the Theil–Sen fit rises by ≥ ``min_rel_rise`` [20 %] and
-  ends at ≥ ``floor`` [0.05 nats/token; ``kl.target`` if higher under an adaptive controller].
+* ``kl_rising`` (``kl/ref_mean``): after the first ``warmup`` [30] points (the policy leaving the reference), over
+  the last ``window`` [20] points (at least ``min_points`` [10]), Kendall τ ≥ ``min_tau`` [0.5], the Theil–Sen
+  fit rises by ≥ ``min_rel_rise`` [20 %] and ends at ≥ ``floor`` [0.05 nats/token; ``kl.target`` if higher under an
+  adaptive controller].
 * ``entropy_collapse`` (``policy/entropy``): the median of the last ``recent`` [5] points fell by
   more than ``max_drop`` [50 %] from the median of the first ``early`` [5], or is below ``floor``
   [0.05 nats/token].
 * ``length_shrinking`` (``response/length_mean``): recent median fell by more than ``max_drop``
   [30 %] from the early median.
-* ``reward_flat_kl_growing`` (``reward/score_mean``): over the last ``window`` [20] points the
+* ``reward_flat_kl_growing`` (``reward/score_mean``): after the first ``warmup`` [30] points, over the last
+  ``window`` [20] points the
   reward has Kendall τ ≤ ``max_reward_tau`` [0.2] while the KL rises (τ ≥ 0.5, fit +20 %, ends
   ≥ ``kl_floor`` [0.02]).
 * ``clipfrac_high`` (``policy/clipfrac``): the last ``patience`` [5] points all exceed
@@ -102,6 +104,11 @@ class Finding:
             the statistics it computed (all JSON-serialisable).
         suggestion: a concrete change naming the config key(s), e.g. ``"raise kl.coef (now 0.05) ..."``.
         severity: ``"warning"`` (something is likely wrong) or ``"info"``.
+        overrides: the changes the suggestion proposes, each alternative a ``{dotted key: value}`` mapping (e.g.
+            ``({"kl.coef": 0.1}, {"actor.lr": 1.5e-4})``); with the run's config, only changes that config accepts
+            (a key its own settings refuse, such as ``algo.clip_eps_high`` under ``algo.policy_loss=gspo``, is never
+            suggested). The suggestion names no config key that is not in one of them, ``reward.val_function`` (a
+            file the user writes) aside.
     """
 
     check: str
@@ -110,6 +117,7 @@ class Finding:
     evidence: dict = field(default_factory=dict)
     suggestion: str = ""
     severity: Literal["warning", "info"] = "warning"
+    overrides: tuple[dict[str, Any], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,6 +228,50 @@ def _raise_kl_coef(history: History, config: Any) -> str:
     return f"raise kl.coef (now {_fmt(coef)}) to {_fmt(2 * coef)}"
 
 
+def _raise_kl_coef_change(history: History, config: Any) -> dict[str, Any]:
+    """The override :func:`_raise_kl_coef` names: kl.coef doubled, or 0.05 from 0; {} when β is unknown."""
+    coef = _kl_coef_now(history, config)
+    if coef is None:
+        return {}
+    return {"kl.coef": 0.05 if coef == 0 else 2 * coef}
+
+
+def _scaled(config: Any, dotted: str, factor: float) -> dict[str, Any]:
+    """``{dotted: value × factor}`` for a positive number in ``config``; {} when it is unknown."""
+    v = _cfg(config, dotted)
+    return {dotted: v * factor} if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else {}
+
+
+def _raise_temperature(config: Any) -> tuple[str, dict[str, Any]]:
+    """("raise rollout.temperature (now t)", {rollout.temperature: 1.25 t}); nothing where the run's settings refuse
+    another temperature (actor.old_logprobs_source=rollout with greedy decoding keeps it at 1)."""
+    if _cfg(config, "actor.old_logprobs_source") == "rollout" and _cfg(config, "rollout.do_sample") is False:
+        return "", {}
+    return f"raise {_now(config, 'rollout.temperature')}", _scaled(config, "rollout.temperature", 1.25)
+
+
+def _entropy_bonus(config: Any) -> tuple[str, dict[str, Any]]:
+    """The entropy bonus to suggest: a larger algo.entropy_target under the adaptive bonus (its α moves itself, and a
+    starting α above algo.entropy_coef_max is refused), else algo.entropy_coef doubled or 0.001 from 0."""
+    target = _cfg(config, "algo.entropy_target")
+    if isinstance(target, (int, float)):
+        return f"raise {_now(config, 'algo.entropy_target')} (the entropy the bonus holds)", {
+            "algo.entropy_target": 1.5 * target
+        }
+    ent = _cfg(config, "algo.entropy_coef")
+    if isinstance(ent, (int, float)) and ent > 0:
+        return f"raise algo.entropy_coef (now {_fmt(ent)}) to {_fmt(2 * ent)}", {"algo.entropy_coef": 2 * ent}
+    return f"add an entropy bonus, e.g. algo.entropy_coef=0.001{' (now 0)' if ent == 0 else ''}", {
+        "algo.entropy_coef": 0.001
+    }
+
+
+def _options(*pairs: tuple[str, dict[str, Any]]) -> tuple[list[str], tuple[dict[str, Any], ...]]:
+    """The texts and overrides of the suggestion's alternatives, those with no text left out."""
+    kept = [(t, o) for t, o in pairs if t]
+    return [t for t, _ in kept], tuple(o for _, o in kept if o)
+
+
 def _head_tail(steps: list[int], values: list[float], early: int, recent: int) -> dict[str, Any]:
     e_steps, e_vals = steps[:early], values[:early]
     r_steps, r_vals = steps[-recent:], values[-recent:]
@@ -242,11 +294,14 @@ def check_kl_rising(
     min_tau: float = 0.5,
     min_rel_rise: float = 0.2,
     floor: float = 0.05,
+    warmup: int = 30,
     config: Any = None,
 ) -> list[Finding]:
     """KL to the reference rising steadily (``kl/ref_mean``, nats per token).
 
-    Looks at the last ``window`` points (needs at least ``min_points``). Fires when all hold:
+    Leaves out the series' first ``warmup`` points: there the policy leaves the reference (KL 0 at step 1), which
+    every run does before its KL levels off (on the demo between steps 20 and 40), so a rise among them is not drift.
+    Looks at the last ``window`` of the remaining points (needs at least ``min_points``). Fires when all hold:
     Kendall's τ between step and KL is ≥ ``min_tau`` (a mostly monotone rise); the Theil–Sen fit
     rises by at least ``min_rel_rise`` of its starting value over the window; and the fit ends at
     or above ``floor`` (a rise among tiny values is not worth a warning; 0.05 nats/token is the top
@@ -258,7 +313,7 @@ def check_kl_rising(
     window, lowering ``kl.target``; if the run measures KL without penalising it, ``kl.placement``.
     """
     steps, values = _series(history, "kl/ref_mean")
-    steps, values = steps[-window:], values[-window:]
+    steps, values = steps[warmup:][-window:], values[warmup:][-window:]
     if len(steps) < max(2, min_points):
         return []
     t = _trend(steps, values)
@@ -273,29 +328,52 @@ def check_kl_rising(
     c_steps, c_vals = _series(history, "kl/coef")
     c_vals = [v for s, v in zip(c_steps, c_vals, strict=True) if steps[0] <= s <= steps[-1]]
     placement = _cfg(config, "kl.placement")
+    lr = _scaled(config, "actor.lr", 0.5)
     if placement == "none":
+        coef = _kl_coef_now(history, config)
         suggestion = (
             "set kl.placement=reward or kl.placement=loss (now none: the KL is measured but never penalised), with "
-            f"{_now(config, 'kl.coef', _kl_coef_now(history, config))}"
+            f"{_now(config, 'kl.coef', coef)}"
         )
+        # with β = 0 a placement would still penalise nothing
+        keep = {"kl.coef": 0.05 if coef == 0 else coef} if coef is not None else {}
+        overrides = ({"kl.placement": "reward", **keep}, {"kl.placement": "loss", **keep})
     elif c_vals and c_vals[0] > 0 and c_vals[-1] > 1.05 * c_vals[0]:
-        suggestion = (
-            f"kl/coef already rose from {_fmt(c_vals[0])} to {_fmt(c_vals[-1])} and the KL still climbs: lower "
-            f"{_now(config, 'kl.target')} or raise kl.beta_max, and lower {_now(config, 'actor.lr')} to slow the drift"
+        if controller == "band":  # its target is the band's top, which must stay above kl.low
+            high, low = _cfg(config, "kl.high"), _cfg(config, "kl.low")
+            target_txt = f"lower {_now(config, 'kl.high')}"
+            target = (
+                {"kl.high": (high + low) / 2}
+                if isinstance(high, (int, float)) and isinstance(low, (int, float))
+                else {}
+            )
+        else:
+            target_txt, target = f"lower {_now(config, 'kl.target')}", _scaled(config, "kl.target", 0.5)
+        beta_max = _scaled(config, "kl.beta_max", 2.0)
+        texts, overrides = _options(
+            (target_txt, target),
+            (f"raise {_now(config, 'kl.beta_max')}" if beta_max else "", beta_max),
         )
+        suggestion = (
+            f"kl/coef already rose from {_fmt(c_vals[0])} to {_fmt(c_vals[-1])} and the KL still climbs: "
+            f"{' or '.join(texts)}, and lower {_now(config, 'actor.lr')} to slow the drift"
+        )
+        overrides += (lr,) if lr else ()
     else:
         suggestion = (
             f"{_raise_kl_coef(history, config)}, or set kl.controller=adaptive with kl.target={_fmt(floor)} "
             "(nats/token, the kl/ref_mean scale) so β grows while KL exceeds the target; lowering "
             f"{_now(config, 'actor.lr')} also slows the drift"
         )
+        adaptive = {"kl.controller": "adaptive", "kl.target": floor}
+        overrides = tuple(o for o in (_raise_kl_coef_change(history, config), adaptive, lr) if o)
     msg = (
         f"kl/ref_mean rose steadily from {_fmt(t['fit_start'])} to {_fmt(t['fit_end'])} nats/token over steps "
         f"{steps[0]}–{steps[-1]} (Theil–Sen slope {_fmt(t['slope_per_step'])}/step, Kendall τ {t['kendall_tau']:.2f}), "
         f"above the {_fmt(floor)} floor"
     )
     evidence = {"steps": steps, "values": values, **t, "floor": floor}
-    return [Finding("kl_rising", "kl/ref_mean", msg, evidence, suggestion)]
+    return [Finding("kl_rising", "kl/ref_mean", msg, evidence, suggestion, overrides=overrides)]
 
 
 def check_entropy_collapse(
@@ -344,17 +422,13 @@ def check_entropy_collapse(
         msg = f"policy/entropy is {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]})"
     if below_floor:
         msg += f", below the {_fmt(floor)} nats/token floor"
-    ent = _cfg(config, "algo.entropy_coef")
-    bonus = (
-        f"raise algo.entropy_coef (now {_fmt(ent)}) to {_fmt(2 * ent)}"
-        if isinstance(ent, (int, float)) and ent > 0
-        else f"add an entropy bonus, e.g. algo.entropy_coef=0.001{' (now 0)' if ent == 0 else ''}"
+    texts, overrides = _options(
+        _raise_temperature(config),
+        _entropy_bonus(config),
+        (_raise_kl_coef(history, config), _raise_kl_coef_change(history, config)),
     )
-    suggestion = (
-        f"raise {_now(config, 'rollout.temperature')}, {bonus}, or {_raise_kl_coef(history, config)} to keep the "
-        "policy closer to the reference's entropy"
-    )
-    return [Finding("entropy_collapse", "policy/entropy", msg, ev, suggestion)]
+    suggestion = f"{', '.join(texts[:-1])}, or {texts[-1]} to keep the policy closer to the reference's entropy"
+    return [Finding("entropy_collapse", "policy/entropy", msg, ev, suggestion, overrides=overrides)]
 
 
 def check_length_shrinking(
@@ -390,16 +464,19 @@ def check_length_shrinking(
     )
     placement = _cfg(config, "kl.placement")
     coef = _kl_coef_now(history, config)
-    coef_txt = f"lower {_now(config, 'kl.coef', coef)}"
+    lower = {"kl.coef": coef / 2} if coef else {}  # β = 0 (or unknown): nothing to lower
+    coef_txt = f", or lower {_now(config, 'kl.coef', coef)}" if lower or coef is None else ""
     if placement in ("reward", "both", None):
         now = f" (now {placement})" if placement else ""
         suggestion = (
             f"a KL penalty in the reward{now} is summed over tokens, so shorter responses pay less: try "
-            f"kl.placement=loss, or {coef_txt}; also check the reward function for a length bias"
+            f"kl.placement=loss{coef_txt}; also check the reward function for a length bias"
         )
+        overrides = ({"kl.placement": "loss"},) + ((lower,) if lower else ())
     else:
-        suggestion = f"check the reward function for a length bias, or {coef_txt}"
-    return [Finding("length_shrinking", "response/length_mean", msg, ev, suggestion)]
+        suggestion = f"check the reward function for a length bias{coef_txt}"
+        overrides = (lower,) if lower else ()
+    return [Finding("length_shrinking", "response/length_mean", msg, ev, suggestion, overrides=overrides)]
 
 
 def check_reward_flat_kl_growing(
@@ -411,11 +488,14 @@ def check_reward_flat_kl_growing(
     min_kl_tau: float = 0.5,
     min_kl_rel_rise: float = 0.2,
     kl_floor: float = 0.02,
+    warmup: int = 30,
     config: Any = None,
 ) -> list[Finding]:
     """Reward flat (or falling) while the KL to the reference grows: drift without gain.
 
-    Over the last ``window`` points of each (at least ``min_points``): Kendall's τ of
+    Leaves out the first ``warmup`` points of each series (the policy leaving the reference, as in
+    :func:`check_kl_rising`). Over the last ``window`` remaining points of each (at least ``min_points``): Kendall's τ
+    of
     ``reward/score_mean`` against step is ≤ ``max_reward_tau`` (no upward trend; scale-free, so no
     reward units are assumed), while ``kl/ref_mean`` has τ ≥ ``min_kl_tau``, a Theil–Sen fit rising
     by ≥ ``min_kl_rel_rise`` and ending at ≥ ``kl_floor`` nats/token.
@@ -424,8 +504,8 @@ def check_reward_flat_kl_growing(
     """
     r_steps, r_vals = _series(history, "reward/score_mean")
     k_steps, k_vals = _series(history, "kl/ref_mean")
-    r_steps, r_vals = r_steps[-window:], r_vals[-window:]
-    k_steps, k_vals = k_steps[-window:], k_vals[-window:]
+    r_steps, r_vals = r_steps[warmup:][-window:], r_vals[warmup:][-window:]
+    k_steps, k_vals = k_steps[warmup:][-window:], k_vals[warmup:][-window:]
     if min(len(r_steps), len(k_steps)) < max(2, min_points):
         return []
     r_tau = _kendall_tau(r_steps, r_vals)
@@ -454,7 +534,8 @@ def check_reward_flat_kl_growing(
         "reward function still separates good from bad responses (a saturated or mis-wired reward gives no gradient "
         "signal)"
     )
-    return [Finding("reward_flat_kl_growing", "reward/score_mean", msg, evidence, suggestion)]
+    overrides = tuple(o for o in (_scaled(config, "actor.lr", 0.5), _raise_kl_coef_change(history, config)) if o)
+    return [Finding("reward_flat_kl_growing", "reward/score_mean", msg, evidence, suggestion, overrides=overrides)]
 
 
 def check_clipfrac_high(
@@ -485,11 +566,16 @@ def check_clipfrac_high(
         f"policy/clipfrac has exceeded {_fmt(threshold)} for the last {run} logged steps ({steps[-run]}–{steps[-1]}; "
         f"latest {_fmt(values[-1])}): the updates move the policy well past the clip range"
     )
-    suggestion = (
-        f"lower {_now(config, 'actor.lr')} or {_now(config, 'algo.ppo_epochs')}; widening "
-        f"{_now(config, 'algo.clip_eps_high')} would only hide the symptom"
+    epochs = _cfg(config, "algo.ppo_epochs")
+    fewer = {"algo.ppo_epochs": epochs - 1} if isinstance(epochs, int) and epochs > 1 else {}
+    texts, overrides = _options(
+        (_now(config, "actor.lr"), _scaled(config, "actor.lr", 0.5)),
+        (_now(config, "algo.ppo_epochs") if fewer or epochs is None else "", fewer),
     )
-    return [Finding("clipfrac_high", "policy/clipfrac", msg, ev, suggestion)]
+    # the clip range is each policy loss's own setting (algo.clip_eps_* for vanilla, algo.gspo.* for gspo, ...):
+    # not named, since widening it is not the advice
+    suggestion = f"lower {' or '.join(texts)}; widening the policy loss's clip range would only hide the symptom"
+    return [Finding("clipfrac_high", "policy/clipfrac", msg, ev, suggestion, overrides=overrides)]
 
 
 def check_collapse_rising(
@@ -521,11 +607,16 @@ def check_collapse_rising(
         f"to {_fmt(ev['recent_median'])} (median of steps {steps[-recent]}–{steps[-1]}): more prompts get n identical "
         "samples"
     )
-    suggestion = (
-        f"{_raise_kl_coef(history, config)} to keep the reference's diversity, raise "
-        f"{_now(config, 'rollout.temperature')}, or add an entropy bonus by raising {_now(config, 'algo.entropy_coef')}"
+    texts, overrides = _options(
+        (
+            f"{_raise_kl_coef(history, config)} to keep the reference's diversity",
+            _raise_kl_coef_change(history, config),
+        ),
+        _raise_temperature(config),
+        _entropy_bonus(config),
     )
-    return [Finding("collapse_rising", "diversity/collapse_rate", msg, ev, suggestion)]
+    suggestion = f"{', '.join(texts[:-1])}, or {texts[-1]}"
+    return [Finding("collapse_rising", "diversity/collapse_rate", msg, ev, suggestion, overrides=overrides)]
 
 
 def check_no_learning_signal(
@@ -580,22 +671,38 @@ def check_no_learning_signal(
         + score_txt
         + ", so the updates cannot move the policy toward higher reward"
     )
+    overrides: tuple[dict[str, Any], ...] = ()
     if flat or metric == "advantages/abs_mean":
-        fix = (
-            f"raise algo.filter_groups_max_draws (now {_fmt(_cfg(config, 'algo.filter_groups_max_draws'))}) or "
-            "rollout.n"
-            if _cfg(config, "algo.filter_groups") is True
-            else "set algo.filter_groups=true (DAPO dynamic sampling: train only on prompts whose samples differ)"
+        n = _cfg(config, "rollout.n")
+        more_n = {"rollout.n": 2 * n} if isinstance(n, int) and n > 0 else {}
+        if _cfg(config, "algo.filter_groups") is True:
+            fix = (
+                f"raise {_now(config, 'algo.filter_groups_max_draws')}",
+                _scaled(config, "algo.filter_groups_max_draws", 2),
+            )
+        elif _cfg(config, "rollout.async_steps"):  # dynamic sampling needs one draw per step: refused with async
+            fix = ("", {})
+        else:
+            fix = (
+                "set algo.filter_groups=true (DAPO dynamic sampling: train only on prompts whose samples differ)",
+                {"algo.filter_groups": True},
+            )
+        temperature = _raise_temperature(config)
+        texts, overrides = _options(
+            (temperature[0].replace("raise ", "", 1), temperature[1]),
+            (_now(config, "rollout.n"), more_n),
         )
+        texts = [f"raise {' or '.join(texts)} so that samples differ"] if texts else []
+        texts, overrides = texts + ([fix[0]] if fix[0] else []), overrides + ((fix[1],) if fix[1] else ())
         suggestion = (
             "check a few responses and their rewards (tether eval MODEL DATA): a reward that never matches the output "
-            "format, or a task far too hard or too easy for the model, gives every sample the same score; raise "
-            f"{_now(config, 'rollout.temperature')} or {_now(config, 'rollout.n')} so that samples differ, or {fix}"
+            "format, or a task far too hard or too easy for the model, gives every sample the same score"
+            + (f"; {', or '.join(texts)}" if texts else "")
         )
     else:
         suggestion = (
             "the advantages are non-zero but no gradient reaches the weights: check that the actor has trainable "
-            f"parameters ({_now(config, 'actor.lora.rank')}) and that the loss is not masked out entirely"
+            "parameters (a LoRA rank above 0, unfrozen weights) and that the loss is not masked out entirely"
         )
     evidence = {
         "steps": steps,
@@ -605,7 +712,7 @@ def check_no_learning_signal(
         "max_flat_frac": max_flat_frac,
         "tol": tol,
     }
-    return [Finding("no_learning_signal", metric, msg, evidence, suggestion)]
+    return [Finding("no_learning_signal", metric, msg, evidence, suggestion, overrides=overrides)]
 
 
 def _gold_keys(history: History) -> tuple[str, str, bool]:
@@ -639,7 +746,7 @@ def check_hacking_gold(
     """
     g_key, p_key, exact = _gold_keys(history)
     g_steps, g_vals = _series(history, g_key)
-    if not exact:  # a validation where the gold failed on some samples (counted 0) says nothing about the policy
+    if not exact:  # a validation where the gold failed on some samples: its scored ones may not stand for the rest
         failed = {s for s, v in zip(*_series(history, "val/gold_unscored_frac"), strict=True) if v > 0}
         g_steps, g_vals = (
             [s for s in g_steps if s not in failed],
@@ -676,12 +783,18 @@ def check_hacking_gold(
         "gold_key": g_key,
         "proxy_key": p_key,
     }
+    guard_txt, guard = _hacking_guard(config)
     suggestion = (
-        f"{_raise_kl_coef(history, config)}, or let the guard act ({_now(config, 'guard.on_hacking')}: rollback "
-        "restores the last checkpoint whose gold was stable and raises β); fix the training reward's flaw if you can "
-        "name it"
+        f"{_raise_kl_coef(history, config)}"
+        + (
+            f", or let the guard act ({guard_txt}: rollback restores the last checkpoint whose gold held and raises β)"
+            if guard_txt
+            else ""
+        )
+        + "; fix the training reward's flaw if you can name it"
     )
-    return [Finding("hacking_gold", g_key, msg, evidence, suggestion)]
+    overrides = tuple(o for o in (_raise_kl_coef_change(history, config), guard) if o)
+    return [Finding("hacking_gold", g_key, msg, evidence, suggestion, overrides=overrides)]
 
 
 def check_hacking_proxy(
@@ -753,11 +866,28 @@ def check_hacking_proxy(
         "length_drift": drift,
         "reward_kendall_tau": r_tau,
     }
+    guard_txt, guard = _hacking_guard(config)
     suggestion = (
         "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
-        f"{_raise_kl_coef(history, config)}; guard.on_hacking=rollback acts on this"
+        f"{_raise_kl_coef(history, config)}" + (f"; {guard_txt} acts on this" if guard_txt else "")
     )
-    return [Finding("hacking_proxy", "kl/ref_mean", msg, evidence, suggestion)]
+    overrides = tuple(o for o in (_raise_kl_coef_change(history, config), guard) if o)
+    return [Finding("hacking_proxy", "kl/ref_mean", msg, evidence, suggestion, overrides=overrides)]
+
+
+def _hacking_guard(config: Any) -> tuple[str, dict[str, Any]]:
+    """The guard to suggest for a hacking finding: guard.on_hacking=rollback, with checkpoints to return to where the
+    run writes none before its end (trainer.save_freq=0 refuses it); nothing when it already rolls back."""
+    if _cfg(config, "guard.on_hacking") == "rollback":
+        return "", {}
+    now = _cfg(config, "guard.on_hacking")
+    txt = "guard.on_hacking=rollback" + (f" (now {now})" if now else "")
+    if _cfg(config, "trainer.save_freq") == 0:
+        return f"{txt} with trainer.save_freq=10 (now 0: no checkpoint to return to)", {
+            "guard.on_hacking": "rollback",
+            "trainer.save_freq": 10,
+        }
+    return txt, {"guard.on_hacking": "rollback"}
 
 
 #: The checks :func:`diagnose` runs, in report order.
@@ -1042,7 +1172,7 @@ def cleared_findings(
             continue
         when = f"step {step}" if first == step else f"steps {first} and {step} (first and last report)"
         msg = f"reported during training at {when}, no longer firing at step {last}: {f.message}"
-        out.append(Finding(f.check, f.metric, msg, f.evidence, f.suggestion, "info"))
+        out.append(Finding(f.check, f.metric, msg, f.evidence, f.suggestion, "info", f.overrides))
     return out
 
 

@@ -13,7 +13,7 @@ from test_rollout_correction import _actor, _spec, _weights_after
 
 from tether.algos import overlong_penalty, top_entropy_mask
 from tether.config import ConfigError, describe_config, load_config
-from tether.trainer import Trainer
+from tether.trainer import Trainer, TrainingStopped
 
 QUIET = ["trainer.val_freq=0", "trainer.save_freq=0", "trainer.report=false", "trainer.total_steps=3"]
 
@@ -218,7 +218,8 @@ def test_all_responses_cut_trains_nothing_and_warns(small_cfg, tmp_path, caplog)
         )
     )
     before = _weights_after(t.roles.actor)
-    with caplog.at_level(logging.WARNING, logger="tether"):
+    # a run that trained no token ends as an all-failing reward does (issue 33): an error, not done
+    with caplog.at_level(logging.WARNING, logger="tether"), pytest.raises(TrainingStopped, match="no token of all 1"):
         t.fit()
     assert "algo.mask_truncated took all 16 responses out of the loss" in caplog.text
     r = metrics(tmp_path / "r")[0]

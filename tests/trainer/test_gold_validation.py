@@ -82,7 +82,7 @@ def test_a_gold_that_scores_responses_starting_with_1_is_hand_checkable(small_cf
     assert m["gold_pass@2"] == pytest.approx(sum(any(p) for p in by_prompt) / len(by_prompt), abs=1e-15)
 
 
-def test_a_gold_that_raises_on_some_samples_counts_them_warns_and_does_not_crash(small_cfg, tmp_path, caplog):
+def test_a_gold_that_raises_on_some_samples_leaves_them_out_warns_and_does_not_crash(small_cfg, tmp_path, caplog):
     t = _trainer(small_cfg, f"reward.val_function={_fn(tmp_path, FLAKY)}", "data.embedded_val_size=8")
     with caplog.at_level(logging.WARNING, logger="tether"):
         m, samples = _samples(t)
@@ -90,13 +90,52 @@ def test_a_gold_that_raises_on_some_samples_counts_them_warns_and_does_not_crash
     bad = sum(s["response"][:1] in "02468" for s in samples)
     assert 0 < bad < len(samples)  # some scored, some not: the test means something
     assert [s["gold_scored"] for s in samples] == [s["response"][:1] not in "02468" for s in samples]
-    assert m["gold_unscored_frac"] == bad / len(samples) and m["gold_mean"] == (len(samples) - bad) / len(samples)
+    # the mean is over the scored samples (each 1.0), not over all with the failures counted 0
+    assert m["gold_unscored_frac"] == bad / len(samples) and m["gold_mean"] == 1.0
+    scored = [s["score"] for s in samples if s["gold_scored"]]
+    assert m["gold_gap"] == pytest.approx(sum(scored) / len(scored) - 1.0, abs=1e-15)
     assert m["unscored_frac"] == 0.0  # the training reward is not affected
     assert (
         "val/gold_unscored_frac" in v
         and "could not be scored by the gold reward" in caplog.text
         and "cannot judge this one" in caplog.text
     )
+
+
+FAILING = (
+    "from tether.rewards import batched\n@batched\ndef gold(data_source, solution_str, ground_truth, extra_info):\n    "
+    "raise RuntimeError('no judge today')\n"
+)
+
+
+def test_a_gold_that_fails_on_every_sample_logs_no_gold_measurement(small_cfg, tmp_path, caplog):
+    # issue 33: val/gold_mean 0.0 and val/gold_gap 0.5-0.6 were logged for a gold that scored nothing
+    t = _trainer(small_cfg, f"reward.val_function={_fn(tmp_path, FAILING)}")
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        v = t.maybe_validate(force=True)
+    assert v["val/gold_unscored_frac"] == 1.0 and "val/score_mean" in v
+    assert not any(k.startswith("val/gold") and k != "val/gold_unscored_frac" for k in v), sorted(v)
+    assert "none at all when no sample was scored" in caplog.text
+
+
+def test_gold_metrics_over_the_scored_samples_by_hand():
+    from tether.evaluation.sampled import gold_metrics
+
+    def rec(gold, score, scored=True):
+        return {"gold": gold if scored else 0.0, "gold_scored": scored, "score": score}
+
+    # 2 prompts × 3 samples; prompt 0: golds 1, 0, (failed); prompt 1: golds 1, 1, 0
+    records = [rec(1.0, 1.0), rec(0.0, 1.0), rec(0.0, 1.0, False), rec(1.0, 0.0), rec(1.0, 1.0), rec(0.0, 0.0)]
+    m = gold_metrics(records, 3, [1, 2, 3])
+    assert m["gold_mean"] == 3 / 5 and m["gold_unscored_frac"] == 1 / 6
+    assert m["gold_gap"] == pytest.approx(3 / 5 - 3 / 5, abs=1e-15)  # training scores of the 5 scored: 1,1,0,1,0
+    # sem² = (k_0·s²_0 + k_1·s²_1) / N² = (2·0.5 + 3·(1/3)) / 25 = 2 / 25
+    assert m["gold_sem"] == pytest.approx((2 / 25) ** 0.5, rel=1e-15)
+    # pass@1: the mean of each prompt's scored share (1/2, 2/3); pass@2: 1 - C(n-c, 2)/C(n, 2) = 1 and 1; pass@3
+    # only prompt 1 has 3 scored samples: 1
+    assert m["gold_pass@1"] == pytest.approx((1 / 2 + 2 / 3) / 2, rel=1e-15)
+    assert m["gold_pass@2"] == 1.0 and m["gold_pass@3"] == 1.0
+    assert gold_metrics([rec(0.0, 1.0, False)] * 4, 2, [1, 2]) == {"gold_unscored_frac": 1.0}
 
 
 def test_the_user_function_path_trains_on_one_reward_and_validates_on_another(small_cfg, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tether.config import GuardConfig, load_config
+from tether.config import ConfigError, GuardConfig, load_config
 from tether.trainer import Trainer, TrainingStopped
 from tether.trainer.guards import GuardMonitor
 
@@ -188,6 +188,78 @@ def test_rollback_off_and_before_any_stable_checkpoint():
     t2 = _FakeTrainer(g2)
     t2.validate(2, 0.0)
     assert t.restored == t2.restored == [] and g.rollbacks == g2.rollbacks == 0
+
+
+def _hacking_trainer(**kw):
+    g = GuardMonitor(GuardConfig(on_hacking="rollback", rollback_drop=0.05, **kw))
+    t = _FakeTrainer(g)
+
+    def validate(step, score, gold, save=True):
+        t.step, t.last_val = step, {"exact/score_mean": score, "exact/gold_mean": gold}
+        g.after_validation(step, t.last_val, t.ckpt, t.roles, t.beta)
+        if save:
+            g.mark_stable(step, g.score_at(step))
+
+    def hacking(step):
+        g.on_hacking(step, SimpleNamespace(message="gold fell"), t.ckpt, t.roles, t.beta)
+
+    return g, t, validate, hacking
+
+
+def test_one_validation_rolls_back_once_to_the_checkpoint_whose_gold_held(caplog):
+    # issue 33: at step 60 the score drop (guard/rollback) and the doctor's hacking_gold (guard/hacking_rollback) both
+    # rolled back to step 50, whose gold 0.336 was already below the reference's 0.469: two rollbacks, lr × 0.25
+    g, t, validate, hacking = _hacking_trainer()
+    validate(0, 0.469, 0.469, save=False)  # the reference (no checkpoint at step 0)
+    validate(40, 0.70, 0.55)  # gold best 0.55: floor 0.55 - 0.05 * 0.55 = 0.5225
+    validate(50, 0.80, 0.336)  # stable by the score, not by the gold
+    assert (g.stable_step, g.gold_stable_step, g.gold_best) == (50, 40, 0.55)
+    validate(60, 0.70, 0.20, save=False)  # 0.70 < 0.80 - 0.04: the validation rolls back to step 50
+    hacking(60)  # the same validation seen by the doctor: not a second rollback, but its target is step 40
+    assert t.restored == [50, 40]
+    assert (g.rollbacks, g.coef_scale, g.coef_floor) == (1, 2.0, 0.05)
+    assert t.roles.actor.optimizer.param_groups[0]["lr"] == 0.5  # halved once, not quartered
+    assert g.pop_metrics() == {
+        "guard/coef_scale": 2.0,
+        "guard/rollbacks": 1.0,
+        "guard/rollback": 1.0,
+        "guard/coef_floor": 0.05,
+    }
+    assert "already rolled back (rollback 1/3, not counted again): weights of step 40" in caplog.text
+    # a resume from step 60's checkpoint (written after the validation's rollback) replays the finding: still once
+    h = GuardMonitor(g.cfg)
+    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    h.on_hacking(60, SimpleNamespace(message="gold fell"), t.ckpt, t.roles, t.beta)
+    assert h.rollbacks == 1 and t.restored == [50, 40]
+
+
+def test_a_hacking_rollback_never_returns_to_a_checkpoint_whose_gold_already_fell():
+    g, t, validate, hacking = _hacking_trainer()
+    validate(0, 0.469, 0.469, save=False)
+    validate(50, 0.80, 0.336)  # below the reference's gold by more than 5% of it (floor 0.44555)
+    validate(60, 0.81, 0.20, save=False)
+    hacking(60)
+    assert t.restored == [] and g.rollbacks == 0 and g.pop_metrics()["guard/hacking_no_rollback"] == 1.0
+    validate(70, 0.82, 0.4456)  # just above 0.469 · 0.95 = 0.44555: a target
+    validate(80, 0.85, 0.30, save=False)
+    hacking(80)
+    assert t.restored == [70] and g.rollbacks == 1 and g.pop_metrics()["guard/hacking_rollback"] == 1.0
+
+
+def test_the_gold_floor_allows_for_sampling_noise():
+    g = GuardMonitor(GuardConfig(rollback_drop=0.05, rollback_z=2.0))
+    t = _FakeTrainer(g)
+    g.after_validation(10, {"val/score_mean": 0.5, "val/gold_mean": 0.60, "val/gold_sem": 0.03}, t.ckpt, t.roles, 0.05)
+    assert g.gold_score({"val/gold_mean": 0.6, "val/gold_unscored_frac": 1.0}) == (None, 0.0)
+    # 5% of 0.60 is 0.03; 2 standard errors of the difference are 2·sqrt(0.03² + 0.03²) = 0.084853
+    assert abs(g.gold_floor(0.03) - (0.60 - 2 * (2 * 0.03**2) ** 0.5)) < 1e-12
+    assert abs(g.gold_floor(0.0) - (0.60 - 2 * 0.03)) < 1e-12  # the noise of the best alone: 0.06 > 0.03
+
+
+def test_hacking_rollback_without_checkpoints_is_refused_at_config_time():
+    with pytest.raises(ConfigError, match=r"guard.on_hacking=rollback .*trainer.save_freq=0"):
+        load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=0"])
+    load_config(None, ["guard.on_hacking=stop", "trainer.save_freq=0"])
 
 
 def test_state_round_trip_and_older_state():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 
 import torch
 
@@ -129,7 +130,8 @@ def evaluate_prompts(
             over responses) and ``kl_ref_seq_mean`` (nats per response).
         progress: show a progress bar (prompts done / total, ETA) on stderr, titled ``desc``.
         gold: a :class:`~tether.rewards.GoldReward` that also scores the same responses (no extra
-            generation): each covered sample's record gets ``gold`` (its score, 0 where unscored) and
+            generation): each covered sample's record gets ``gold`` (its score, 0 where unscored, which the gold
+            metrics leave out) and
             ``gold_scored``, and the metrics the ``gold_*`` of :func:`summarize_samples`; samples it could
             not score are counted and warned about, never raised.
         gen_overrides: passed to the engine (e.g. ``do_sample=False``, ``temperature=0.6``).
@@ -205,8 +207,8 @@ def evaluate_prompts(
     if out.get("gold_unscored_frac"):
         covered = [r for r in records if "gold" in r]
         logging.getLogger("tether").warning(
-            "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): gold_mean "
-            "counts them 0 (gold_unscored_frac); first: %s",
+            "%s: %d of %d samples could not be scored by the gold reward (%s; errors or reward.timeout_s): the gold "
+            "metrics leave them out (gold_unscored_frac; none at all when no sample was scored); first: %s",
             desc,
             sum(not r["gold_scored"] for r in covered),
             len(covered),
@@ -270,30 +272,44 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
 def gold_metrics(records: list[dict], n: int, ks: list[int], *, score_mean: float | None = None) -> dict[str, float]:
     """The gold reward's metrics over the records that carry a gold score (whole prompts, n each, prompt-major).
 
+    Only the samples the gold scored are measured: one it could not score (an error, ``reward.timeout_s``) is left
+    out, not counted 0, so a failing gold never looks like a falling one. With none scored, only
+    ``gold_unscored_frac`` (1.0) is returned: there is no gold measurement to log.
+
     Returns:
-        ``gold_mean`` (mean gold score; a sample the gold could not score counts 0, as in ``score_mean``),
-        ``gold_gap`` (the training reward's mean over the same samples minus ``gold_mean``: ``score_mean −
-        gold_mean`` when every sample has a gold; ``score_mean`` is passed then, so the difference is exact),
-        ``gold_sem`` (:func:`score_sem` of the gold scores), ``gold_unscored_frac`` (samples the gold could
-        not score) and ``gold_pass@k`` (unbiased pass@k, a sample correct when its gold score is at least
-        :data:`CORRECT_THRESHOLD`) for every k in ``ks`` and 1.
+        ``gold_mean`` (mean gold score over the scored samples), ``gold_gap`` (the training reward's mean over the same
+        samples minus ``gold_mean``; ``score_mean`` is passed when every sample has a gold and every one was scored,
+        so the difference is exact), ``gold_sem`` (its standard error from sampling: sem² = Σ_p k_p·s²_p / N², k_p the
+        scored samples of prompt p, s²_p their unbiased variance, N = Σ k_p; :func:`score_sem` when every k_p = n),
+        ``gold_unscored_frac`` (samples the gold could not score) and ``gold_pass@k`` (unbiased pass@k over the
+        prompts with at least k scored samples, each from its own scored ones, a sample correct when its gold score
+        is at least :data:`CORRECT_THRESHOLD`) for every k in ``ks`` and 1 that some prompt has.
     """
     P = len(records) // n
     if P == 0 or P * n != len(records):
         raise ValueError(f"need a positive multiple of n={n} gold records, got {len(records)}")
-    G = [[float(r["gold"]) for r in records[i * n : (i + 1) * n]] for i in range(P)]  # (P, n)
-    mean = lambda rows: math.fsum(math.fsum(g) / n for g in rows) / P  # noqa: E731 - as accuracy_metrics' mean@n
-    gold_mean = mean(G)
-    if score_mean is None:
-        score_mean = mean([[float(r["score"]) for r in records[i * n : (i + 1) * n]] for i in range(P)])
+    unscored = sum(not r.get("gold_scored", True) for r in records) / len(records)
+    groups = [[r for r in records[i * n : (i + 1) * n] if r.get("gold_scored", True)] for i in range(P)]
+    G = [[float(r["gold"]) for r in g] for g in groups]  # the scored samples of each prompt
+    N = sum(len(g) for g in G)
+    if N == 0:
+        return {"gold_unscored_frac": unscored}
+    gold_mean = math.fsum(math.fsum(g) for g in G) / N
+    if score_mean is None or unscored:
+        score_mean = math.fsum(float(r["score"]) for g in groups for r in g) / N
+    var = math.fsum(len(g) * statistics.variance(g) for g in G if len(g) >= 2)
     out = {
         "gold_mean": gold_mean,
         "gold_gap": score_mean - gold_mean,
-        "gold_sem": score_sem(torch.tensor(G, dtype=torch.float64)),
-        "gold_unscored_frac": sum(not r.get("gold_scored", True) for r in records) / len(records),
+        "gold_sem": math.sqrt(var) / N,
+        "gold_unscored_frac": unscored,
     }
     for k in sorted({1, *ks}):
-        out[f"gold_pass@{k}"] = math.fsum(pass_at_k(n, sum(x >= CORRECT_THRESHOLD for x in g), k) for g in G) / P
+        rows = [g for g in G if len(g) >= k]
+        if rows:
+            out[f"gold_pass@{k}"] = math.fsum(
+                pass_at_k(len(g), sum(x >= CORRECT_THRESHOLD for x in g), k) for g in rows
+            ) / len(rows)
     return out
 
 

@@ -31,9 +31,10 @@ class GuardMonitor:
     """Watches each step before its update, after it, and each validation.
 
     State (checkpointed): ``coef_scale`` (β multiplier raised after KL explosions and rollbacks), ``coef_floor`` (β's
-    floor after a hacking rollback),
-    ``rollbacks``, the last stable checkpoint's step and validation score, and the step and score of
-    the last validation (a checkpoint is labelled with a score only when it was validated at its step).
+    floor after a hacking rollback), ``rollbacks`` and the step of the last one (a step rolls back at most once), the
+    last stable checkpoint's step and validation score, the gold reward's best validation and the last checkpoint
+    whose gold is within reach of it (a hacking rollback's target), and the step, score and gold of the last
+    validation (a checkpoint is labelled with a score only when it was validated at its step).
     """
 
     def __init__(self, cfg: GuardConfig, *, max_failed_steps: int = 3):
@@ -47,10 +48,23 @@ class GuardMonitor:
         self.stable_score: float | None = None
         self.stable_sem = 0.0
         self.empty_streak = 0  # consecutive steps whose every sample was dropped
+        # consecutive steps that trained no token (every sample dropped, or every token masked out of the loss) and why
+        self.untrained_streak = 0
+        self.untrained_why = ""
         self.nonfinite_streak = 0  # consecutive steps with a non-finite update skipped (guard.max_nonfinite_steps)
         self.val_step: int | None = None
         self.val_score: float | None = None
         self.val_sem = 0.0
+        self.rollback_step: int | None = None  # the last rollback's step: a step (one validation) rolls back once
+        self.restored_step: int | None = None  # the checkpoint that rollback restored
+        # the gold reward (exact/gold_mean, else val/gold_mean): the best validation's, the last validation's, and the
+        # last checkpoint whose gold is not a drop from the best (gold_floor): where a hacking rollback returns
+        self.gold_best: float | None = None
+        self.gold_best_sem = 0.0
+        self.val_gold: float | None = None
+        self.val_gold_sem = 0.0
+        self.gold_stable_step: int | None = None
+        self.gold_stable_score: float | None = None
         self._events: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
 
@@ -132,7 +146,9 @@ class GuardMonitor:
         self._step_metrics = {}
         if n_valid == 0:
             self.empty_streak += 1
+            self.untrained_streak += 1
             why = why or "no valid response"
+            self.untrained_why = f"every sample was dropped ({why})"
             msg = f"step {step}: every sample of the batch was dropped ({why}); the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
@@ -164,15 +180,41 @@ class GuardMonitor:
             return "skip"
         return self.check_kl(step, kl_mean, beta)
 
+    def check_trained(self, step: int, why: str) -> None:
+        """After an update: ``why`` is empty when it trained some token, else why it trained none (the setting that
+        took every token out of the loss, e.g. ``algo.mask_truncated``). ``reward.max_failed_steps`` steps in a row
+        that trained nothing stop the run as an all-failing reward does (``guard/nothing_trained``, exit 3).
+
+        Raises:
+            TrainingStopped: the streak reached ``reward.max_failed_steps``; the message names ``why``.
+        """
+        if not why:
+            self.untrained_streak, self.untrained_why = 0, ""
+            return
+        self.untrained_streak += 1
+        self.untrained_why = why
+        if self.untrained_streak >= self.max_failed_steps:
+            raise self._stop(
+                "nothing_trained",
+                f"step {step}: no token was trained for {self.untrained_streak} steps in a row "
+                f"(reward.max_failed_steps={self.max_failed_steps}): {why}",
+            )
+
     def all_steps_failed(self, steps_run: int) -> TrainingStopped | None:
-        """The error for a run that ended with every one of its ``steps_run`` steps empty (fewer than
-        reward.max_failed_steps, else :meth:`before_update` stopped it already); None otherwise."""
-        if steps_run <= 0 or self.empty_streak < steps_run:
+        """The error for a run that ended with every one of its ``steps_run`` steps empty, or training no token
+        (fewer than reward.max_failed_steps, else :meth:`before_update` or :meth:`check_trained` stopped it already);
+        None otherwise."""
+        if steps_run <= 0 or self.untrained_streak < steps_run:
             return None
+        if self.empty_streak >= steps_run:
+            return self._stop(
+                "empty_batch",
+                f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
+                "nothing was trained; the reward function or the data never give a valid sample",
+            )
         return self._stop(
-            "empty_batch",
-            f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): nothing "
-            "was trained; the reward function or the data never give a valid sample",
+            "nothing_trained",
+            f"no token of all {steps_run} step(s) of this run was trained: {self.untrained_why}",
         )
 
     def check_kl(self, step: int, kl_mean: float, beta: float, *, after_update: bool = False) -> str:
@@ -247,6 +289,9 @@ class GuardMonitor:
         """
         score, sem = self.validation_score(val_metrics)
         self.val_step, self.val_score, self.val_sem = step, score, sem
+        self.val_gold, self.val_gold_sem = self.gold_score(val_metrics)
+        if self.val_gold is not None and (self.gold_best is None or self.val_gold > self.gold_best):
+            self.gold_best, self.gold_best_sem = self.val_gold, self.val_gold_sem
         if score is None or not self.cfg.rollback_drop or self.stable_score is None or self.stable_step is None:
             return
         floor = self.floor(sem)
@@ -256,56 +301,123 @@ class GuardMonitor:
             f"validation score {score:.4f} at step {step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
             f"below the stable checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
         )
-        self.roll_back(drop, ckpt, roles, controller_beta)
+        self.roll_back(drop, ckpt, roles, controller_beta, step=step)
 
     def on_hacking(self, step: int, finding, ckpt, roles, controller_beta: float) -> None:
         """A live reward-hacking finding (``tether.diagnostics.HACKING_CHECKS``) under ``guard.on_hacking``: ``warn``
-        does
-        nothing more (the trainer logs it), ``stop`` checkpoints and stops, ``rollback`` rolls back to the last stable
-        checkpoint as a validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``)."""
+        does nothing more (the trainer logs it), ``stop`` checkpoints and stops, ``rollback`` rolls back as a
+        validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``, β at least
+        ``hacking_coef``) to :meth:`hacking_target`: with a gold reward, the last checkpoint whose gold was within
+        ``rollback_drop`` of the best gold so far (the reference's at step 0 included), never one already hacked.
+
+        A step whose validation already rolled back (``guard/rollback``) is not rolled back again: one validation is
+        one rollback (one count, one learning-rate scaling); the finding then only floors β and, if its target is an
+        earlier checkpoint than the one restored, restores that one instead."""
         why = f"step {step}: {finding.message}"
         if self.cfg.on_hacking == "stop":
             raise self._stop("hacking", f"{why} (guard.on_hacking=stop)")
         if self.cfg.on_hacking != "rollback":
             return
-        if self.stable_step is None:
+        target = self.hacking_target()
+        if self.rollback_step == step:
+            self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
+            if target is not None and target != self.restored_step:
+                self._restore(ckpt, target, why)
+            log.warning(
+                "guard/hacking_rollback: %s; this step already rolled back (rollback %d/%d, not counted again): "
+                "weights of step %s, β at least guard.hacking_coef=%g",
+                why,
+                self.rollbacks,
+                self.cfg.max_rollbacks,
+                self.restored_step,
+                self.cfg.hacking_coef,
+            )
+            return
+        if target is None:
+            stable = (
+                f"a checkpoint is stable for it once its validated gold is within guard.rollback_drop="
+                f"{self.cfg.rollback_drop:g} of the best gold so far ({self.gold_best:.4f})"
+                if self.gold_best is not None
+                else "a checkpoint is stable once a validation of its weights is not a drop"
+            )
             self._event(
                 "hacking_no_rollback",
-                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet (a checkpoint is stable "
-                "once a validation of its weights is not a drop: trainer.save_freq)",
+                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet ({stable}; "
+                "trainer.save_freq, trainer.val_freq)",
             )
             return
         self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
-        self.roll_back(why, ckpt, roles, controller_beta, event="hacking_rollback")
+        self.roll_back(why, ckpt, roles, controller_beta, step=step, to_step=target, event="hacking_rollback")
 
-    def roll_back(self, drop: str, ckpt, roles, controller_beta: float, *, event: str = "rollback") -> None:
-        """Restore the stable checkpoint's weights and optimizer moments, raise β and lower the learning rates
-        (``drop``:
-        why, for the message); stop after ``max_rollbacks``."""
+    def hacking_target(self) -> int | None:
+        """The checkpoint a hacking rollback returns to: with a gold reward (any validation logged one), the last
+        checkpoint whose gold was not a drop from the best gold so far (:meth:`gold_floor`); without one, the stable
+        checkpoint by ``guard.rollback_metric``. None when there is none yet."""
+        return self.gold_stable_step if self.gold_best is not None else self.stable_step
+
+    def gold_score(self, val: dict) -> tuple[float | None, float]:
+        """(gold, standard error) of a validation: ``exact/gold_mean`` (no noise) where logged, else ``val/gold_mean``
+        with ``val/gold_sem``; (None, 0) when it has neither (no gold reward, or no sample scored by it)."""
+        v = val.get("exact/gold_mean")
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            return float(v), 0.0
+        v = val.get("val/gold_mean")
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or val.get("val/gold_unscored_frac", 0.0) >= 1.0:
+            return None, 0.0
+        return float(v), float(val.get("val/gold_sem", 0.0) or 0.0)
+
+    def gold_floor(self, sem: float) -> float:
+        """The lowest gold of a checkpoint a hacking rollback may return to: the best gold so far less
+        ``rollback_drop`` of it, or less ``rollback_z`` standard errors of the difference where that is larger (as
+        :meth:`floor`). The best includes the reference's (step 0), so a checkpoint whose gold fell below the
+        reference's by more than that is never the target."""
+        noise = self.cfg.rollback_z * math.sqrt(sem**2 + self.gold_best_sem**2)
+        return self.gold_best - max(self.cfg.rollback_drop * abs(self.gold_best), noise)
+
+    def roll_back(
+        self,
+        drop: str,
+        ckpt,
+        roles,
+        controller_beta: float,
+        *,
+        step: int,
+        to_step: int | None = None,
+        event: str = "rollback",
+    ) -> None:
+        """Restore checkpoint ``to_step`` (default: the stable one) weights and optimizer moments, raise β and lower the
+        learning rates (``drop``: why, for the message); stop after ``max_rollbacks``."""
+        to_step = self.stable_step if to_step is None else to_step
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise self._stop(
                 "rollback_limit",
                 f"{drop}, and the run has already rolled back {self.rollbacks} time(s) "
                 f"(guard.max_rollbacks={self.cfg.max_rollbacks}). The last stable checkpoint is "
-                f"{ckpt.root / f'step_{self.stable_step:06d}'}; resume from it with a lower actor.lr or a higher "
+                f"{ckpt.root / f'step_{to_step:06d}'}; resume from it with a lower actor.lr or a higher "
                 "kl.coef (trainer.resume=<that path>).",
             )
-        try:
-            ckpt.restore_weights(self.stable_step)
-        except (OSError, ValueError) as e:  # CheckpointError is a ValueError
-            raise self._stop("rollback_failed", f"{drop}; cannot roll back: {e}") from None
+        self._restore(ckpt, to_step, drop)
         self.rollbacks += 1
+        self.rollback_step = step
         self.coef_scale *= self.cfg.coef_factor
         roles.actor.scale_lr(self.cfg.rollback_lr_factor)
         if roles.critic is not None:
             roles.critic.scale_lr(self.cfg.rollback_lr_factor)
-        self.val_score = None  # the weights are no longer the ones that scored it
         self._event(
             event,
-            f"{drop}: restored step {self.stable_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
+            f"{drop}: restored step {to_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
             f"×{self.cfg.coef_factor:g} → {self.beta(controller_beta):.4g}, learning rates "
             f"×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
+
+    def _restore(self, ckpt, to_step: int, why: str) -> None:
+        """Checkpoint ``to_step``'s weights and optimizer moments; a failure stops the run (``rollback_failed``)."""
+        try:
+            ckpt.restore_weights(to_step)
+        except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+            raise self._stop("rollback_failed", f"{why}; cannot roll back: {e}") from None
+        self.restored_step = to_step
+        self.val_score = self.val_gold = None  # the weights are no longer the ones that scored it
 
     def beta(self, controller_beta: float) -> float:
         """The run's β: the controller's times ``coef_scale``, at least ``coef_floor``."""
@@ -348,7 +460,10 @@ class GuardMonitor:
         return self.val_score if self.val_step == step else None
 
     def mark_stable(self, step: int, score: float | None) -> None:
-        """A checkpoint at ``step`` with validation ``score`` is the new stable point (if not a drop)."""
+        """A checkpoint at ``step`` with validation ``score`` is the new stable point (if not a drop); with its gold
+        (validated at ``step``) not a drop from the best gold (:meth:`gold_floor`), the new hacking-rollback target."""
+        if self.val_step == step and self.val_gold is not None and self.val_gold >= self.gold_floor(self.val_gold_sem):
+            self.gold_stable_step, self.gold_stable_score = step, self.val_gold
         if score is None:
             return
         sem = self.val_sem if self.val_step == step else 0.0
@@ -367,7 +482,17 @@ class GuardMonitor:
             "stable_sem": self.stable_sem,
             "val_sem": self.val_sem,
             "empty_streak": self.empty_streak,
+            "untrained_streak": self.untrained_streak,
+            "untrained_why": self.untrained_why,
             "nonfinite_streak": self.nonfinite_streak,
+            "rollback_step": self.rollback_step,
+            "restored_step": self.restored_step,
+            "gold_best": self.gold_best,
+            "gold_best_sem": self.gold_best_sem,
+            "val_gold": self.val_gold,
+            "val_gold_sem": self.val_gold_sem,
+            "gold_stable_step": self.gold_stable_step,
+            "gold_stable_score": self.gold_stable_score,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -381,4 +506,15 @@ class GuardMonitor:
         self.stable_sem = float(state.get("stable_sem", 0.0))
         self.val_sem = float(state.get("val_sem", 0.0))
         self.empty_streak = int(state.get("empty_streak", 0))
+        self.untrained_streak = int(state.get("untrained_streak", self.empty_streak))
+        self.untrained_why = str(state.get("untrained_why", ""))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        # checkpoints before the gold-stable target: a gold rollback falls back on the stable checkpoint
+        self.rollback_step = state.get("rollback_step")
+        self.restored_step = state.get("restored_step")
+        self.gold_best = state.get("gold_best")
+        self.gold_best_sem = float(state.get("gold_best_sem", 0.0))
+        self.val_gold = state.get("val_gold")
+        self.val_gold_sem = float(state.get("val_gold_sem", 0.0))
+        self.gold_stable_step = state.get("gold_stable_step")
+        self.gold_stable_score = state.get("gold_stable_score")

@@ -216,8 +216,10 @@ class CheckpointManager:
         return path
 
     def protected(self) -> set[int]:
-        """Steps that pruning keeps besides the newest ``keep_last``: the best and the stable checkpoint."""
-        return {s for s in (self.best_step, self.guard.stable_step) if s is not None}
+        """Steps that pruning keeps besides the newest ``keep_last``: the best and the stable checkpoints (by
+        ``guard.rollback_metric``, and by the gold for a hacking rollback)."""
+        steps = (self.best_step, self.guard.stable_step, self.guard.gold_stable_step)
+        return {s for s in steps if s is not None}
 
     def _saves_ref(self) -> bool:
         # a LoRA reference has no weights of its own

@@ -353,6 +353,8 @@ class Trainer:
                 update_metrics |= self.update_critic(batch)
             with timer("update_actor"):
                 update_metrics |= self.update_actor(batch)
+            # every token masked out of the loss, step after step, stops as an all-failing reward does
+            self.guard.check_trained(self.step, self.untrained_reason(batch, update_metrics))
         if self.async_rollout is not None:
             with timer("rollout_join"):  # the next batch, before anything else draws from the RNG (validation)
                 self.async_rollout.join()
@@ -684,6 +686,28 @@ class Trainer:
             self.roles.ref.reset_to(self.roles.actor.model_as_is)
             self.exact_cache.reset_ref()  # exact/* metrics must see the new reference
         return metrics
+
+    def untrained_reason(self, batch: RolloutBatch, update_metrics: dict) -> str:
+        """Why the step's update trained no token, naming the setting that took them all out of the loss; "" when it
+        trained some. Read from the batch's loss mask (``algo.rollout_correction``'s rejection, ``algo.mask_truncated``)
+        and, in bypass mode (the actor rejects per micro-batch), from the update's ``rollout_corr/rejected_frac``."""
+        if int(batch.update_mask.sum()) > 0 and update_metrics.get("rollout_corr/rejected_frac", 0.0) < 1.0:
+            return ""
+        rc, a = self.cfg.algo.rollout_correction, self.cfg.algo
+        corr = batch.extra.get("rollout_corr_metrics", {}) | update_metrics
+        if corr.get("rollout_corr/rejected_frac", 0.0) >= 1.0:
+            return (
+                f"algo.rollout_correction.reject={rc.reject} rejected every token (reject_threshold="
+                f"{rc.reject_threshold:g}); raise algo.rollout_correction.reject_threshold or set "
+                "algo.rollout_correction.reject=none"
+            )
+        if a.mask_truncated and batch.extra.get("control_metrics", {}).get("actor/masked_truncated", 0.0) > 0:
+            return (
+                f"algo.mask_truncated=true took every response out of the loss (none ended within "
+                f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}); raise rollout.max_new_tokens or set "
+                "algo.mask_truncated=false"
+            )
+        return "no token of the batch was left in the actor's loss"
 
     @staticmethod
     def n_valid(batch: RolloutBatch) -> int:
