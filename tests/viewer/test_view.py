@@ -50,6 +50,7 @@ def test_summary_and_details_are_the_records(recorded_run):
     s = summary(view)
     ix = s["index"]
     assert ix["n"] == table.num_rows == 20 and sorted(set(ix["step"])) == [1, 2, 3, 4]
+    assert ix["step"] == sorted(ix["step"])  # sample id i is row i of the files in step order
     assert set(s["curves"]) >= {"reward", "KL (nats/token)", "entropy (nats)", "β", "val score"}
     rows = table.to_pylist()
     for d in sample_details(view, [0, 7, 19]):

@@ -8,6 +8,7 @@ token-level **details** of the responses it shows (:func:`sample_details`), so t
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 
 from tether.diagnostics import diagnose, read_metrics
-from tether.records import RECORDS_DIR, read_records
+from tether.records import RECORDS_DIR, SCHEMA, record_files
 
 #: the curves drawn, by label: the metric each reads from metrics.jsonl
 CURVES: dict[str, str] = {
@@ -53,19 +56,63 @@ class ViewError(ValueError):
     """The run directory cannot be shown (missing, or no metrics and no records): one line, what to do."""
 
 
+#: the columns the index is built from; the rest are read per page (:func:`sample_details`)
+INDEX_COLUMNS = ("step", "kind", "data_source", "prompt", "reward", "gold", "response_ids", *COLOUR_BY)
+_OPEN_FILES = 16  # record files kept in memory for sample_details
+
+
 @dataclass
 class RunView:
-    """A run directory, read once: ``table`` holds the records (None without any)."""
+    """A run directory, read once: ``table`` holds the index columns of every record (None without any); sample
+    id i is row i, found in ``files[j]`` at row ``i - offsets[j]``."""
 
     run_dir: Path
     history: list[dict]
     table: pa.Table | None
     problems: list[str] = field(default_factory=list)
     findings: list = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    _open: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_samples(self) -> int:
         return 0 if self.table is None else self.table.num_rows
+
+    def rows(self, ids: list[int]) -> list[dict]:
+        """Full records of sample ids (each in range), read from their files (the last few kept open)."""
+        out = []
+        for i in ids:
+            j = bisect.bisect_right(self.offsets, i) - 1
+            path = self.files[j]
+            if path not in self._open:
+                if len(self._open) >= _OPEN_FILES:
+                    self._open.pop(next(iter(self._open)))
+                self._open[path] = pq.read_table(path, schema=SCHEMA)
+            out.append(self._open[path].slice(i - self.offsets[j], 1).to_pylist()[0])
+        return out
+
+
+def _index_table(run: Path) -> tuple[pa.Table | None, list[Path], list[int], list[str]]:
+    """The index columns of every readable record file, the files, each file's first sample id, and a line per
+    file skipped (corrupt, truncated, or of another schema)."""
+    files, offsets, problems, n = [], [], [], 0
+    for _, path in record_files(run):
+        try:
+            meta = pq.read_metadata(path)
+            if not meta.schema.to_arrow_schema().equals(SCHEMA, check_metadata=False):
+                raise ValueError("its columns are not those of tether.records.SCHEMA")
+        except (OSError, pa.ArrowException, ValueError) as e:
+            problems.append(f"{path}: not a readable record file ({str(e).splitlines()[0][:200]}); skipped")
+            continue
+        files.append(path)
+        offsets.append(n)
+        n += meta.num_rows
+    if not files:
+        return None, [], [], problems
+    # one multi-threaded scan of the index columns, files in order (100k responses: about a second)
+    table = pads.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table(columns=list(INDEX_COLUMNS))
+    return table, files, offsets, problems
 
 
 def load_run(run_dir: str | Path) -> RunView:
@@ -79,12 +126,12 @@ def load_run(run_dir: str | Path) -> RunView:
     if not run.is_dir():
         raise ViewError(f"{run}: not a directory (give a run directory, e.g. runs/2026-12-03_10-00-00)")
     history = read_metrics(run) if (run / "metrics.jsonl").exists() else []
-    table, problems = read_records(run)
+    table, files, offsets, problems = _index_table(run)
     if not history and table is None:
         raise ViewError(f"{run}: no metrics.jsonl and no {RECORDS_DIR}/ (is it a tether run directory?)")
     config = _config(run)
     findings = diagnose(history, config=config) if history else []
-    return RunView(run, history, table, problems, findings)
+    return RunView(run, history, table, problems, findings, files, offsets)
 
 
 def _config(run: Path):
@@ -194,14 +241,11 @@ def scale(table: pa.Table, column: str) -> float:
 
 
 def sample_details(view: RunView, ids: list[int]) -> list[dict]:
-    """The full records of samples ``ids`` (rows of the table): text, tokens and every per-token column."""
-    t = view.table
-    if t is None:
-        return []
-    ok = [i for i in ids if 0 <= i < t.num_rows]
-    rows = t.take(pa.array(ok, type=pa.int64())).to_pylist() if ok else []
+    """The full records of samples ``ids`` (ids outside the run are left out): text, tokens and every per-token
+    column, read from the record files."""
+    ok = [i for i in ids if 0 <= i < view.n_samples]
     out = []
-    for i, r in zip(ok, rows, strict=True):
+    for i, r in zip(ok, view.rows(ok), strict=True):
         d = {"id": i, **{k: r[k] for k in ("step", "kind", "index", "group_id", "data_source", "prompt", "response")}}
         d |= {"reward": _finite(r["reward"]), "gold": _finite(r["gold"]), "finish_reason": r["finish_reason"]}
         d |= {"truncated": r["truncated"]}

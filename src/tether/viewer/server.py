@@ -46,7 +46,7 @@ class _Live:
 
     def __init__(self, run_dir: Path):
         self.run_dir, self.lock = run_dir, threading.Lock()
-        self.stamp, self.view = None, None
+        self.stamp, self.view, self._summary = None, None, None
 
     def _stamp(self):
         files = [(p.name, p.stat().st_size) for _, p in record_files(self.run_dir)]
@@ -57,8 +57,16 @@ class _Live:
         with self.lock:
             stamp = self._stamp()
             if stamp != self.stamp:
-                self.view, self.stamp = load_run(self.run_dir), stamp
+                self.view, self.stamp, self._summary = load_run(self.run_dir), stamp, None
             return self.view
+
+    def summary_json(self) -> bytes:
+        """The summary of the current view, built once per change of the run."""
+        view = self.get()
+        with self.lock:
+            if self._summary is None or self._summary[0] is not view:
+                self._summary = (view, to_json(summary(view)).encode())
+            return self._summary[1]
 
 
 def make_server(run_dir: str | Path, port: int = 8765, host: str = "127.0.0.1") -> ThreadingHTTPServer:
@@ -69,7 +77,7 @@ def make_server(run_dir: str | Path, port: int = 8765, host: str = "127.0.0.1") 
     """
     run = Path(run_dir)
     live = _Live(run)
-    live.get()  # a missing or empty run fails here, before anything listens
+    live.summary_json()  # a missing or empty run fails here, before anything listens
     page = page_template().encode("utf-8")
 
     class Handler(BaseHTTPRequestHandler):
@@ -90,7 +98,7 @@ def make_server(run_dir: str | Path, port: int = 8765, host: str = "127.0.0.1") 
                 if url.path in ("/", "/index.html"):
                     return self._send(page, "text/html; charset=utf-8")
                 if url.path == "/api/summary":
-                    return self._send(to_json(summary(live.get())).encode(), "application/json")
+                    return self._send(live.summary_json(), "application/json")
                 if url.path == "/api/samples":
                     raw = parse_qs(url.query).get("ids", [""])[0]
                     ids = [int(x) for x in raw.split(",") if x.strip()][:MAX_IDS]
