@@ -33,7 +33,7 @@ VLLM_TEST_ENV := TMPDIR=$(TEST_TMP) TETHER_TEST_TMP=$(TEST_TMP) VLLM_CACHE_ROOT=
 	VLLM_CONFIG_ROOT=$(TEST_TMP)/vllm/config VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
 	TORCHINDUCTOR_CACHE_DIR=$(TEST_TMP)/vllm/inductor HF_HOME=$(TEST_TMP)/hf RAY_AUTH_MODE=disabled
 
-.PHONY: install install-ray demo test test-fast test-kernels bench bench-peer lint lint-imports clean install-vllm test-vllm
+.PHONY: install install-ray install-browser demo test test-fast test-kernels bench bench-peer lint lint-imports clean install-vllm test-vllm
 
 install: $(VENV)/.installed
 
@@ -59,11 +59,31 @@ install-ray: $(VENV)/.installed-ray
 # Ray 2.60 writes an auth token under $$HOME unless RAY_AUTH_MODE=disabled; its session files go to TMPDIR
 RAY_TEST_ENV := RAY_AUTH_MODE=disabled TMPDIR=$(TEST_TMP)
 
-test: install $(VENV)/.installed-ray
+test: install $(VENV)/.installed-ray install-browser
 	mkdir -p $(TEST_TMP)
 	$(RAY_TEST_ENV) $(BIN)/python -m pytest -q
 
-test-fast: install $(VENV)/.installed-ray
+# tether view's tests drive a real headless Chromium: the OS's package (Debian/Ubuntu: apt-get install chromium), as
+# root or through passwordless sudo; where neither can install it, those tests skip and say so
+install-browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+		|| command -v google-chrome >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "no Chromium and no apt-get: tests/viewer's browser tests will skip (install chromium to run them)"; \
+	else \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+		if [ "$$SUDO" = none ]; then \
+			echo "no Chromium, and installing it needs root: sudo apt-get install chromium (tests/viewer's browser tests skip until then)"; \
+		else \
+			echo "installing Chromium (the OS package) for tether view's browser tests"; \
+			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null \
+			|| { $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive \
+				apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+			|| echo "apt-get could not install chromium: tests/viewer's browser tests will skip"; \
+		fi; \
+	fi
+
+test-fast: install $(VENV)/.installed-ray install-browser
 	mkdir -p $(TEST_TMP)
 	$(RAY_TEST_ENV) $(BIN)/python -m pytest -q -m "not slow"
 

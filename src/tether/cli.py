@@ -14,6 +14,7 @@ USAGE = """tether: KL-regularized RL from feedback for language models
                                                 (default: into runs/sft-reference)
   tether report RUN_DIR                         plots + summary.md of a run
   tether doctor RUN_DIR                         health checks of a run's metrics
+  tether view RUN_DIR [--port N] [--html FILE]  read the rollout records token by token (trainer.log_rollouts)
   tether export CHECKPOINT_OR_RUN OUT_DIR       a Hugging Face save_pretrained directory
   tether data gsm8k SRC OUT                     convert GSM8K jsonl to verl's schema
   tether data gsm8k-solutions SRC OUT           GSM8K model solutions → offline rows (response, score)
@@ -251,6 +252,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from tether.diagnostics import doctor
 
     return doctor(args.run_dir)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """Exit 0; 2 for a run that cannot be shown or a port in use (one line); 4 when --html cannot be written."""
+    from tether.outputs import OutputWriteError
+    from tether.viewer import ViewError, serve, write_html
+
+    try:
+        if args.html:
+            out = write_html(args.run_dir, args.html)
+            print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; opens offline)")
+            return 0
+        serve(args.run_dir, args.port, open_browser=args.open)
+    except ViewError as e:
+        print(f"tether view: {e}", file=sys.stderr)
+        return 2
+    except OutputWriteError as e:
+        print(f"tether view: {e}", file=sys.stderr)
+        return 4
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -571,6 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="training health checks of a run directory")
     d.add_argument("run_dir")
     d.set_defaults(func=cmd_doctor)
+    vw = sub.add_parser("view", help="a page to read a run's rollout records token by token (trainer.log_rollouts)")
+    vw.add_argument("run_dir")
+    vw.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default 8765; 0 = any free one)")
+    vw.add_argument("--html", default=None, metavar="FILE", help="write one self-contained HTML file instead")
+    vw.add_argument("--open", action="store_true", help="open the page in the default browser")
+    vw.set_defaults(func=cmd_view)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
     e.add_argument(
         "checkpoint",

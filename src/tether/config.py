@@ -984,6 +984,19 @@ class TrainerConfig(Section):
         description="Validate on at most this many prompts: a fixed subset drawn once with trainer.seed, the same at "
         "every validation (null = all).",
     )
+    log_rollouts: int = Field(
+        0,
+        ge=0,
+        description="Write token-level rollout records (prompt, response, per-token log-probs, reference log-probs, "
+        "KL, entropy, advantages, masks, reward) of trainer.log_rollouts_k responses every N steps to "
+        "RUN_DIR/rollouts/*.parquet, read by tether view (docs/viewer.md); 0 = never.",
+    )
+    log_rollouts_k: int = Field(
+        8, ge=1, description="Responses recorded per recorded step, chosen reproducibly from (trainer.seed, step)."
+    )
+    log_rollouts_max_mb: float = Field(
+        512.0, gt=0, description="Size bound of RUN_DIR/rollouts, MiB: the oldest steps' files are deleted first."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models run.")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl", "tensorboard"], description="Metric sinks (jsonl is always written)."

@@ -38,6 +38,7 @@ from tether.evaluation.validation import validate
 from tether.models import DTYPES
 from tether.outputs import OutputPathError, OutputWriteError
 from tether.placement import build_roles
+from tether.records import RolloutRecorder
 from tether.report import write_report
 from tether.rollout import truncated_rows
 from tether.signals import StopSignals, TrainingInterrupted, signal_name
@@ -184,6 +185,16 @@ class Trainer:
             self.run_dir, cfg.trainer.loggers, config=cfg.to_dict(), project=cfg.trainer.project, resume_step=self.step
         )
 
+        t = cfg.trainer
+        self.records = RolloutRecorder(
+            self.run_dir,
+            every=t.log_rollouts,
+            k=t.log_rollouts_k,
+            max_mb=t.log_rollouts_max_mb,
+            seed=t.seed,
+            resume_step=self.step,
+            token_text=lambda ids: [self.tok.decode([i]) for i in ids],
+        )
         self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
@@ -364,6 +375,9 @@ class Trainer:
         with timer("controller"):
             self.update_controller(batch)
         metrics = self.step_metrics(batch) | update_metrics
+        if self.records.due(self.step):  # trainer.log_rollouts
+            with timer("records"):
+                metrics |= self.records.maybe_record(self.step, batch)
         with timer("validate"):
             val = self.maybe_validate()
             self.guard_validation(val)  # guard.rollback_*: a validation that fell rolls back (a state change)
