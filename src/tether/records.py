@@ -23,8 +23,8 @@ rollout_logprobs    float32 the engine's own log-probs (NaN where unknown; empty
 is_weights          float32 rollout-correction weights (empty without ``algo.rollout_correction``)
 response_mask       int8, 1 = the token counts; ``generated_mask`` 1 = the model wrote it;
 loss_mask           int8, 1 = the actor trained on it (``RolloutBatch.update_mask``)
-reward              float64 the sequence score; NaN for a sample dropped before scoring
-gold                float64 the gold reward where one scored the response; NaN otherwise (training steps)
+reward              float64 the sequence score; null for a sample not scored
+gold                float64 the gold reward where one scored the response; null otherwise (training steps)
 finish_reason       ``eos`` | ``length`` | ``stop`` | ``abort`` | ``""`` (unknown); ``truncated`` bool
 ==================  =====================================================================================
 
@@ -132,8 +132,8 @@ def batch_records(
         for name, t in masks.items():
             cols[name].append(t[i, :n].to(torch.int8).cpu().tolist())
         score = float(batch.scores[i]) if batch.scores is not None else math.nan
-        cols["reward"].append(score)
-        cols["gold"].append(math.nan)
+        cols["reward"].append(score if math.isfinite(score) else None)
+        cols["gold"].append(None)
         cols["finish_reason"].append(batch.finish_reasons[i] if batch.finish_reasons is not None else "")
         cols["truncated"].append(bool(batch.truncated[i]) if batch.truncated is not None else False)
     return pa.table(cols, schema=SCHEMA)
