@@ -57,9 +57,9 @@ def test_a_run_records_each_due_step_with_the_batchs_own_numbers(tmp_path):
     seen = {}
     maybe = trainer.records.maybe_record
 
-    def spy(step, batch):
+    def spy(step, batch, val_samples=None):
         seen[step] = batch
-        return maybe(step, batch)
+        return maybe(step, batch, val_samples)
 
     trainer.records.maybe_record = spy
     trainer.fit()
@@ -170,3 +170,46 @@ def test_read_records_skips_and_names_a_corrupt_file(tmp_path):
     (d / "step_0000003.parquet").write_bytes(b"PAR1 not really")
     table, problems = read_records(tmp_path)
     assert table is None and len(problems) == 1 and "step_0000003.parquet" in problems[0]
+
+
+@pytest.mark.slow
+def test_every_validation_sample_is_recorded_with_its_reward(tmp_path):
+    """val_freq 2, val_n 2 on 2 prompts: 4 "val" rows at steps 0 (a file of its own, before training), 2 and 4; their
+    mean reward is the logged val/score_mean (every sample scored here), and they carry no per-token numbers."""
+    import json
+
+    out = tmp_path / "run"
+    Trainer(
+        cfg(out, "trainer.val_freq=2", "trainer.val_n=2", "data.embedded_val_size=2", "trainer.log_rollouts=2")
+    ).fit()
+    assert [s for s, _ in record_files(out)] == [0, 2, 4]
+    logged = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    for step, path in record_files(out):
+        rows = pq.read_table(path).to_pylist()
+        val = [r for r in rows if r["kind"] == "val"]
+        assert len(val) == 4 and len(rows) == 4 + (3 if step else 0)
+        assert sum(r["reward"] for r in val) / 4 == pytest.approx(logged[step]["val/score_mean"], abs=1e-12)
+        assert logged[step]["records/written"] == len(rows)
+        for r in val:
+            assert r["kl"] == [] and r["gold"] is None and len(r["tokens"]) == len(r["response_ids"]) > 0
+            assert r["finish_reason"] == ("length" if r["truncated"] else "eos")
+
+
+@pytest.mark.slow
+def test_a_few_recorded_responses_reach_tensorboard_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tether.records import SAMPLES_LOGGED
+
+    out = tmp_path / "run"
+    Trainer(cfg(out, "trainer.loggers=[jsonl,tensorboard]", "trainer.total_steps=2")).fit()
+    acc = EventAccumulator(str(out / "events"), size_guidance={"tensors": 0}).Reload()
+    events = acc.Tensors("rollouts/text_summary")
+    assert [e.step for e in events] == [1, 2]
+    rows = pq.read_table(record_path(out, 2)).to_pylist()[:SAMPLES_LOGGED]
+    text = events[1].tensor_proto.string_val[0].decode()
+    lines = text.splitlines()
+    assert lines[0] == "| kind | data_source | reward | gold | kl_mean | prompt | response |"
+    assert len(lines) == 2 + len(rows)
+    for line, r in zip(lines[2:], rows, strict=True):
+        assert line.startswith(f"| train | {r['data_source']} | {r['reward']:.4g} | – |") and r["prompt"] in line

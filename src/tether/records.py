@@ -1,7 +1,8 @@
 """Rollout records: token-level Parquet files of what the policy wrote (``trainer.log_rollouts``).
 
 Every ``trainer.log_rollouts`` steps, ``trainer.log_rollouts_k`` responses of the step's batch, chosen
-reproducibly (a generator seeded by ``(trainer.seed, step)``), are written to
+reproducibly (a generator seeded by ``(trainer.seed, step)``), and every sample of every validation (step 0's
+included) are written to
 ``RUN_DIR/rollouts/step_XXXXXXX.parquet``, one row per response. Each file is written whole or not at all
 (:func:`tether.outputs.atomic_output`); the directory is kept under ``trainer.log_rollouts_max_mb`` by
 deleting the oldest steps' files first; on resume from step S the files of steps after S are deleted, since
@@ -10,8 +11,9 @@ those steps run again (each step is recorded once, as metrics.jsonl keeps each s
 Columns (one row per response; per-token columns are lists of the response's T tokens, padding cut off):
 
 ==================  =====================================================================================
-step, kind          the training step; ``"train"``
-index, group_id     the response's row in the step's batch and the prompt group it answers
+step, kind          the training step; ``"train"``, or ``"val"`` for a validation sample (every one is recorded)
+index, group_id     the response's row in the step's batch and the prompt group it answers (validation: its
+                    place in the validation and its prompt's dataset index)
 data_source         the dataset row's ``data_source``; ``prompt``, ``response``: decoded text
 response_ids        int32 token ids the engine sampled; ``tokens``: each decoded alone (the viewer's text)
 logprobs            float32 log π_old(a_t|s_t), nats (the policy that sampled, as the trainer computed it)
@@ -49,6 +51,8 @@ from tether.outputs import OutputWriteError, atomic_output
 log = logging.getLogger("tether")
 
 RECORDS_DIR = "rollouts"
+#: rows of each written file also logged to TensorBoard (text) and W&B (a table)
+SAMPLES_LOGGED = 4
 _NAME = re.compile(r"^step_(\d{7,})\.parquet$")
 
 _TOKEN_FLOAT_FIELDS = ("logprobs", "ref_logprobs", "kl", "entropy", "advantages", "rollout_logprobs", "is_weights")
@@ -139,6 +143,34 @@ def batch_records(
     return pa.table(cols, schema=SCHEMA)
 
 
+def val_records(samples: list[dict], step: int, token_text: Callable[[list[int]], list[str]] | None = None) -> pa.Table:
+    """Validation samples (records of :func:`tether.evaluation.sampled.evaluate_prompts`) as rows of
+    :data:`SCHEMA`, ``kind="val"``: text, token ids, reward (null where the reward could not score it) and gold
+    (null where no gold scored it); no per-token numbers (validation computes none). ``index`` is the
+    sample's place in the validation, ``group_id`` its prompt's dataset index."""
+    cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+    for j, r in enumerate(samples):
+        ids = list(r.get("response_ids", []))
+        cols["step"].append(step)
+        cols["kind"].append("val")
+        cols["index"].append(j)
+        cols["group_id"].append(int(r.get("index", -1)))
+        cols["data_source"].append(str(r.get("data_source", "")))
+        cols["prompt"].append(r.get("prompt", ""))
+        cols["response"].append(r.get("response", ""))
+        cols["response_ids"].append(ids)
+        cols["tokens"].append(token_text(ids) if token_text is not None else [str(x) for x in ids])
+        for name in (*_TOKEN_FLOAT_FIELDS, *_TOKEN_MASK_FIELDS):
+            cols[name].append([])
+        cols["reward"].append(float(r["score"]) if r.get("scored", True) and "score" in r else None)
+        gold = r.get("gold") if r.get("gold_scored", False) else None
+        cols["gold"].append(float(gold) if gold is not None else None)
+        truncated = bool(r.get("truncated", False))
+        cols["finish_reason"].append("length" if truncated else "eos")
+        cols["truncated"].append(truncated)
+    return pa.table(cols, schema=SCHEMA)
+
+
 _FIELD = {"logprobs": "old_logprobs"}  # record column -> RolloutBatch field, where they differ
 
 
@@ -175,6 +207,7 @@ class RolloutRecorder:
     ):
         self.run_dir, self.every, self.k, self.max_bytes, self.seed = Path(run_dir), every, k, max_mb * 2**20, seed
         self.token_text = token_text
+        self.last_rows: list[dict] = []  # a few rows of the last file written, for TensorBoard and W&B
         self.failed = 0
         for step, path in record_files(self.run_dir):
             if step > resume_step:
@@ -183,12 +216,21 @@ class RolloutRecorder:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def maybe_record(self, step: int, batch: RolloutBatch) -> dict[str, float]:
-        """Record ``batch`` if ``step`` is due; returns ``{"records/written": rows}`` or nothing. A write that fails
-        (full disk, no permission) is logged, counted in ``records/failed`` and skipped: records never stop a run."""
-        if not self.due(step) or len(batch) == 0:
+    def maybe_record(
+        self, step: int, batch: RolloutBatch | None, val_samples: list[dict] | None = None
+    ) -> dict[str, float]:
+        """Write step ``step``'s file: ``trainer.log_rollouts_k`` responses of ``batch`` if the step is due, and
+        every validation sample of ``val_samples`` (records of :func:`tether.evaluation.sampled.evaluate_prompts`);
+        returns ``{"records/written": rows}``, or nothing when there was nothing to write. A write that fails (full
+        disk, no permission) is logged, counted in ``records/failed`` and skipped: records never stop a run."""
+        parts = []
+        if batch is not None and self.due(step) and len(batch):
+            parts.append(batch_records(batch, step, choose_rows(len(batch), self.k, self.seed, step), self.token_text))
+        if val_samples:
+            parts.append(val_records(val_samples, step, self.token_text))
+        if not parts:
             return {}
-        table = batch_records(batch, step, choose_rows(len(batch), self.k, self.seed, step), self.token_text)
+        table = pa.concat_tables(parts)
         path = record_path(self.run_dir, step)
         try:
             with atomic_output(path, "file") as tmp:
@@ -198,6 +240,7 @@ class RolloutRecorder:
             log.warning("rollout records of step %d not written (%s); training goes on", step, e)
             return {"records/failed": float(self.failed)}
         self.prune()
+        self.last_rows = table.slice(0, SAMPLES_LOGGED).to_pylist()
         return {"records/written": float(table.num_rows)}
 
     def prune(self) -> list[Path]:

@@ -30,7 +30,8 @@ RUN = [
 
 @pytest.fixture(scope="package")
 def recorded_run(tmp_path_factory):
-    """A 4-step run of the embedded task recording 5 responses at every step (20 records)."""
+    """A 4-step run of the embedded task recording 5 responses at every step and every validation sample (2 prompts x
+    2 at steps 0, 2 and 4): 32 records."""
     out = tmp_path_factory.mktemp("viewer") / "run"
     Trainer(load_config(None, [*RUN, f"trainer.output_dir={out}"])).fit()
     return out

@@ -49,7 +49,11 @@ def test_summary_and_details_are_the_records(recorded_run):
     table, _ = read_records(recorded_run)
     s = summary(view)
     ix = s["index"]
-    assert ix["n"] == table.num_rows == 20 and sorted(set(ix["step"])) == [1, 2, 3, 4]
+    # 5 training responses at steps 1-4; every validation sample (2 prompts x val_n 2) at steps 0, 2, 4
+    assert ix["n"] == table.num_rows == 20 + 12 and sorted(set(ix["step"])) == [0, 1, 2, 3, 4]
+    assert ix["kind"].count("val") == 12 and all(
+        k == "val" for k, s in zip(ix["kind"], ix["step"], strict=True) if s == 0
+    )
     assert ix["step"] == sorted(ix["step"])  # sample id i is row i of the files in step order
     assert set(s["curves"]) >= {"reward", "KL (nats/token)", "entropy (nats)", "β", "val score"}
     rows = table.to_pylist()
@@ -100,7 +104,7 @@ def test_the_server_serves_the_page_summary_and_samples_and_reads_new_records(re
         code, kind, body = _get(base + "/")
         assert code == 200 and kind.startswith("text/html") and b"tether view" in body
         code, _, body = _get(base + "/api/summary")
-        assert json.loads(body)["index"]["n"] == 20
+        assert json.loads(body)["index"]["n"] == 32
         code, _, body = _get(base + "/api/samples?ids=3,1")
         assert [d["id"] for d in json.loads(body)] == [3, 1]
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -115,7 +119,7 @@ def test_the_server_serves_the_page_summary_and_samples_and_reads_new_records(re
         new = path.with_name(f"step_{step + 1:07d}.parquet")
         pq.write_table(extra, new)
         try:
-            assert json.loads(_get(base + "/api/summary")[2])["index"]["n"] == 25
+            assert json.loads(_get(base + "/api/summary")[2])["index"]["n"] == 32 + extra.num_rows
         finally:
             new.unlink()
     finally:

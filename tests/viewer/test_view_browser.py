@@ -44,7 +44,7 @@ def test_the_page_loads_with_the_records_count_and_colours_a_token_by_its_kl(bro
     page, errors = open_page(browser, served)
     assert page.text_content("#count") == f"showing 1–{min(n, 20)} of {n} responses"
     assert page.locator("article.sample").count() == min(n, 20)
-    assert f"{n} recorded responses at 4 steps" in page.text_content("#counts")
+    assert f"{n} recorded responses at 5 steps" in page.text_content("#counts")
     # the first card is the latest step's first record (order: latest step first, then record order)
     first = page.locator("article.sample").first
     sid = int(first.get_attribute("data-id"))
@@ -108,7 +108,7 @@ def test_the_html_export_opens_from_disk_offline(browser, recorded_run, tmp_path
     table, _ = read_records(recorded_run)
     page, errors = open_page(browser, out.as_uri())
     assert page.text_content("#count") == f"showing 1–20 of {table.num_rows} responses"
-    page.select_option("#f-step", "1")
+    page.select_option("#f-step", "1")  # 5 training responses, no validation at step 1
     page.wait_for_function("document.getElementById('count').textContent.endsWith('of 5 responses')")
     assert page.locator("svg.curve").count() >= 4
     assert errors == []

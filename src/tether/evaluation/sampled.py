@@ -123,7 +123,7 @@ def evaluate_prompts(
             :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``scored``
             (False: the reward could not score it: an error, a timeout, a non-finite score), ``length``
             (tokens), ``truncated``, ``kl_ref`` (nats per token, with ``kl_probe``), ``prompt``,
-            ``response``.
+            ``response``, ``response_ids`` (the ``length`` sampled token ids).
         by_source: when a dict, filled with ``{data_source: metrics}`` (the accuracy and length
             metrics of :func:`summarize_samples` per source).
         kl_probe: a :class:`KLProbe`: adds ``kl_ref_mean`` / ``kl_ref_k3_mean`` (nats per token, mean
@@ -195,6 +195,7 @@ def evaluate_prompts(
                 if kl is not None:
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
+                rec["response_ids"] = batch.response_ids[j, : int(lengths[j])].tolist()
                 records.append(rec)
             if bar is not None:
                 bar.update(len(idx))

@@ -9,7 +9,9 @@ from tether.evaluation.exact import ExactCache, exact_metrics
 from tether.evaluation.sampled import capped_indices, distinct_prompt_indices, evaluate_prompts
 
 
-def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None = None) -> dict[str, float]:
+def validate(
+    cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None = None, samples: list | None = None
+) -> dict[str, float]:
     """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
     with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
     fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
@@ -25,6 +27,8 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
             actor's model, the reference and the tokenizer); val_set: the prepared held-out prompts.
         beta: the current β (exact/*'s optimum π* ∝ π_ref·exp(r/β)).
         exact_cache: what exact/* keeps between validations (a fresh one when None).
+        samples: when a list, one record per validation response is appended (see
+            :func:`~tether.evaluation.sampled.evaluate_prompts`; ``trainer.log_rollouts`` writes them).
     """
     reward = getattr(roles, "val_reward", None) or roles.reward
     indices = distinct_prompt_indices(val_set) if cfg.rollout.mode == "offline" else list(range(len(val_set)))
@@ -41,6 +45,7 @@ def validate(cfg, roles, val_set, *, beta: float, exact_cache: ExactCache | None
         progress=cfg.trainer.progress,
         desc="validation",
         gold=getattr(roles, "gold", None),
+        samples=samples,
     )
     out = {f"val/{key}": v for key, v in m.items()}
     if m.get("unscored_frac"):

@@ -86,6 +86,41 @@ class MetricsLogger:
 
             mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """A few recorded responses (``trainer.log_rollouts``; rows of :data:`tether.records.SCHEMA`) as TensorBoard
+        text (``rollouts``, a markdown table) and a W&B table (``rollouts``): kind, data source, reward, gold, mean
+        KL per token, prompt and response."""
+        if not rows or (self.tb is None and self.wandb is None):
+            return
+        columns = ["kind", "data_source", "reward", "gold", "kl_mean", "prompt", "response"]
+        data = []
+        for r in rows:
+            kl = [x for x in r.get("kl") or [] if x is not None and math.isfinite(x)]
+            data.append(
+                [
+                    r["kind"],
+                    r["data_source"],
+                    r["reward"],
+                    r["gold"],
+                    sum(kl) / len(kl) if kl else None,
+                    r["prompt"],
+                    r["response"],
+                ]
+            )
+        if self.tb is not None:
+
+            def cell(v) -> str:
+                text = "–" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+                return text.replace("|", "\\|").replace("\n", " ")
+
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in data]
+            self.tb.add_text("rollouts", "\n".join(lines), step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"rollouts": wandb.Table(columns=columns, data=data)}, step=step)
+
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:

@@ -195,6 +195,7 @@ class Trainer:
             resume_step=self.step,
             token_text=lambda ids: [self.tok.decode([i]) for i in ids],
         )
+        self.val_samples: list[dict] = []  # the last validation's samples, until the rollout records take them
         self.diagnostics = LiveDiagnostics(config=cfg.to_dict())  # every LIVE_EVERY steps, as tether doctor replays
         if self.step:
             self.diagnostics.load(read_metrics(self.run_dir))
@@ -277,6 +278,8 @@ class Trainer:
                     with self.notices("validate", 0):
                         val = self.maybe_validate(force=True)  # the reference's scores, as step 0
                     self.guard_validation(val)
+                    val |= self.records.maybe_record(0, None, self.take_val_samples())
+                    self.logger.log_samples(0, self.records.last_rows)
                     self.logger.log(0, val)
                 if self.step >= self.cfg.trainer.total_steps:
                     log.warning(
@@ -375,13 +378,14 @@ class Trainer:
         with timer("controller"):
             self.update_controller(batch)
         metrics = self.step_metrics(batch) | update_metrics
-        if self.records.due(self.step):  # trainer.log_rollouts
-            with timer("records"):
-                metrics |= self.records.maybe_record(self.step, batch)
         with timer("validate"):
             val = self.maybe_validate()
             self.guard_validation(val)  # guard.rollback_*: a validation that fell rolls back (a state change)
         metrics |= val
+        if self.records.due(self.step) or self.val_samples:  # trainer.log_rollouts
+            with timer("records"):
+                metrics |= self.records.maybe_record(self.step, batch, self.take_val_samples())
+                self.logger.log_samples(self.step, self.records.last_rows)
         metrics |= self.guard.after_step(self.step, metrics)  # guard/* of the step, rollbacks included
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
@@ -798,8 +802,17 @@ class Trainer:
         due = force or (freq and (self.step % freq == 0 or self.step == self.cfg.trainer.total_steps))
         if not due or len(self.val_set) == 0:
             return {}
-        self.last_val = validate(self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache)
+        samples = [] if self.records.every else None  # trainer.log_rollouts records every validation sample
+        self.last_val = validate(
+            self.cfg, self.roles, self.val_set, beta=self.beta, exact_cache=self.exact_cache, samples=samples
+        )
+        self.val_samples = samples or []
         return self.last_val
+
+    def take_val_samples(self) -> list[dict]:
+        """The last validation's per-sample records (once), for the rollout records."""
+        samples, self.val_samples = self.val_samples, []
+        return samples
 
     def guard_validation(self, val: dict[str, float]) -> None:
         """The guard reads a validation's score (``guard.rollback_metric``); one more than ``guard.rollback_drop`` below
