@@ -213,3 +213,36 @@ def test_a_few_recorded_responses_reach_tensorboard_as_text(tmp_path):
     assert len(lines) == 2 + len(rows)
     for line, r in zip(lines[2:], rows, strict=True):
         assert line.startswith(f"| train | {r['data_source']} | {r['reward']:.4g} | – |") and r["prompt"] in line
+
+
+def test_the_recorded_rows_reach_a_wandb_table(tmp_path, monkeypatch):
+    """W&B is not installed in CI: a stand-in module records what MetricsLogger hands it (the table's columns and
+    rows, and the step)."""
+    import sys
+    import types
+
+    from tether.trainer.logging import MetricsLogger
+
+    logged = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    class Run:
+        def log(self, values, step=None):
+            logged.append((step, values))
+
+        def finish(self):
+            pass
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(), Table=Table)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logger = MetricsLogger(tmp_path, ["jsonl", "wandb"], config={}, project="p")
+    row = {"kind": "val", "data_source": "s", "reward": 1.0, "gold": 0.0, "kl": [], "prompt": "3,4=", "response": "7"}
+    logger.log_samples(5, [row, {**row, "kind": "train", "gold": None, "kl": [0.5, -0.25]}])
+    logger.close()
+    ((step, values),) = logged
+    table = values["rollouts"]
+    assert step == 5 and table.columns == ["kind", "data_source", "reward", "gold", "kl_mean", "prompt", "response"]
+    assert table.data == [["val", "s", 1.0, 0.0, None, "3,4=", "7"], ["train", "s", 1.0, None, 0.125, "3,4=", "7"]]

@@ -177,7 +177,7 @@ _FIELD = {"logprobs": "old_logprobs"}  # record column -> RolloutBatch field, wh
 def _lengths(mask: torch.Tensor) -> list[int]:
     """Each row's length up to its last marked token (0 for a row with none)."""
     t = mask.shape[-1]
-    pos = torch.arange(1, t + 1).expand_as(mask)
+    pos = torch.arange(1, t + 1, device=mask.device).expand_as(mask)
     return torch.where(mask, pos, torch.zeros_like(pos)).amax(dim=-1).tolist()
 
 
