@@ -5,6 +5,7 @@ import logging
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -348,10 +349,13 @@ def test_config_diff_on_resume_compares_local_paths_absolute(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     m = CheckpointManager.__new__(CheckpointManager)
     m.cfg = load_config(None, [f"actor.model={tmp_path / 'T' / 'qwen'}"])  # e.g. resumed with the run's config.yaml
+    # rollout.engine=auto is compared as the engine it resolved to: this run's, and the checkpoint's as recorded
+    m.roles = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(name="hf")))
     saved = load_config(None, ["actor.model=T/qwen"]).to_dict()  # a checkpoint of a start with the relative path
+    step1 = tmp_path / "step_000001"
     with caplog.at_level("WARNING", logger="tether"):
-        assert m._warn_config_changes(saved, tmp_path / "step_000001") == {}
-        assert m._warn_config_changes(load_config(None, ["kl.coef=0.2"]).to_dict(), tmp_path / "step_000001") == {
+        assert m._warn_config_changes(saved, step1, saved_engine="hf") == {}
+        assert m._warn_config_changes(load_config(None, ["kl.coef=0.2"]).to_dict(), step1, saved_engine="hf") == {
             "actor.model": ("embedded", str(tmp_path / "T" / "qwen")),
             "kl.coef": (0.2, 0.05),
         }
