@@ -569,8 +569,8 @@ def test_cli_a_misspelt_command_gets_a_did_you_mean(capsys):
         cli_main(["trian", "kl.coef=0.1"])
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "tether: error: unknown command 'trian'; did you mean train? commands: train, sft, report, doctor, view, export, "
-        "sweep, eval, plan, data (tether --help)"
+        "tether: error: unknown command 'trian'; did you mean train? commands: train, sft, report, doctor, view, "
+        "export, sweep, eval, plan, data (tether --help)"
     )
     with pytest.raises(SystemExit):
         cli_main(["frobnicate"])
