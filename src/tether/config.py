@@ -1093,8 +1093,9 @@ class GuardConfig(Section):
     )
     rollback_metric: str = Field(
         "auto",
-        description="Validation metric rollback and the best checkpoint watch; auto = exact/score_mean on the embedded "
-        "task (no sampling noise), else val/score_mean; gold = val/gold_mean, the gold reward's (reward.val_function / "
+        description="Validation metric rollback and the best checkpoint watch; auto = the training reward's: "
+        "exact/score_mean on the embedded task (no sampling noise; reward.function's score where set), else "
+        "val/score_mean; gold = val/gold_mean, the gold reward's (reward.val_function / "
         "reward.val_model, or the data source's built-in gold; refused without one).",
     )
     rollback_z: float = Field(
@@ -1106,21 +1107,27 @@ class GuardConfig(Section):
     rollback_lr_factor: float = Field(
         0.5, gt=0, le=1, description="Multiply the learning rates by this after a rollback."
     )
-    max_rollbacks: int = Field(3, ge=0, description="Stop with a message after this many rollbacks.")
+    max_rollbacks: int = Field(
+        3,
+        ge=0,
+        description="Stop after this many rollbacks, with a message naming each one's step, checkpoint restored and β.",
+    )
     on_hacking: Literal["warn", "rollback", "stop"] = Field(
         "warn",
         description="What a live reward-hacking warning (the doctor's hacking_gold or hacking_proxy check, "
-        "docs/hacking.md) does: warn = log it; rollback = restore the last checkpoint whose validated gold is within "
-        "guard.rollback_drop of the best gold so far, the reference's included (without a gold reward: the stable one "
-        "by guard.rollback_metric), multiply β by guard.coef_factor and the learning rates by "
+        "docs/hacking.md) does: warn = log it; rollback = restore the last checkpoint before the warning's step whose "
+        "validated gold is within guard.rollback_drop of the best gold so far, the reference's included (without a "
+        "gold reward: the last stable one by guard.rollback_metric; never the flagged step's own), multiply β by "
+        "guard.coef_factor (at least guard.hacking_coef, escalating) and the learning rates by "
         "guard.rollback_lr_factor, counted against guard.max_rollbacks (a step whose validation already rolled back is "
         "not rolled back twice); needs trainer.save_freq > 0; stop = checkpoint and stop (exit 3).",
     )
     hacking_coef: float = Field(
         0.05,
         gt=0,
-        description="guard.on_hacking=rollback: β is at least this after a hacking rollback (multiplying a β of 0 by "
-        "guard.coef_factor leaves it 0).",
+        description="guard.on_hacking=rollback: β is at least this after the first hacking rollback (multiplying a β "
+        "of 0 by guard.coef_factor leaves it 0), and at least this × guard.coef_factor^n after the (n+1)-th (β = 0: "
+        "0.05, 0.1, 0.2, ...).",
     )
 
     _rollback_metric = field_validator("rollback_metric")(classmethod(lambda cls, v: _check_rollback_metric(v)))

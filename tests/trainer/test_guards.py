@@ -246,6 +246,69 @@ def test_a_hacking_rollback_never_returns_to_a_checkpoint_whose_gold_already_fel
     assert t.restored == [70] and g.rollbacks == 1 and g.pop_metrics()["guard/hacking_rollback"] == 1.0
 
 
+def test_repeated_hacking_rollbacks_double_beta_from_zero_never_return_to_the_flagged_step_and_stop_naming_them(caplog):
+    # issue 34 item 4: at β = 0 every hacking rollback gave β = 0.05 (0 × 2 = 0, floored at guard.hacking_coef)
+    g, t, validate, hacking = _hacking_trainer(max_rollbacks=3, coef_factor=2.0, hacking_coef=0.05)
+    t.beta = 0.0
+    validate(0, 0.469, 0.469, save=False)
+    validate(10, 0.60, 0.60)  # gold best 0.60 (floor 0.57): a target
+    validate(20, 0.70, 0.30)  # stable by the score, the gold fell
+    hacking(20)
+    assert t.restored == [10] and g.beta(t.beta) == 0.05 and g.stable_step == 10  # not step 20, the hacked one
+    validate(30, 0.65, 0.62)  # the gold held (best 0.62): checkpoint 30 is a target for later steps...
+    assert g.gold_stable_step == 30 and g.protected_steps() == {10, 30}  # pruning keeps the target before 30
+    hacking(30)  # ...but not for a finding at step 30 itself: its weights are the ones flagged
+    assert t.restored == [10, 10] and g.beta(t.beta) == 0.1 and g.protected_steps() == {10}
+    validate(40, 0.70, 0.61)
+    hacking(40)
+    assert t.restored == [10, 10, 10] and (g.coef_scale, g.coef_floor, g.beta(t.beta)) == (8.0, 0.2, 0.2)
+    assert t.roles.actor.optimizer.param_groups[0]["lr"] == 0.125
+    assert (
+        "β ×2, at least 0.2 (guard.hacking_coef=0.05, × coef_factor per further hacking rollback) → 0.2" in caplog.text
+    )
+    validate(50, 0.70, 0.10, save=False)
+    with pytest.raises(TrainingStopped) as stop:
+        hacking(50)
+    assert (
+        "already rolled back 3 time(s) (guard.max_rollbacks=3): step 20 → checkpoint 10 (β 0.05), step 30 → "
+        "checkpoint 10 (β 0.1), step 40 → checkpoint 10 (β 0.2)." in str(stop.value)
+    )
+    assert g.coef_floor == 0.2  # the stop changes nothing
+    h = GuardMonitor(g.cfg)
+    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert h.tried == [[20, 10, 0.05], [30, 10, 0.1], [40, 10, 0.2]] and h.coef_floor == 0.2
+
+
+@pytest.mark.parametrize(
+    ("beta", "want"),
+    [
+        (0.01, [0.05, 0.15]),  # max(0.01·3, 0.05), max(0.01·9, 0.05·3)
+        (0.2, [0.6, 1.8]),  # the scaled β is above the floor: 0.2·3, 0.2·9
+    ],
+)
+def test_hacking_rollbacks_escalate_a_positive_beta_by_coef_factor(beta, want):
+    g, t, validate, hacking = _hacking_trainer(coef_factor=3.0)
+    t.beta = beta
+    validate(10, 0.6, 0.6)
+    got = []
+    for step in (20, 30):
+        validate(step, 0.6, 0.2, save=False)
+        hacking(step)
+        got.append(g.beta(t.beta))
+    assert got == pytest.approx(want, abs=1e-12) and t.restored == [10, 10]
+
+
+def test_a_hacking_rollback_without_a_gold_returns_to_the_stable_checkpoint_before_the_flagged_one():
+    g = GuardMonitor(GuardConfig(on_hacking="rollback", rollback_drop=0.05))
+    t = _FakeTrainer(g)
+    for step, score in ((10, 0.60), (20, 0.65)):
+        t.validate(step, score)
+        g.mark_stable(step, g.score_at(step))
+    assert g.stable_step == 20
+    g.on_hacking(20, SimpleNamespace(message="KL accelerated"), t.ckpt, t.roles, t.beta)  # hacking_proxy: no gold
+    assert t.restored == [10] and g.stable_step == 10 and g.hacking_target(30) == 10
+
+
 def test_the_gold_floor_allows_for_sampling_noise():
     g = GuardMonitor(GuardConfig(rollback_drop=0.05, rollback_z=2.0))
     t = _FakeTrainer(g)

@@ -16,6 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from tether.checkpoint import latest_valid_checkpoint
 from tether.config import EMBEDDED, ConfigError, load_config
+from tether.data import PromptRow
 from tether.diagnostics import read_metrics
 from tether.tasks import digitsum, embedded_task
 from tether.tasks.exact import evaluate_policy, exact_space_problem
@@ -29,15 +30,46 @@ EXACT_FINAL = "exact_final.json"
 class ExactCache:
     """What exact/* keeps between validations: the reference's enumerated responses (``ref``, emptied by
     :meth:`reset_ref` when the reference's weights change: ``ref.reset_every``, a checkpoint that loads
-    them) and whether the response space is too large to enumerate (``skipped``, decided and warned
-    about once; ``checked`` once decided)."""
+    them), the training reward's and the gold's scores of every enumerated response (``scores``, per prompt: the
+    rewards do not change during a run, so a user ``reward.function`` scores each response once per run), and
+    whether the response space is too large to enumerate (``skipped``, decided and warned about once; ``checked``
+    once decided)."""
 
     ref: dict = field(default_factory=dict)
+    scores: dict = field(default_factory=dict)
     skipped: str | None = None
     checked: bool = False
+    warned_unscored: bool = False
 
     def reset_ref(self) -> None:
         self.ref.clear()
+
+
+def _row(item, rows: dict, data_source: str) -> PromptRow:
+    """The dataset row of a prompt: the validation row where given, else one built from the digit-sum prompt."""
+    if item in rows:
+        return rows[item]
+    k, s = digitsum.parse_prompt(item)
+    return PromptRow(item, data_source, f"{k},{s}", {"k": k, "s": s}, 0)
+
+
+def _manager_scores(manager, row, texts: list[str]) -> list[float]:
+    """A :class:`~tether.rewards.RewardManager`'s scores of ``texts`` for ``row``, one batch, without
+    ``reward.normalize`` (clipped raw scores); NaN where it could not score one."""
+    n = len(texts)
+    res = manager([row] * n, [row.prompt] * n, texts, normalize=False)
+    if res.errors:
+        logging.getLogger("tether").debug("exact/*: the training reward on prompt %r: %s", row.prompt, res.errors[0])
+    return [float(x) if bool(v) else math.nan for x, v in zip(res.scores.tolist(), res.valid.tolist(), strict=True)]
+
+
+def _gold_scores(gold, row, texts: list[str]) -> list[float]:
+    """A :class:`~tether.rewards.GoldReward`'s raw scores of ``texts`` for ``row``; NaN where it scored none."""
+    n = len(texts)
+    res = gold([row] * n, [row.prompt] * n, texts)
+    if res is None:
+        return [math.nan] * n
+    return [x if ok else math.nan for x, ok in zip(res.scores, res.scored, strict=True)]
 
 
 def exact_metrics(
@@ -51,16 +83,35 @@ def exact_metrics(
     n_samples: int,
     cache: ExactCache,
     task: str = "digitsum",
+    reward=None,
+    gold=None,
+    rows: dict | None = None,
 ) -> dict[str, float]:
     """``exact/*``: the policy against π_ref and the exact optimum π* ∝ π_ref·exp(r/β) on ``prompts`` (the
     distinct val prompts), by enumerating every response (see tether.tasks.exact). β is the current β.
+
+    Which reward r is, and the gold (``docs/task.md#which-reward-exact-measures``):
+
+    * r is the **training reward**: ``reward`` (the run's :class:`~tether.rewards.RewardManager`, passed when
+      ``reward.function`` or ``reward.model`` replaces the built-in reward; its clipped raw scores, without
+      ``reward.normalize``), else the embedded task's own reward (``data.embedded_task``'s ``compute_score``: the
+      proxy of digitsum_hack). ``exact/score_mean``, ``exact/opt_*``, ``exact/objective*`` are about r.
+    * the gold is ``gold`` (the run's :class:`~tether.rewards.GoldReward`) where it covers the prompts' data source
+      (``reward.val_function`` / ``reward.val_model``, or a built-in gold), else the task's built-in correctness
+      where r is not it (digitsum_hack's ``gold_score``; digit-sum correctness under a user ``reward.function``):
+      ``exact/gold_mean``, ``exact/ref_gold_mean``, ``exact/opt_gold_mean`` (π* of r's gold). None when r is the
+      task's own correctness.
+
+    A response the training reward (the gold) could not score counts 0: ``exact/unscored_mass``
+    (``exact/gold_unscored_mass``) is the policy's probability of those, logged where a manager scores.
 
     Args:
         policy: the actor's model; ref: the ReferenceWorker (its ``module`` and ``as_reference()``: a LoRA
             reference is the policy with its adapters disabled); tok: the tokenizer.
         n_samples: rollout.n (pass@k and the like); cache: see :class:`ExactCache`.
-        task: data.embedded_task: its training reward is exact/*'s reward; a task whose reward is a proxy
-            (digitsum_hack) adds exact/gold_mean, exact/ref_gold_mean and exact/opt_gold_mean.
+        task: data.embedded_task.
+        reward, gold: see above; rows: the validation row of each prompt text (its data source, ground truth and
+            extra_info for the reward and the gold; default: built from the digit-sum prompt).
     Returns:
         {} when the response space is too large (one warning, the first time).
     """
@@ -70,10 +121,18 @@ def exact_metrics(
             logging.getLogger("tether").warning("%s", cache.skipped)
     if cache.skipped:
         return {}
+    mod = embedded_task(task)
+    rows = rows or {}
+    source = next(iter(rows.values())).data_source if rows else mod.DATA_SOURCE
+    reward_batch = (lambda item, texts: _manager_scores(reward, _row(item, rows, source), texts)) if reward else None
+    gold_batch, gold_fn = None, None
+    if gold is not None and gold.user:  # reward.val_function / reward.val_model (a built-in gold is gold_score below)
+        gold_batch = lambda item, texts: _gold_scores(gold, _row(item, rows, source), texts)  # noqa: E731
+    else:
+        gold_fn = getattr(mod, "gold_score", None) or (mod.compute_score if reward is not None else None)
     was_training = policy.training
     policy.eval()
     with ref.as_reference():
-        mod = embedded_task(task)
         out = evaluate_policy(
             policy,
             ref.module,
@@ -84,9 +143,20 @@ def exact_metrics(
             n_samples=n_samples,
             ref_cache=cache.ref,
             reward_fn=mod.compute_score,
-            gold_fn=getattr(mod, "gold_score", None),
+            gold_fn=gold_fn,
+            reward_batch=reward_batch,
+            gold_batch=gold_batch,
+            score_cache=cache.scores,
         )
     policy.train(was_training)
+    unscored = {k: v for k, v in out.items() if k.endswith("unscored_mass") and v > 0}
+    if unscored and not cache.warned_unscored:
+        cache.warned_unscored = True
+        logging.getLogger("tether").warning(
+            "exact/*: some enumerated responses could not be scored (errors, non-numbers or reward.timeout_s) and "
+            "count 0: %s (the policy's probability of them)",
+            ", ".join(f"{k}={v:.3g}" for k, v in unscored.items()),
+        )
     return out
 
 

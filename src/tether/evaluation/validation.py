@@ -15,7 +15,8 @@ def validate(
     """``val/*``: :func:`evaluate_prompts` on the held-out prompts, n = ``trainer.val_n`` samples each,
     with the training sampling settings, on at most ``trainer.val_max_prompts`` of them (a subset
     fixed by ``trainer.seed``); ``val/<data_source>/*`` per source when there are several; plus
-    ``exact/*`` on the embedded task. With a gold reward (``roles.gold``, a
+    ``exact/*`` on the embedded task (of the training reward, with the gold beside it:
+    :func:`~tether.evaluation.exact.exact_metrics`). With a gold reward (``roles.gold``, a
     :class:`~tether.rewards.GoldReward` covering some of the val rows), the same responses are scored by
     it too: ``val/gold_mean``, ``val/gold_gap``, ``val/gold_sem``, ``val/gold_unscored_frac``,
     ``val/gold_pass@k`` (and per source). In an offline run the policy generates (each distinct prompt
@@ -58,16 +59,24 @@ def validate(
     if len(per_source) > 1:
         out |= {f"val/{ds}/{key}": v for ds, sm in per_source.items() for key, v in sm.items()}
     if cfg.exact_evaluation_applies:
-        prompts = list(dict.fromkeys(r.prompt for r in val_set.rows))
+        rows = {}
+        for r in val_set.rows:
+            rows.setdefault(r.prompt, r)
+        # exact/* score the training reward: a user reward.function / reward.model where set (its gold: the gold
+        # reward, else the task's built-in correctness), else the embedded task's own reward
+        user_reward = bool(cfg.reward.function or cfg.reward.model)
         out |= exact_metrics(
             roles.actor.model,
             roles.ref,
             roles.tokenizer,
-            prompts,
+            list(rows),
             beta=beta,
             temperature=cfg.rollout.temperature,
             n_samples=cfg.rollout.n,
             cache=exact_cache if exact_cache is not None else ExactCache(),
             task=cfg.data.embedded_task,
+            reward=roles.reward if user_reward else None,
+            gold=getattr(roles, "gold", None),
+            rows=rows,
         )
     return out

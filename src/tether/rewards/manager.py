@@ -426,13 +426,17 @@ class RewardManager:
         for i, v in enumerate(self.scorer.score(rows, prompts, responses)):
             outcomes[i] = ("error", v) if isinstance(v, BaseException) else ("value", v)
 
-    def __call__(self, rows: Sequence[Any], prompts: Sequence[str], responses: Sequence[str]) -> RewardResult:
+    def __call__(
+        self, rows: Sequence[Any], prompts: Sequence[str], responses: Sequence[str], *, normalize: bool = True
+    ) -> RewardResult:
         """Score B responses.
 
         Args:
             rows: the dataset row of each response (``PromptRow``; repeated for n samples per prompt).
             prompts: the rendered prompt text of each response (used by the reward model).
             responses: the decoded responses (the ``solution_str`` of reward functions).
+            normalize: False leaves ``reward.normalize`` out: ``scores`` are the clipped raw scores and the running
+                statistics are not updated (exact/* scoring every response of the embedded task).
 
         Returns:
             A :class:`RewardResult`. ``metrics`` keys: ``reward/invalid_count``,
@@ -504,7 +508,9 @@ class RewardManager:
         if self.clip is not None and vals:
             vals, n_clipped = clip_values(vals, self.clip)
         metrics: dict[str, float] = {}
-        if self.normalize == "batch":
+        if not normalize:
+            pass
+        elif self.normalize == "batch":
             vals, _, _ = whiten(vals)
         elif self.normalize == "running":
             self.running.update(vals)

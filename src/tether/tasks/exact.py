@@ -111,6 +111,17 @@ class ResponseSpace:
             out[i] = r
         return out
 
+    def batch_rewards(self, score_texts: Callable[[list[str]], Sequence[float]]) -> np.ndarray:
+        """(N,) float64 rewards from one call ``score_texts(distinct_texts)`` over the distinct response texts (a
+        reward manager's batch: a user ``reward.function``, a reward model); NaN where it could not score one (the
+        caller decides what that counts). Raises ValueError when it returns the wrong number of scores."""
+        distinct = list(dict.fromkeys(self.texts))
+        scores = np.asarray(score_texts(distinct), dtype=np.float64)
+        if scores.shape != (len(distinct),):
+            raise ValueError(f"score_texts returned {scores.shape} scores for {len(distinct)} distinct responses")
+        index = {t: i for i, t in enumerate(distinct)}
+        return scores[[index[t] for t in self.texts]]
+
     def aligned_with(self, other: ResponseSpace) -> bool:
         """True when ``other`` lists the same responses in the same order (same prompt and T)."""
         return (
@@ -629,6 +640,9 @@ def evaluate_prompts(
     n_samples: int | None = None,
     ref_cache: dict | None = None,
     gold_fn: Callable[..., float] | None = None,
+    reward_batch: Callable[[Mapping | str, list[str]], Sequence[float]] | None = None,
+    gold_batch: Callable[[Mapping | str, list[str]], Sequence[float]] | None = None,
+    score_cache: dict | None = None,
 ) -> list[dict[str, float]]:
     """:func:`evaluate_prompt` for each prompt; returns one dict per prompt (keys as there, plus
     ``s``/``k`` where the prompt is a digit-sum prompt).
@@ -639,6 +653,14 @@ def evaluate_prompts(
     ``(prompt, max_new_tokens, temperature)`` to the reference's :class:`ResponseSpace` (the reference
     is frozen, so sweeps need to enumerate it once). ``gold_fn``: a gold reward of the same signature when
     ``reward_fn`` is a proxy (adds the ``gold_*`` keys of :func:`evaluate_prompt`).
+
+    ``reward_batch`` / ``gold_batch``: ``(prompt item, distinct response texts) -> scores``, one batched call per
+    prompt in place of ``reward_fn`` / ``gold_fn`` per response (a user ``reward.function``, a reward model:
+    :meth:`ResponseSpace.batch_rewards`); a NaN score (the reward could not score that response) counts 0, and
+    ``unscored_mass`` / ``gold_unscored_mass`` is π's probability of such responses. ``reward_fn`` still decides
+    the response limit (``max_new_tokens=None``). ``score_cache``: an optional dict, filled and reused, of the
+    scores per ``(prompt, max_new_tokens, "reward" | "gold")`` (the rewards do not change during a run, so each
+    response is scored once per run).
     """
     if len(prompts) == 0:
         raise ValueError("prompts is empty")
@@ -652,15 +674,41 @@ def evaluate_prompts(
             if ref_cache is not None:
                 ref_cache[key] = ref_space
         pi_space = enumerate_policy(policy, tokenizer, text, T, temperature)
-        rewards = ref_space.rewards(reward_fn, gt, extra)
-        gold = ref_space.rewards(gold_fn, gt, extra) if gold_fn is not None else None
-        res = evaluate_prompt(pi_space, ref_space, rewards, beta, n_samples=n_samples, gold=gold)
+        spec = (item, gt, extra)
+        rewards = _space_scores(ref_space, spec, "reward", reward_fn, reward_batch, score_cache)
+        has_gold = gold_fn is not None or gold_batch is not None
+        gold = _space_scores(ref_space, spec, "gold", gold_fn, gold_batch, score_cache) if has_gold else None
+        res = evaluate_prompt(
+            pi_space,
+            ref_space,
+            np.nan_to_num(rewards, nan=0.0),
+            beta,
+            n_samples=n_samples,
+            gold=None if gold is None else np.nan_to_num(gold, nan=0.0),
+        )
+        if reward_batch is not None:
+            res["unscored_mass"] = float(np.sum(pi_space.probs[np.isnan(rewards)]))
+        if gold_batch is not None:
+            res["gold_unscored_mass"] = float(np.sum(pi_space.probs[np.isnan(gold)]))
         try:
             res["k"], res["s"] = map(float, digitsum.parse_prompt(text))
         except ValueError:
             pass
         results.append(res)
     return results
+
+
+def _space_scores(space: ResponseSpace, spec, which: str, fn, batch, cache: dict | None) -> np.ndarray:
+    """The ``which`` ("reward" or "gold") scores of every response of ``space``: one ``batch(item, texts)`` call where
+    given, else ``fn`` per distinct text; cached in ``cache`` by (prompt, T, which)."""
+    item, gt, extra = spec
+    key = (space.prompt, space.max_new_tokens, which)
+    got = cache.get(key) if cache is not None else None
+    if got is None:
+        got = space.batch_rewards(lambda texts: batch(item, texts)) if batch else space.rewards(fn, gt, extra)
+        if cache is not None:
+            cache[key] = got
+    return got
 
 
 def evaluate_policy(
@@ -677,6 +725,9 @@ def evaluate_policy(
     ref_cache: dict | None = None,
     prefix: str = "exact/",
     gold_fn: Callable[..., float] | None = None,
+    reward_batch: Callable[[Mapping | str, list[str]], Sequence[float]] | None = None,
+    gold_batch: Callable[[Mapping | str, list[str]], Sequence[float]] | None = None,
+    score_cache: dict | None = None,
 ) -> dict[str, float]:
     """Evaluate a trained policy against π_ref and the exact optimum π* over a list of prompts.
 
@@ -698,6 +749,9 @@ def evaluate_policy(
         n_samples=n_samples,
         ref_cache=ref_cache,
         gold_fn=gold_fn,
+        reward_batch=reward_batch,
+        gold_batch=gold_batch,
+        score_cache=score_cache,
     )
     keys = [k for k in per[0] if k not in ("k", "s")]
     out = {f"{prefix}{k}": float(np.mean([d[k] for d in per])) for k in keys}

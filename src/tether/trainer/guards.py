@@ -31,10 +31,13 @@ class GuardMonitor:
     """Watches each step before its update, after it, and each validation.
 
     State (checkpointed): ``coef_scale`` (β multiplier raised after KL explosions and rollbacks), ``coef_floor`` (β's
-    floor after a hacking rollback), ``rollbacks`` and the step of the last one (a step rolls back at most once), the
-    last stable checkpoint's step and validation score, the gold reward's best validation and the last checkpoint
-    whose gold is within reach of it (a hacking rollback's target), and the step, score and gold of the last
-    validation (a checkpoint is labelled with a score only when it was validated at its step).
+    floor after a hacking rollback: ``guard.hacking_coef``, doubled, by ``guard.coef_factor``, at each further one),
+    ``rollbacks`` and the step of the last one (a step rolls back at most once), what each rollback did
+    (``tried``: the step, the checkpoint restored and the β after it, named when ``guard.max_rollbacks`` stops the
+    run), the last stable checkpoint's step and validation score, the gold reward's best validation and the
+    checkpoints whose gold was within reach of it (a hacking rollback's targets; without a gold, the stable ones),
+    and the step, score and gold of the last validation (a checkpoint is labelled with a score only when it was
+    validated at its step).
     """
 
     def __init__(self, cfg: GuardConfig, *, max_failed_steps: int = 3):
@@ -65,6 +68,11 @@ class GuardMonitor:
         self.val_gold_sem = 0.0
         self.gold_stable_step: int | None = None
         self.gold_stable_score: float | None = None
+        # the checkpoints a hacking rollback may return to, oldest first: [step, score, sem] of each stable one (by
+        # guard.rollback_metric) and [step, gold] of each whose gold held; a restore drops those after its checkpoint
+        self.stable_steps: list[list] = []
+        self.gold_stable_steps: list[list] = []
+        self.tried: list[list] = []  # [step, checkpoint restored, β after] of each rollback
         self._events: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
 
@@ -306,31 +314,38 @@ class GuardMonitor:
     def on_hacking(self, step: int, finding, ckpt, roles, controller_beta: float) -> None:
         """A live reward-hacking finding (``tether.diagnostics.HACKING_CHECKS``) under ``guard.on_hacking``: ``warn``
         does nothing more (the trainer logs it), ``stop`` checkpoints and stops, ``rollback`` rolls back as a
-        validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``, β at least
-        ``hacking_coef``) to :meth:`hacking_target`: with a gold reward, the last checkpoint whose gold was within
-        ``rollback_drop`` of the best gold so far (the reference's at step 0 included), never one already hacked.
+        validation drop does (β × ``coef_factor``, learning rates × ``rollback_lr_factor``) to :meth:`hacking_target`:
+        with a gold reward, the last checkpoint before ``step`` whose gold was within ``rollback_drop`` of the best
+        gold so far (the reference's at step 0 included), never one already hacked nor the one just flagged. β's
+        floor escalates (:meth:`escalate_floor`): ``hacking_coef`` at the first hacking rollback, then × ``coef_factor``
+        at each further one, so a run at β = 0 that hacks again gets 0.05, 0.1, 0.2, ...
 
         A step whose validation already rolled back (``guard/rollback``) is not rolled back again: one validation is
-        one rollback (one count, one learning-rate scaling); the finding then only floors β and, if its target is an
-        earlier checkpoint than the one restored, restores that one instead."""
+        one rollback (one count, one learning-rate scaling); the finding then only escalates β's floor and, if its
+        target is an earlier checkpoint than the one restored, restores that one instead."""
         why = f"step {step}: {finding.message}"
         if self.cfg.on_hacking == "stop":
             raise self._stop("hacking", f"{why} (guard.on_hacking=stop)")
         if self.cfg.on_hacking != "rollback":
             return
-        target = self.hacking_target()
+        target = self.hacking_target(step)
         if self.rollback_step == step:
-            self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
+            self.escalate_floor()
             if target is not None and target != self.restored_step:
                 self._restore(ckpt, target, why)
+            if self.tried and self.tried[-1][0] == step:
+                self.tried[-1][1:] = [self.restored_step, self.beta(controller_beta)]
             log.warning(
                 "guard/hacking_rollback: %s; this step already rolled back (rollback %d/%d, not counted again): "
-                "weights of step %s, β at least guard.hacking_coef=%g",
+                "weights of step %s, β at least %g (guard.hacking_coef=%g, × guard.coef_factor per further hacking "
+                "rollback) → %.4g",
                 why,
                 self.rollbacks,
                 self.cfg.max_rollbacks,
                 self.restored_step,
+                self.coef_floor,
                 self.cfg.hacking_coef,
+                self.beta(controller_beta),
             )
             return
         if target is None:
@@ -342,18 +357,34 @@ class GuardMonitor:
             )
             self._event(
                 "hacking_no_rollback",
-                f"{why}; guard.on_hacking=rollback has no stable checkpoint to return to yet ({stable}; "
-                "trainer.save_freq, trainer.val_freq)",
+                f"{why}; guard.on_hacking=rollback has no stable checkpoint before step {step} to return to yet "
+                f"({stable}; trainer.save_freq, trainer.val_freq)",
             )
             return
-        self.coef_floor = max(self.coef_floor, self.cfg.hacking_coef)
         self.roll_back(why, ckpt, roles, controller_beta, step=step, to_step=target, event="hacking_rollback")
 
-    def hacking_target(self) -> int | None:
-        """The checkpoint a hacking rollback returns to: with a gold reward (any validation logged one), the last
-        checkpoint whose gold was not a drop from the best gold so far (:meth:`gold_floor`); without one, the stable
-        checkpoint by ``guard.rollback_metric``. None when there is none yet."""
-        return self.gold_stable_step if self.gold_best is not None else self.stable_step
+    def escalate_floor(self) -> None:
+        """β's floor at a hacking rollback: ``guard.hacking_coef`` at the first, × ``guard.coef_factor`` at each
+        further one (β = 0 × coef_factor stays 0, so the floor is what escalates a run at β = 0)."""
+        self.coef_floor = max(self.cfg.hacking_coef, self.coef_floor * self.cfg.coef_factor)
+
+    def hacking_target(self, step: int | None = None) -> int | None:
+        """The checkpoint a hacking rollback flagged at ``step`` returns to, strictly before it (never the flagged
+        weights, checkpointed at ``step`` before the doctor looked): with a gold reward (any validation logged one),
+        the last checkpoint whose gold was not a drop from the best gold so far (:meth:`gold_floor`); without one, the
+        last stable checkpoint by ``guard.rollback_metric``. None when there is none yet."""
+        history = self.gold_stable_steps if self.gold_best is not None else self.stable_steps
+        before = [h[0] for h in history if step is None or h[0] < step]
+        return before[-1] if before else None
+
+    def protected_steps(self) -> set[int]:
+        """The checkpoints a rollback may return to, which pruning keeps: the stable and the gold-stable one, and under
+        ``guard.on_hacking=rollback`` the last two of each (a hacking rollback flagged at the newest checkpoint returns
+        to the one before it)."""
+        steps = {self.stable_step, self.gold_stable_step}
+        if self.cfg.on_hacking == "rollback":
+            steps |= {h[0] for h in self.stable_steps[-2:]} | {h[0] for h in self.gold_stable_steps[-2:]}
+        return {s for s in steps if s is not None}
 
     def gold_score(self, val: dict) -> tuple[float | None, float]:
         """(gold, standard error) of a validation: ``exact/gold_mean`` (no noise) where logged, else ``val/gold_mean``
@@ -385,14 +416,15 @@ class GuardMonitor:
         to_step: int | None = None,
         event: str = "rollback",
     ) -> None:
-        """Restore checkpoint ``to_step`` (default: the stable one) weights and optimizer moments, raise β and lower the
-        learning rates (``drop``: why, for the message); stop after ``max_rollbacks``."""
+        """Restore checkpoint ``to_step`` (default: the stable one) weights and optimizer moments, raise β (a hacking
+        rollback also escalates β's floor: :meth:`escalate_floor`) and lower the learning rates (``drop``: why, for
+        the message); stop after ``max_rollbacks``, naming what the rollbacks tried."""
         to_step = self.stable_step if to_step is None else to_step
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise self._stop(
                 "rollback_limit",
                 f"{drop}, and the run has already rolled back {self.rollbacks} time(s) "
-                f"(guard.max_rollbacks={self.cfg.max_rollbacks}). The last stable checkpoint is "
+                f"(guard.max_rollbacks={self.cfg.max_rollbacks}){self.tried_text()}. The last stable checkpoint is "
                 f"{ckpt.root / f'step_{to_step:06d}'}; resume from it with a lower actor.lr or a higher "
                 "kl.coef (trainer.resume=<that path>).",
             )
@@ -400,24 +432,50 @@ class GuardMonitor:
         self.rollbacks += 1
         self.rollback_step = step
         self.coef_scale *= self.cfg.coef_factor
+        if event == "hacking_rollback":
+            self.escalate_floor()
+        self.tried.append([step, to_step, self.beta(controller_beta)])
         roles.actor.scale_lr(self.cfg.rollback_lr_factor)
         if roles.critic is not None:
             roles.critic.scale_lr(self.cfg.rollback_lr_factor)
         self._event(
             event,
             f"{drop}: restored step {to_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
-            f"×{self.cfg.coef_factor:g} → {self.beta(controller_beta):.4g}, learning rates "
+            f"×{self.cfg.coef_factor:g}{self._floor_text(event)} → {self.beta(controller_beta):.4g}, learning rates "
             f"×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
+    def _floor_text(self, event: str) -> str:
+        if event != "hacking_rollback":
+            return ""
+        return (
+            f", at least {self.coef_floor:g} (guard.hacking_coef={self.cfg.hacking_coef:g}, × coef_factor per further "
+            "hacking rollback)"
+        )
+
+    def tried_text(self) -> str:
+        """``": step 30 → checkpoint 20 (β 0.05), ..."``: what the rollbacks so far restored and the β after each."""
+        if not self.tried:
+            return ""
+        return ": " + ", ".join(f"step {s} → checkpoint {to} (β {b:.4g})" for s, to, b in self.tried)
+
     def _restore(self, ckpt, to_step: int, why: str) -> None:
-        """Checkpoint ``to_step``'s weights and optimizer moments; a failure stops the run (``rollback_failed``)."""
+        """Checkpoint ``to_step``'s weights and optimizer moments; a failure stops the run (``rollback_failed``).
+        The checkpoints after it (the trajectory left) are no longer targets, and when the stable checkpoint was one of
+        them (a hacking rollback to an earlier one), the restored checkpoint becomes the stable one."""
         try:
             ckpt.restore_weights(to_step)
         except (OSError, ValueError) as e:  # CheckpointError is a ValueError
             raise self._stop("rollback_failed", f"{why}; cannot roll back: {e}") from None
         self.restored_step = to_step
         self.val_score = self.val_gold = None  # the weights are no longer the ones that scored it
+        self.stable_steps = [h for h in self.stable_steps if h[0] <= to_step]
+        self.gold_stable_steps = [h for h in self.gold_stable_steps if h[0] <= to_step]
+        last_gold = self.gold_stable_steps[-1] if self.gold_stable_steps else (None, None)
+        self.gold_stable_step, self.gold_stable_score = last_gold
+        if self.stable_step is not None and self.stable_step > to_step:
+            kept = [h for h in self.stable_steps if h[0] == to_step]
+            self.stable_step, self.stable_score, self.stable_sem = kept[-1] if kept else (None, None, 0.0)
 
     def beta(self, controller_beta: float) -> float:
         """The run's β: the controller's times ``coef_scale``, at least ``coef_floor``."""
@@ -464,11 +522,13 @@ class GuardMonitor:
         (validated at ``step``) not a drop from the best gold (:meth:`gold_floor`), the new hacking-rollback target."""
         if self.val_step == step and self.val_gold is not None and self.val_gold >= self.gold_floor(self.val_gold_sem):
             self.gold_stable_step, self.gold_stable_score = step, self.val_gold
+            self.gold_stable_steps.append([step, self.val_gold])
         if score is None:
             return
         sem = self.val_sem if self.val_step == step else 0.0
         if self.stable_score is None or score >= self.floor(sem):
             self.stable_step, self.stable_score, self.stable_sem = step, score, sem
+            self.stable_steps.append([step, score, sem])
 
     def state_dict(self) -> dict:
         return {
@@ -493,6 +553,9 @@ class GuardMonitor:
             "val_gold_sem": self.val_gold_sem,
             "gold_stable_step": self.gold_stable_step,
             "gold_stable_score": self.gold_stable_score,
+            "stable_steps": self.stable_steps,
+            "gold_stable_steps": self.gold_stable_steps,
+            "tried": self.tried,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -518,3 +581,9 @@ class GuardMonitor:
         self.val_gold_sem = float(state.get("val_gold_sem", 0.0))
         self.gold_stable_step = state.get("gold_stable_step")
         self.gold_stable_score = state.get("gold_stable_score")
+        # checkpoints before the target histories: the last stable / gold-stable checkpoint is the only target
+        old_stable = [[self.stable_step, self.stable_score, self.stable_sem]] if self.stable_step is not None else []
+        old_gold = [[self.gold_stable_step, self.gold_stable_score]] if self.gold_stable_step is not None else []
+        self.stable_steps = [list(h) for h in state.get("stable_steps", old_stable)]
+        self.gold_stable_steps = [list(h) for h in state.get("gold_stable_steps", old_gold)]
+        self.tried = [list(t) for t in state.get("tried", [])]

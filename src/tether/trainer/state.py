@@ -217,9 +217,8 @@ class CheckpointManager:
 
     def protected(self) -> set[int]:
         """Steps that pruning keeps besides the newest ``keep_last``: the best and the stable checkpoints (by
-        ``guard.rollback_metric``, and by the gold for a hacking rollback)."""
-        steps = (self.best_step, self.guard.stable_step, self.guard.gold_stable_step)
-        return {s for s in steps if s is not None}
+        ``guard.rollback_metric``, and by the gold for a hacking rollback: :meth:`GuardMonitor.protected_steps`)."""
+        return self.guard.protected_steps() | ({self.best_step} if self.best_step is not None else set())
 
     def _saves_ref(self) -> bool:
         # a LoRA reference has no weights of its own
