@@ -1,7 +1,7 @@
 """Typed configuration: one frozen section per component, YAML files, dotted command-line overrides.
 
-A config is a :class:`TetherConfig` with the sections ``actor``, ``ref``, ``distill``, ``critic``, ``rollout``,
-``reward``, ``data``, ``kl``, ``algo``, ``trainer`` and ``guard``. Every field carries a one-line
+A config is a :class:`TetherConfig` with the sections ``actor``, ``ref``, ``critic``, ``rollout``,
+``reward``, ``data``, ``kl``, ``algo``, ``trainer``, ``guard`` and ``distill``. Every field carries a one-line
 description (shown by ``tether train --help-config``). Unknown keys are errors with a did-you-mean,
 values are validated before any model is loaded, and every key is read somewhere.
 
@@ -1363,7 +1363,6 @@ def _check_distill(cfg) -> None:
 class TetherConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
-    distill: DistillConfig = Field(default_factory=DistillConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -1372,6 +1371,7 @@ class TetherConfig(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="before")
     @classmethod
