@@ -708,3 +708,17 @@ def test_the_validation_reward_model_is_counted():
     assert plan.params["val reward model"] == val.reward_model_params() == 494_032_768 + 896 * 2
     assert [i.bytes for i in plan.items if i.role == "val reward model"] == [want]
     assert plan.peak - without.peak == want
+
+
+def test_the_distillation_teacher_is_counted():
+    """distill.teacher is its own frozen model, kept through the run as a separate reference: its weights in
+    actor.dtype (float32 here), no optimizer; the peak grows by exactly that."""
+    from tether.plan import plan_config
+
+    base = ["actor.model=qwen2.5-7b", "rollout.engine=hf"]
+    without = plan_config(load_config(None, base), devices=1, device_memory=141 * GIB)
+    plan = plan_config(load_config(None, [*base, "distill.teacher=qwen2.5-0.5b"]), devices=1, device_memory=141 * GIB)
+    teacher = ModelShape.from_config(SHAPES["qwen2.5-0.5b"])
+    assert plan.params["teacher"] == teacher.causal_lm_params() == 494_032_768  # tied embeddings
+    assert [i.bytes for i in plan.items if i.role == "teacher"] == [494_032_768 * 4]
+    assert plan.peak - without.peak == 494_032_768 * 4

@@ -26,6 +26,8 @@ class RolloutBatch:
             starts from it. Single-turn: equal to ``response_mask`` as rolled out. None = a batch built by hand
             (every response token then counts as generated).
         old_logprobs, ref_logprobs (B, T): log π_old(a_t|s_t), log π_ref(a_t|s_t), nats.
+        teacher_logprobs (B, T): log π_teacher(a_t|s_t) of the sampled tokens under ``distill.teacher`` (at
+            rollout.temperature, as the others), nats; None = distillation off.
         entropy (B, T): entropy of π_old at each position, nats.
         values (B, T): critic V(s_t) (gae only).
         scores (B,): sequence reward; token_level_rewards (B, T): scores at the last valid token
@@ -61,6 +63,7 @@ class RolloutBatch:
     responses: list[str]
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None

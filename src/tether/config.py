@@ -1,7 +1,7 @@
 """Typed configuration: one frozen section per component, YAML files, dotted command-line overrides.
 
 A config is a :class:`TetherConfig` with the sections ``actor``, ``ref``, ``critic``, ``rollout``,
-``reward``, ``data``, ``kl``, ``algo``, ``trainer`` and ``guard``. Every field carries a one-line
+``reward``, ``data``, ``kl``, ``algo``, ``trainer``, ``guard`` and ``distill``. Every field carries a one-line
 description (shown by ``tether train --help-config``). Unknown keys are errors with a did-you-mean,
 values are validated before any model is loaded, and every key is read somewhere.
 
@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
-from tether.algos import KL_ESTIMATORS, POLICY_LOSS_AGG
+from tether.algos import DISTILL_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSS_AGG
 from tether.engines import AUTO, ENGINES, check_engines, chosen, engine_names, section_fields
 from tether.rewards.registry import GOLD_FUNCTIONS
 from tether.sections import ConfigError, Section
@@ -138,6 +138,28 @@ class RefConfig(Section):
     model: str | None = Field(None, description="Frozen reference policy directory; null = the actor's initial model.")
     reset_every: int = Field(
         0, ge=0, description="Copy the current policy into the reference every N steps (0 = never)."
+    )
+
+
+class DistillConfig(Section):
+    teacher: str | None = Field(
+        None,
+        description="On-policy distillation: the frozen teacher's model directory (it must share the actor's "
+        "tokenizer: vocabulary, special tokens, EOS ids); null = off. Adds -distill.coef * KL(π ‖ π_teacher), the "
+        "reverse KL (student first), to the objective (docs/distillation.md).",
+    )
+    coef: float = Field(
+        1.0,
+        ge=0,
+        description="λ: the weight of KL(π ‖ π_teacher) in the objective E[r] - β·KL(π‖π_ref) - λ·KL(π‖π_teacher); "
+        "λ times the estimator is subtracted from each response token's reward. Pure distillation: λ > 0 with the "
+        "task reward off or 0.",
+    )
+    estimator: Literal[DISTILL_ESTIMATORS] = Field(
+        "k1",
+        description="The per-token estimate of the KL to the teacher: k1 = log π_old(a_t) - log π_teacher(a_t) at "
+        "the sampled token (unbiased for KL(π_old ‖ π_teacher) per state under π_old's samples; one teacher forward "
+        "per batch).",
     )
 
 
@@ -1323,6 +1345,28 @@ def _check_gpg(cfg) -> None:
         )
 
 
+def _check_distill(cfg) -> None:
+    """``distill.*``: keys that do nothing without a teacher, and what on-policy distillation cannot run with yet."""
+    d = cfg.distill
+    if d.teacher is None:
+        if d.coef != DistillConfig.model_fields["coef"].default:
+            raise ValueError(
+                f"distill.coef={d.coef} has no effect without distill.teacher (distillation is off); set "
+                "distill.teacher=DIR or leave distill.coef at its default"
+            )
+        return
+    if cfg.trainer.backend == "ray":
+        raise ValueError(
+            "distill.teacher is not supported with trainer.backend=ray yet (the teacher runs in this process only); "
+            "use trainer.backend=local (docs/distillation.md)"
+        )
+    if cfg.rollout.mode == "offline":
+        raise ValueError(
+            "distill.teacher needs the student's own samples (on-policy distillation), and rollout.mode=offline trains "
+            "on a dataset's responses; use rollout.mode=online or set distill.teacher=null"
+        )
+
+
 class TetherConfig(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)
     ref: RefConfig = Field(default_factory=RefConfig)
@@ -1334,6 +1378,7 @@ class TetherConfig(Section):
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -1496,6 +1541,7 @@ class TetherConfig(Section):
             )
         _check_entropy_and_truncation(self)
         _check_gold_rollback(self)
+        _check_distill(self)
         if self.kl.estimator == "full" and self.kl.placement in ("reward", "both") and self.kl.loss_estimator is None:
             pass  # full KL in the reward is exact and allowed
         return self

@@ -793,6 +793,7 @@ def plan_memory(
     critic: ModelShape | None = None,
     reward: ModelShape | None = None,
     val_reward: ModelShape | None = None,
+    teacher: ModelShape | None = None,
 ) -> Plan:
     """Per-device memory of one training step with every role colocated on each device (verl's hybrid engine).
 
@@ -802,6 +803,8 @@ def plan_memory(
             ``settings.reward_model``).
         val_reward: the shape of ``reward.val_model``, the validation's gold reward model, loaded at start-up and
             kept through the run like the reward model (weights only); None = no such model.
+        teacher: the shape of ``distill.teacher``, the frozen teacher of on-policy distillation, counted as a
+            separate reference is (weights in ``actor.dtype``, no optimizer); None = distillation off.
 
     Returns:
         A :class:`Plan`; its ``peak`` is bytes on one device, ``fits`` compares it with
@@ -847,6 +850,18 @@ def plan_memory(
                 0 if s.offload else b,
                 host=b if s.offload else 0,
                 note=f"sharded over {n} devices",
+            )
+        )
+    if teacher is not None:  # distill.teacher: always its own frozen copy, as a separate reference
+        params["teacher"] = teacher.causal_lm_params()
+        b = params["teacher"] * es // n
+        items.append(
+            Item(
+                "teacher",
+                f"weights ({s.storage_dtype}, no optimizer)" + (" [offloaded]" if s.offload else ""),
+                0 if s.offload else b,
+                host=b if s.offload else 0,
+                note=f"sharded over {n} devices as the reference (distill.teacher)",
             )
         )
     if s.critic:
@@ -1085,7 +1100,8 @@ def plan_config(
     rollout_tp: int | None = None,
 ) -> Plan:
     """The plan of a :class:`tether.config.TetherConfig`: reads ``config.json`` of ``actor.model``,
-    ``ref.model``, ``critic.model``, ``reward.model`` and ``reward.val_model`` (local directories; no weights), or
+    ``ref.model``, ``critic.model``, ``reward.model``, ``reward.val_model`` and ``distill.teacher`` (local
+    directories; no weights), or
     takes their named shapes (:func:`resolve_shape`).
 
     Raises:
@@ -1109,6 +1125,7 @@ def plan_config(
         "critic": ("critic.model", cfg.critic.model),
         "reward": ("reward.model", cfg.reward.model),
         "val_reward": ("reward.val_model", cfg.reward.val_model),
+        "teacher": ("distill.teacher", cfg.distill.teacher),
     }
     shapes = {role: resolve_shape(name, key) for role, (key, name) in keys.items()}
     actor = shapes["actor"]
@@ -1130,6 +1147,11 @@ def plan_config(
             f"responses of rollout.max_new_tokens={default_len} tokens, the default sized for the embedded digit-sum "
             f"task: add rollout.max_new_tokens=N (and data.max_prompt_length=N, now {cfg.data.max_prompt_length}) "
             "with your task's lengths, e.g. rollout.max_new_tokens=1024"
+        )
+    if devices > 1 and cfg.distill.teacher is not None:
+        plan.notes.append(
+            f"--devices {devices} with distill.teacher: the teacher is planned sharded as the reference, but "
+            "distillation runs on trainer.backend=local only so far (one device holds all of it)"
         )
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
         plan.notes.append(

@@ -31,6 +31,7 @@ from .controllers import (
     ScheduledKLController,
     make_kl_controller,
 )
+from .distill import DISTILL_ESTIMATORS, distill_k1, sequence_kl_mean, subtract_token_penalty
 from .entropy import entropy_quantile_threshold, top_entropy_mask
 from .kl import (
     KL_ESTIMATORS,
@@ -81,6 +82,11 @@ __all__ = [
     "token_level_rewards_from_kl",
     "mean_kl_per_token",
     "last_valid_index",
+    # on-policy distillation: the sampled-token reverse KL to a teacher in the reward
+    "DISTILL_ESTIMATORS",
+    "distill_k1",
+    "subtract_token_penalty",
+    "sequence_kl_mean",
     # controllers
     "KL_CONTROLLERS",
     "KLController",

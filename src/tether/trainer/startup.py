@@ -152,6 +152,8 @@ def reuse_logprobs_blockers(
         why.append(f"kl.placement={c.kl.placement}")
     if c.kl.estimator == "full":
         why.append("kl.estimator=full")
+    if c.distill.teacher is not None:  # λ·k1 to the teacher goes into the reward, from π_old's log-probs
+        why.append("distill.teacher")
     if has_critic:
         why.append("a critic (algo.adv_estimator=gae)")
     if c.guard.on_max_kl != "raise_coef":

@@ -70,6 +70,7 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     m |= batch.extra.get("sampling_metrics", {})  # algo.filter_groups (DAPO dynamic sampling)
     m |= batch.extra.get("old_logprobs_metrics", {})  # actor.old_logprobs_source=rollout
     m |= batch.extra.get("rollout_corr_metrics", {})  # algo.rollout_correction (Trainer.correct_rollout)
+    m |= batch.extra.get("distill_metrics", {})  # distill.teacher (Trainer.apply_distill)
     m |= batch.extra.get("async_metrics", {})  # rollout.async_steps: rollout/staleness, rollout/stale_dropped
     # actor/entropy_coef; algo.mask_truncated, algo.top_entropy_quantile (Trainer.mask_tokens)
     m |= batch.extra.get("control_metrics", {})

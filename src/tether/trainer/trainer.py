@@ -21,11 +21,14 @@ from tether.algos import (
     AdvantageInputs,
     EntropyCoefController,
     compute_advantages,
+    distill_k1,
     kl_penalty,
     make_kl_controller,
     mean_kl_per_token,
     overlong_penalty,
     rollout_correction,
+    sequence_kl_mean,
+    subtract_token_penalty,
     token_level_rewards_from_kl,
     top_entropy_mask,
 )
@@ -344,6 +347,9 @@ class Trainer:
         batch = self.sample(timer)  # rollout, reward (repeated under algo.filter_groups, DAPO)
         with timer("logprobs"):
             self.compute_logprobs(batch)
+        if self.roles.teacher is not None:
+            with timer("teacher"):
+                self.compute_teacher_logprobs(batch)
         with timer("rollout_correction"):
             self.correct_rollout(batch)
             self.mask_tokens(batch)  # algo.mask_truncated, algo.top_entropy_quantile
@@ -641,6 +647,32 @@ class Trainer:
         batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
         batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
+        self.apply_distill(batch)
+
+    def compute_teacher_logprobs(self, batch: RolloutBatch) -> None:
+        """``distill.teacher``: the teacher's log-probs of the sampled tokens, one no-grad pass over the batch (at
+        rollout.temperature, as the reference's)."""
+        batch.teacher_logprobs = self.roles.teacher.compute_logprobs(batch)
+
+    def apply_distill(self, batch: RolloutBatch) -> None:
+        """On-policy distillation: λ·k1 to the teacher (k1 = log π_old − log π_teacher at the sampled token,
+        :func:`tether.algos.distill_k1`) subtracted from each response token's reward; ``distill/*`` metrics. The
+        old log-probs are known here: ``actor.reuse_update_logprobs`` gives way to distillation
+        (``tether.trainer.startup.reuse_logprobs_blockers``)."""
+        if batch.teacher_logprobs is None:
+            return
+        if batch.old_logprobs is None:  # reuse_update_logprobs gives way to distill.teacher: a batch without is a bug
+            raise RuntimeError("distill.teacher: this batch has no old log-probs before the update")
+        lam = self.cfg.distill.coef
+        k1 = distill_k1(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask)
+        batch.token_level_rewards = subtract_token_penalty(batch.token_level_rewards, k1, batch.response_mask, lam)
+        batch.extra["distill_metrics"] = {
+            # per-token k1 averaged over each response, then over responses (as kl/ref_mean): nats/token
+            "distill/kl_student_teacher": float(mean_kl_per_token(k1, batch.response_mask)),
+            # Σ_t k1 per response, averaged: unbiased for KL_seq(π_old ‖ π_teacher) under π_old's samples
+            "distill/kl_student_teacher_seq": float(sequence_kl_mean(k1, batch.response_mask)),
+            "distill/coef": lam,
+        }
 
     def finish_kl(self, batch: RolloutBatch) -> None:
         """The KL to the reference and its guard check, after an update that measured the old log-probs

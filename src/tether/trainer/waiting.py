@@ -73,6 +73,7 @@ def what_phases_wait_for(cfg) -> dict[str, str]:
         "rollout": f"the rollout ({cfg.data.batch_size} prompts x rollout.n={cfg.rollout.n} responses)",
         "reward": f"the reward ({reward}; {timeout})",
         "logprobs": "the log-probs of the policy and the reference",
+        "teacher": f"the teacher's log-probs (distill.teacher={cfg.distill.teacher})",
         "values": "the critic's values",
         "update_actor": "the actor's update",
         "update_critic": "the critic's update",

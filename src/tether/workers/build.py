@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -353,6 +354,38 @@ def assemble_critic(
     return vm
 
 
+def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
+    """``distill.teacher``'s directory, its tokenizer checked against the actor's (vocabulary, special tokens, EOS
+    ids) before any weights load; None when distillation is off.
+
+    Raises:
+        ConfigError: one line naming ``distill.teacher``: a missing directory or another tokenizer.
+    """
+    if cfg.distill.teacher is None:
+        return None
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    path = resolve_model_path(cfg.distill.teacher, "distill.teacher")
+    if path != actor_path:
+        check_same_tokenizer(
+            tokenizer,
+            path,
+            "distill.teacher",
+            trust_remote_code=cfg.actor.trust_remote_code,
+            actor_path=actor_path,
+            who="the teacher",
+        )
+    return path
+
+
+def assemble_teacher(cfg: TetherConfig, device: torch.device, path: Path) -> torch.nn.Module:
+    """The frozen teacher by the reference's recipe: loaded from ``path`` (``actor.dtype``), attention as the actor's,
+    no LoRA, no gradients, the LM-head patch (``actor.lm_head_fp32``). Its role is :func:`reference_worker` over it."""
+    model = attention.set_attn_implementation(_load_lm(cfg, path, device), attention.for_config(cfg, device))
+    model.requires_grad_(False)
+    patch_lm_head(model, fp32=head_fp32(cfg))
+    return model
+
+
 # ---------------------------------------------------------------------------- this process's share of a run
 @dataclass
 class DriverShare:
@@ -371,6 +404,7 @@ class DriverShare:
     reward: Any
     val_reward: Any
     gold: Any
+    teacher: ReferenceWorker | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -413,8 +447,14 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
     reward, val_reward = build_reward(cfg, device)
     gold = build_gold(cfg, device)
     local = cfg.trainer.backend == "local"
+    tok = load_tokenizer(actor_path, trust_remote_code=cfg.actor.trust_remote_code, key="actor.model")
+    teacher_dir = teacher_path(cfg, tok)  # a missing teacher or another tokenizer: before any model loads
     models = assemble_policy(
-        cfg, device, with_reference=driver_holds_ref(cfg), gradient_checkpointing=cfg.actor.gradient_checkpointing
+        cfg,
+        device,
+        with_reference=driver_holds_ref(cfg),
+        gradient_checkpointing=cfg.actor.gradient_checkpointing,
+        tokenizer=tok,
     )
     attn = attention.for_config(cfg, device)
     log.info(
@@ -437,8 +477,12 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
         else:  # the critic lives on the workers only; the RNG advances as it would here
             hidden = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.actor.trust_remote_code).hidden_size
             ValueModel.make_head(hidden)
+    teacher = None
+    if teacher_dir is not None:  # distill.teacher (the config refuses it under trainer.backend=ray)
+        paths["distill.teacher"] = teacher_dir
+        teacher = reference_worker(cfg, assemble_teacher(cfg, device, teacher_dir))
     return DriverShare(
-        models.tokenizer, device, actor, ref, critic, actor_path, paths, engine_name, reward, val_reward, gold
+        models.tokenizer, device, actor, ref, critic, actor_path, paths, engine_name, reward, val_reward, gold, teacher
     )
 
 
@@ -489,6 +533,7 @@ def build_local_roles(cfg: TetherConfig) -> Roles:
         share.val_reward,
         model_paths=share.model_paths,
         gold=share.gold,
+        teacher=share.teacher,
     )
 
 
@@ -532,12 +577,30 @@ def driver_holds_ref(cfg: TetherConfig) -> bool:
     return cfg.trainer.backend == "local" or (cfg.exact_evaluation_applies and cfg.trainer.val_freq > 0)
 
 
-def check_same_tokenizer(actor_tok, path, key: str, *, trust_remote_code: bool = False) -> None:
-    """The reference and the critic read the actor's token ids: their tokenizer must be the actor's.
+def check_same_tokenizer(
+    actor_tok,
+    path,
+    key: str,
+    *,
+    trust_remote_code: bool = False,
+    actor_path=None,
+    who: str = "the reference and critic",
+) -> None:
+    """The reference, the critic and the teacher read the actor's token ids: their tokenizer must be the actor's.
+    Reads tokenizer files and ``generation_config.json`` / ``config.json`` only, never weights.
 
+    Args:
+        actor_tok: the actor's tokenizer.
+        path: the other model's directory.
+        key: its config key, named in the error.
+        actor_path: the actor's directory; given, the special tokens (name → token and id) and the EOS ids (the
+            tokenizer's and the generation config's, :func:`directory_eos_ids`) must match too (``distill.teacher``:
+            a teacher that ends responses on another token scores every EOS the student samples as unlikely).
+        who: the models that must share it, for the message.
     Raises:
-        ConfigError: naming ``key`` when the vocabularies differ (a KL between models that number
-            tokens differently would be meaningless, and a smaller vocabulary would index out of range).
+        ConfigError: one line naming ``key`` when the vocabularies differ (a KL between models that number
+            tokens differently would be meaningless, and a smaller vocabulary would index out of range), or, with
+            ``actor_path``, the special tokens or EOS ids.
     """
     other = load_tokenizer(path, trust_remote_code=trust_remote_code, key=key)
     a, b = actor_tok.get_vocab(), other.get_vocab()
@@ -545,9 +608,47 @@ def check_same_tokenizer(actor_tok, path, key: str, *, trust_remote_code: bool =
         diff = sum(1 for t, i in a.items() if b.get(t) != i)
         raise ConfigError(
             f"{key}={str(path)!r} has a different tokenizer from actor.model (vocabulary {len(b)} vs {len(a)} tokens, "
-            f"{diff} of the actor's tokens numbered differently); the reference and critic must share the actor's "
+            f"{diff} of the actor's tokens numbered differently); {who} must share the actor's tokenizer"
+        )
+    if actor_path is None:
+        return
+    mine, theirs = _special_tokens(actor_tok), _special_tokens(other)
+    if mine != theirs:
+        diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        shown = ", ".join(f"{k}: {theirs.get(k)} vs {mine.get(k)}" for k in diff)
+        raise ConfigError(
+            f"{key}={str(path)!r} has other special tokens than actor.model ({shown}); {who} must share the actor's "
             "tokenizer"
         )
+    mine_eos, theirs_eos = directory_eos_ids(actor_path, actor_tok), directory_eos_ids(path, other)
+    if mine_eos != theirs_eos:
+        raise ConfigError(
+            f"{key}={str(path)!r} ends responses on EOS ids {sorted(theirs_eos)}, actor.model on {sorted(mine_eos)} "
+            f"(tokenizer and generation_config.json); {who} must share the actor's EOS"
+        )
+
+
+def _special_tokens(tok) -> dict[str, tuple[str, int]]:
+    """A tokenizer's special tokens: {name (bos_token, eos_token, ...): (token, id)}."""
+    return {
+        name: (str(token), int(tok.convert_tokens_to_ids(str(token))))
+        for name, token in tok.special_tokens_map.items()
+        if isinstance(token, str)
+    }
+
+
+def directory_eos_ids(path, tok) -> set[int]:
+    """The EOS ids a model directory ends responses on: its tokenizer's, and ``generation_config.json``'s (else
+    ``config.json``'s) ``eos_token_id`` (an int or a list). Reads the JSON files only."""
+    ids = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids |= {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+                break
+    return ids
 
 
 def generation_eos_ids(model) -> list[int]:

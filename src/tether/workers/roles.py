@@ -79,6 +79,15 @@ class Reference(Protocol):
 
 
 @runtime_checkable
+class Teacher(Protocol):
+    """The frozen teacher π_T of on-policy distillation (``distill.teacher``; a ``ReferenceWorker`` over its own
+    model). It has no state to save: a checkpoint holds none of it."""
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """teacher_logprobs (B, T), nats."""
+
+
+@runtime_checkable
 class Critic(Protocol):
     """The value model V(s_t) and its optimizer (``CriticWorker``; ``RemoteCritic`` under Ray)."""
 
@@ -147,7 +156,8 @@ class Roles:
     ``engine`` is the rollout role, ``reward`` the training reward; ``val_reward`` scores generated
     validation responses when ``reward`` only replays dataset scores; ``gold`` is validation's gold reward
     (``tether.rewards.GoldReward``). ``model_paths``: {config key: model directory} of the models that run
-    over whole sequences, for the start-up context-length check.
+    over whole sequences, for the start-up context-length check. ``teacher``: the frozen teacher of
+    ``distill.teacher``, None when distillation is off.
     """
 
     tokenizer: Any
@@ -162,6 +172,7 @@ class Roles:
     placement: Placement = field(default_factory=lambda: LocalPlacement())
     model_paths: dict = field(default_factory=dict)
     gold: Any = None
+    teacher: Teacher | None = None
 
     def save_weights(self, path: Path, *, with_ref: bool) -> None:
         """The model-owning roles' weights into checkpoint directory ``path`` (``tether.checkpoint``'s layout)."""
