@@ -18,6 +18,7 @@ OTHER_MODES = [
     ["algo.filter_groups=true"],
     ["algo.entropy_target=0.5"],  # refuses algo.entropy_coef above algo.entropy_coef_max
     ["trainer.save_freq=0"],  # refuses guard.on_hacking=rollback
+    ["trainer.save_freq=500", "trainer.total_steps=20"],  # so does a save_freq past the run's end
     ["guard.on_hacking=rollback", "trainer.save_freq=10"],
     ["kl.controller=adaptive"],
     ["kl.controller=band"],  # kl.high must stay above kl.low

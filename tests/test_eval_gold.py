@@ -76,6 +76,9 @@ def test_a_gold_that_fails_on_every_sample_reports_no_gold_measurement(tmp_path,
     m = json.loads(out.read_text())["metrics"]
     assert m["gold_unscored_frac"] == 1.0 and "score_mean" in m
     assert [k for k in m if k.startswith("gold")] == ["gold_unscored_frac"]
+    # and each sample says it was not scored, with no number (the new-user trial found "gold": 0.0 there)
+    samples = json.loads(out.read_text())["samples"]
+    assert samples and all(s["gold"] is None and s["gold_scored"] is False for s in samples)
 
 
 def test_without_a_gold_nothing_is_added(capsys):

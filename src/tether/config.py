@@ -1424,11 +1424,12 @@ class TetherConfig(Section):
             )
         if self.rollout.mode == "offline" and self.data.response_key is None:
             raise ValueError("rollout.mode=offline needs data.response_key (the column holding the responses)")
-        if self.guard.on_hacking == "rollback" and not self.trainer.save_freq:
+        t = self.trainer
+        if self.guard.on_hacking == "rollback" and (not t.save_freq or t.save_freq >= t.total_steps):
             raise ValueError(
-                "guard.on_hacking=rollback needs checkpoints to return to, and trainer.save_freq=0 writes one only at "
-                "the end: set trainer.save_freq (no larger than the time hacking takes to show, e.g. 10 with "
-                "trainer.val_freq=10) or guard.on_hacking=warn|stop"
+                f"guard.on_hacking=rollback needs checkpoints to return to, and trainer.save_freq={t.save_freq} writes "
+                f"one only at the end (trainer.total_steps={t.total_steps}): set trainer.save_freq below it (no larger "
+                "than the time hacking takes to show, e.g. 10 with trainer.val_freq=10) or guard.on_hacking=warn|stop"
             )
         if self.trainer.backend == "ray":
             _check_distributed(self)

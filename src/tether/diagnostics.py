@@ -877,15 +877,18 @@ def check_hacking_proxy(
 
 def _hacking_guard(config: Any) -> tuple[str, dict[str, Any]]:
     """The guard to suggest for a hacking finding: guard.on_hacking=rollback, with checkpoints to return to where the
-    run writes none before its end (trainer.save_freq=0 refuses it); nothing when it already rolls back."""
+    run writes none before its end (trainer.save_freq=0, or at least trainer.total_steps, refuses it); nothing when it
+    already rolls back."""
     if _cfg(config, "guard.on_hacking") == "rollback":
         return "", {}
     now = _cfg(config, "guard.on_hacking")
     txt = "guard.on_hacking=rollback" + (f" (now {now})" if now else "")
-    if _cfg(config, "trainer.save_freq") == 0:
-        return f"{txt} with trainer.save_freq=10 (now 0: no checkpoint to return to)", {
+    save_freq, total = _cfg(config, "trainer.save_freq"), _cfg(config, "trainer.total_steps")
+    if save_freq == 0 or (isinstance(save_freq, int) and isinstance(total, int) and save_freq >= total):
+        every = max(1, min(10, (total or 11) - 1))
+        return f"{txt} with trainer.save_freq={every} (now {save_freq}: no checkpoint to return to before the end)", {
             "guard.on_hacking": "rollback",
-            "trainer.save_freq": 10,
+            "trainer.save_freq": every,
         }
     return txt, {"guard.on_hacking": "rollback"}
 

@@ -46,6 +46,20 @@ def test_kl_above_max(caplog, action, expected, scale):
         assert g.coef_scale == 9.0  # compounds
 
 
+def test_raise_coef_at_beta_zero_says_once_that_it_cannot_act(caplog):
+    """kl.coef=0 (the new-user trial: "β 0 → 0" warned on 36 of 40 steps): the first explosion says raise_coef cannot
+    raise β = 0 and what would act; later ones are counted (guard/kl_explosion) without a warning line."""
+    g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="raise_coef"))
+    with caplog.at_level(logging.INFO, logger="tether"):
+        for step in (1, 2, 3):
+            assert g.before_update(step, 0.8, FINITE, beta=0.0) == "update"
+            assert g.pop_metrics()["guard/kl_explosion"] == 1.0
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "step 1" in warnings[0].getMessage()
+    assert "β is 0, which guard.on_max_kl=raise_coef cannot raise" in warnings[0].getMessage()
+    assert "guard.on_max_kl=skip or stop would act" in warnings[0].getMessage()
+
+
 def test_kl_above_max_stop():
     g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="stop"))
     with pytest.raises(
@@ -323,6 +337,12 @@ def test_hacking_rollback_without_checkpoints_is_refused_at_config_time():
     with pytest.raises(ConfigError, match=r"guard.on_hacking=rollback .*trainer.save_freq=0"):
         load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=0"])
     load_config(None, ["guard.on_hacking=stop", "trainer.save_freq=0"])
+    # a save_freq at or past total_steps also writes only the final checkpoint (the new-user trial's save_freq=500)
+    with pytest.raises(
+        ConfigError, match=r"trainer.save_freq=20 writes one only at the end \(trainer.total_steps=20\)"
+    ):
+        load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=20", "trainer.total_steps=20"])
+    load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=10", "trainer.total_steps=20"])
 
 
 def test_state_round_trip_and_older_state():

@@ -386,3 +386,33 @@ def test_resume_does_not_warn_for_checkpoint_settings_or_auto_as_the_engine_it_r
     assert t.ckpt._warn_config_changes(saved, path, None) == {}  # a checkpoint from before the engine was recorded
     assert t.ckpt._warn_config_changes(saved, path, "vllm") == {"rollout.engine": ("vllm", "hf")}
     assert "(rollout.engine: 'vllm' → 'hf'); the run will not match" in caplog.text
+
+
+def test_resume_with_another_kl_controller_starts_it_from_the_checkpoints_beta(tmp_path, caplog):
+    """kl.controller changed on resume (issue 33's new-user trial: before, 'state_dict is for controller ...', exit 2):
+    an adaptive run resumed as fixed takes kl.coef; a fixed run resumed as adaptive starts from the checkpoint's β
+    with a fresh update count; scheduled takes its schedule at the run's step. A warning says which."""
+    run = tmp_path / "run"
+    Trainer(cfg(run, *RESUMED, "kl.controller=adaptive", "kl.horizon=10")).fit()
+    saved = _saved_state(run, 2)["controller"]
+    assert saved["name"] == "adaptive" and saved["value"] != 0.05
+    caplog.clear()
+    t = Trainer(cfg(run, *RESUMED, "trainer.total_steps=3"))
+    assert t.controller.name == "fixed" and t.beta == 0.05
+    assert (
+        "resume: kl.controller adaptive → fixed: the checkpoint's controller state does not carry over" in caplog.text
+    )
+    assert "β starts at 0.05 (kl.coef: a fixed β)" in caplog.text
+    t.fit()
+    assert read_lines(run)[-1]["step"] == 3 and read_lines(run)[-1]["kl/coef"] == 0.05
+
+    caplog.clear()
+    t = Trainer(cfg(run, *RESUMED, "trainer.total_steps=4", "kl.controller=adaptive", "kl.horizon=10"))
+    assert t.controller.name == "adaptive" and t.controller.value == 0.05 and t.controller.n_updates == 0
+    assert "kl.controller fixed → adaptive" in caplog.text and "the checkpoint's β" in caplog.text
+
+    caplog.clear()
+    stages = "kl.schedule.stages=[[2,0.3],[0,0.01]]"
+    t = Trainer(cfg(run, *RESUMED, "trainer.total_steps=5", "kl.controller=scheduled", stages))
+    assert t.controller.name == "scheduled" and t.controller.n_updates == 3 and t.controller.value == 0.01
+    assert "β starts at 0.01 (kl.schedule at step 3)" in caplog.text

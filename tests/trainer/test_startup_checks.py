@@ -281,6 +281,13 @@ def test_settings_that_do_less_than_they_read_are_said_once_at_start(small_cfg, 
         "mode): it only logs rollout_corr/*; use mode=mask to mask tokens outside [lower, threshold], or "
         "actor.old_logprobs_source=recompute for truncated weights"
     ]
+    # the new-user trial: async_steps=1 with max_staleness=0 under wait was silent, and is a synchronous run
+    sync = small_cfg("rollout.async_steps=1", "rollout.max_staleness=0", "rollout.staleness_policy=wait")
+    assert warn_partly_inert_settings(sync) == [
+        "rollout.max_staleness=0 with rollout.staleness_policy=wait: every step waits for a batch generated with its "
+        "own weights, so rollout.async_steps=1 overlaps nothing (a synchronous run, slower); raise "
+        "rollout.max_staleness, or set rollout.async_steps=0"
+    ]
     for quiet in (
         small_cfg("rollout.async_steps=3", "rollout.max_staleness=1", "rollout.staleness_policy=wait"),
         small_cfg("rollout.async_steps=3", "rollout.max_staleness=3"),

@@ -28,19 +28,22 @@ def test_mean_per_response_and_scale_by_hand():
     assert scale(_table([[], [float("nan")]]), "kl") == 1.0  # nothing finite: a neutral scale
 
 
-def test_events_are_guard_events_rollbacks_and_findings():
+def test_events_are_guard_events_and_findings_once_each():
     class F:
         check, message, suggestion, evidence = "kl_rising", "KL rose", "raise kl.coef", {"steps": [1, 5, 9]}
 
     history = [
-        {"step": 1, "guard/rollbacks": 0, "guard/coef_scale": 1.0},
-        {"step": 2, "guard/rollbacks": 1, "guard/coef_scale": 2.0, "guard/kl_explosion": 1.0},
+        {"step": 1, "guard/rollbacks": 0, "guard/coef_scale": 1.0, "guard/early_stop": 1.0},
+        # one rollback is one event (the new-user trial saw it twice: the key and the counter's rise)
+        {"step": 2, "guard/rollbacks": 1, "guard/coef_scale": 2.0, "guard/rollback": 1.0, "guard/kl_explosion": 2.0},
         {"step": 3, "guard/rollbacks": 1, "guard/nonfinite_skip": 0.0},
     ]
     got = events(history, [F()])
-    assert [(e["step"], e["kind"]) for e in got] == [(2, "guard"), (2, "guard"), (9, "doctor")]
-    assert {e["text"] for e in got[:2]} == {"guard/kl_explosion = 1", "rollback (1 so far)"}
-    assert got[2]["text"] == "kl_rising: KL rose — raise kl.coef"
+    assert [(e["step"], e["kind"], e["text"]) for e in got] == [
+        (2, "guard", "guard/kl_explosion = 2"),
+        (2, "guard", "guard/rollback (1 so far)"),
+        (9, "doctor", "kl_rising: KL rose — raise kl.coef"),
+    ]  # guard/early_stop (PPO's target-KL stop, by design) is not an event
 
 
 @pytest.mark.slow
@@ -68,13 +71,20 @@ def test_summary_and_details_are_the_records(recorded_run):
 
 
 def test_bad_run_directories_are_one_line_each(tmp_path, capsys):
-    with pytest.raises(ViewError, match="not a directory"):
+    with pytest.raises(ViewError, match="missing: no such directory"):
         load_run(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ViewError, match="file: not a directory"):
+        load_run(tmp_path / "file")
     with pytest.raises(ViewError, match="no metrics.jsonl and no rollouts/"):
         load_run(tmp_path)
     assert main(["view", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tether view: ") and "not a directory" in err[0]
+    assert len(err) == 1 and err[0].startswith("tether view: ") and "no such directory" in err[0]
+    for port in ("99999", "-1"):  # the new-user trial's traceback (OverflowError from bind)
+        assert main(["view", str(tmp_path), "--port", port]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"tether view: --port {port} is not a port: give 0-65535 (0 = any free one)"]
 
 
 def test_a_run_without_records_says_how_to_record_and_a_corrupt_file_is_skipped_and_named(tmp_path):

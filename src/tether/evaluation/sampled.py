@@ -130,10 +130,9 @@ def evaluate_prompts(
             over responses) and ``kl_ref_seq_mean`` (nats per response).
         progress: show a progress bar (prompts done / total, ETA) on stderr, titled ``desc``.
         gold: a :class:`~tether.rewards.GoldReward` that also scores the same responses (no extra
-            generation): each covered sample's record gets ``gold`` (its score, 0 where unscored, which the gold
-            metrics leave out) and
-            ``gold_scored``, and the metrics the ``gold_*`` of :func:`summarize_samples`; samples it could
-            not score are counted and warned about, never raised.
+            generation): each covered sample's record gets ``gold`` (its score; None where unscored, which the
+            gold metrics leave out) and ``gold_scored``, and the metrics the ``gold_*`` of :func:`summarize_samples`;
+            samples it could not score are counted and warned about, never raised.
         gen_overrides: passed to the engine (e.g. ``do_sample=False``, ``temperature=0.6``).
 
     Returns:
@@ -191,7 +190,8 @@ def evaluate_prompts(
                     "truncated": not bool(ended[j]),
                 }
                 if g is not None and g.covered[j]:
-                    rec["gold"], rec["gold_scored"] = g.scores[j], g.scored[j]
+                    # None where the gold could not score it: a missing measurement, never a 0 (issue 33)
+                    rec["gold"], rec["gold_scored"] = (g.scores[j] if g.scored[j] else None), g.scored[j]
                 if kl is not None:
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]

@@ -73,6 +73,7 @@ class GuardMonitor:
         self.stable_steps: list[list] = []
         self.gold_stable_steps: list[list] = []
         self.tried: list[list] = []  # [step, checkpoint restored, β after] of each rollback
+        self._zero_beta_said = False  # guard.on_max_kl=raise_coef at β = 0 has been said once
         self._events: dict[str, float] = {}
         self._step_metrics: dict[str, float] = {}
 
@@ -242,6 +243,17 @@ class GuardMonitor:
                 raise self._stop("kl_explosion", msg + " (guard.on_max_kl=stop)")
             if action == "raise_coef":
                 self.coef_scale *= self.cfg.coef_factor
+                if beta == 0:  # kl.coef=0: no multiple of 0 contains anything; said once, then counted quietly
+                    said = self._zero_beta_said
+                    self._zero_beta_said = True
+                    self._event(
+                        "kl_explosion",
+                        f"{msg}; β is 0, which guard.on_max_kl=raise_coef cannot raise: nothing contains this KL "
+                        "(guard.on_max_kl=skip or stop would act, or kl.coef > 0); later explosions are only counted "
+                        "(guard/kl_explosion)",
+                        level=logging.DEBUG if said else logging.WARNING,
+                    )
+                    return "update"
                 self._event(
                     "kl_explosion",
                     f"{msg}; β {beta:.4g} → {beta * self.cfg.coef_factor:.4g} (guard.on_max_kl=raise_coef)",

@@ -200,6 +200,8 @@ def warn_partly_inert_settings(cfg: TetherConfig) -> list[str]:
     * ``rollout.max_staleness`` below ``rollout.async_steps`` under ``staleness_policy=drop``: from step
       max_staleness + 2 on every batch is past the bound and regenerated at its step, so the overlap's generation
       is thrown away (:class:`tether.trainer.async_rollout.AsyncRollout`).
+    * ``rollout.max_staleness=0`` with ``staleness_policy=wait``: every batch waits for the current weights, so the
+      asynchronous rollout overlaps nothing.
     * ``algo.rollout_correction.mode=truncate`` with a level under ``actor.old_logprobs_source=rollout`` (bypass
       mode): the weights are left at 1 and only measured (``rollout_corr/*``), since π_old is π_rollout and the PPO
       clip bounds π_θ/π_rollout (:func:`tether.algos.rollout_correction`, ``apply_truncation=False``).
@@ -217,6 +219,12 @@ def warn_partly_inert_settings(cfg: TetherConfig) -> list[str]:
             f"rollout.staleness_policy=drop: from step {r.max_staleness + 2} on every batch is more than "
             "max_staleness updates old and is regenerated at its step (rollout/stale_dropped = 1), so the generation "
             f"ahead is wasted; use rollout.staleness_policy=wait, or rollout.async_steps={r.max_staleness}"
+        )
+    if r.async_steps and r.max_staleness == 0 and r.staleness_policy == "wait":
+        lines.append(
+            f"rollout.max_staleness=0 with rollout.staleness_policy=wait: every step waits for a batch generated with "
+            f"its own weights, so rollout.async_steps={r.async_steps} overlaps nothing (a synchronous run, slower); "
+            "raise rollout.max_staleness, or set rollout.async_steps=0"
         )
     if cfg.actor.old_logprobs_source == "rollout" and rc.level != "none" and rc.mode == "truncate":
         lines.append(

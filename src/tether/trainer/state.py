@@ -319,8 +319,9 @@ class CheckpointManager:
                 + ("" if path.parent == self.root else " or a checkpoint of this model")
             ) from e
         self.step = int(state["step"])
-        self.controller.load_state_dict(state["controller"])
-        self._apply_kl_coef(changed, state["controller"])
+        if not self._switch_controller(state["controller"]):
+            self.controller.load_state_dict(state["controller"])
+            self._apply_kl_coef(changed, state["controller"])
         if self.entropy_controller is not None:
             # a checkpoint of a run without algo.entropy_target (or from before it existed)
             if state.get("entropy_controller") is None:
@@ -469,6 +470,32 @@ class CheckpointManager:
                 f"and algo.adv_estimator=gae needs one: resume with algo.adv_estimator={before}, or start a new run (a "
                 "new trainer.output_dir)"
             )
+
+    def _switch_controller(self, saved: dict) -> bool:
+        """``kl.controller`` changed on resume: the new controller takes over from the checkpoint's β (``fixed``: from
+        ``kl.coef``, its only β), with a fresh update count, and a warning says so. False when it did not change."""
+        old_name = saved.get("name")
+        if old_name == self.controller.name:
+            return False
+        old_beta = float(saved.get("value", self.cfg.kl.coef))
+        fresh = self.controller.state_dict()
+        if self.cfg.kl.controller == "scheduled":  # its β is the schedule's at the run's step
+            beta = self.controller._clamp(self.controller.schedule(self.step))
+            self.controller.load_state_dict(fresh | {"value": beta, "n_updates": self.step})
+            where = f"kl.schedule at step {self.step}"
+        elif self.cfg.kl.controller == "fixed":
+            where = "kl.coef: a fixed β"
+        else:
+            self.controller.load_state_dict(fresh | {"value": old_beta, "n_updates": 0})
+            where = "the checkpoint's β; the new controller's kl.* settings move it from there"
+        log.warning(
+            "resume: kl.controller %s → %s: the checkpoint's controller state does not carry over; β starts at %g (%s)",
+            old_name,
+            self.controller.name,
+            self.controller.value,
+            where,
+        )
+        return True
 
     def _apply_kl_coef(self, changed: dict, saved_controller: dict) -> None:
         """``kl.coef`` changed on resume. With ``kl.controller=fixed`` β is kl.coef: the new value applies from the next

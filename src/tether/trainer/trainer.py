@@ -417,7 +417,8 @@ class Trainer:
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         for finding in findings:
             if log_them:
-                log.warning("doctor: %s Suggestion: %s", finding.message, finding.suggestion)
+                tail = f"; suggestion: {finding.suggestion}" if finding.suggestion else ""
+                log.warning("doctor: %s%s", finding.message.rstrip(". "), tail)
             if finding.check in HACKING_CHECKS and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
                 acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)

@@ -31,8 +31,10 @@ CURVES: dict[str, str] = {
     "entropy (nats)": "policy/entropy",
     "β": "kl/coef",
 }
-#: guard/* keys that are states, not events (an event is any other guard/* key above 0, or a rollback)
+#: guard/* keys that are states or running counts, not events (an event is any other guard/* key above 0)
 _GUARD_STATES = ("guard/coef_scale", "guard/coef_floor", "guard/rollbacks", "guard/nonfinite_weights")
+#: guard/* keys that report what PPO does by design, not a fault: left off the timeline
+_GUARD_INFO = ("guard/early_stop",)
 #: the per-token columns a response can be coloured by
 COLOUR_BY = ("kl", "advantages", "entropy", "logprobs")
 _DETAIL_COLUMNS = (
@@ -124,7 +126,8 @@ def load_run(run_dir: str | Path) -> RunView:
     """
     run = Path(run_dir)
     if not run.is_dir():
-        raise ViewError(f"{run}: not a directory (give a run directory, e.g. runs/2026-12-03_10-00-00)")
+        what = "no such directory" if not run.exists() else "not a directory"
+        raise ViewError(f"{run}: {what} (give a run directory: trainer.output_dir of a tether train)")
     history = read_metrics(run) if (run / "metrics.jsonl").exists() else []
     table, files, offsets, problems = _index_table(run)
     if not history and table is None:
@@ -161,19 +164,19 @@ def curves(history: list[dict]) -> dict[str, list[list[float]]]:
 
 
 def events(history: list[dict], findings) -> list[dict]:
-    """Timeline marks: guard events (``kind: "guard"``) and doctor findings (``kind: "doctor"``, at the last step
-    of their evidence), each ``{step, kind, text}``."""
-    out, rollbacks = [], 0.0
+    """Timeline marks: guard events (``kind: "guard"``: a rollback, a KL explosion, a skipped update, a stop: each
+    ``guard/*`` key above 0 but the states and the target-KL early stop, which PPO does by design) and doctor findings
+    (``kind: "doctor"``, at the last step of their evidence), each ``{step, kind, text}``."""
+    out = []
     for r in history:
         for key, v in sorted(r.items()):
-            if not key.startswith("guard/") or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if not key.startswith("guard/") or key in _GUARD_STATES or key in _GUARD_INFO:
                 continue
-            if key == "guard/rollbacks":
-                if v > rollbacks:
-                    out.append({"step": r["step"], "kind": "guard", "text": f"rollback ({int(v)} so far)"})
-                rollbacks = v
-            elif key not in _GUARD_STATES and v > 0:
-                out.append({"step": r["step"], "kind": "guard", "text": f"{key} = {v:g}"})
+            if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+                text = key if v == 1 else f"{key} = {v:g}"
+                if key.endswith("rollback"):
+                    text += f" ({int(r.get('guard/rollbacks', 0))} so far)"
+                out.append({"step": r["step"], "kind": "guard", "text": text})
     for f in findings:
         steps = f.evidence.get("steps") or [0]
         text = f"{f.check}: {f.message}" + (f" — {f.suggestion}" if f.suggestion else "")

@@ -75,6 +75,8 @@ def make_server(run_dir: str | Path, port: int = 8765, host: str = "127.0.0.1") 
     Raises:
         ViewError: the run cannot be shown, or the port is in use (one line naming it).
     """
+    if not (isinstance(port, int) and 0 <= port <= 65535):
+        raise ViewError(f"--port {port} is not a port: give 0-65535 (0 = any free one)")
     run = Path(run_dir)
     live = _Live(run)
     live.summary_json()  # a missing or empty run fails here, before anything listens
