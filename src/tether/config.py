@@ -1142,7 +1142,8 @@ class GuardConfig(Section):
         "gold reward: the last stable one by guard.rollback_metric; never the flagged step's own), multiply β by "
         "guard.coef_factor (at least guard.hacking_coef, escalating) and the learning rates by "
         "guard.rollback_lr_factor, counted against guard.max_rollbacks (a step whose validation already rolled back is "
-        "not rolled back twice); needs trainer.save_freq > 0; stop = checkpoint and stop (exit 3).",
+        "not rolled back twice); needs 0 < trainer.save_freq < trainer.total_steps; stop = checkpoint and stop (exit "
+        "3).",
     )
     hacking_coef: float = Field(
         0.05,
