@@ -68,4 +68,5 @@ def test_a_run_that_learns_nothing_is_reported_live_and_by_the_doctor(small_cfg,
     assert doctor(run) == 1
     out = capsys.readouterr().out
     assert "[warning] no_learning_signal (rollout/zero_var_group_frac)" in out
-    assert "raise algo.filter_groups_max_draws (now 2) or rollout.n" in out
+    # the advice names the run's own settings (issue 33): more samples per prompt, or more draws
+    assert "rollout.n (now 4) so that samples differ" in out and "raise algo.filter_groups_max_draws (now 2)" in out
