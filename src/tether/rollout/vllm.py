@@ -157,6 +157,18 @@ def cpu_threads_bind(
     return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tensor_parallel_size))
 
 
+def _drop_vllm_envs_cache() -> None:
+    """Let vLLM read the environment again (``vllm.envs.disable_envs_cache``, where this vLLM has it); the next
+    engine's start caches it anew."""
+    try:
+        from vllm import envs as vllm_envs
+    except ImportError:
+        return
+    disable = getattr(vllm_envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
+
+
 def _head_dim(model_path: Path) -> int | None:
     """The attention head size of a HF model directory's ``config.json`` (None when not stated)."""
     try:
@@ -407,6 +419,10 @@ class VLLMRolloutEngine:
             )
             if bind is not None:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                # vLLM caches its environment once an engine has started (vllm.envs.enable_envs_cache): an earlier
+                # engine of this process would have fixed the variable at its default ("auto", one NUMA node per
+                # rank), and this engine could not start; drop that cache so the new value is read
+                _drop_vllm_envs_cache()
                 log.info(
                     "vllm-cpu, tensor_parallel_size=%d on fewer NUMA nodes: VLLM_CPU_OMP_THREADS_BIND=%s (set it to "
                     "choose)",
