@@ -1057,7 +1057,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def _load_config(run_dir: Path) -> Any:
+def load_run_config(run_dir: Path) -> Any:
+    """A run directory's ``config.yaml`` as a mapping (it only decorates the doctor's suggestions with current values);
+    None when missing or unreadable."""
     p = run_dir / CONFIG_FILE
     if not p.is_file():
         return None
@@ -1125,7 +1127,7 @@ def doctor(run_dir: str | Path, *, out: TextIO | None = None, **thresholds: Any)
     if not records:
         print(f"tether doctor: no metric records in {path}", file=err)
         return 2
-    config = _load_config(path.parent)
+    config = load_run_config(path.parent)
     now = diagnose(records, config=config, **thresholds)
     earlier = cleared_findings(records, now, config=config, **thresholds)
     findings = problems + now + earlier

@@ -812,7 +812,7 @@ def plan_memory(
     """
     s = settings
     ref, critic_shape = ref or actor, critic or actor
-    es, ec = DTYPE_BYTES[s.storage_dtype], DTYPE_BYTES[s.compute_dtype]
+    ec = DTYPE_BYTES[s.compute_dtype]
     n = s.devices
     p_actor = actor.causal_lm_params()
     p_train = actor.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank else p_actor
@@ -842,28 +842,11 @@ def plan_memory(
     )
     if s.separate_ref:
         params["reference"] = ref.causal_lm_params()
-        b = params["reference"] * es // n
-        items.append(
-            Item(
-                "reference",
-                f"weights ({s.storage_dtype}, no optimizer)" + (" [offloaded]" if s.offload else ""),
-                0 if s.offload else b,
-                host=b if s.offload else 0,
-                note=f"sharded over {n} devices",
-            )
-        )
+        items.append(_frozen_role(s, "reference", params["reference"], s.storage_dtype, f"sharded over {n} devices"))
     if teacher is not None:  # distill.teacher: always its own frozen copy, as a separate reference
         params["teacher"] = teacher.causal_lm_params()
-        b = params["teacher"] * es // n
-        items.append(
-            Item(
-                "teacher",
-                f"weights ({s.storage_dtype}, no optimizer)" + (" [offloaded]" if s.offload else ""),
-                0 if s.offload else b,
-                host=b if s.offload else 0,
-                note=f"sharded over {n} devices as the reference (distill.teacher)",
-            )
-        )
+        note = f"sharded over {n} devices as the reference (distill.teacher)"
+        items.append(_frozen_role(s, "teacher", params["teacher"], s.storage_dtype, note))
     if s.critic:
         params["critic"] = critic_shape.value_model_params()
         items += _trained_role(
@@ -882,19 +865,21 @@ def plan_memory(
             continue
         params[role] = shape.reward_model_params()
         rd = shape.dtype if s.accelerator else "float32"
-        b = params[role] * DTYPE_BYTES[rd] // n
-        items.append(
-            Item(
-                role,
-                f"weights ({rd}, no optimizer)" + (" [offloaded]" if s.offload else ""),
-                0 if s.offload else b,
-                host=b if s.offload else 0,
-                note=f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)",
-            )
-        )
+        note = f"sharded over {n} devices as the reference (dtype=auto on a GPU: the checkpoint's)"
+        items.append(_frozen_role(s, role, params[role], rd, note))
     rows, problems = entry(s.engine).plan(s, actor)  # the rollout engine's own memory (tether.engines)
     items += [Item(r.role, r.what, r.bytes, r.phase, note=r.note) for r in rows]
     return Plan(s, items, params, problems=problems)
+
+
+def _frozen_role(s: PlanSettings, role: str, n_params: int, dtype: str, note: str) -> Item:
+    """The weights of a frozen role (reference, teacher, reward model): ``n_params`` in ``dtype``, sharded over the
+    devices, no optimizer; on the host under ``trainer.fsdp.cpu_offload``."""
+    b = n_params * DTYPE_BYTES[dtype] // s.devices
+    offload = " [offloaded]" if s.offload else ""
+    return Item(
+        role, f"weights ({dtype}, no optimizer){offload}", 0 if s.offload else b, host=b if s.offload else 0, note=note
+    )
 
 
 def _changes(s: PlanSettings, a: ModelShape, max_tp: int) -> list[tuple[str, PlanSettings]]:

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from tether.algos import last_valid_index
 from tether.batch import RolloutBatch
 from tether.outputs import OutputWriteError, atomic_output
 
@@ -109,7 +110,7 @@ def batch_records(
     written = batch.response_mask.bool()
     if batch.generated_mask is not None:  # a dropped sample's row of response_mask is all 0; what it wrote is not
         written = written | batch.generated_mask.bool()
-    lengths = _lengths(written)
+    lengths = (last_valid_index(written) + 1).tolist()  # each row up to its last marked token; 0 for none
     update = batch.update_mask
     masks = {
         "response_mask": batch.response_mask,
@@ -172,13 +173,6 @@ def val_records(samples: list[dict], step: int, token_text: Callable[[list[int]]
 
 
 _FIELD = {"logprobs": "old_logprobs"}  # record column -> RolloutBatch field, where they differ
-
-
-def _lengths(mask: torch.Tensor) -> list[int]:
-    """Each row's length up to its last marked token (0 for a row with none)."""
-    t = mask.shape[-1]
-    pos = torch.arange(1, t + 1, device=mask.device).expand_as(mask)
-    return torch.where(mask, pos, torch.zeros_like(pos)).amax(dim=-1).tolist()
 
 
 class RolloutRecorder:

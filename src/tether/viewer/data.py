@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from tether.diagnostics import diagnose, read_metrics
+from tether.diagnostics import diagnose, load_run_config, read_metrics
 from tether.records import RECORDS_DIR, SCHEMA, record_files
 
 #: the curves drawn, by label: the metric each reads from metrics.jsonl
@@ -132,21 +132,8 @@ def load_run(run_dir: str | Path) -> RunView:
     table, files, offsets, problems = _index_table(run)
     if not history and table is None:
         raise ViewError(f"{run}: no metrics.jsonl and no {RECORDS_DIR}/ (is it a tether run directory?)")
-    config = _config(run)
-    findings = diagnose(history, config=config) if history else []
+    findings = diagnose(history, config=load_run_config(run)) if history else []
     return RunView(run, history, table, problems, findings, files, offsets)
-
-
-def _config(run: Path):
-    path = run / "config.yaml"
-    if not path.exists():
-        return None
-    try:
-        import yaml
-
-        return yaml.safe_load(path.read_text())
-    except Exception:  # the advice then quotes no current value; the page still opens
-        return None
 
 
 def _finite(v) -> float | None:
