@@ -30,8 +30,10 @@ class RolloutBatch:
             rollout.temperature, as the others), nats; None = distillation off.
         entropy (B, T): entropy of π_old at each position, nats.
         values (B, T): critic V(s_t) (gae only).
-        scores (B,): sequence reward; token_level_rewards (B, T): scores at the last valid token
-            minus β·KL per token (placement reward/both).
+        scores (B,): sequence reward; token_level_rewards (B, T): scores at the last model token
+            minus β·KL per model token (placement reward/both), plus ``turn_rewards``.
+        turn_rewards (B, T): per-turn rewards of a multi-turn episode, each at its turn's last model token
+            (:func:`tether.algos.place_turn_rewards`), 0 elsewhere; None = the episode's score alone.
         kl (B, T): the per-token KL to the reference by the configured estimator, nats.
         advantages, returns (B, T).
         group_ids (B,) int64: which prompt each response answers.
@@ -77,6 +79,7 @@ class RolloutBatch:
     truncated: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
     generated_mask: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
     finish_reasons: list[str] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -100,6 +103,19 @@ class RolloutBatch:
         if self.loss_mask is None:
             return self.response_mask
         return self.response_mask * self.loss_mask.to(device=self.response_mask.device, dtype=self.response_mask.dtype)
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """(B, T) the model's own tokens among the counted ones: ``response_mask`` times ``generated_mask`` (all of
+        ``response_mask`` when ``generated_mask`` is None). The KL to the reference, the rewards and returns, and the
+        per-token means of KL, entropy and log-probs run over these: a token the environment appended (a tool's
+        output) is not an action of the policy. Unlike :attr:`update_mask` it keeps tokens that rollout correction
+        rejected or ``algo.mask_truncated`` took out of the loss: those are still the policy's actions, and their KL
+        is still part of the trajectory's. Single-turn it equals ``response_mask``."""
+        if self.generated_mask is None:
+            return self.response_mask
+        g = self.generated_mask.to(device=self.response_mask.device, dtype=self.response_mask.dtype)
+        return self.response_mask * g
 
     @property
     def response_lengths(self) -> torch.Tensor:

@@ -504,6 +504,14 @@ class KLConfig(Section):
         "(on-policy too, where plain k3's is ∇KL(π_ref‖π_θ)); none = the plain estimator (verl's use_kl_loss). "
         "docs/training.md#kl-off-policy.",
     )
+    loss_to_go: bool = Field(
+        False,
+        description="KL in the loss: add the KL-to-go term, each model token's score function times the detached KL "
+        "of the later model tokens (across turns), so that the loss's expected gradient at θ = θ_old is that of the "
+        "trajectory's KL(π_θ‖π_ref), not only of each token's own (Tang & Munos 2025). Zero in value. Needs "
+        "kl.placement loss or both; exact with off_policy_correction=ratio, k2 or a `+` estimator, or full. "
+        "docs/kl-regularization.md#kl-to-go.",
+    )
 
     @field_validator("estimator", "loss_estimator")
     @classmethod
@@ -521,6 +529,11 @@ class KLConfig(Section):
             raise ValueError(f"kl.low ({self.low}) must be below kl.high ({self.high})")
         if self.beta_min is not None and self.beta_max is not None and self.beta_min > self.beta_max:
             raise ValueError(f"kl.beta_min ({self.beta_min}) must not exceed kl.beta_max ({self.beta_max})")
+        if self.loss_to_go and self.placement not in ("loss", "both"):
+            raise ValueError(
+                f"kl.loss_to_go=true adds a term to the KL loss, and kl.placement={self.placement} has none; set "
+                "kl.placement=loss (or both), or kl.loss_to_go=false (KL in the reward carries the KL to go already)"
+            )
         return self
 
 

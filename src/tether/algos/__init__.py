@@ -40,6 +40,8 @@ from .kl import (
     apply_kl_penalty,
     canonical_kl_estimator,
     kl_penalty,
+    kl_to_go,
+    kl_to_go_term,
     last_valid_index,
     mean_kl_per_token,
     off_policy_kl_penalty,
@@ -58,6 +60,7 @@ from .policy_losses import (
     policy_loss,
 )
 from .rollout_correction import IS_LEVELS, IS_MODES, REJECT_CRITERIA, rollout_correction
+from .turns import place_turn_rewards, turn_end_mask
 
 __all__ = [
     # masked statistics
@@ -82,6 +85,11 @@ __all__ = [
     "token_level_rewards_from_kl",
     "mean_kl_per_token",
     "last_valid_index",
+    # multi-turn: per-turn rewards, the KL still to come (KL in the loss, kl.loss_to_go)
+    "turn_end_mask",
+    "place_turn_rewards",
+    "kl_to_go",
+    "kl_to_go_term",
     # on-policy distillation: the sampled-token reverse KL to a teacher in the reward
     "DISTILL_ESTIMATORS",
     "distill_k1",

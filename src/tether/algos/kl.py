@@ -33,6 +33,8 @@ __all__ = [
     "kl_penalty",
     "apply_kl_penalty",
     "token_level_rewards_from_kl",
+    "kl_to_go",
+    "kl_to_go_term",
     "mean_kl_per_token",
     "last_valid_index",
 ]
@@ -230,6 +232,98 @@ def off_policy_kl_penalty(
     return rho * kl
 
 
+def kl_to_go(kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """The KL still to come after each token: ``G[b, t] = Σ_{u > t, u valid} kl[b, u]`` on valid tokens.
+
+    Sums over the later valid tokens of the same row, across turns: pass the model's tokens as the mask
+    (an observation token is not an action and has no KL of its own).
+
+    Args:
+        kl: (B, T) per-token KL values, nats (k1 of the sampled tokens, or the exact per-state KL).
+        response_mask: (B, T), non-zero = the token counts.
+
+    Returns:
+        (B, T), nats, dtype of ``kl``; 0 at masked positions and at each row's last valid token (whatever
+        ``kl`` holds at masked positions, inf and NaN included, is never read).
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    if kl.dim() != 2 or tuple(kl.shape) != tuple(response_mask.shape):
+        raise ValueError(f"kl {tuple(kl.shape)} and response_mask {tuple(response_mask.shape)} must both be (B, T)")
+    m = as_bool_mask(response_mask)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    z = torch.where(m, kl, zero)  # (B, T)
+    inclusive = z.flip(-1).cumsum(-1).flip(-1)  # (B, T): Σ_{u ≥ t}
+    return torch.where(m, inclusive - z, zero)
+
+
+def kl_to_go_term(
+    logprobs: torch.Tensor,
+    to_go: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    is_log_ratio_clamp: float = 20.0,
+) -> torch.Tensor:
+    """The KL-to-go loss term: 0 in value, gradient ρ_t · G_t · ∇log π_θ(a_t|s_t) per token (G_t detached).
+
+    Why it is needed. Let a trajectory τ interleave the model's tokens a_t ~ π_θ(·|s_t) with environment
+    tokens o ~ P(·|history) that do not depend on θ (a tool's output; none single-turn). Its probability
+    is P_θ(τ) = Π_t π_θ(a_t|s_t) · Π P(o|…), and π_ref's is the same with π_ref: the environment's
+    factors are equal in both and cancel in the log-ratio, log P_θ(τ)/P_ref(τ) = Σ_t k1_t with
+    k1_t = log π_θ(a_t|s_t) − log π_ref(a_t|s_t) over the model's tokens only. So KL_traj(π_θ‖π_ref) =
+    E_{P_θ}[Σ_t k1_t], and (score function; the term E[Σ_t ∇k1_t] = E[Σ_t ∇log π_θ(a_t|s_t)] = 0; a
+    k1_u before t is fixed given s_t, so E[k1_u ∇log π_θ(a_t|s_t)] = 0)
+
+        ∇KL_traj = E[Σ_t ∇log π_θ(a_t|s_t) · k1_t] + E[Σ_t ∇log π_θ(a_t|s_t) · Σ_{u>t} k1_u].
+
+    The first sum is Σ_t E_{s_t}[∇_θ KL(π_θ(·|s_t) ‖ π_ref(·|s_t))] with the states' distribution held
+    fixed: what a per-token KL loss's expected gradient is (:func:`off_policy_kl_penalty` for k1, k3, k2
+    and every ``+``; plain k2 and the ``+`` variants). The second, how a token changes which later states
+    (and so which later KLs) occur, is what per-token KL losses leave out (Tang & Munos 2025,
+    arXiv 2506.09477): this term's. Under a_t ~ π_old with θ = θ_old, and G_t = :func:`kl_to_go` of the
+    later model tokens' k1 (or of the exact per-state KLs, E[k1_u | s_u]), its expected gradient is that
+    second sum exactly, so per-token term + this term has expected gradient ∇_θ KL_traj(π_θ‖π_ref)
+    (``tests/algos/test_algos_kl_to_go.py`` enumerates it, single- and multi-turn, and the gap without).
+    For θ ≠ θ_old (later mini-batches, PPO epochs) ρ corrects each token's own choice but, as PPO's
+    surrogate, neither the states' distribution nor the later tokens' (π_old's): not exact there.
+
+    Args:
+        logprobs: (B, T) log π_θ(a_t|s_t), nats, differentiable.
+        to_go: (B, T) G_t, nats (:func:`kl_to_go`); used detached.
+        response_mask: (B, T), non-zero = the token counts (the model's tokens).
+        old_logprobs: (B, T) log π_old of the sampling policy, nats (detached); ρ = π_θ/π_old, clamped as
+            in :func:`off_policy_kl_penalty`. None: ρ = π_θ/sg(π_θ) (1 in value).
+        is_log_ratio_clamp: c > 0, the clamp of log ρ (nats); past it ρ has no gradient.
+
+    Returns:
+        (B, T) zeros in value (so the logged KL loss is unchanged), float32 at least; the gradient as above
+        on valid tokens, none on masked ones.
+
+    Raises:
+        ValueError: shape mismatch or c ≤ 0.
+
+    Source: the decomposition is the policy-gradient theorem applied to KL_traj (Tang & Munos 2025, who
+    show the per-token k1/k2/k3 losses' gradients miss it); the term's form (ρ − sg ρ)·sg(G) is tether's.
+    """
+    for name, x in (("to_go", to_go), ("response_mask", response_mask)) + (
+        (("old_logprobs", old_logprobs),) if old_logprobs is not None else ()
+    ):
+        if tuple(x.shape) != tuple(logprobs.shape):
+            raise ValueError(f"{name} {tuple(x.shape)} must have the shape of logprobs {tuple(logprobs.shape)}")
+    if not is_log_ratio_clamp > 0:
+        raise ValueError(f"is_log_ratio_clamp must be > 0, got {is_log_ratio_clamp!r}")
+    m = as_bool_mask(response_mask)
+    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, to_go.dtype), torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    lp = torch.where(m, logprobs.to(dtype), zero)  # masked positions never reach the graph
+    base = lp.detach() if old_logprobs is None else torch.where(m, old_logprobs.detach().to(dtype), zero)
+    rho = torch.exp((lp - base).clamp(-is_log_ratio_clamp, is_log_ratio_clamp))  # (B, T)
+    g = torch.where(m, to_go.detach().to(dtype), zero)
+    return (rho - rho.detach()) * g
+
+
 def _k2_gradient(r: torch.Tensor) -> torch.Tensor:
     """(B, T) zeros in the forward pass whose gradient w.r.t. r is r (k2's), and 0 where r = ±inf.
 
@@ -251,25 +345,37 @@ def last_valid_index(response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_level_rewards_from_kl(
-    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, coef: float | torch.Tensor
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float | torch.Tensor,
+    *,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Place each sequence score on its last valid token and subtract β·KL on every valid token.
 
-    ``r[b, t] = -coef·kl[b, t] + [t = last valid t of row b]·scores[b]`` on valid tokens, 0 on
-    masked tokens (whatever ``kl`` holds there, inf and NaN included).
+    ``r[b, t] = -coef·kl[b, t] + [t = last valid t of row b]·scores[b] + turn_rewards[b, t]`` on valid
+    tokens, 0 on masked tokens (whatever ``kl`` holds there, inf and NaN included). Multi-turn, pass the
+    model's tokens as ``response_mask`` (``RolloutBatch.action_mask``): the score then lands on the last
+    token the model wrote, never on an observation, and per-turn rewards sit where
+    :func:`tether.algos.place_turn_rewards` put them (each turn's last model token).
 
     Args:
         scores: (B,) sequence-level rewards.
         kl: (B, T) per-token KL estimate, nats per token.
         response_mask: (B, T), non-zero = the token counts.
         coef: β ≥ 0 (float or 0-d tensor; a detached value is used as a constant).
+        turn_rewards: (B, T) per-turn rewards already placed on valid tokens (reward units), added where
+            ``response_mask`` is non-zero; None = none.
 
     Returns:
         (B, T) ``token_level_rewards``, dtype of ``kl``. A row with no valid token gets no reward
         at all (its score has nowhere to go).
 
     Raises:
-        ValueError: shape mismatch or a negative coef.
+        ValueError: shape mismatch, a negative coef, or a non-zero turn reward on a masked token of a row
+            that has valid ones (it would be lost: place it with :func:`tether.algos.place_turn_rewards` on
+            the same mask). A row with no valid token (a dropped sample) loses its turn rewards silently.
 
     Source: Ziegler et al. 2019 and InstructGPT (Ouyang et al. 2022, eq. 2): reward r(x, y) -
     β·log(π/π_ref); verl ``apply_kl_penalty`` places the score on the last valid token the same
@@ -287,7 +393,20 @@ def token_level_rewards_from_kl(
     last = last_valid_index(m)  # (B,)
     t = m.shape[-1]
     at_last = torch.arange(t, device=m.device)[None, :] == last[:, None]  # (B, T); no hit when last = -1
-    return rewards + torch.where(at_last, scores.to(kl.dtype)[:, None], zero)
+    rewards = rewards + torch.where(at_last, scores.to(kl.dtype)[:, None], zero)
+    if turn_rewards is None:
+        return rewards
+    if tuple(turn_rewards.shape) != tuple(kl.shape):
+        raise ValueError(f"turn_rewards {tuple(turn_rewards.shape)} must have the shape of kl {tuple(kl.shape)}")
+    tr = turn_rewards.to(device=kl.device, dtype=kl.dtype)
+    lost = ~m & (tr != 0) & m.any(dim=-1, keepdim=True)  # a dropped row (no valid token) loses all, as its score
+    if bool(lost.any()):
+        b, pos = (int(i) for i in lost.nonzero()[0])
+        raise ValueError(
+            f"turn_rewards row {b} holds a reward at position {pos}, which is not a counted model token; place "
+            "per-turn rewards with place_turn_rewards on the same mask"
+        )
+    return rewards + torch.where(m, tr, zero)
 
 
 def apply_kl_penalty(

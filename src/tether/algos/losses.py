@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .kl import kl_penalty, off_policy_kl_penalty
+from .kl import kl_penalty, kl_to_go, kl_to_go_term, off_policy_kl_penalty
 from .masked import as_bool_mask, masked_mean
 
 __all__ = ["AGG_MODES", "agg_loss", "loss_normalizers", "ppo_policy_loss", "ppo_value_loss", "kl_loss"]
@@ -302,6 +302,7 @@ def kl_loss(
     log_ratio_clamp: float | None = 20.0,
     value_clamp: float | None = 10.0,
     is_log_ratio_clamp: float = 20.0,
+    to_go: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL in the loss: ``agg_loss(w · term)``, *unscaled* (the actor loss adds ``β · loss``).
 
@@ -325,6 +326,12 @@ def kl_loss(
         agg_mode, total_tokens, total_seqs, norm_constant: see :func:`agg_loss`.
         log_ratio_clamp, value_clamp: see :func:`tether.algos.kl_penalty`.
         is_log_ratio_clamp: clamp of log(π_θ/π_old), see :func:`tether.algos.off_policy_kl_penalty`.
+        to_go: add :func:`tether.algos.kl_to_go_term` with G_t the sum of the later counted tokens' k1
+            (``kl.loss_to_go``): 0 in value, and with it the per-token term's expected gradient (ratio
+            correction, or k2 and the ``+`` variants) becomes that of the trajectory's KL_traj(π_θ‖π_ref) at
+            θ = θ_old, across turns when ``response_mask`` holds the model's tokens. The sum identity is per
+            trajectory: ``token-sum`` (or ``token-mean``, up to the mini-batch's constant N); a per-row
+            mean (``seq-mean-token-mean``) weighs each trajectory by 1/length.
 
     Returns:
         ``(loss, {"policy/kl_loss": float})``, nats per token for ``token-mean``.
@@ -356,6 +363,11 @@ def kl_loss(
             log_ratio_clamp=log_ratio_clamp,
             value_clamp=value_clamp,
             is_log_ratio_clamp=is_log_ratio_clamp,
+        )
+    if to_go:  # the KL of the later tokens this token's choice leads to: k1 of π_θ, detached
+        g = kl_to_go((lp.detach().to(kl.dtype) - ref.to(kl.dtype)), m)
+        kl = kl + kl_to_go_term(
+            lp, g, m, old_logprobs=None if old_logprobs is None else old, is_log_ratio_clamp=is_log_ratio_clamp
         )
     if weights is not None:
         _check_pair("weights", weights, response_mask)

@@ -285,6 +285,7 @@ class AsyncRollout:
         "response_ids",
         "response_mask",
         "generated_mask",
+        "turn_rewards",
         "truncated",
         "group_ids",
         "old_logprobs",
@@ -354,7 +355,12 @@ class AsyncRollout:
                 t[f"{i}.group_ids"],
                 **masks,
             )
-            for k in ("old_logprobs", "entropy", "rollout_logprobs"):  # absent: None (from_rollout keeps only the last)
+            for k in (
+                "old_logprobs",
+                "entropy",
+                "rollout_logprobs",
+                "turn_rewards",
+            ):  # absent: None (from_rollout keeps only the last)
                 setattr(batch, k, t[f"{i}.{k}"].to(device) if f"{i}.{k}" in t else None)
             batch.extra["async_times"] = {}
             self._ready.append((batch, indices, int(spec["version"])))

@@ -24,9 +24,10 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         eos_id, pad_id: the tokenizer's EOS and padding ids (truncation, diversity).
         grouped: the advantage estimator's baseline is the prompt's group (:data:`GROUP_ESTIMATORS`).
     """
-    mask = batch.response_mask
-    valid = mask.sum(-1) > 0
-    lengths = mask.sum(-1).float()
+    mask = batch.action_mask  # the model's tokens: per-token means of KL, entropy and log-probs run over these
+    valid = batch.response_mask.sum(-1) > 0
+    lengths = batch.response_mask.sum(-1).float()  # every response token, observations (multi-turn) included
+    model_lengths = mask.sum(-1).float()
     per_tok = lambda x: masked_mean(x, mask, dim=-1)[valid]  # (B',) each counted response's token mean  # noqa: E731
     kl_seq = torch.where(mask.bool(), batch.kl, 0.0).sum(-1)[valid]
     beta = batch.extra.get("kl_coef", beta)  # the β that shaped this step's rewards / loss
@@ -52,6 +53,8 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         "policy/entropy": _mean(per_tok(batch.entropy)) if batch.entropy is not None else float("nan"),
         "response/length_mean": _mean(lengths[valid]),
         "response/length_max": float(lengths.max()) if lengths.numel() else 0.0,
+        "response/model_length_mean": _mean(model_lengths[valid]),
+        "response/model_length_max": float(model_lengths.max()) if model_lengths.numel() else 0.0,
         "response/truncated_frac": _mean(truncated[valid].float()),
         "rollout/responses": float(len(batch)),
         "rollout/dropped_count": float((~valid).sum()),
@@ -106,7 +109,7 @@ def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dic
         flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)
         out["rollout/zero_var_group_frac"] = float(flat_group.float().mean())
     if batch.advantages is not None and bool(valid.any()):
-        out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.response_mask))
+        out["advantages/abs_mean"] = float(masked_mean(batch.advantages.abs(), batch.action_mask))
     return out
 
 

@@ -630,7 +630,11 @@ class Trainer:
             batch.kl = None
             batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
             batch.token_level_rewards = token_level_rewards_from_kl(
-                batch.scores, torch.zeros_like(batch.ref_logprobs), batch.response_mask, 0.0
+                batch.scores,
+                torch.zeros_like(batch.ref_logprobs),
+                batch.action_mask,
+                0.0,
+                turn_rewards=batch.turn_rewards,
             )
             return
         if kl_cfg.estimator == "full":
@@ -643,11 +647,14 @@ class Trainer:
                 log_ratio_clamp=kl_cfg.log_ratio_clamp,
                 value_clamp=kl_cfg.value_clamp,
             )
-        mask = batch.response_mask.bool()
-        batch.kl = torch.where(mask, kl, 0.0)
+        mask = batch.action_mask  # the model's tokens: an observation's log-prob is not an action's
+        batch.kl = torch.where(mask.bool(), kl, 0.0)
         batch.extra["kl_coef"] = self.beta  # this step's β (kl/coef): before the controller and guards move it
         beta = self.beta if kl_cfg.placement in ("reward", "both") else 0.0
-        batch.token_level_rewards = token_level_rewards_from_kl(batch.scores, batch.kl, batch.response_mask, beta)
+        # the score on the last model token, per-turn rewards on each turn's last one, −β·KL on every model token
+        batch.token_level_rewards = token_level_rewards_from_kl(
+            batch.scores, batch.kl, mask, beta, turn_rewards=batch.turn_rewards
+        )
         self.apply_distill(batch)
 
     def compute_teacher_logprobs(self, batch: RolloutBatch) -> None:
@@ -665,13 +672,14 @@ class Trainer:
         if batch.old_logprobs is None:  # reuse_update_logprobs gives way to distill.teacher: a batch without is a bug
             raise RuntimeError("distill.teacher: this batch has no old log-probs before the update")
         lam = self.cfg.distill.coef
-        k1 = distill_k1(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask)
-        batch.token_level_rewards = subtract_token_penalty(batch.token_level_rewards, k1, batch.response_mask, lam)
+        mask = batch.action_mask  # the model's tokens
+        k1 = distill_k1(batch.old_logprobs, batch.teacher_logprobs, mask)
+        batch.token_level_rewards = subtract_token_penalty(batch.token_level_rewards, k1, mask, lam)
         batch.extra["distill_metrics"] = {
             # per-token k1 averaged over each response, then over responses (as kl/ref_mean): nats/token
-            "distill/kl_student_teacher": float(mean_kl_per_token(k1, batch.response_mask)),
+            "distill/kl_student_teacher": float(mean_kl_per_token(k1, mask)),
             # Σ_t k1 per response, averaged: unbiased for KL_seq(π_old ‖ π_teacher) under π_old's samples
-            "distill/kl_student_teacher_seq": float(sequence_kl_mean(k1, batch.response_mask)),
+            "distill/kl_student_teacher_seq": float(sequence_kl_mean(k1, mask)),
             "distill/coef": lam,
         }
 
@@ -688,7 +696,7 @@ class Trainer:
             log_ratio_clamp=k.log_ratio_clamp,
             value_clamp=k.value_clamp,
         )
-        batch.kl = torch.where(batch.response_mask.bool(), kl, 0.0)
+        batch.kl = torch.where(batch.action_mask.bool(), kl, 0.0)
         if self.n_valid(batch):
             self.guard.check_kl(self.step, self.kl_mean(batch), self.beta, after_update=True)
 
@@ -696,7 +704,8 @@ class Trainer:
         a = self.cfg.algo
         inputs = AdvantageInputs(
             token_level_rewards=batch.token_level_rewards,
-            response_mask=batch.response_mask,
+            # returns run across turns over the model's tokens: an observation token is skipped, not a step
+            response_mask=batch.action_mask,
             group_ids=batch.group_ids,
             values=batch.values,
             gamma=a.gamma,
@@ -772,7 +781,7 @@ class Trainer:
             return None
         if self.n_valid(batch) == 0:
             return float("nan")
-        return float(mean_kl_per_token(batch.kl, batch.response_mask))
+        return float(mean_kl_per_token(batch.kl, batch.action_mask))
 
     def update_controller(self, batch: RolloutBatch) -> None:
         """β from ``kl/ref_mean``; the entropy bonus's α (``algo.entropy_target``) from ``policy/entropy``, its
@@ -785,7 +794,7 @@ class Trainer:
         }
         if self.entropy_controller is not None and batch.entropy is not None and self.n_valid(batch):
             # policy/entropy: π_old's entropy per token, averaged per counted response, then over responses (nats)
-            self.entropy_controller.update(float(mean_kl_per_token(batch.entropy, batch.response_mask)))
+            self.entropy_controller.update(float(mean_kl_per_token(batch.entropy, batch.action_mask)))
 
     # ------------------------------------------------------------------ metrics, validation
     def perf_metrics(self, batch: RolloutBatch, times: dict[str, float]) -> dict[str, float]:

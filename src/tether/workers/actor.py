@@ -12,6 +12,8 @@ import torch
 from tether.algos import (
     agg_loss,
     kl_loss,
+    kl_to_go,
+    kl_to_go_term,
     policy_loss,
     rollout_correction,
 )
@@ -53,6 +55,8 @@ class ActorUpdateSpec:
     # kl.off_policy_correction: "ratio" = each KL-loss token importance-weighted by π_θ/π_old
     # (tether.algos.off_policy_kl_penalty)
     kl_off_policy_correction: str = "ratio"
+    # kl.loss_to_go: the KL-to-go term (tether.algos.kl_to_go_term) beside the per-token KL loss
+    kl_loss_to_go: bool = False
     # guard.atomic_update: undo a step of several optimizer updates whole when a later mini-batch turns non-finite
     atomic_update: bool = True
     # bypass mode (actor.old_logprobs_source=rollout with algo.rollout_correction): keyword arguments of
@@ -514,6 +518,14 @@ class ActorWorker:
             if spec.kl_loss_coef > 0:
                 if need_logits:  # the exact KL at each visited state: no token to reweight
                     kl = lay.kl_full(logits, ref.layout_logits(lay), temperature=self.temperature)
+                    if spec.kl_loss_to_go:  # the later states' exact KLs, E[k1_u | s_u], as the KL to go
+                        kl = kl + kl_to_go_term(
+                            lp,
+                            kl_to_go(kl.detach(), rmask),
+                            rmask,
+                            old_logprobs=old if spec.kl_off_policy_correction == "ratio" else None,
+                            is_log_ratio_clamp=spec.log_ratio_clamp,
+                        )
                     kl_term = agg_loss(
                         kl,
                         rmask,
@@ -537,6 +549,7 @@ class ActorWorker:
                         log_ratio_clamp=spec.log_ratio_clamp,
                         value_clamp=spec.value_clamp,
                         is_log_ratio_clamp=spec.log_ratio_clamp,
+                        to_go=spec.kl_loss_to_go,
                     )
                 loss = loss + spec.kl_loss_coef * kl_term
                 add("actor/kl_loss", float(kl_term.detach()))

@@ -72,6 +72,7 @@ def actor_spec(
         norm_constant=float(cfg.rollout.max_new_tokens),
         reuse_logprobs=reuse_logprobs,
         kl_off_policy_correction=k.off_policy_correction,
+        kl_loss_to_go=k.loss_to_go,
         bypass_correction=bypass_correction(cfg),
         atomic_update=cfg.guard.atomic_update,
         policy_loss=a.policy_loss,

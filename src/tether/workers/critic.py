@@ -99,13 +99,14 @@ class CriticWorker:
         for _ in range(ppo_epochs):
             for mini in mini_batches(batch, mini_batch_size, gen):
                 mini = self.dp.shard(mini)  # this rank's rows (all of them locally)
-                total_tokens, total_seqs = self.dp.loss_counts(mini)  # the whole mini-batch's, over all ranks
+                # the whole mini-batch's, over all ranks, of the model's tokens (an observation is not an action)
+                total_tokens, total_seqs = self.dp.loss_counts(mini, mini.action_mask)
                 sums = {"value/loss": 0.0, "value/clipfrac": 0.0}
                 finite = True
                 for _, mb, lay in self.micro.split(mini, self.dp):  # tether.workers.packing
                     t = lay.t
                     v = lay.values(self.model)
-                    rmask = mb.response_mask[:, :t]
+                    rmask = mb.action_mask[:, :t]
                     loss, m = ppo_value_loss(
                         v,
                         mb.values[:, :t],
