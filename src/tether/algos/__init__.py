@@ -31,7 +31,14 @@ from .controllers import (
     ScheduledKLController,
     make_kl_controller,
 )
-from .distill import DISTILL_ESTIMATORS, distill_k1, sequence_kl_mean, subtract_token_penalty
+from .distill import (
+    DISTILL_ESTIMATORS,
+    FULL_DISTILL_ESTIMATORS,
+    distill_divergence,
+    distill_k1,
+    sequence_kl_mean,
+    subtract_token_penalty,
+)
 from .entropy import entropy_quantile_threshold, top_entropy_mask
 from .kl import (
     KL_ESTIMATORS,
@@ -82,9 +89,11 @@ __all__ = [
     "token_level_rewards_from_kl",
     "mean_kl_per_token",
     "last_valid_index",
-    # on-policy distillation: the sampled-token reverse KL to a teacher in the reward
+    # on-policy distillation: the sampled-token reverse KL to a teacher in the reward, or exact per-state divergences
     "DISTILL_ESTIMATORS",
+    "FULL_DISTILL_ESTIMATORS",
     "distill_k1",
+    "distill_divergence",
     "subtract_token_penalty",
     "sequence_kl_mean",
     # controllers
