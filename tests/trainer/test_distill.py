@@ -166,8 +166,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_weig
         ("forward", [], "distill/kl_teacher_student"),
         ("jsd", ["distill.jsd_beta=0.3"], "distill/jsd"),
         ("reverse", ["distill.top_k=4"], "distill/kl_student_teacher_top_k"),
+        ("forward", ["actor.padding_free=true"], "distill/kl_teacher_student"),  # packed (N, V) logits
     ],
-    ids=["reverse", "forward", "jsd", "reverse-top4"],
+    ids=["reverse", "forward", "jsd", "reverse-top4", "forward-packed"],
 )
 def test_full_estimators_run_and_put_lambda_times_the_divergence_in_the_loss(
     small_cfg, tmp_path, estimator, extra, own
