@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
-from tether.algos import DISTILL_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSS_AGG
+from tether.algos import DISTILL_ESTIMATORS, FULL_DISTILL_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSS_AGG
 from tether.engines import AUTO, ENGINES, check_engines, chosen, engine_names, section_fields
 from tether.rewards.registry import GOLD_FUNCTIONS
 from tether.sections import ConfigError, Section
@@ -157,9 +157,28 @@ class DistillConfig(Section):
     )
     estimator: Literal[DISTILL_ESTIMATORS] = Field(
         "k1",
-        description="The per-token estimate of the KL to the teacher: k1 = log π_old(a_t) - log π_teacher(a_t) at "
-        "the sampled token (unbiased for KL(π_old ‖ π_teacher) per state under π_old's samples; one teacher forward "
-        "per batch).",
+        description="The divergence to the teacher and how it is estimated. k1 = log π_old(a_t) - log π_teacher(a_t) "
+        "at the sampled token, a reward (unbiased for KL(π_old ‖ π_teacher) per state under π_old's samples; one "
+        "teacher forward per batch). From both models' logits at each visited state, exactly: reverse = "
+        "KL(π ‖ π_teacher), forward = KL(π_teacher ‖ π), jsd = GKD's generalised JSD (distill.jsd_beta); each as a "
+        "loss term (gradient through the per-state divergence) plus the detached divergence as a reward (the states' "
+        "visitation), together the exact gradient of E_{y~π}[Σ_t f(π(·|s_t), π_teacher(·|s_t))] on-policy; one more "
+        "teacher forward per micro-batch of the update (docs/distillation.md).",
+    )
+    jsd_beta: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="distill.estimator=jsd: b in (0, 1), the teacher's weight in the mixture m = b·π_teacher + "
+        "(1-b)·π; JSD_b = b·KL(π_teacher ‖ m) + (1-b)·KL(π ‖ m) (Agarwal et al. 2024). b → 0 approaches "
+        "b·KL(π_teacher ‖ π) (forward), b → 1 approaches (1-b)·KL(π ‖ π_teacher) (reverse).",
+    )
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        description="distill.estimator=reverse|forward|jsd: sum over the teacher's k most likely tokens at each state "
+        "only, both distributions renormalised over them; null = the full vocabulary. Biased: it ignores the "
+        "student's mass outside the k tokens and the teacher's tail (docs/distillation.md#top-k).",
     )
 
 
@@ -1300,6 +1319,10 @@ def _check_async(cfg) -> None:
         "algo.filter_groups=true": cfg.algo.filter_groups,  # how many draws a step takes depends on their rewards
         "kl.estimator=full": cfg.kl.estimator == "full",  # needs the behaviour policy's logits beside the reference's
         "kl.loss_estimator=full": cfg.kl.loss_estimator == "full",
+        # the reward's per-state divergence needs the behaviour policy's logits beside the teacher's
+        f"distill.estimator={cfg.distill.estimator}": (
+            cfg.distill.teacher is not None and cfg.distill.estimator in FULL_DISTILL_ESTIMATORS
+        ),
     }
     bad = [k for k, v in clash.items() if v]
     if bad:
@@ -1360,15 +1383,34 @@ def _check_gpg(cfg) -> None:
 
 
 def _check_distill(cfg) -> None:
-    """``distill.*``: keys that do nothing without a teacher, and what on-policy distillation cannot run with yet."""
+    """``distill.*``: keys that do nothing without a teacher or with another estimator, and what on-policy
+    distillation cannot run with yet."""
     d = cfg.distill
+    fields = DistillConfig.model_fields
     if d.teacher is None:
-        if d.coef != DistillConfig.model_fields["coef"].default:
-            raise ValueError(
-                f"distill.coef={d.coef} has no effect without distill.teacher (distillation is off); set "
-                "distill.teacher=DIR or leave distill.coef at its default"
-            )
+        for key in ("coef", "estimator", "jsd_beta", "top_k"):
+            if getattr(d, key) != fields[key].default:
+                raise ValueError(
+                    f"distill.{key}={getattr(d, key)} has no effect without distill.teacher (distillation is off); set "
+                    f"distill.teacher=DIR or leave distill.{key} at its default"
+                )
         return
+    if d.jsd_beta != fields["jsd_beta"].default and d.estimator != "jsd":
+        raise ValueError(
+            f"distill.jsd_beta={d.jsd_beta} has no effect with distill.estimator={d.estimator}; set "
+            "distill.estimator=jsd or leave distill.jsd_beta at its default"
+        )
+    if d.top_k is not None and d.estimator not in FULL_DISTILL_ESTIMATORS:
+        raise ValueError(
+            f"distill.top_k={d.top_k} needs the teacher's logits, and distill.estimator={d.estimator} uses the sampled "
+            f"token's log-probs only; set distill.estimator to one of {', '.join(FULL_DISTILL_ESTIMATORS)} or "
+            "distill.top_k=null"
+        )
+    if d.estimator in FULL_DISTILL_ESTIMATORS and cfg.actor.old_logprobs_source == "rollout":
+        raise ValueError(
+            f"actor.old_logprobs_source=rollout: distill.estimator={d.estimator} needs the actor's logits at each "
+            "visited state; use actor.old_logprobs_source=recompute or distill.estimator=k1"
+        )
     if cfg.trainer.backend == "ray":
         raise ValueError(
             "distill.teacher is not supported with trainer.backend=ray yet (the teacher runs in this process only); "

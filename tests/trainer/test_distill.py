@@ -46,6 +46,24 @@ def test_config_refuses_what_distillation_cannot_run_with():
             r"distill.teacher needs the student's own samples",
         ),
         (["distill.teacher=x", "distill.estimator=k3"], r"distill.estimator"),
+        (["distill.teacher=x", "distill.estimator=jsd", "distill.jsd_beta=1"], r"distill.jsd_beta"),
+        (["distill.teacher=x", "distill.estimator=jsd", "distill.jsd_beta=0"], r"distill.jsd_beta"),
+        (
+            ["distill.teacher=x", "distill.jsd_beta=0.3"],
+            r"distill.jsd_beta=0.3 has no effect with distill.estimator=k1",
+        ),
+        (["distill.teacher=x", "distill.estimator=reverse", "distill.top_k=0"], r"distill.top_k"),
+        (["distill.teacher=x", "distill.top_k=8"], r"distill.top_k=8 needs the teacher's logits"),
+        (["distill.estimator=reverse"], r"distill.estimator=reverse has no effect without distill.teacher"),
+        (["distill.top_k=4"], r"distill.top_k=4 has no effect without distill.teacher"),
+        (
+            ["distill.teacher=x", "distill.estimator=forward", "rollout.async_steps=1"],
+            r"rollout.async_steps=1 cannot be combined with distill.estimator=forward",
+        ),
+        (
+            ["distill.teacher=x", "distill.estimator=jsd", "actor.old_logprobs_source=rollout"],
+            r"actor.old_logprobs_source=rollout: distill.estimator=jsd needs the actor's logits",
+        ),
     ):
         with pytest.raises(ConfigError, match=match):
             load_config(None, overrides)
@@ -141,12 +159,74 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_before_any_weig
         assert "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("estimator", "extra", "own"),
+    [
+        ("reverse", [], "distill/kl_student_teacher"),
+        ("forward", [], "distill/kl_teacher_student"),
+        ("jsd", ["distill.jsd_beta=0.3"], "distill/jsd"),
+        ("reverse", ["distill.top_k=4"], "distill/kl_student_teacher_top_k"),
+        ("forward", ["actor.padding_free=true"], "distill/kl_teacher_student"),  # packed (N, V) logits
+    ],
+    ids=["reverse", "forward", "jsd", "reverse-top4", "forward-packed"],
+)
+def test_full_estimators_run_and_put_lambda_times_the_divergence_in_the_loss(
+    small_cfg, tmp_path, estimator, extra, own
+):
+    """distill.estimator=reverse|forward|jsd on the tiny embedded model, 3 steps: each logs its own per-state mean
+    and the full-vocabulary KL(π_old ‖ π_T), named by direction; the actor's loss is the policy loss plus
+    λ·actor/distill_loss exactly (kl.placement=reward and α = 0 by default: nothing else is in it), so the term enters
+    with λ; the metric of the divergence is > 0 for a teacher 2x sharper than the student."""
+    teacher = sharpened_teacher(tmp_path / "teacher", factor=2.0)
+    run = tmp_path / "run"
+    lam = 0.7
+    cfg = small_cfg(
+        f"distill.teacher={teacher}",
+        f"distill.coef={lam}",
+        f"distill.estimator={estimator}",
+        "trainer.report=false",
+        *extra,
+        out=run,
+    )
+    Trainer(cfg).fit()
+    got = lines(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for r in got:
+        for key in (own, f"{own}_seq", "distill/kl_student_teacher", "distill/kl_student_teacher_seq"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["distill/coef"] == lam
+        # the loss's only terms besides the policy loss: λ·f aggregated as the policy loss (float32 sums of O(1))
+        assert r["policy/loss"] - r["policy/pg_loss"] == pytest.approx(lam * r["actor/distill_loss"], abs=1e-5), r
+        assert r["actor/distill_loss"] > 0
+    if estimator == "reverse" and not extra:  # the optimised divergence is the logged KL itself
+        assert got[0]["distill/kl_student_teacher"] > 0.01
+
+
+def test_reverse_estimator_with_the_reference_as_teacher_equals_the_full_reference_kl(small_cfg, tmp_path):
+    """distill.teacher=embedded (the reference's weights) with distill.estimator=reverse and kl.estimator=full: both
+    are the exact KL(π_old(·|s_t) ‖ π_ref(·|s_t)) per state, from the same logits by two implementations
+    (tether.algos.distill_divergence and tether.algos.kl_full), so the metrics agree to float32 round-off of a mean of
+    O(0.01) terms at every step; at step 1 the student is the teacher and both are exactly 0."""
+    run = tmp_path / "run"
+    cfg = small_cfg(
+        "distill.teacher=embedded", "distill.estimator=reverse", "kl.estimator=full", "trainer.report=false", out=run
+    )
+    Trainer(cfg).fit()
+    got = lines(run)
+    assert got[0]["distill/kl_student_teacher"] == 0.0 and got[0]["kl/ref_mean"] == 0.0
+    assert any(r["distill/kl_student_teacher"] > 1e-4 for r in got[1:])  # the student moved
+    for r in got:
+        assert r["distill/kl_student_teacher"] == pytest.approx(r["kl/ref_mean"], rel=1e-4, abs=1e-7), r["step"]
+
+
 @pytest.mark.slow
-def test_resume_with_distillation_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("estimator", ["k1", "jsd"])
+def test_resume_with_distillation_equals_uninterrupted(tmp_path, estimator):
     """As tests/trainer/test_resume.py: the teacher is frozen and holds no state, so a run crashed after step 3 and
     resumed from step 2's checkpoint logs exactly the uninterrupted run's metrics, distill/* included."""
     teacher = sharpened_teacher(tmp_path / "teacher", factor=2.0)
     extra = ["data.embedded_train_size=8", f"distill.teacher={teacher}", "distill.coef=0.5"]
+    extra += [f"distill.estimator={estimator}"]
     Trainer(resume_cfg(tmp_path / "full", *extra)).fit()
     want = read_lines(tmp_path / "full")
     assert all(r["distill/kl_student_teacher_seq"] > 0 for r in want if r["step"] > 0)

@@ -31,7 +31,14 @@ from .controllers import (
     ScheduledKLController,
     make_kl_controller,
 )
-from .distill import DISTILL_ESTIMATORS, distill_k1, sequence_kl_mean, subtract_token_penalty
+from .distill import (
+    DISTILL_ESTIMATORS,
+    FULL_DISTILL_ESTIMATORS,
+    distill_divergence,
+    distill_k1,
+    sequence_kl_mean,
+    subtract_token_penalty,
+)
 from .entropy import entropy_quantile_threshold, top_entropy_mask
 from .kl import (
     KL_ESTIMATORS,
@@ -90,9 +97,11 @@ __all__ = [
     "place_turn_rewards",
     "kl_to_go",
     "kl_to_go_term",
-    # on-policy distillation: the sampled-token reverse KL to a teacher in the reward
+    # on-policy distillation: the sampled-token reverse KL to a teacher in the reward, or exact per-state divergences
     "DISTILL_ESTIMATORS",
+    "FULL_DISTILL_ESTIMATORS",
     "distill_k1",
+    "distill_divergence",
     "subtract_token_penalty",
     "sequence_kl_mean",
     # controllers

@@ -1,9 +1,11 @@
-"""On-policy distillation: the sampled-token reverse KL to a teacher as a per-token reward.
+"""On-policy distillation: a divergence to a frozen teacher, on the student's own samples.
 
-Notation: π_old the policy that sampled the batch (the student), π_T the frozen teacher; for a response
-y = (a_1, ..., a_n) to a prompt x, s_t = (x, a_<t). The objective term is −λ·KL_seq(π ‖ π_T), the reverse KL
-(student first) between the two distributions over whole responses, which the chain rule splits into the
-per-state KLs along π's own path:
+Notation: π_θ the student being trained, π_old the student that sampled the batch, π_T the frozen teacher; for a
+response y = (a_1, ..., a_n) to a prompt x, s_t = (x, a_<t).
+
+**k1** (``distill.estimator=k1``, :func:`distill_k1`): the sampled-token reverse KL as a per-token reward. The
+objective term is −λ·KL_seq(π ‖ π_T), the reverse KL (student first) between the two distributions over whole
+responses, which the chain rule splits into the per-state KLs along π's own path:
 
     KL_seq(π ‖ π_T) = E_{y~π}[Σ_t log π(a_t|s_t) − log π_T(a_t|s_t)] = E_{y~π}[Σ_t KL(π(·|s_t) ‖ π_T(·|s_t))].
 
@@ -15,21 +17,57 @@ gradient with return-to-go is −λ·∇_θ KL_seq(π_θ ‖ π_T) exactly at θ
 expectation. ``tests/algos/test_algos_distill.py`` checks this by enumeration, and what does not hold: samples of
 another policy μ ≠ π_θ without an importance ratio give E_μ[...] ≠ −λ∇KL_seq(π_θ ‖ π_T).
 
+**Full-vocabulary estimators** (``reverse``, ``forward``, ``jsd``; :func:`distill_divergence`) use both models' logits
+at every visited state. Each optimises
+
+    D(θ) = E_{y~π_θ}[Σ_t f_t(θ)],    f_t(θ) = f(π_θ(·|s_t), π_T(·|s_t)),
+
+with f the reverse KL KL(π_θ(·|s) ‖ π_T(·|s)) (then D = KL_seq(π_θ ‖ π_T)), the forward KL KL(π_T(·|s) ‖ π_θ(·|s)),
+or GKD's generalised JSD. θ enters D twice, through f at fixed states and through which states are visited:
+
+    ∇D(θ) = E_{y~π_θ}[Σ_t ∇f_t(θ)]  +  E_{y~π_θ}[Σ_t ∇log π_θ(a_t|s_t) · Σ_{u>t} f_u(θ)].
+            (per-state part)            (state-visitation part)
+
+The per-state part is the gradient of the loss term Σ_t f_t(θ) (what GKD-style trainers optimise alone); the
+visitation part is the REINFORCE gradient of the per-token reward −f_u held constant (:func:`subtract_token_penalty`
+with ``penalty`` = the detached f_t at θ_old): its return-to-go Σ_{u≥t} also carries u = t, whose term has mean 0
+because f_t depends on s_t only and E[∇log π_θ(a_t|s_t) | s_t] = 0. Under y ~ π_old with θ = θ_old (on-policy) the
+expected gradient of loss term plus reward is exactly ∇D; the loss term alone misses the visitation part. Under another
+policy's samples μ ≠ π_θ: with the sequence weight π_θ(y)/μ(y) on both parts and f at θ it is exact again; with what
+PPO applies (the per-token ratio π_θ(a_t|s_t)/μ(a_t|s_t) on the reward's policy gradient, f in the reward frozen at
+μ = π_old, the loss term unweighted at μ's states) it is the gradient of a surrogate that equals ∇D at θ = θ_old and
+differs from it by O(‖θ − θ_old‖) after (a PPO epoch's later mini-batches). ``tests/algos/test_algos_distill.py``
+enumerates each of these.
+
 Source: the per-token reverse-KL reward of on-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of
 Language Models", GKD with the reverse KL; Thinking Machines' "On-Policy Distillation", 2025; the same design in
-slime, prime-rl and verl's recipe): the student samples, the teacher scores the sampled tokens.
+slime, prime-rl and verl's recipe): the student samples, the teacher scores the sampled tokens. The per-state
+divergences and the generalised JSD: Agarwal et al. 2024, Eq. (1) and Section 3.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .masked import as_bool_mask, masked_mean
 
-__all__ = ["DISTILL_ESTIMATORS", "distill_k1", "subtract_token_penalty", "sequence_kl_mean"]
+__all__ = [
+    "DISTILL_ESTIMATORS",
+    "FULL_DISTILL_ESTIMATORS",
+    "distill_k1",
+    "distill_divergence",
+    "subtract_token_penalty",
+    "sequence_kl_mean",
+]
 
-DISTILL_ESTIMATORS: tuple[str, ...] = ("k1",)
-"""``distill.estimator`` values: ``k1`` (:func:`distill_k1`)."""
+FULL_DISTILL_ESTIMATORS: tuple[str, ...] = ("reverse", "forward", "jsd")
+"""The ``distill.estimator`` values computed from both models' logits (:func:`distill_divergence`)."""
+
+DISTILL_ESTIMATORS: tuple[str, ...] = ("k1",) + FULL_DISTILL_ESTIMATORS
+"""``distill.estimator`` values: ``k1`` (:func:`distill_k1`, log-probs of the sampled tokens) and
+:data:`FULL_DISTILL_ESTIMATORS`."""
 
 
 def distill_k1(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -114,3 +152,93 @@ def sequence_kl_mean(kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
     m = as_bool_mask(response_mask)
     per_seq = torch.where(m, kl, torch.zeros((), dtype=kl.dtype, device=kl.device)).sum(-1)  # (B,)
     return masked_mean(per_seq, m.any(dim=-1))
+
+
+def _plogp_diff(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Σ_v p_v (log p_v − log q_v) over the last axis, with 0·(anything) = 0 where p_v = 0 (a −inf log p), also in
+    the gradient; +inf where p_v > 0 = q_v (the exact value)."""
+    p = logp.exp()
+    live = p > 0
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lp = torch.where(live, logp, zero)
+    lq = torch.where(live, logq, zero)
+    return torch.where(live, p * (lp - lq), zero).sum(-1)
+
+
+def distill_divergence(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    estimator: str,
+    *,
+    jsd_beta: float = 0.5,
+    top_k: int | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The exact per-state divergence f(π_θ(·|s), π_T(·|s)) between the student and the teacher at each position.
+
+    With p = softmax(logits/τ) (the student π_θ(·|s)) and q = softmax(teacher_logits/τ) (the teacher π_T(·|s)):
+
+    * ``reverse``: KL(p ‖ q) = Σ_v p_v (log p_v − log q_v), the student first (mode-seeking);
+    * ``forward``: KL(q ‖ p) = Σ_v q_v (log q_v − log p_v), the teacher first (mass-covering);
+    * ``jsd``: GKD's generalised JSD with b = ``jsd_beta``: JSD_b = b·KL(q ‖ m) + (1 − b)·KL(p ‖ m), m = b·q + (1 − b)·p
+      (the mixture puts weight b on the teacher, as Agarwal et al. 2024 Eq. (1) with P = teacher, Q = student). As
+      b → 0, JSD_b / b → KL(q ‖ p) (forward); as b → 1, JSD_b / (1 − b) → KL(p ‖ q) (reverse); b = 0.5 is the JSD.
+
+    With ``top_k`` = k the sum runs over K(s), the teacher's k most likely tokens at that state, and both p and q are
+    renormalised over K(s) (p|K, q|K): f = D(p|K, q|K). Its bias: it ignores the student's mass outside K(s) (a
+    student that is q's shape on K(s) has f = 0 however much mass it puts elsewhere) and the teacher's tail. It does
+    not reward shrinking the student's mass on K(s): f is unchanged when every logit in K(s) moves by the same
+    constant. (The unrenormalised Σ_{v∈K} p_v (log p_v − log q_v) does: it falls, below 0, as p's mass on K(s)
+    shrinks; not offered.) k ≥ V is the full vocabulary.
+
+    Under y ~ π_old, Σ_t f_t at θ = θ_old is an unbiased estimate of D(θ_old) = E_{y~π_old}[Σ_t f_t] (the module
+    docstring); for ``reverse`` D is KL_seq(π_old ‖ π_T) and its estimate has no sampling noise inside a state (lower
+    variance than k1's).
+
+    Args:
+        logits: (..., V) student logits, differentiable.
+        teacher_logits: (..., V) teacher logits, the same shape (no gradient is needed through them).
+        estimator: one of :data:`FULL_DISTILL_ESTIMATORS`.
+        jsd_beta: b ∈ (0, 1), the teacher's weight in ``jsd``'s mixture; ignored otherwise.
+        top_k: k ≥ 1 or None (the full vocabulary).
+        temperature: τ > 0; both logit tensors are divided by it (``rollout.temperature``).
+
+    Returns:
+        (...,) divergence in nats per state, float32 at least (float64 for float64 inputs), ≥ 0 up to round-off;
+        +inf for ``reverse`` where the student gives mass to a token the teacher cannot emit (and for ``forward``
+        the other way round), the exact value. Materialises a few (..., V) temporaries (no chunking).
+
+    Raises:
+        ValueError: an unknown estimator (lists the valid ones), shapes that differ, jsd_beta outside (0, 1),
+            top_k < 1, temperature ≤ 0.
+    """
+    if estimator not in FULL_DISTILL_ESTIMATORS:
+        raise ValueError(
+            f"distill_divergence: unknown estimator {estimator!r}; use one of {', '.join(FULL_DISTILL_ESTIMATORS)} "
+            "(k1 needs only log-probs: distill_k1)"
+        )
+    if tuple(logits.shape) != tuple(teacher_logits.shape):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} must have the same shape"
+        )
+    if not 0.0 < jsd_beta < 1.0:
+        raise ValueError(f"jsd_beta must be in (0, 1), got {jsd_beta!r}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    dtype = torch.promote_types(torch.promote_types(logits.dtype, teacher_logits.dtype), torch.float32)
+    z = logits.to(dtype) / temperature
+    zt = teacher_logits.to(device=logits.device, dtype=dtype) / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        idx = zt.topk(top_k, dim=-1).indices  # K(s): the teacher's k most likely tokens
+        z, zt = z.gather(-1, idx), zt.gather(-1, idx)
+    logp = torch.log_softmax(z, dim=-1)  # the student, renormalised over K(s) under top_k
+    logq = torch.log_softmax(zt, dim=-1)  # the teacher
+    if estimator == "reverse":
+        return _plogp_diff(logp, logq)
+    if estimator == "forward":
+        return _plogp_diff(logq, logp)
+    b = float(jsd_beta)
+    logm = torch.logaddexp(logq + math.log(b), logp + math.log1p(-b))  # log(b·q + (1 − b)·p)
+    return b * _plogp_diff(logq, logm) + (1.0 - b) * _plogp_diff(logp, logm)

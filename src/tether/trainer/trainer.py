@@ -55,7 +55,7 @@ from tether.trainer.sampling import dynamic_sample
 from tether.trainer.state import CheckpointManager, check_fresh_start
 from tether.trainer.stats import GROUP_ESTIMATORS, rollout_metrics
 from tether.trainer.waiting import WaitNotices, what_phases_wait_for
-from tether.workers.build import actor_spec, correction_kwargs
+from tether.workers.build import actor_spec, correction_kwargs, distill_spec
 
 log = logging.getLogger("tether")
 
@@ -582,9 +582,19 @@ class Trainer:
             batch.ref_logprobs = self.roles.ref.compute_logprobs(batch)
             return
         full = self.roles.ref if self.cfg.kl.estimator == "full" else None
+        distill = distill_spec(self.cfg)  # a full-vocabulary divergence to the teacher: its logits in the same pass
+        got: dict = {}
         batch.old_logprobs, batch.entropy, kl_full, ref_lp = self.roles.actor.compute_logprobs(
-            batch, with_entropy=True, full_kl_ref=full
+            batch,
+            with_entropy=True,
+            full_kl_ref=full,
+            teacher=self.roles.teacher if distill is not None else None,
+            distill=distill,
+            distill_out=got,
         )
+        if got:
+            batch.teacher_logprobs = got.pop("teacher_logprobs")
+            batch.extra["distill_full"] = got
         batch.ref_logprobs = ref_lp if ref_lp is not None else self.roles.ref.compute_logprobs(batch)
         if kl_full is not None:
             batch.extra["kl_full"] = kl_full
@@ -660,7 +670,8 @@ class Trainer:
     def compute_teacher_logprobs(self, batch: RolloutBatch) -> None:
         """``distill.teacher``: the teacher's log-probs of the sampled tokens, one no-grad pass over the batch (at
         rollout.temperature, as the reference's)."""
-        batch.teacher_logprobs = self.roles.teacher.compute_logprobs(batch)
+        if batch.teacher_logprobs is None:  # a full-vocabulary estimator's came with the actor's pass
+            batch.teacher_logprobs = self.roles.teacher.compute_logprobs(batch)
 
     def apply_distill(self, batch: RolloutBatch) -> None:
         """On-policy distillation: λ·k1 to the teacher (k1 = log π_old − log π_teacher at the sampled token,
@@ -672,6 +683,9 @@ class Trainer:
         if batch.old_logprobs is None:  # reuse_update_logprobs gives way to distill.teacher: a batch without is a bug
             raise RuntimeError("distill.teacher: this batch has no old log-probs before the update")
         lam = self.cfg.distill.coef
+        if "distill_full" in batch.extra:
+            self._apply_full_distill(batch, batch.extra["distill_full"], lam)
+            return
         mask = batch.action_mask  # the model's tokens
         k1 = distill_k1(batch.old_logprobs, batch.teacher_logprobs, mask)
         batch.token_level_rewards = subtract_token_penalty(batch.token_level_rewards, k1, mask, lam)
@@ -682,6 +696,28 @@ class Trainer:
             "distill/kl_student_teacher_seq": float(sequence_kl_mean(k1, mask)),
             "distill/coef": lam,
         }
+
+    def _apply_full_distill(self, batch: RolloutBatch, got: dict, lam: float) -> None:
+        """``distill.estimator=reverse|forward|jsd``: the per-state divergence f_t at π_old (detached) subtracted, times
+        λ, from each response token's reward: the state-visitation part of ∇D (the actor's loss term carries the
+        per-state part; ``tether.algos.distill``). Metrics: the exact per-state means, named by direction."""
+        d, mask = self.cfg.distill, batch.action_mask  # the model's tokens
+        f = got["divergence"]
+        batch.token_level_rewards = subtract_token_penalty(batch.token_level_rewards, f, mask, lam)
+        name = {"reverse": "kl_student_teacher", "forward": "kl_teacher_student", "jsd": "jsd"}[d.estimator]
+        suffix = "_top_k" if d.top_k is not None else ""
+        metrics = {
+            # the full-vocabulary KL(π_old(·|s_t) ‖ π_T(·|s_t)) at each visited state: averaged over each response's
+            # tokens, then over responses (nats/token); summed per response and averaged (nats/response), unbiased for
+            # KL_seq(π_old ‖ π_T) under π_old's samples
+            "distill/kl_student_teacher": float(mean_kl_per_token(got["kl_student_teacher"], mask)),
+            "distill/kl_student_teacher_seq": float(sequence_kl_mean(got["kl_student_teacher"], mask)),
+            # the optimised divergence f (with distill.top_k: renormalised over the teacher's top k)
+            f"distill/{name}{suffix}": float(mean_kl_per_token(f, mask)),
+            f"distill/{name}{suffix}_seq": float(sequence_kl_mean(f, mask)),
+            "distill/coef": lam,
+        }
+        batch.extra["distill_metrics"] = metrics
 
     def finish_kl(self, batch: RolloutBatch) -> None:
         """The KL to the reference and its guard check, after an update that measured the old log-probs
@@ -734,7 +770,9 @@ class Trainer:
             batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
         spec = actor_spec(self.cfg, beta, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
-        metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref)
+        metrics = self.roles.actor.update(
+            batch, spec, self.step, ref=self.roles.ref, teacher=self.roles.teacher if spec.distill else None
+        )
         # broken weights stop here, before anything samples them
         self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward

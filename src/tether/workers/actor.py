@@ -30,6 +30,28 @@ from tether.workers.persist import keep_lrs, load_module, load_policy, save_modu
 
 
 @dataclass(frozen=True)
+class DistillSpec:
+    """``distill.estimator`` ∈ :data:`tether.algos.FULL_DISTILL_ESTIMATORS`: the per-state divergence to the teacher
+    (:func:`tether.algos.distill_divergence`) and its weight λ in the actor's loss."""
+
+    coef: float  # λ (distill.coef)
+    estimator: str  # reverse, forward or jsd
+    jsd_beta: float = 0.5  # distill.jsd_beta
+    top_k: int | None = None  # distill.top_k; None = the full vocabulary
+
+    def divergence(self, lay, logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(b, t) f(π(·|s_t), π_T(·|s_t)) on a micro-batch layout (``tether.workers.packing``), nats."""
+        return lay.distill_divergence(
+            logits,
+            teacher_logits,
+            estimator=self.estimator,
+            jsd_beta=self.jsd_beta,
+            top_k=self.top_k,
+            temperature=temperature,
+        )
+
+
+@dataclass(frozen=True)
 class ActorUpdateSpec:
     """Everything one actor update needs besides the batch (built by the trainer from the config)."""
 
@@ -66,6 +88,9 @@ class ActorUpdateSpec:
     # clip_eps_*/dual_clip_c above)
     policy_loss: str = "vanilla"
     policy_loss_hyper: dict | None = None
+    # distill.estimator=reverse|forward|jsd: λ·f(π_θ, π_T) per state enters the loss (the per-state part of ∇D; the
+    # reward carries the visitation part); None = no such term (k1, or no teacher)
+    distill: DistillSpec | None = None
 
 
 #: the rollout-correction metrics a bypass-mode update reports (π_θ against π_rollout, over its micro-batches)
@@ -87,21 +112,30 @@ def _forward_logprobs(
     full_kl_ref=None,
     compute_dtype: str = "float32",
     dp=None,
+    teacher=None,
+    distill: DistillSpec | None = None,
+    distill_out: dict | None = None,
 ):
     """No-grad log-probs (and entropy) for the whole batch, micro-batch by micro-batch (``micro``: a
     :class:`~tether.workers.packing.MicroBatching`, or a row count).
 
     With ``full_kl_ref`` (a ReferenceWorker) also the exact per-token KL(π‖π_ref) over the vocabulary
     and the reference's log-probs, from one reference forward per micro-batch, so that only one
-    micro-batch of (b, t, V) logits of each model is alive.
+    micro-batch of (b, t, V) logits of each model is alive. With ``teacher`` (a ReferenceWorker holding
+    ``distill.teacher``) and ``distill``, likewise one teacher forward per micro-batch fills ``distill_out``
+    with (B, T) tensors: ``teacher_logprobs``, ``divergence`` (``distill``'s f per state) and
+    ``kl_student_teacher`` (the full-vocabulary KL(π‖π_T) per state).
     Returns (logprobs (B, T), entropy (B, T) or None, kl_full (B, T) or None, ref_logprobs (B, T) or
     None), nats, in the batch's row order.
     """
     micro = micro if isinstance(micro, MicroBatching) else MicroBatching(micro)
     B, T = batch.response_ids.shape
-    keep = full_kl_ref is not None
+    with_teacher = teacher is not None and distill is not None
+    keep = full_kl_ref is not None or with_teacher
     dev = batch.response_ids.device
-    outs = {k: torch.zeros(B, T, device=dev) for k in ("lp", "ent", "kl", "ref")}
+    teacher_names = ("teacher_logprobs", "divergence", "kl_student_teacher")
+    names = ("lp", "ent", "kl", "ref") + (teacher_names if with_teacher else ())
+    outs = {k: torch.zeros(B, T, device=dev) for k in names}
     with torch.no_grad():
         for idx, _, lay in micro.split(batch, dp):
             lp, ent, lg = lay.logprobs(
@@ -112,20 +146,34 @@ def _forward_logprobs(
                 compute_dtype=compute_dtype,
             )
             got = {"lp": lp, "ent": ent}
-            if keep:
+            if full_kl_ref is not None:
                 ref_lg = full_kl_ref.layout_logits(lay).float()
                 got["kl"], got["ref"] = (
                     lay.kl_full(lg.float(), ref_lg, temperature),
                     lay.token_logprobs(ref_lg, temperature),
                 )
+                del ref_lg
+            if with_teacher:
+                t_lg = teacher.layout_logits(lay).float()
+                got["teacher_logprobs"] = lay.token_logprobs(t_lg, temperature)
+                got["divergence"] = distill.divergence(lay, lg.float(), t_lg, temperature)
+                got["kl_student_teacher"] = (
+                    got["divergence"]
+                    if distill.estimator == "reverse" and distill.top_k is None
+                    else lay.kl_full(lg.float(), t_lg, temperature)
+                )
+                del t_lg
             for k, v in got.items():
                 if v is not None and len(idx):
                     outs[k][idx.to(dev), : lay.t] = v.float()
+    if with_teacher and distill_out is not None:
+        distill_out.update({k: outs[k] for k in teacher_names})
+    full = full_kl_ref is not None
     return (
         outs["lp"],
         outs["ent"] if with_entropy else None,
-        outs["kl"] if keep else None,
-        outs["ref"] if keep else None,
+        outs["kl"] if full else None,
+        outs["ref"] if full else None,
     )
 
 
@@ -258,13 +306,31 @@ class ActorWorker:
         )
 
     def compute_logprobs(
-        self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref: ReferenceWorker | None = None
+        self,
+        batch: RolloutBatch,
+        *,
+        with_entropy: bool = True,
+        full_kl_ref: ReferenceWorker | None = None,
+        teacher: ReferenceWorker | None = None,
+        distill: DistillSpec | None = None,
+        distill_out: dict | None = None,
     ):
         """old_logprobs (B, T), entropy (B, T) and, given ``full_kl_ref``, the exact KL (B, T) to it and its
-        ref_logprobs (B, T) from the same reference pass; nats."""
+        ref_logprobs (B, T) from the same reference pass; nats. Given ``teacher`` and ``distill``, the teacher's
+        log-probs and per-state divergences from one teacher pass into ``distill_out`` (``_forward_logprobs``)."""
         self.model.eval()
         return _forward_logprobs(
-            self.model, batch, self.micro, self.temperature, with_entropy, full_kl_ref, self.compute_dtype, dp=self.dp
+            self.model,
+            batch,
+            self.micro,
+            self.temperature,
+            with_entropy,
+            full_kl_ref,
+            self.compute_dtype,
+            dp=self.dp,
+            teacher=teacher,
+            distill=distill,
+            distill_out=distill_out,
         )
 
     def scale_lr(self, factor: float) -> None:
@@ -305,9 +371,15 @@ class ActorWorker:
             self.scheduler.load_state_dict(state["actor_sched"])
 
     def update(
-        self, batch: RolloutBatch, spec: ActorUpdateSpec, step: int, ref: ReferenceWorker | None = None
+        self,
+        batch: RolloutBatch,
+        spec: ActorUpdateSpec,
+        step: int,
+        ref: ReferenceWorker | None = None,
+        teacher: ReferenceWorker | None = None,
     ) -> dict[str, float]:
-        """PPO epochs × mini-batches of the clipped surrogate (+ β·KL loss − entropy bonus).
+        """PPO epochs × mini-batches of the clipped surrogate (+ β·KL loss + λ·divergence to the teacher − entropy
+        bonus; the teacher's term with ``spec.distill``, from ``teacher``'s logits per micro-batch).
 
         Gradients are accumulated over micro-batches; ``agg_loss`` gets the mini-batch's token and
         sequence counts so the accumulated loss equals the mini-batch loss exactly. A mini-batch whose
@@ -348,7 +420,7 @@ class ActorWorker:
             for rows, mini in mini_batches(batch, spec.mini_batch_size, gen, with_index=True):
                 # the batch rows of this rank's shard, in its order (the shard's padding rows have none)
                 out = (measured, rows[self.dp.shard_rows(mini)]) if spec.reuse_logprobs else None
-                metrics, loss_finite = self._mini_batch_step(self.dp.shard(mini), spec, ref, out=out)
+                metrics, loss_finite = self._mini_batch_step(self.dp.shard(mini), spec, ref, out=out, teacher=teacher)
                 metrics, loss_finite = self.dp.reduce(metrics, loss_finite)  # the same decision on every rank
                 if spec.target_kl is not None and metrics.get("policy/approx_kl", 0.0) > spec.target_kl:
                     # Spinning Up's early stop: the policy is already too far from the rollout policy,
@@ -440,7 +512,9 @@ class ActorWorker:
         counts, _ = self.dp.reduce({"n": float(n)}, True)
         return counts["n"]
 
-    def _mini_batch_step(self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None):
+    def _mini_batch_step(
+        self, mini: RolloutBatch, spec: ActorUpdateSpec, ref: ReferenceWorker | None, out=None, teacher=None
+    ):
         """Forward/backward of one mini-batch, micro-batch by micro-batch; returns (metric sums, all losses finite).
 
         With ``out = (measured, rows)`` (``spec.reuse_logprobs``) each micro-batch's own log-probs, detached,
@@ -453,6 +527,9 @@ class ActorWorker:
         sums: dict[str, float] = {}
         finite = True
         need_logits = spec.kl_loss_coef > 0 and spec.kl_loss_estimator == "full"
+        if spec.distill is not None and teacher is None:
+            raise ValueError(f"distill.estimator={spec.distill.estimator} needs the teacher's logits: pass teacher=")
+        need_student_logits = need_logits or spec.distill is not None
         # spec.entropy_coef is this step's α (algo.entropy_target moves it between steps): at α = 0 the bonus has no
         # gradient
         with_entropy = spec.entropy_coef > 0 or out is not None
@@ -467,7 +544,7 @@ class ActorWorker:
                 self.model,
                 temperature=self.temperature,
                 with_entropy=with_entropy,
-                return_logits=need_logits,
+                return_logits=need_student_logits,
                 compute_dtype=self.compute_dtype,
             )
             rmask = mb.update_mask[:, :t]
@@ -553,6 +630,20 @@ class ActorWorker:
                     )
                 loss = loss + spec.kl_loss_coef * kl_term
                 add("actor/kl_loss", float(kl_term.detach()))
+            if spec.distill is not None:
+                # the per-state part of ∇D: f(π_θ(·|s_t), π_T(·|s_t)) at the visited states, aggregated as the policy
+                # loss is so that it and the reward's visitation part are weighted alike (tether.algos.distill)
+                f = spec.distill.divergence(lay, logits, teacher.layout_logits(lay), self.temperature)
+                d_term = agg_loss(
+                    f,
+                    rmask,
+                    spec.loss_agg_mode,
+                    total_tokens=total_tokens,
+                    total_seqs=total_seqs,
+                    norm_constant=spec.norm_constant,
+                )
+                loss = loss + spec.distill.coef * d_term
+                add("actor/distill_loss", float(d_term.detach()))
             if spec.entropy_coef > 0:
                 loss = loss - spec.entropy_coef * agg_loss(
                     ent,

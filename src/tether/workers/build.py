@@ -25,6 +25,7 @@ from peft import set_peft_model_state_dict
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tether import engines
+from tether.algos import FULL_DISTILL_ESTIMATORS
 from tether.config import ConfigError, TetherConfig
 from tether.models import (
     DTYPES,
@@ -40,7 +41,7 @@ from tether.rewards import GoldReward, RewardManager, RewardResult
 from tether.rollout import registry
 from tether.rollout.engine import GenerationEngine
 from tether.rollout.runner import RolloutRunner
-from tether.workers.actor import ActorUpdateSpec, ActorWorker, ReferenceWorker
+from tether.workers.actor import ActorUpdateSpec, ActorWorker, DistillSpec, ReferenceWorker
 from tether.workers.critic import CriticWorker
 from tether.workers.roles import Roles
 
@@ -77,7 +78,17 @@ def actor_spec(
         atomic_update=cfg.guard.atomic_update,
         policy_loss=a.policy_loss,
         policy_loss_hyper=a.policy_loss_hyper(),
+        distill=distill_spec(cfg),
     )
+
+
+def distill_spec(cfg: TetherConfig) -> DistillSpec | None:
+    """``distill.*`` as the actor's per-state divergence term: None without a teacher or with ``distill.estimator=k1``
+    (a reward only)."""
+    d = cfg.distill
+    if d.teacher is None or d.estimator not in FULL_DISTILL_ESTIMATORS:
+        return None
+    return DistillSpec(coef=d.coef, estimator=d.estimator, jsd_beta=d.jsd_beta, top_k=d.top_k)
 
 
 def bypass_correction(cfg: TetherConfig) -> dict | None:

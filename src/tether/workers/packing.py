@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tether.algos import distill_divergence, logprobs_and_entropy_from_logits
 from tether.algos import kl_full as _kl_full
-from tether.algos import logprobs_and_entropy_from_logits
 from tether.batch import RolloutBatch
 from tether.models import response_logprobs
 from tether.models.forward import _forward_params, autocast
@@ -263,6 +263,10 @@ class PaddedLayout:
         """(b, t) exact KL(π‖π_ref) per token from two (b, t, V) logits, nats."""
         return kl_full(logits, ref_logits, temperature=temperature)
 
+    def distill_divergence(self, logits: torch.Tensor, teacher_logits: torch.Tensor, **kwargs) -> torch.Tensor:
+        """(b, t) :func:`tether.algos.distill_divergence` per token from two (b, t, V) logits, nats."""
+        return distill_divergence(logits, teacher_logits, **kwargs)
+
     def values(self, model) -> torch.Tensor:
         """(b, t) V(s_t) from a ``ValueModel`` (``tether.models.prefix.micro_batch_values`` when the layout shares
         prompts)."""
@@ -386,6 +390,10 @@ class PackedLayout:
     def kl_full(self, logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """(b, t) exact KL(π‖π_ref) per token from two (N, V) logits, nats."""
         return self.scatter(_kl_full(logits, ref_logits, temperature=temperature))
+
+    def distill_divergence(self, logits: torch.Tensor, teacher_logits: torch.Tensor, **kwargs) -> torch.Tensor:
+        """(b, t) :func:`tether.algos.distill_divergence` per token from two (N, V) logits, nats."""
+        return self.scatter(distill_divergence(logits, teacher_logits, **kwargs))
 
     def values(self, model) -> torch.Tensor:
         """(b, t) V(s_t) from a ``ValueModel`` (its packed forward)."""
