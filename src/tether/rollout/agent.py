@@ -80,6 +80,7 @@ class AgentRunner(RolloutRunner):
             tokenizer, tools=self.schemas, eos_texts=eos_texts, max_tokens=agent.max_observation_tokens
         )
         self.episodes: list[Episode] = []
+        self.last_trajectories: list[Trajectory] = []
         self.metrics: dict[str, float] = {}
 
     # -- the conversation as the template renders it -------------------------------------------------------------
@@ -191,6 +192,7 @@ class AgentRunner(RolloutRunner):
         n = max(1, len(trajectories))
         tokens = sum(len(t.response_ids) for t in trajectories)
         observed = sum(len(t.generated_mask) - sum(t.generated_mask) for t in trajectories)
+        self.last_trajectories = trajectories
         self.metrics = {
             "agent/turns_mean": sum(t.turns for t in trajectories) / n,
             "agent/tool_calls": float(sum(e.events.get("tool_calls", 0) for e in self.episodes)),
