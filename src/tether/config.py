@@ -505,7 +505,11 @@ class AgentConfig(Section):
         if self.environment is not None:
             _spec_file("agent.environment", self.environment)
         if not self.enabled:
-            set_here = sorted(self.model_fields_set - {"tools", "environment"})
+            set_here = sorted(
+                k
+                for k in self.model_fields_set - {"tools", "environment"}
+                if getattr(self, k) != type(self).model_fields[k].default
+            )
             if set_here:
                 raise ValueError(
                     f"agent.{set_here[0]} has no effect without agent.tools or agent.environment (agent is off); "

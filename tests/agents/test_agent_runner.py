@@ -180,3 +180,38 @@ def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_di
         assert runner.metrics["agent/prefix_mismatch"] == expect
         (t,) = runner.last_trajectories
         assert t.turn_rewards == [0.5, 1.0] and t.turns == 2
+
+
+def test_the_tiny_hf_model_runs_the_loop(tok_dir, tmp_path):
+    """The HF engine on the tiny random model: up to 3 turns of 4 sampled tokens, an environment that always answers
+    (never done): a trajectory goes on after each turn that ended with EOS, up to 3 turns, and a turn cut by length
+    ends it; observation tokens are out of the loss. (A smoke test of the engine in the loop: the random model
+    rarely samples EOS, so most trajectories take one turn; the scripted tests above pin the values.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tether.rollout.hf import HFRolloutEngine
+    from tether.testing import build_tiny_causal_lm
+
+    model_dir = build_tiny_causal_lm(tmp_path / "m", tok_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = _tok(tok_dir, QWEN25_LIKE)
+
+    class Echo:
+        def reset(self, row):
+            return None
+
+        def step(self, model_turn):
+            return StepResult("go on", None, False)
+
+    agent = AgentSpec(environment=Echo, max_turns=3, on_prefix_mismatch="count")
+    engine = HFRolloutEngine(model, tok, eos_token_ids=[tok.eos_token_id])
+    runner = AgentRunner(engine, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=4), agent=agent)
+    prompts = _prompts(tok, runner, [_row("hi"), _row("ho")])
+    torch.manual_seed(0)
+    batch = runner.rollout(prompts, [0, 1], n=2)
+    for j, t in enumerate(runner.last_trajectories):
+        eos_turns = sum(1 for k in t.turn_ends if k >= 0 and t.response_ids[k] == tok.eos_token_id)
+        assert t.turns == min(3, eos_turns + 1) and len(t.turn_rewards) == t.turns
+        n_obs = len(t.generated_mask) - sum(t.generated_mask)
+        assert batch.loss_mask[j].sum().item() == sum(t.generated_mask) and (n_obs > 0) == (t.turns > 1)
+    assert 1.0 <= runner.metrics["agent/turns_mean"] <= 3.0
