@@ -47,7 +47,7 @@ def test_unknown_key_without_close_match_lists_the_section():
     with pytest.raises(
         ConfigError,
         match=r"unknown config key 'foo' \(sections: actor, ref, critic, rollout, reward, data, kl, algo, trainer, "
-        r"guard, distill\)",
+        r"guard, distill, agent\)",
     ):
         load_config(None, ["foo.bar=1"])
     with pytest.raises(ConfigError, match=r"unknown config key 'guard.zzz' \(keys of guard: target_kl, max_kl, "):

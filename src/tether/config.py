@@ -1,8 +1,8 @@
 """Typed configuration: one frozen section per component, YAML files, dotted command-line overrides.
 
 A config is a :class:`TetherConfig` with the sections ``actor``, ``ref``, ``critic``, ``rollout``,
-``reward``, ``data``, ``kl``, ``algo``, ``trainer``, ``guard`` and ``distill``. Every field carries a one-line
-description (shown by ``tether train --help-config``). Unknown keys are errors with a did-you-mean,
+``reward``, ``data``, ``kl``, ``algo``, ``trainer``, ``guard``, ``distill`` and ``agent``. Every field carries a
+one-line description (shown by ``tether train --help-config``). Unknown keys are errors with a did-you-mean,
 values are validated before any model is loaded, and every key is read somewhere.
 
 Overrides follow the verl / Hydra convention: ``kl.coef=0.1 rollout.n=4 kl.schedule.stages=[[50,0.08],[0,0.03]]``.
@@ -455,6 +455,85 @@ class DataConfig(Section):
                 f"data.embedded_task={self.embedded_task} has no effect with data.train_files={self.train_files}: it "
                 "picks the embedded task's reward and rows (data.train_files=embedded); leave it at digitsum"
             )
+        return self
+
+
+def _spec_file(key: str, spec: str) -> None:
+    """A user-code spec (``path.py:name`` or ``module:name``) is well formed and, when it names a file, the file
+    exists: checked here, before any model loads; importing it and reading its signature is
+    :func:`tether.agents.build_agent`'s, also before weights load."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"{key}={spec!r} must look like 'path/to/file.py:name' or 'module:name'")
+    if (target.endswith(".py") or "/" in target or "\\" in target) and not Path(target).expanduser().is_file():
+        raise ValueError(f"{key}={spec!r}: file {target!r} not found (relative paths are from the current directory)")
+
+
+class AgentConfig(Section):
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Multi-turn tool use: tools as typed Python functions, each 'path/file.py:name' or "
+        "'module:name' (like reward.function); the JSON schema comes from the signature and the Google-style "
+        "docstring (docs/agents.md). Empty, with agent.environment null = single-turn (agent off).",
+    )
+    environment: str | None = Field(
+        None,
+        description="Multi-turn environment: a class or factory 'path/file.py:Name' or 'module:Name' called once per "
+        "trajectory (with the row's extra_info.interaction_kwargs), with reset(row) and step(model_turn) -> "
+        "StepResult (docs/agents.md). Exclusive with agent.tools; null = none.",
+    )
+    max_turns: int = Field(4, ge=1, description="Agent on: the most model turns per trajectory.")
+    max_observation_tokens: int | None = Field(
+        256,
+        ge=1,
+        description="Agent on: the most tokens of content one observation (a turn's tool outputs together) adds; "
+        "longer contents are cut; null = no limit.",
+    )
+    tool_timeout_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="Agent on: seconds one tool call may run; past it the call is abandoned and the model reads a "
+        "timeout error (agent/tool_errors); null = no limit.",
+    )
+    tool_format: Literal["auto", "qwen", "plain"] = Field(
+        "auto",
+        description="Agent on: how tool calls are written: qwen (<tool_call>{json}</tool_call> blocks of Qwen2.5/"
+        "Qwen3 templates), plain (a line 'CALL name {json}'), auto (qwen when the chat template mentions "
+        "<tool_call>, else plain).",
+    )
+    on_prefix_mismatch: Literal["error", "count"] = Field(
+        "error",
+        description="Agent on: a turn's context that is not the chat template's tokens for the conversation so far "
+        "stops the run naming the sample, turn and token (error), or is counted in agent/prefix_mismatch and trained "
+        "on as sampled (count).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+    @model_validator(mode="after")
+    def _specs(self):
+        if self.tools and self.environment is not None:
+            raise ValueError(
+                f"agent.tools={self.tools} and agent.environment={self.environment!r} are both set: a trajectory runs "
+                "one environment (tools make one); set one"
+            )
+        for i, spec in enumerate(self.tools):
+            _spec_file(f"agent.tools[{i}]", spec)
+        if self.environment is not None:
+            _spec_file("agent.environment", self.environment)
+        if not self.enabled:
+            set_here = sorted(
+                k
+                for k in self.model_fields_set - {"tools", "environment"}
+                if getattr(self, k) != type(self).model_fields[k].default
+            )
+            if set_here:
+                raise ValueError(
+                    f"agent.{set_here[0]} has no effect without agent.tools or agent.environment (agent is off); "
+                    "set one of them, or leave it unset"
+                )
         return self
 
 
@@ -1435,6 +1514,7 @@ class TetherConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -47,6 +47,7 @@ __all__ = [
     "get_answer_extractor",
     "get_gold_function",
     "get_reward_function",
+    "load_spec_attribute",
     "load_user_function",
     "per_sample_keywords",
     "register_reward_function",
@@ -229,22 +230,38 @@ def load_user_function(spec: str, *, base_dir: str | Path | None = None, key: st
 
 
 def _load_user_function(spec: str, base_dir: str | Path | None, key: str) -> BatchRewardFn:
+    fn = load_spec_attribute(spec, base_dir=base_dir, key=key, what="reward function")
+    check_user_signature(fn, spec)
+    return fn
+
+
+def load_spec_attribute(spec: str, *, base_dir: str | Path | None = None, key: str, what: str) -> Any:
+    """The callable named by ``"path/to/file.py:name"`` or ``"package.module:name"``, loaded as
+    :func:`load_user_function` loads a reward function (one loader for every user-code key: ``reward.function``,
+    ``agent.tools``, ``agent.environment``).
+
+    Args:
+        spec: the spec; base_dir: directory for relative file paths; key: the config key, for the errors;
+        what: what the object is, for the errors (``"reward function"``, ``"tool"``).
+
+    Raises:
+        ValueError: malformed spec; file not found; the file fails to import; the name is missing (listing the
+            callables the file defines) or not callable. Callers name ``key`` (:func:`load_user_function`).
+    """
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
+        raise ValueError(f"{what} spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     target, _, name = spec.rpartition(":")
     if not target or not name:
-        raise ValueError(f"reward function spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
+        raise ValueError(f"{what} spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     if not (target.endswith(".py") or "/" in target or "\\" in target):
-        fn = resolve_import_path(f"{target}:{name}")
-        check_user_signature(fn, spec)
-        return fn
+        return resolve_import_path(f"{target}:{name}")
 
     path = Path(target).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
     path = path.resolve()
     if not path.is_file():
-        raise ValueError(f"reward function file not found: {path} (from {key}={spec!r}, name {name!r})")
+        raise ValueError(f"{what} file not found: {path} (from {key}={spec!r}, name {name!r})")
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     mod_name = f"tether_user_reward_{path.stem.replace('-', '_')}_{digest}"
     mod_spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -256,7 +273,7 @@ def _load_user_function(spec: str, base_dir: str | Path | None, key: str) -> Bat
         mod_spec.loader.exec_module(mod)
     except (Exception, SystemExit) as e:  # a script calling sys.exit() at import is reported too
         sys.modules.pop(mod_name, None)
-        raise ValueError(f"reward function file {path} failed to import: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{what} file {path} failed to import: {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if fn is None:
         defined = sorted(
@@ -264,12 +281,9 @@ def _load_user_function(spec: str, base_dir: str | Path | None, key: str) -> Bat
             for k, v in vars(mod).items()
             if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod_name
         )
-        raise ValueError(
-            f"reward function file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}"
-        )
+        raise ValueError(f"{what} file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}")
     if not callable(fn):
         raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
-    check_user_signature(fn, spec)
     return fn
 
 

@@ -31,6 +31,10 @@ class Trajectory:
             0.0 for a token it did not sample; None when the engine was not asked for them.
         finish_reason: why the last turn ended (``tether.rollout.engine.FINISH_REASONS``); None before any turn.
         turns: engine calls made for it.
+        turn_ends: per turn, the index in ``response_ids`` of the turn's last model token (-1 for a turn that
+            sampled nothing): where a per-turn reward sits.
+        turn_rewards: per turn, the environment's reward for it (0.0 where it gave none); empty for single-turn
+            sampling.
     """
 
     prompt_ids: list[int]
@@ -39,6 +43,8 @@ class Trajectory:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     turns: int = 0
+    turn_ends: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -56,6 +62,7 @@ class Trajectory:
         self.generated_mask += [1] * n
         self.finish_reason = result.finish_reason
         self.turns += 1
+        self.turn_ends.append(len(self.response_ids) - 1 if n else -1)
 
     def add_observation(self, token_ids: list[int]) -> None:
         """Append tokens the model did not write (``generated_mask`` 0, log-prob 0.0): a tool's output, a reply."""
@@ -120,14 +127,19 @@ class RolloutRunner:
         if (mode or self.mode) == "offline":
             return self._offline(prompts, indices)
         rep = [i for i in indices for _ in range(n)]
-        trajectories = self.run([prompts.ids[i] for i in rep], self.params.override(**overrides))
+        trajectories = self.run(
+            [prompts.ids[i] for i in rep], self.params.override(**overrides), rows=[prompts.rows[i] for i in rep]
+        )
         group_ids = torch.arange(len(indices), device=self.device).repeat_interleave(n)
         return self.collate(prompts, rep, trajectories, group_ids)
 
-    def run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+    def run(self, prompt_ids: list[list[int]], params: SamplingParams, rows: list | None = None) -> list[Trajectory]:
         """The turn loop: every unfinished trajectory's context goes to the engine in one call per turn; after each
-        turn :meth:`next_turn` says whether (and with what tokens appended) a trajectory continues."""
+        turn :meth:`next_turns` says whether (and with what tokens appended) each trajectory continues. ``rows``
+        (the dataset rows, one per prompt) go to :meth:`begin`, which a multi-turn runner uses; :meth:`end` sees the
+        finished trajectories."""
         trajectories = [Trajectory(list(p)) for p in prompt_ids]
+        self.begin(trajectories, rows)
         active = list(range(len(trajectories)))
         while active:
             results = self.engine.generate([GenerationRequest(trajectories[i].context, params) for i in active])
@@ -135,15 +147,27 @@ class RolloutRunner:
                 raise RuntimeError(
                     f"rollout.engine={self.engine.name}: {len(results)} results for {len(active)} requests"
                 )
-            still = []
             for i, result in zip(active, results, strict=True):
                 trajectories[i].add_generated(result)
-                appended = self.next_turn(trajectories[i])
+            still = []
+            for i, appended in zip(active, self.next_turns([trajectories[i] for i in active]), strict=True):
                 if appended is not None:
                     trajectories[i].add_observation(appended)
                     still.append(i)
             active = still
+        self.end(trajectories)
         return trajectories
+
+    def begin(self, trajectories: list[Trajectory], rows: list | None) -> None:
+        """Before the first turn (single-turn sampling: nothing); a multi-turn runner sets up its environments."""
+
+    def end(self, trajectories: list[Trajectory]) -> None:
+        """After the last turn (single-turn sampling: nothing); a multi-turn runner checks and counts."""
+
+    def next_turns(self, trajectories: list[Trajectory]) -> list[list[int] | None]:
+        """After a turn of every trajectory in ``trajectories``: :meth:`next_turn` of each (a multi-turn runner may
+        step its environments together)."""
+        return [self.next_turn(t) for t in trajectories]
 
     def next_turn(self, trajectory: Trajectory) -> list[int] | None:
         """After a turn: None ends ``trajectory`` (single-turn sampling: always); a multi-turn runner returns the

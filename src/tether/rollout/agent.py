@@ -1,0 +1,210 @@
+"""The multi-turn runner: environments and tools over the turn loop of :class:`~tether.rollout.runner.RolloutRunner`.
+
+Each turn, every unfinished trajectory's context goes to the engine in one call (many trajectories in flight);
+then every environment steps on its model turn at once, in a thread pool (a slow tool does not serialise the batch);
+then each observation is rendered and tokenised once, on the calling thread, and appended (``generated_mask`` 0).
+A trajectory ends when its environment says ``done``, at ``agent.max_turns``, or when a model turn does not end
+with an end-of-turn id (cut by ``rollout.max_new_tokens``: there is no assistant turn to answer). After the last
+turn each trajectory's turn contexts are checked against the chat template (:mod:`tether.agents.templates`).
+
+Per trajectory: ``turn_rewards`` (the environment's per-turn rewards, 0.0 where none) and ``turn_ends`` (each
+turn's last model token in ``response_ids``), the interface of the per-turn returns in ``tether.algos``.
+Metrics of the last :meth:`AgentRunner.run`: :attr:`AgentRunner.metrics`.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tether.agents import (
+    AgentSpec,
+    ObservationRenderer,
+    StepResult,
+    ToolEnvironment,
+    check_turn_contexts,
+    mismatch_message,
+    resolve_format,
+)
+from tether.rollout.runner import RolloutRunner, Trajectory
+
+__all__ = ["MAX_STEP_THREADS", "AgentRunner", "Episode"]
+
+#: The most environment steps run at once (threads); a batch larger than this steps in waves.
+MAX_STEP_THREADS = 64
+
+
+@dataclass
+class Episode:
+    """One trajectory's environment and conversation.
+
+    Attributes:
+        env: the environment; messages: the conversation so far as chat messages (the prompt's, then the model's
+        turns as decoded text and the observations as rendered); starts: per model turn, where it starts in
+        ``response_ids`` (its context is the prompt and what precedes); expected: per model turn, the chat
+        template's ids for the conversation then (None without a chat template);
+        turn_start: where the current model turn starts in ``response_ids``; events: counters.
+    """
+
+    env: Any
+    messages: list[dict] | None
+    starts: list[int] = field(default_factory=list)
+    expected: list[list[int]] | None = field(default_factory=list)
+    turn_start: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+
+
+class AgentRunner(RolloutRunner):
+    """A :class:`RolloutRunner` whose trajectories run an environment for up to ``agent.max_turns`` model turns.
+
+    Args:
+        agent: the loaded ``agent`` section (:func:`tether.agents.build_agent`); the rest as
+            :class:`RolloutRunner` (online only).
+
+    Raises:
+        ValueError: (from :meth:`run`) with ``agent.on_prefix_mismatch=error``, the first trajectory whose turn
+            context is not the template's (one line: sample, turn, token id and text); an environment whose
+            ``reset``/``step`` raises (naming the sample and the turn: an environment's bug, unlike a tool's).
+    """
+
+    def __init__(self, engine, tokenizer, device, *, params, agent: AgentSpec, eos_token_ids=None):
+        super().__init__(engine, tokenizer, device, params=params, mode="online", eos_token_ids=eos_token_ids)
+        self.agent = agent
+        template = getattr(tokenizer, "chat_template", None)
+        self.templated = bool(template)
+        self.fmt = resolve_format(agent.tool_format, template)
+        self.schemas = [t.schema for t in agent.tools] or None
+        eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in self.eos_token_ids]
+        self.render = ObservationRenderer(
+            tokenizer, tools=self.schemas, eos_texts=eos_texts, max_tokens=agent.max_observation_tokens
+        )
+        self.episodes: list[Episode] = []
+        self.last_trajectories: list[Trajectory] = []
+        self.metrics: dict[str, float] = {}
+
+    # -- the conversation as the template renders it -------------------------------------------------------------
+
+    def _template_ids(self, messages: list[dict]) -> list[int]:
+        text = self.tok.apply_chat_template(messages, tools=self.schemas, add_generation_prompt=True, tokenize=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _make_env(self, row):
+        extra = getattr(row, "extra_info", None) or {}
+        if self.agent.environment is not None:
+            kwargs = {k: v for k, v in (extra.get("interaction_kwargs") or {}).items() if k != "name"}
+            return self.agent.environment(**kwargs)
+        return ToolEnvironment(
+            self.agent.tools, fmt=self.fmt, timeout_s=self.agent.tool_timeout_s, tools_kwargs=extra.get("tools_kwargs")
+        )
+
+    def begin(self, trajectories: list[Trajectory], rows: list | None) -> None:
+        """One environment per trajectory, reset on its row. A chat prompt (a list of messages) with a chat template
+        is rendered again here with the tools' schemas and the first observation (``reset``'s, as a ``user``
+        message); other prompts keep their ids (a first observation is then refused)."""
+        rows = rows if rows is not None else [None] * len(trajectories)
+        self.episodes = []
+        for j, (t, row) in enumerate(zip(trajectories, rows, strict=True)):
+            env = self._make_env(row)
+            try:
+                first = env.reset(row)
+            except Exception as e:
+                raise ValueError(f"agent environment reset failed on sample {j}: {type(e).__name__}: {e}") from e
+            prompt = getattr(row, "prompt", None)
+            chat = isinstance(prompt, list) and self.templated
+            messages = [dict(m) for m in prompt] if chat else None
+            if first is not None:
+                if not chat:
+                    raise ValueError(
+                        f"agent environment reset gave a first observation for sample {j}, whose prompt is not a list "
+                        "of chat messages rendered by a chat template; return None from reset, or use chat prompts"
+                    )
+                messages += self.render.truncate(_as_messages(first))
+            if chat:
+                t.prompt_ids = self._template_ids(messages)
+            self.episodes.append(Episode(env, messages, expected=[] if chat else None))
+        self._by_id = {id(t): e for t, e in zip(trajectories, self.episodes, strict=True)}
+        for e in self.episodes:
+            self._record_turn(e, 0)
+
+    def _record_turn(self, e: Episode, start: int) -> None:
+        """The next model turn starts at ``start`` in ``response_ids``; the template's ids for it, now."""
+        e.starts.append(start)
+        e.turn_start = start
+        if e.expected is not None:
+            e.expected.append(self._template_ids(e.messages))
+
+    def next_turns(self, trajectories: list[Trajectory]) -> list[list[int] | None]:
+        """Step every environment on its model turn at once (threads), then render and append observations."""
+        episodes = [self._by_id[id(t)] for t in trajectories]
+        ended = [t.finish_reason != "eos" for t in trajectories]
+        turns = [
+            self.tok.decode(t.response_ids[e.turn_start :], skip_special_tokens=True)
+            for t, e in zip(trajectories, episodes, strict=True)
+        ]
+
+        def step(k: int) -> StepResult | Exception:
+            if ended[k]:
+                return StepResult(None, None, True)
+            try:
+                return episodes[k].env.step(turns[k])
+            except Exception as err:  # noqa: BLE001 - reported below with the sample
+                return err
+
+        with ThreadPoolExecutor(max_workers=max(1, min(MAX_STEP_THREADS, len(trajectories)))) as pool:
+            results = list(pool.map(step, range(len(trajectories))))
+        out: list[list[int] | None] = []
+        for t, e, r in zip(trajectories, episodes, results, strict=True):
+            if isinstance(r, Exception):
+                raise ValueError(
+                    f"agent environment step failed on sample {self.episodes.index(e)}, turn {t.turns}: "
+                    f"{type(r).__name__}: {r}"
+                ) from r
+            t.turn_rewards.append(0.0 if r.reward is None else float(r.reward))
+            for name, n in r.events.items():
+                e.events[name] = e.events.get(name, 0) + int(n)
+            if r.done or t.turns >= self.agent.max_turns:
+                out.append(None)
+                continue
+            ids, shown = self.render(_as_messages(r.observation))
+            if e.messages is not None:
+                end = t.response_ids[e.turn_start :]
+                if end and end[-1] in self.eos_token_ids:
+                    end = end[:-1]
+                e.messages.append({"role": "assistant", "content": self.tok.decode(end, skip_special_tokens=False)})
+                e.messages += shown
+            self._record_turn(e, len(t.response_ids) + len(ids))
+            out.append(ids)
+        return out
+
+    def end(self, trajectories: list[Trajectory]) -> None:
+        """The prefix check of every trajectory, then :attr:`metrics`."""
+        mismatches = 0
+        for j, (t, e) in enumerate(zip(trajectories, self.episodes, strict=True)):
+            if e.expected is None:
+                continue
+            contexts = [[*t.prompt_ids, *t.response_ids[:s]] for s in e.starts]
+            m = check_turn_contexts(contexts, e.expected)
+            if m is not None:
+                mismatches += 1
+                if self.agent.on_prefix_mismatch == "error":
+                    raise ValueError(mismatch_message(j, m, self.tok))
+        n = max(1, len(trajectories))
+        tokens = sum(len(t.response_ids) for t in trajectories)
+        observed = sum(len(t.generated_mask) - sum(t.generated_mask) for t in trajectories)
+        self.last_trajectories = trajectories
+        self.metrics = {
+            "agent/turns_mean": sum(t.turns for t in trajectories) / n,
+            "agent/tool_calls": float(sum(e.events.get("tool_calls", 0) for e in self.episodes)),
+            "agent/tool_errors": float(sum(e.events.get("tool_errors", 0) for e in self.episodes)),
+            "agent/observation_frac": observed / tokens if tokens else 0.0,
+            "agent/prefix_mismatch": float(mismatches),
+        }
+
+
+def _as_messages(observation) -> list[dict]:
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    return [dict(m) for m in observation]

@@ -1,0 +1,217 @@
+"""The multi-turn runner on a scripted engine (every token known): token-in/token-out trajectories, observations as
+the chat template renders them, the prefix check on Qwen2.5-, Qwen3- and Llama 3-like templates, failures counted,
+environments stepped concurrently; and one run on the tiny HF model."""
+
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from agent_templates import LLAMA3_LIKE, QWEN3_LIKE, QWEN25_LIKE
+
+from tether.agents import AgentSpec, StepResult, load_tools
+from tether.rollout.agent import AgentRunner
+from tether.rollout.engine import EngineCapabilities, GenerationResult, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from tether.testing import build_gsm8k_tokenizer, synthetic_math_texts
+
+    return build_gsm8k_tokenizer(tmp_path_factory.mktemp("tok"), texts=synthetic_math_texts(100), vocab_size=300)
+
+
+def _tok(tok_dir, template, llama=False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    if llama:
+        tok.add_special_tokens(
+            {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        )
+        tok.eos_token = "<|eot_id|>"
+    tok.chat_template = template
+    return tok
+
+
+class Scripted:
+    """Answers request j of turn k with ``script[j][k]`` (text, tokenised canonically, then EOS)."""
+
+    name = "scripted"
+    capabilities = EngineCapabilities()
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, requests, *, seed=None):
+        self.calls.append([list(r.prompt_ids) for r in requests])
+        out = []
+        for r in requests:
+            j = next(j for j, s in enumerate(self.script) if s["prompt"] == r.prompt_ids[: len(s["prompt"])])
+            text = self.script[j]["turns"].pop(0)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(GenerationResult(ids, None, "eos"))
+        return out
+
+
+def _tools(tmp_path):
+    f = tmp_path / "tools.py"
+    f.write_text(
+        textwrap.dedent(
+            '''
+            import threading
+            BARRIER = threading.Barrier(3, timeout=20)
+
+            def add(a: int, b: int) -> int:
+                """Add two integers."""
+                return a + b
+
+            def meet() -> str:
+                """Wait until three calls are in flight at once."""
+                BARRIER.wait()
+                return "met"
+            '''
+        )
+    )
+    return load_tools([f"{f}:add", f"{f}:meet"])
+
+
+def _render(tok, messages, tools):
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _prompts(tok, runner, rows):
+    ids = [_render(tok, r.prompt, runner.schemas) for r in rows]
+    return SimpleNamespace(ids=ids, texts=[str(r.prompt) for r in rows], rows=rows)
+
+
+def _row(q, **extra):
+    return SimpleNamespace(prompt=[{"role": "user", "content": q}], extra_info=extra)
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def test_a_tool_turn_is_token_in_token_out_and_matches_the_qwen25_template(tok_dir, tmp_path):
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    agent = AgentSpec(_tools(tmp_path), max_turns=3)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    prompts = _prompts(tok, runner, [_row("2+3?")])
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[0], "turns": [CALL, "It is 5."]}])
+    batch = runner.rollout(prompts, [0], n=1)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turn1, obs, turn2 = (
+        ids(CALL) + [2],
+        ids("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+        ids("It is 5.") + [2],
+    )
+    assert batch.response_ids[0].tolist() == turn1 + obs + turn2
+    assert batch.generated_mask[0].tolist() == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    # the second turn's context is exactly what the template renders for the conversation so far
+    conversation = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "5"},
+    ]
+    assert runner.engine.calls[1][0] == _render(tok, conversation, runner.schemas)
+    (t,) = runner.last_trajectories
+    assert t.turn_ends == [len(turn1) - 1, len(turn1) + len(obs) + len(turn2) - 1] and t.turn_rewards == [0.0, 0.0]
+    n_all = len(turn1) + len(obs) + len(turn2)
+    assert runner.metrics == {
+        "agent/turns_mean": 2.0,
+        "agent/tool_calls": 1.0,
+        "agent/tool_errors": 0.0,
+        "agent/observation_frac": pytest.approx(len(obs) / n_all, abs=1e-12),
+        "agent/prefix_mismatch": 0.0,
+    }
+
+
+def test_calls_of_the_batch_run_concurrently_and_failures_are_counted(tok_dir, tmp_path):
+    """Three trajectories call meet(), which returns only when all three calls are in flight at once (a barrier):
+    stepped one after another, each would time out. A fourth makes a malformed call and an unknown one."""
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    agent = AgentSpec(_tools(tmp_path), max_turns=2, tool_timeout_s=30.0)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    rows = [_row(f"q{i}") for i in range(4)]
+    prompts = _prompts(tok, runner, rows)
+    meet = '<tool_call>{"name": "meet", "arguments": {}}</tool_call>'
+    bad = '<tool_call>{"name": </tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    script = [{"prompt": prompts.ids[i], "turns": [meet, "done"]} for i in range(3)]
+    script.append({"prompt": prompts.ids[3], "turns": [bad, "done"]})
+    runner.engine = Scripted(tok, script)
+    batch = runner.rollout(prompts, [0, 1, 2, 3], n=1)
+    assert [len(c) for c in runner.engine.calls] == [4, 4]  # every trajectory goes to the engine together each turn
+    text = tok.decode(batch.response_ids[3][batch.response_mask[3].bool()])
+    assert "Error: malformed tool call: the <tool_call> block is not JSON" in text and "unknown tool 'nope'" in text
+    assert "met" in tok.decode(batch.response_ids[0])
+    assert runner.metrics["agent/tool_calls"] == 5.0 and runner.metrics["agent/tool_errors"] == 2.0
+
+
+class ThinkingUser:
+    """An environment whose observation is a user message: Qwen3's template then strips <think> from earlier
+    assistant turns, which the model saw."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_turn):
+        return StepResult("Try again.", 0.5, False) if "again" not in model_turn else StepResult(None, 1.0, True)
+
+
+def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_dir):
+    turns = ["<think>hmm</think>\nfirst", "again"]
+    tok = _tok(tok_dir, QWEN3_LIKE)
+    for mode, tok_, expect in (
+        ("error", tok, None),
+        ("count", tok, 1.0),
+        ("error", _tok(tok_dir, LLAMA3_LIKE, True), 0.0),
+    ):
+        agent = AgentSpec(environment=ThinkingUser, max_turns=3, on_prefix_mismatch=mode)
+        runner = AgentRunner(None, tok_, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+        prompts = _prompts(tok_, runner, [_row("hi")])
+        runner.engine = Scripted(tok_, [{"prompt": prompts.ids[0], "turns": list(turns)}])
+        if expect is None:
+            think = tok_.convert_tokens_to_ids(tok_.tokenize("<"))[0]
+            with pytest.raises(ValueError, match=rf"sample 0, turn 2: .* the model saw {think} '<'"):
+                runner.rollout(prompts, [0], n=1)
+            continue
+        runner.rollout(prompts, [0], n=1)
+        assert runner.metrics["agent/prefix_mismatch"] == expect
+        (t,) = runner.last_trajectories
+        assert t.turn_rewards == [0.5, 1.0] and t.turns == 2
+
+
+def test_the_tiny_hf_model_runs_the_loop(tok_dir, tmp_path):
+    """The HF engine on the tiny random model: up to 3 turns of 4 sampled tokens, an environment that always answers
+    (never done): a trajectory goes on after each turn that ended with EOS, up to 3 turns, and a turn cut by length
+    ends it; observation tokens are out of the loss. (A smoke test of the engine in the loop: the random model
+    rarely samples EOS, so most trajectories take one turn; the scripted tests above pin the values.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tether.rollout.hf import HFRolloutEngine
+    from tether.testing import build_tiny_causal_lm
+
+    model_dir = build_tiny_causal_lm(tmp_path / "m", tok_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = _tok(tok_dir, QWEN25_LIKE)
+
+    class Echo:
+        def reset(self, row):
+            return None
+
+        def step(self, model_turn):
+            return StepResult("go on", None, False)
+
+    agent = AgentSpec(environment=Echo, max_turns=3, on_prefix_mismatch="count")
+    engine = HFRolloutEngine(model, tok, eos_token_ids=[tok.eos_token_id])
+    runner = AgentRunner(engine, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=4), agent=agent)
+    prompts = _prompts(tok, runner, [_row("hi"), _row("ho")])
+    torch.manual_seed(0)
+    batch = runner.rollout(prompts, [0, 1], n=2)
+    for j, t in enumerate(runner.last_trajectories):
+        eos_turns = sum(1 for k in t.turn_ends if k >= 0 and t.response_ids[k] == tok.eos_token_id)
+        assert t.turns == min(3, eos_turns + 1) and len(t.turn_rewards) == t.turns
+        n_obs = len(t.generated_mask) - sum(t.generated_mask)
+        assert batch.loss_mask[j].sum().item() == sum(t.generated_mask) and (n_obs > 0) == (t.turns > 1)
+    assert 1.0 <= runner.metrics["agent/turns_mean"] <= 3.0
