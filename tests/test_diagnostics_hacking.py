@@ -151,3 +151,15 @@ def test_a_failing_gold_is_not_a_falling_one():
     assert check_hacking_gold(h) == []
     h[1]["val/gold_unscored_frac"] = 0.0
     assert check_hacking_gold(h, persist=1)  # scored, the same fall would warn
+
+
+def test_observed_reference_validation_is_the_first_best_without_a_call_on_the_schedule():
+    """The trainer observes the step-0 validation (the reference's gold): a flaw the policy exploits from the start
+    (gold never above the reference's) falls from it. Exact gold 0.47 at step 0, 0.31 at 10 (34% down)."""
+    live = LiveDiagnostics(every=10)
+    live.observe(0, {"exact/gold_mean": 0.47, "exact/score_mean": 0.56})
+    fired = []
+    for step in range(1, 11):
+        rec = {"exact/gold_mean": 0.31, "exact/score_mean": 0.96} if step == 10 else {}
+        fired += [(step, f.check) for f in live.update(step, rec)]
+    assert fired == [(10, "hacking_gold")]

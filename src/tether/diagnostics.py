@@ -1329,6 +1329,11 @@ class LiveDiagnostics:
                 by_step.setdefault(s, {"step": s})[key] = v
         return [by_step[s] for s in sorted(by_step)]
 
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record metrics without a check or a call on the schedule: the step-0 validation (the reference's scores),
+        which the gold check needs as its first best, as a replay of metrics.jsonl (``tether doctor``) sees it."""
+        self._store(int(step), metrics)
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
         """Record one step's metrics; on every ``every``-th call, return the newly firing findings."""
         self._store(int(step), metrics)
