@@ -21,6 +21,7 @@ from pathlib import Path
 from tether.diagnostics import HACKING_CHECKS, LIVE_EVERY, LiveDiagnostics, read_metrics
 
 GOLD_KEYS = ("val/gold_", "exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
+EXACT_GOLD_KEYS = ("exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
 
 
 def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | None]:
@@ -43,23 +44,35 @@ def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | 
     return -neg, g, ref
 
 
-def first_warnings(history: list[dict], *, gold: bool) -> dict[str, int | None]:
-    """The first step each hacking check fired at on the live schedule (None: never)."""
+def warnings(history: list[dict], *, gold: bool | str) -> dict[str, list[int]]:
+    """The steps each hacking check reported at on the live schedule (a check reports once while it keeps firing).
+    gold: True (every metric), False (no gold metrics) or "sampled" (the exact gold removed: the check reads the
+    sampled val/gold_mean with its val/gold_sem, as a run off the embedded prompts would)."""
     live = LiveDiagnostics(LIVE_EVERY)
-    first: dict[str, int | None] = dict.fromkeys(HACKING_CHECKS)
-    for rec in sorted((r for r in history if r.get("step", 0) >= 1), key=lambda r: r["step"]):
-        if not gold:
-            rec = {k: v for k, v in rec.items() if not k.startswith(GOLD_KEYS)}
+    out: dict[str, list[int]] = {c: [] for c in HACKING_CHECKS}
+    drop = () if gold is True else EXACT_GOLD_KEYS if gold == "sampled" else GOLD_KEYS
+    for rec in sorted((r for r in history if isinstance(r.get("step"), int)), key=lambda r: r["step"]):
+        if drop:
+            rec = {k: v for k, v in rec.items() if not k.startswith(drop)}
+        if rec["step"] == 0:  # the reference's validation: observed by the live monitor, not a call on its schedule
+            live.observe(0, rec)
+            continue
         for f in live.update(rec["step"], rec):
-            if f.check in first and first[f.check] is None:
-                first[f.check] = rec["step"]
-    return first
+            if f.check in out:
+                out[f.check].append(rec["step"])
+    return out
+
+
+def first_warnings(history: list[dict], *, gold: bool | str) -> dict[str, int | None]:
+    """The first step each hacking check fired at on the live schedule (None: never)."""
+    return {c: (steps[0] if steps else None) for c, steps in warnings(history, gold=gold).items()}
 
 
 def analyse(run: Path) -> dict:
     h = read_metrics(run)
     onset, g_onset, ref = exact_onset(h)
     with_gold, without = first_warnings(h, gold=True), first_warnings(h, gold=False)
+    sampled = first_warnings(h, gold="sampled") if any("val/gold_sem" in r for r in h) else {}
     cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
     final = next((r for r in reversed(h) if isinstance(r.get("exact/gold_mean"), float)), {})
     whole = {}  # the sweep's final exact evaluation on all 20 prompts (exact_final.json), when there is one
@@ -74,9 +87,12 @@ def analyse(run: Path) -> dict:
         "final_gold": final.get("exact/gold_mean"),
         "final_proxy": final.get("exact/score_mean"),
         "gold_warn": with_gold["hacking_gold"],
+        "sampled_warn": sampled.get("hacking_gold"),
+        "sampled": bool(sampled),
+        "scenario": next((ln.split(":")[-1].strip() for ln in cfg.splitlines() if "tether.tasks.hacks:" in ln), ""),
         "proxy_warn_gold_run": with_gold["hacking_proxy"],
         "proxy_warn": without["hacking_proxy"],
-        "hackable": "digitsum_hack" in cfg,
+        "hackable": "digitsum_hack" in cfg or "tether.tasks.hacks:" in cfg,
         "beta": beta,
         "guard": "on_hacking: rollback" in cfg,
         "all_gold": whole.get("exact/gold_mean"),
@@ -151,15 +167,19 @@ def main() -> None:
     ap.add_argument("--figure-run", type=Path)
     args = ap.parse_args()
     rows = [analyse(r) for r in args.runs if (r / "metrics.jsonl").is_file()]
-    print("| run | exact onset | gold at onset → final (ref) | monitor with gold | monitor without gold |")
-    print("|---|---|---|---|---|")
+    print(
+        "| run | exact onset | gold at onset → final (ref) | monitor with exact gold | with sampled gold | "
+        "without gold |"
+    )
+    print("|---|---|---|---|---|---|")
     for a in rows:
         at = "–" if a["gold_at_onset"] is None else f"{a['gold_at_onset']:.3f}"
         g = "–" if a["final_gold"] is None else f"{at} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
         gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
         print(
-            f"| `{a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | {gold_warn} | "
-            f"{lag(a['proxy_warn'], a['onset'])} |"
+            f"| `{a['scenario'] or a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | "
+            f"{gold_warn} | "
+            f"{lag(a['sampled_warn'], a['onset']) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a['onset'])} |"
         )
     by_beta: dict[tuple, list[dict]] = {}
     for a in rows:

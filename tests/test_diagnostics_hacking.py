@@ -3,9 +3,13 @@ tests/trainer/test_hacking_guard.py)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
+import numpy as np
 import pytest
 
-from tether.diagnostics import LiveDiagnostics, check_hacking_gold, check_hacking_proxy, diagnose
+from tether.diagnostics import LiveDiagnostics, check_hacking_gold, check_hacking_proxy, diagnose, gold_fall_flags
 
 
 def vals(gold, proxy, *, every=10, exact=True, sem=None):
@@ -46,11 +50,61 @@ def test_gold_check_stays_quiet(gold, proxy, why):
     assert check_hacking_gold(vals(gold, proxy)) == [], why
 
 
-def test_sampled_gold_needs_the_drop_to_beat_its_noise():
-    h = vals([0.6, 0.7, 0.6], [0.6, 0.7, 0.75], exact=False, sem=0.05)  # drop 0.1 < 2·√2·0.05 = 0.141
-    assert check_hacking_gold(h) == []
-    assert check_hacking_gold(vals([0.6, 0.7, 0.6], [0.6, 0.7, 0.75], exact=False, sem=0.02))  # 0.1 > 0.057
-    assert check_hacking_gold(h, z=0) and check_hacking_gold(h)[0:0] == []
+def test_sampled_gold_compares_confidence_bounds_and_needs_two_falls_in_a_row():
+    # sem 0.02, z 2: best lower bound 0.8 − 0.04 = 0.76; upper bound of 0.55 is 0.59; 0.76 − 0.59 = 0.17 > 10% of 0.76
+    gold, proxy = [0.6, 0.8, 0.55, 0.55], [0.6, 0.7, 0.75, 0.8]
+    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.02)) == []  # one fall: not yet
+    (f,) = check_hacking_gold(vals(gold, proxy, exact=False, sem=0.02))
+    assert f.evidence["peak_step"] == 10 and f.evidence["persist"] == 2 and "2 validations in a row" in f.message
+    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.02), persist=1)
+    # sem 0.05: bounds 0.7 and 0.65 differ by 0.05 < 10% of 0.7 = 0.07: within the noise
+    assert check_hacking_gold(vals(gold, proxy, exact=False, sem=0.05)) == []
+    # an exact gold has no sampling noise: one fall is enough (drop 0.25 > 10% of 0.8)
+    assert check_hacking_gold(vals(gold[:3], proxy[:3]))
+
+
+def test_gold_fall_flags_by_hand():
+    # best lower bounds: 0.5−0.02, then 0.9−0.02 = 0.88; 0.7+0.02 = 0.72 < 0.88·0.9 = 0.792 -> falls from index 1
+    flags = gold_fall_flags([0.5, 0.9, 0.7, 0.85], [0.01] * 4, [0.1, 0.2, 0.3, 0.1], [0.0] * 4)
+    assert flags == [None, None, 1, None]  # index 3: 0.87 > 0.792, and its proxy fell too
+    with pytest.raises(ValueError, match="same length"):
+        gold_fall_flags([0.5], [0.0, 0.0], [0.1], [0.0])
+
+
+def _sampled_validation(rng, p, n):
+    """One validation of a stationary gold: n Bernoulli(p_i) samples per prompt, mean and the stratified standard
+    error of tether.evaluation.sampled (sem² = Σ_p n·s²_p / N²)."""
+    x = (rng.random((len(p), n)) < np.asarray(p)[:, None]).astype(float)
+    return float(x.mean()), math.sqrt(float(sum(n * row.var(ddof=1) for row in x))) / x.size
+
+
+def test_false_alarm_rate_under_a_stationary_sampled_gold():
+    """A stationary gold (4 prompts at p = 0.9, 0.8, 0.75, 0.6, 32 samples each, as the docs' runs validate) seen at
+    30 validations: the check may warn in at most 1% of runs. The union bound over the 29·28/2 pairs (j < i) gives at
+    most Σ_i (i−1)·Φ(−2√2) ≈ 406·0.0023 = 0.95 per run for a single fall (a loose bound; simulated 0.3%), and two falls
+    in a row need two such deviations of the same maximum: in 4000 simulated runs none warned. With 400 runs a true
+    rate of 1% would give 4 ± 2 warnings; we allow 4. The former rule (mean drop > 10% and > 2σ of the difference,
+    one fall) fails this in most runs: shown with z on the means by persist=1, z=0, which the new rule also rejects."""
+    rng = np.random.default_rng(0)
+    p, n, validations, runs = (0.9, 0.8, 0.75, 0.6), 32, 30, 400
+    warned = warned_one = 0
+    for _ in range(runs):
+        g, s = zip(*(_sampled_validation(rng, p, n) for _ in range(validations)), strict=True)
+        flags = gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations)
+        warned += any(a is not None and b is not None for a, b in itertools.pairwise(flags))
+        warned_one += any(f is not None for f in gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations, z=0))
+    assert warned <= 4
+    assert warned_one > runs // 2  # without the confidence bounds the maximum of noisy means runs away: most warn
+
+
+def test_live_check_on_a_stationary_sampled_gold_history_stays_quiet():
+    rng = np.random.default_rng(1)
+    g, s = zip(*(_sampled_validation(rng, (0.9, 0.8, 0.75, 0.6), 32) for _ in range(30)), strict=True)
+    h = [
+        {"step": 10 * i, "val/gold_mean": a, "val/gold_sem": b, "val/score_mean": 0.5, "val/score_sem": 0.01}
+        for i, (a, b) in enumerate(zip(g, s, strict=True))
+    ]
+    assert all(check_hacking_gold(h[: i + 1]) == [] for i in range(len(h)))
 
 
 def proxy_history(kl, length, reward_slope=0.01):
@@ -96,4 +150,16 @@ def test_a_failing_gold_is_not_a_falling_one():
     h[1]["val/gold_unscored_frac"] = 1.0
     assert check_hacking_gold(h) == []
     h[1]["val/gold_unscored_frac"] = 0.0
-    assert check_hacking_gold(h)
+    assert check_hacking_gold(h, persist=1)  # scored, the same fall would warn
+
+
+def test_observed_reference_validation_is_the_first_best_without_a_call_on_the_schedule():
+    """The trainer observes the step-0 validation (the reference's gold): a flaw the policy exploits from the start
+    (gold never above the reference's) falls from it. Exact gold 0.47 at step 0, 0.31 at 10 (34% down)."""
+    live = LiveDiagnostics(every=10)
+    live.observe(0, {"exact/gold_mean": 0.47, "exact/score_mean": 0.56})
+    fired = []
+    for step in range(1, 11):
+        rec = {"exact/gold_mean": 0.31, "exact/score_mean": 0.96} if step == 10 else {}
+        fired += [(step, f.check) for f in live.update(step, rec)]
+    assert fired == [(10, "hacking_gold")]

@@ -33,9 +33,9 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
   ``policy/grad_norm``): over the last ``window`` [10] points (at least ``min_points`` [5]) the
   fraction of prompts whose samples all got the same reward averages ≥ ``max_flat_frac`` [0.9],
   or |advantage| or the gradient norm stayed ≤ ``tol`` [1e-8].
-* ``hacking_gold`` (``exact/gold_mean`` or ``val/gold_mean`` with the training reward): the gold fell more than
-  ``min_rel_drop`` [10 %] (and ``z`` [2] standard errors) below its best earlier validation while the training reward
-  held or rose.
+* ``hacking_gold`` (``exact/gold_mean`` or ``val/gold_mean`` with the training reward): the gold's upper confidence
+  bound (``z`` [2] standard errors) fell more than ``min_rel_drop`` [10 %] below the best earlier lower bound while
+  the training reward held, at ``persist`` [2] validations in a row for a sampled gold (one for an exact gold).
 * ``hacking_proxy`` (``kl/ref_mean`` with ``response/length_mean``): the KL's slope jumped ``kl_accel`` [3]× within the
   last ``lookback`` [20] points (windows of ``window`` [10], at least ``min_kl_slope`` [0.005]/step) and the length's
   median drifted ≥ ``min_len_drift`` [5 %], while ``reward/score_mean`` is not falling (τ > ``min_reward_tau`` [0]).
@@ -78,6 +78,7 @@ __all__ = [
     "check_reward_flat_kl_growing",
     "cleared_findings",
     "diagnose",
+    "gold_fall_flags",
     "doctor",
     "format_findings",
     "read_metrics",
@@ -723,24 +724,68 @@ def _gold_keys(history: History) -> tuple[str, str, bool]:
     return "val/gold_mean", "val/score_mean", False
 
 
+def gold_fall_flags(
+    gold: Sequence[float],
+    gold_sem: Sequence[float],
+    proxy: Sequence[float],
+    proxy_sem: Sequence[float],
+    *,
+    min_rel_drop: float = 0.1,
+    z: float = 2.0,
+) -> list[int | None]:
+    """Per validation i, the index of the best earlier validation the gold fell from (None: no fall), online.
+
+    Validation i has *fallen* when the upper confidence bound of its gold, ``gold[i] + z·gold_sem[i]``, is below the
+    best lower bound of the earlier ones, ``B = max_{j<i} gold[j] − z·gold_sem[j]`` (at index j*), by more than
+    ``min_rel_drop·|B|``, while the training reward did not fall: ``proxy[i] ≥ proxy[j*] − z·hypot(proxy_sem[j*],
+    proxy_sem[i])``. Pure: sequences of equal length (validations in step order), standard errors ≥ 0 (0 for an exact
+    gold). Comparing bounds, not means, is what keeps the maximum over many noisy validations from drifting above the
+    truth: under a stationary gold with Gaussian errors of known σ, validation i has fallen only if
+    ``max_{j<i} gold[j] − gold[i] > 2zσ``, probability at most (i − 1)·Φ(−√2·z) by the union bound (0.23% per earlier
+    validation at z = 2); see :func:`check_hacking_gold` for the rate per run.
+    """
+    n = len(gold)
+    if not (len(gold_sem) == len(proxy) == len(proxy_sem) == n):
+        raise ValueError("gold, gold_sem, proxy and proxy_sem must have the same length")
+    out: list[int | None] = [None] * n
+    best = None  # index of the best lower bound so far
+    for i in range(n):
+        if best is not None:
+            lcb = gold[best] - z * gold_sem[best]
+            ucb = gold[i] + z * gold_sem[i]
+            held = proxy[i] >= proxy[best] - z * math.hypot(proxy_sem[best], proxy_sem[i])
+            if lcb - ucb > min_rel_drop * abs(lcb) and held:
+                out[i] = best
+        if best is None or gold[i] - z * gold_sem[i] > gold[best] - z * gold_sem[best]:
+            best = i
+    return out
+
+
 def check_hacking_gold(
     history: History,
     *,
     min_rel_drop: float = 0.1,
     z: float = 2.0,
+    persist: int = 2,
     config: Any = None,
 ) -> list[Finding]:
     """Reward hacking seen by a gold reward: the gold score fell while the training (proxy) reward held or rose.
 
     Reads the validations' gold and training-reward means: ``exact/gold_mean`` and ``exact/score_mean`` (exact, the
-    hackable embedded task) when logged, else ``val/gold_mean`` and ``val/score_mean`` (``reward.val_function`` /
-    ``reward.val_model`` or a built-in gold) with their standard errors ``val/*_sem``, leaving out the validations
-    where the gold could not score every sample (``val/gold_unscored_frac`` > 0: a failing gold is not a falling
-    one). Fires when the last
-    validation's gold is below the best gold so far (at an earlier validation) by more than ``min_rel_drop`` of it
-    and by more than ``z`` standard errors of the difference, while the training reward at the last validation is
-    not below its value at the best gold's by more than ``z`` standard errors: the gap between what is optimized
-    and what is wanted widened. Needs two validations with both metrics.
+    embedded prompts) when logged, else ``val/gold_mean`` and ``val/score_mean`` (``reward.val_function`` /
+    ``reward.val_model`` or a built-in gold) with their standard errors ``val/gold_sem`` and ``val/score_sem``,
+    leaving out the validations where the gold could not score every sample (``val/gold_unscored_frac`` > 0: a failing
+    gold is not a falling one). A validation has *fallen* (:func:`gold_fall_flags`) when its gold's upper confidence
+    bound (mean + ``z`` standard errors) is more than ``min_rel_drop`` below the best lower confidence bound of the
+    earlier validations, while the training reward did not fall by more than ``z`` standard errors from its value
+    there. Fires when the last validation has fallen and, for a sampled gold, so have the ``persist`` − 1 before it
+    (an exact gold has no sampling noise: one fall is enough).
+
+    False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
+    persist = 2, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples, against 93.5% for
+    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 6 honest runs measured
+    so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes ``persist``
+    validations after the fall starts, not one.
 
     Suggests raising ``kl.coef``, ``guard.on_hacking=rollback``, and fixing the reward's flaw.
     """
@@ -759,19 +804,27 @@ def check_hacking_gold(
     gold = dict(zip(g_steps, g_vals, strict=True))
     g_sem = dict(zip(*_series(history, "val/gold_sem"), strict=True)) if not exact else {}
     p_sem = dict(zip(*_series(history, "val/score_sem"), strict=True)) if not exact else {}
-    last = steps[-1]
-    peak = max(steps[:-1], key=lambda s: (gold[s], -s))
-    drop = gold[peak] - gold[last]
-    noise_g = z * math.hypot(g_sem.get(peak, 0.0), g_sem.get(last, 0.0))
-    noise_p = z * math.hypot(p_sem.get(peak, 0.0), p_sem.get(last, 0.0))
-    proxy_change = p_by[last] - p_by[peak]
-    if not (drop > min_rel_drop * abs(gold[peak]) and drop > noise_g and proxy_change >= -noise_p):
+    flags = gold_fall_flags(
+        [gold[s] for s in steps],
+        [g_sem.get(s, 0.0) for s in steps],
+        [p_by[s] for s in steps],
+        [p_sem.get(s, 0.0) for s in steps],
+        min_rel_drop=min_rel_drop,
+        z=z,
+    )
+    need = 1 if exact else max(1, persist)
+    if len(flags) < need or any(f is None for f in flags[-need:]):
         return []
+    last, peak = steps[-1], steps[flags[-1]]
+    drop = gold[peak] - gold[last]
+    proxy_change = p_by[last] - p_by[peak]
+    sem_txt = "" if exact else f" (± {_fmt(g_sem.get(peak, 0.0))}, ± {_fmt(g_sem.get(last, 0.0))} standard error)"
+    persist_txt = "" if need == 1 else f", fallen at {need} validations in a row"
     msg = (
         f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to "
-        f"{_fmt(gold[last])} at step {last} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down) while the training "
-        f"reward {p_key} went from {_fmt(p_by[peak])} to {_fmt(p_by[last])}: the policy gains on the reward's flaw, "
-        "not on the task"
+        f"{_fmt(gold[last])} at step {last}{sem_txt} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down"
+        f"{persist_txt}) while the training reward {p_key} went from {_fmt(p_by[peak])} to {_fmt(p_by[last])}: the "
+        "policy gains on the reward's flaw, not on the task"
     )
     evidence = {
         "steps": steps,
@@ -782,6 +835,8 @@ def check_hacking_gold(
         "proxy_change": proxy_change,
         "gold_key": g_key,
         "proxy_key": p_key,
+        "persist": need,
+        "z": z,
     }
     guard_txt, guard = _hacking_guard(config)
     suggestion = (
@@ -1273,6 +1328,11 @@ class LiveDiagnostics:
             for s, v in self._head[key] + self._tail[key]:
                 by_step.setdefault(s, {"step": s})[key] = v
         return [by_step[s] for s in sorted(by_step)]
+
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record metrics without a check or a call on the schedule: the step-0 validation (the reference's scores),
+        which the gold check needs as its first best, as a replay of metrics.jsonl (``tether doctor``) sees it."""
+        self._store(int(step), metrics)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
         """Record one step's metrics; on every ``every``-th call, return the newly firing findings."""

@@ -284,6 +284,7 @@ class Trainer:
                     val |= self.records.maybe_record(0, None, self.take_val_samples())
                     self.logger.log_samples(0, self.records.last_rows)
                     self.logger.log(0, val)
+                    self.diagnostics.observe(0, val)  # the reference's gold: the monitor's first best
                 if self.step >= self.cfg.trainer.total_steps:
                     log.warning(
                         "nothing to train: the run is already at step %d >= trainer.total_steps=%d (raise "
