@@ -1547,6 +1547,25 @@ class TetherConfig(Section):
             data = {**data, "actor": off}
         return data
 
+    def _agent_combinations(self) -> None:
+        """What the multi-turn loop (agent.tools / agent.environment) does not run with yet: refused, naming the key."""
+        if not self.agent.enabled:
+            return
+        on = "agent.tools" if self.agent.tools else "agent.environment"
+        refused = [
+            ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
+            ("rollout.mode", self.rollout.mode, self.rollout.mode == "offline", "online"),
+            ("rollout.async_steps", self.rollout.async_steps, self.rollout.async_steps > 0, "0"),
+        ]
+        if self.rollout.engine not in (AUTO, *(e.name for e in ENGINES.values() if e.multi_turn)):
+            refused.append(("rollout.engine", self.rollout.engine, True, "hf or auto"))
+        for key, value, bad, fix in refused:
+            if bad:
+                raise ValueError(
+                    f"{key}={value} does not run with {on} yet (the multi-turn agent loop, docs/agents.md); set "
+                    f"{key}={fix}, or leave {on} unset"
+                )
+
     @model_validator(mode="after")
     def _cross_checks(self):
         if self.algo.adv_estimator in {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"} and self.rollout.n < 2:
@@ -1588,6 +1607,7 @@ class TetherConfig(Section):
                         f"trainer.{key}={value} needs trainer.backend=ray (the local backend runs every role in this "
                         f"process); set trainer.backend=ray or leave trainer.{key} at its default ({default})"
                     )
+        self._agent_combinations()
         check_engines(self)  # each engine's settings against the rest (tether.engines)
         if self.actor.tp_size > 1 and (self.actor.padding_free or self.critic.padding_free):
             raise ValueError(
@@ -1833,7 +1853,8 @@ def _merge(tree: dict, layer: dict) -> None:
             tree[k] = copy.deepcopy(v)
 
 
-#: Config keys that hold a local path (``reward.function``, ``reward.val_function``: the file part of ``file.py:name``).
+#: Config keys that hold a local path (``reward.function``, ``reward.val_function``, ``agent.tools`` (each item),
+#: ``agent.environment``: the file part of ``file.py:name``).
 PATH_KEYS = (
     "actor.model",
     "ref.model",
@@ -1844,11 +1865,25 @@ PATH_KEYS = (
     "reward.val_model",
     "data.train_files",
     "data.val_files",
+    "agent.tools",
+    "agent.environment",
 )
 
 
+def _path_values(tree: dict, key: str):
+    """``(holder, slot, value)`` of each string at ``key`` of a config mapping (each item of a list, as
+    ``agent.tools``): ``holder[slot] = ...`` replaces it."""
+    section, _, name = key.partition(".")
+    holder = tree.get(section)
+    value = holder.get(name) if isinstance(holder, dict) else None
+    if isinstance(value, str):
+        yield holder, name, value
+    elif isinstance(value, list):
+        yield from ((value, i, v) for i, v in enumerate(value) if isinstance(v, str))
+
+
 def _path_part(key: str, value: str) -> str | None:
-    if key in ("reward.function", "reward.val_function"):
+    if key in ("reward.function", "reward.val_function", "agent.tools", "agent.environment"):
         target = value.rpartition(":")[0]
         return target if target.endswith(".py") or "/" in target or "\\" in target else None
     return None if value == EMBEDDED else value
@@ -1866,10 +1901,8 @@ def _check_file_relative_paths(tree: dict, config_path: Path) -> None:
     base = config_path.parent
     if base.resolve() == Path.cwd().resolve():
         return
-    for key in PATH_KEYS:
-        section, _, name = key.partition(".")
-        value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
-        part = _path_part(key, value) if isinstance(value, str) else None
+    for key, value in ((k, v) for k in PATH_KEYS for _, _, v in _path_values(tree, k)):
+        part = _path_part(key, value)
         if not part or Path(part).expanduser().is_absolute() or Path(part).exists():
             continue
         if (base / part).exists():
@@ -1887,14 +1920,12 @@ def resolve_local_paths(tree: dict) -> dict:
     when the run loaded them. Values that name nothing here (``embedded``, a ``module:name``
     reward, a path that does not exist) are kept as written."""
     out = copy.deepcopy(tree)
-    for key in PATH_KEYS:
-        section, _, name = key.partition(".")
-        value = out.get(section, {}).get(name) if isinstance(out.get(section), dict) else None
-        part = _path_part(key, value) if isinstance(value, str) else None
+    for key, holder, slot, value in ((k, *h) for k in PATH_KEYS for h in _path_values(out, k)):
+        part = _path_part(key, value)
         if not part or not Path(part).expanduser().exists():
             continue
         full = os.path.abspath(Path(part).expanduser())
-        out[section][name] = full + value[len(part) :] if value.startswith(part) else full
+        holder[slot] = full + value[len(part) :] if value.startswith(part) else full
     return out
 
 

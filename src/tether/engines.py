@@ -63,6 +63,7 @@ class EngineEntry:
         auto: preference under ``rollout.engine=auto`` (lower first; tried until one is usable); None = never
             chosen by auto. The last one tried must always be usable (it is the fallback).
         snapshot_async: generates on a snapshot of the policy in a background thread (``rollout.async_steps``).
+        multi_turn: runs the multi-turn agent loop (``agent.tools`` / ``agent.environment``), tested so.
         on_ray: under ``trainer.backend=ray``: ``"driver"`` runs it on the driver's copy of the policy,
             ``"replicas"`` as Ray actors (``rollout.<name>.replicas`` of them) whose weights stream from the
             actor's FSDP2 shards. Auto never picks a replica engine under Ray (replicas are asked for by name).
@@ -86,6 +87,7 @@ class EngineEntry:
     check: Callable[[Any], None] | None = None
     auto: int | None = None
     snapshot_async: bool = False
+    multi_turn: bool = False
     on_ray: Literal["driver", "replicas"] = "driver"
     plan_auto_on_accelerator: bool = False
     plan: Callable[[Any, Any], tuple[list[PlanRow], list[str]]] | None = None
@@ -127,6 +129,7 @@ HF = EngineEntry(
     "cache, or model.generate (rollout.hf_decode)",
     auto=100,
     snapshot_async=True,
+    multi_turn=True,
     on_ray="driver",
     plan=_hf_plan,
     generation_bytes=_hf_generation_bytes,
@@ -333,12 +336,17 @@ def chosen(cfg) -> EngineEntry | None:
     return None if cfg.rollout.engine == AUTO else entry(cfg.rollout.engine)
 
 
-def passed_over_by_auto(e: EngineEntry, *, async_steps: int = 0, on_ray: bool = False) -> str | None:
+def passed_over_by_auto(
+    e: EngineEntry, *, async_steps: int = 0, on_ray: bool = False, agent: bool = False
+) -> str | None:
     """Why ``rollout.engine=auto`` never picks ``e`` in such a run (None: it may): it cannot generate on a policy
     snapshot (``rollout.async_steps``), or it runs as Ray replicas, which auto never starts (they are asked for by
-    name), or auto does not rank it at all."""
+    name), or it does not run the multi-turn loop (``agent``: agent.tools or agent.environment set), or auto does
+    not rank it at all."""
     if e.auto is None:
         return "auto never picks it"
+    if agent and not e.multi_turn:
+        return "it does not run the multi-turn agent loop (agent.tools / agent.environment) yet"
     if async_steps and not e.snapshot_async:
         return "rollout.async_steps generates on a snapshot of the policy, which it cannot"
     if on_ray and e.on_ray == "replicas":
@@ -360,8 +368,19 @@ def check_engines(cfg) -> None:
         why = None
         if engine != AUTO:
             why = f"with rollout.engine={engine}"
-        elif reason := passed_over_by_auto(e, async_steps=cfg.rollout.async_steps, on_ray=cfg.trainer.backend == "ray"):
-            where = "under trainer.backend=ray" if cfg.trainer.backend == "ray" else "with rollout.async_steps"
+        elif reason := passed_over_by_auto(
+            e,
+            async_steps=cfg.rollout.async_steps,
+            on_ray=cfg.trainer.backend == "ray",
+            agent=cfg.agent.enabled,
+        ):
+            where = (
+                "under trainer.backend=ray"
+                if cfg.trainer.backend == "ray"
+                else "with rollout.async_steps"
+                if cfg.rollout.async_steps
+                else "with agent.tools / agent.environment"
+            )
             why = f"with rollout.engine=auto {where} (auto does not run {e.name} there: {reason})"
         section, defaults = getattr(cfg.rollout, e.name), e.section()
         changed = [k for k in type(section).model_fields if getattr(section, k) != getattr(defaults, k)]

@@ -124,6 +124,7 @@ def test_a_tool_turn_is_token_in_token_out_and_matches_the_qwen25_template(tok_d
         "agent/tool_errors": 0.0,
         "agent/observation_frac": pytest.approx(len(obs) / n_all, abs=1e-12),
         "agent/prefix_mismatch": 0.0,
+        "agent/env_errors": 0.0,
     }
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tether.agents import build_agent
 from tether.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints, verify_checkpoint
 from tether.config import EMBEDDED, ConfigError, DataConfig, TetherConfig, load_config
 from tether.data import DataError, load_rows, rows_from_records
@@ -55,6 +56,7 @@ from tether.outputs import OutputWriteError, atomic_output, output_problem, writ
 from tether.rewards import REWARD_FUNCTIONS, GoldReward, RewardManager, RewardResult, get_reward_function
 from tether.rewards.manager import MAX_ERRORS
 from tether.rollout import registry
+from tether.rollout.agent import AgentRunner
 from tether.rollout.runner import RolloutRunner
 from tether.tasks import embedded_task
 from tether.tasks.digitsum import MAX_NEW_TOKENS
@@ -549,6 +551,7 @@ class Evaluator:
                 run_reward,
             )
         self.engine = None
+        self._agent = None
         self._ref = None
         self._no_ref = False  # reference() found none (checked once)
         self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
@@ -687,8 +690,18 @@ class Evaluator:
                 why, name = registry.unusable_reason(e, r["engine"]), r["engine"]
                 raise ConfigError(f"--engine {name}: {why} (--engine {fallback().name} runs every model)") from None
             self._params = registry.sampling_params(cfg)
+            self._agent = build_agent(cfg.agent)  # the run's agent.tools / agent.environment: multi-turn
             r["engine"] = self.engine.name  # the run's rollout.engine=auto: what it resolved to
         self.engine.sync_weights(model)
+        if self._agent is not None:
+            return AgentRunner(
+                self.engine,
+                self.tok,
+                self.device,
+                params=self._params,
+                agent=self._agent,
+                eos_token_ids=generation_eos_ids(model),
+            )
         return RolloutRunner(
             self.engine, self.tok, self.device, params=self._params, eos_token_ids=generation_eos_ids(model)
         )

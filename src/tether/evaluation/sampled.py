@@ -15,6 +15,7 @@ from tether.batch import RolloutBatch
 from tether.metrics.accuracy import accuracy_metrics, default_ks, pass_at_k
 from tether.metrics.diversity import diversity_metrics
 from tether.rewards import extract_answer
+from tether.rollout.agent import agent_metrics, sum_totals
 
 CORRECT_THRESHOLD = 0.5  # a sample counts as correct (pass@k) when its score is at least this
 
@@ -159,12 +160,17 @@ def evaluate_prompts(
     records: list[dict] = []
     tokens, groups = [], []
     gold_errors: list[str] = []
+    agent_totals: list[dict] = []
     bar = _progress(len(idx_all), desc, progress)
     try:
         for start in range(0, len(idx_all), batch_size):
             idx = idx_all[start : start + batch_size]
             batch = runner.rollout(prompts, idx, n, mode="online", **gen_overrides)
+            agent_totals.append(batch.extra.get("agent_totals", {}))
             res = reward(batch.rows, batch.prompts, batch.responses)
+            failed = batch.extra.get("agent_failed")  # an environment that raised: unscored (agent/env_errors)
+            if failed is not None:
+                res.valid = res.valid & ~failed.to(res.valid.device)
             g = gold(batch.rows, batch.prompts, batch.responses) if gold is not None else None  # the same responses
             if g is not None and len(gold_errors) < 3:
                 gold_errors += g.errors[: 3 - len(gold_errors)]
@@ -217,6 +223,7 @@ def evaluate_prompts(
             "; ".join(gold_errors) or "?",
         )
     out |= {key.split("/", 1)[1]: v for key, v in diversity_metrics(tokens, groups).items()}
+    out |= agent_metrics(sum_totals(agent_totals))  # a multi-turn runner's agent/* (val/agent/* in validation)
     if by_source is not None:
         sources = list(dict.fromkeys(r["data_source"] for r in records))
         for ds in sources:

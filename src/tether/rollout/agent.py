@@ -14,9 +14,13 @@ Metrics of the last :meth:`AgentRunner.run`: :attr:`AgentRunner.metrics`.
 
 from __future__ import annotations
 
+import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from tether.agents import (
     AgentSpec,
@@ -27,9 +31,12 @@ from tether.agents import (
     mismatch_message,
     resolve_format,
 )
+from tether.batch import RolloutBatch
 from tether.rollout.runner import RolloutRunner, Trajectory
 
-__all__ = ["MAX_STEP_THREADS", "AgentRunner", "Episode"]
+__all__ = ["AGENT_TOTALS", "MAX_STEP_THREADS", "AgentRunner", "Episode", "agent_metrics", "sum_totals"]
+
+log = logging.getLogger("tether")
 
 #: The most environment steps run at once (threads); a batch larger than this steps in waves.
 MAX_STEP_THREADS = 64
@@ -62,10 +69,13 @@ class AgentRunner(RolloutRunner):
         agent: the loaded ``agent`` section (:func:`tether.agents.build_agent`); the rest as
             :class:`RolloutRunner` (online only).
 
+    An environment whose ``reset``/``step`` raises (or that cannot be made) fails its trajectory alone: it takes no
+    more turns, :meth:`collate` drops it (``response_mask`` 0) and ``agent/env_errors`` counts it; one warning per
+    rollout names the first (sample, turn, exception). The run goes on.
+
     Raises:
         ValueError: (from :meth:`run`) with ``agent.on_prefix_mismatch=error``, the first trajectory whose turn
-            context is not the template's (one line: sample, turn, token id and text); an environment whose
-            ``reset``/``step`` raises (naming the sample and the turn: an environment's bug, unlike a tool's).
+            context is not the template's (one line: sample, turn, token id and text).
     """
 
     def __init__(self, engine, tokenizer, device, *, params, agent: AgentSpec, eos_token_ids=None):
@@ -82,6 +92,7 @@ class AgentRunner(RolloutRunner):
         self.episodes: list[Episode] = []
         self.last_trajectories: list[Trajectory] = []
         self.metrics: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
 
     # -- the conversation as the template renders it -------------------------------------------------------------
 
@@ -105,11 +116,13 @@ class AgentRunner(RolloutRunner):
         rows = rows if rows is not None else [None] * len(trajectories)
         self.episodes = []
         for j, (t, row) in enumerate(zip(trajectories, rows, strict=True)):
-            env = self._make_env(row)
             try:
+                env = self._make_env(row)
                 first = env.reset(row)
-            except Exception as e:
-                raise ValueError(f"agent environment reset failed on sample {j}: {type(e).__name__}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - the sample is dropped and counted (agent/env_errors)
+                t.error = f"sample {j}, turn 0 (reset): {type(e).__name__}: {e}"
+                self.episodes.append(Episode(None, None, expected=None))
+                continue
             prompt = getattr(row, "prompt", None)
             chat = isinstance(prompt, list) and self.templated
             messages = [dict(m) for m in prompt] if chat else None
@@ -124,8 +137,9 @@ class AgentRunner(RolloutRunner):
                 t.prompt_ids = self._template_ids(messages)
             self.episodes.append(Episode(env, messages, expected=[] if chat else None))
         self._by_id = {id(t): e for t, e in zip(trajectories, self.episodes, strict=True)}
-        for e in self.episodes:
-            self._record_turn(e, 0)
+        for t, e in zip(trajectories, self.episodes, strict=True):
+            if t.error is None:
+                self._record_turn(e, 0)
 
     def _record_turn(self, e: Episode, start: int) -> None:
         """The next model turn starts at ``start`` in ``response_ids``; the template's ids for it, now."""
@@ -147,26 +161,37 @@ class AgentRunner(RolloutRunner):
             if ended[k]:
                 return StepResult(None, None, True)
             try:
-                return episodes[k].env.step(turns[k])
+                r = episodes[k].env.step(turns[k])
             except Exception as err:  # noqa: BLE001 - reported below with the sample
                 return err
+            if not isinstance(r, StepResult):
+                return TypeError(f"step returned {type(r).__name__}, not a StepResult")
+            return r
 
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_STEP_THREADS, len(trajectories)))) as pool:
             results = list(pool.map(step, range(len(trajectories))))
         out: list[list[int] | None] = []
         for t, e, r in zip(trajectories, episodes, results, strict=True):
-            if isinstance(r, Exception):
-                raise ValueError(
-                    f"agent environment step failed on sample {self.episodes.index(e)}, turn {t.turns}: "
-                    f"{type(r).__name__}: {r}"
-                ) from r
-            t.turn_rewards.append(0.0 if r.reward is None else float(r.reward))
+            reward = 0.0 if isinstance(r, Exception) or r.reward is None else _finite(r.reward)
+            if isinstance(reward, Exception):
+                r = reward
+            if isinstance(r, Exception):  # the sample is dropped and counted (agent/env_errors), the run goes on
+                t.error = f"sample {self.episodes.index(e)}, turn {t.turns}: {type(r).__name__}: {r}"
+                out.append(None)
+                continue
+            t.turn_rewards.append(reward)
             for name, n in r.events.items():
                 e.events[name] = e.events.get(name, 0) + int(n)
             if r.done or t.turns >= self.agent.max_turns:
                 out.append(None)
                 continue
-            ids, shown = self.render(_as_messages(r.observation))
+            try:
+                ids, shown = self.render(_as_messages(r.observation))
+            except Exception as err:  # noqa: BLE001 - an observation that is not text or messages: the env's bug
+                j = self.episodes.index(e)
+                t.error = f"sample {j}, turn {t.turns}: bad observation: {type(err).__name__}: {err}"
+                out.append(None)
+                continue
             if e.messages is not None:
                 end = t.response_ids[e.turn_start :]
                 if end and end[-1] in self.eos_token_ids:
@@ -178,10 +203,11 @@ class AgentRunner(RolloutRunner):
         return out
 
     def end(self, trajectories: list[Trajectory]) -> None:
-        """The prefix check of every trajectory, then :attr:`metrics`."""
+        """The prefix check of every trajectory that did not fail, then :attr:`metrics`; the first failed
+        environment is warned about (once per rollout, naming the sample, turn and exception)."""
         mismatches = 0
         for j, (t, e) in enumerate(zip(trajectories, self.episodes, strict=True)):
-            if e.expected is None:
+            if e.expected is None or t.error is not None:
                 continue
             contexts = [[*t.prompt_ids, *t.response_ids[:s]] for s in e.starts]
             m = check_turn_contexts(contexts, e.expected)
@@ -189,17 +215,90 @@ class AgentRunner(RolloutRunner):
                 mismatches += 1
                 if self.agent.on_prefix_mismatch == "error":
                     raise ValueError(mismatch_message(j, m, self.tok))
-        n = max(1, len(trajectories))
-        tokens = sum(len(t.response_ids) for t in trajectories)
-        observed = sum(len(t.generated_mask) - sum(t.generated_mask) for t in trajectories)
+        failed = [t.error for t in trajectories if t.error is not None]
+        if failed:
+            log.warning(
+                "agent environment failed on %d of %d trajectories, dropped (agent/env_errors); first: %s",
+                len(failed),
+                len(trajectories),
+                failed[0],
+            )
         self.last_trajectories = trajectories
-        self.metrics = {
-            "agent/turns_mean": sum(t.turns for t in trajectories) / n,
-            "agent/tool_calls": float(sum(e.events.get("tool_calls", 0) for e in self.episodes)),
-            "agent/tool_errors": float(sum(e.events.get("tool_errors", 0) for e in self.episodes)),
-            "agent/observation_frac": observed / tokens if tokens else 0.0,
-            "agent/prefix_mismatch": float(mismatches),
+        self.totals = {
+            "trajectories": float(len(trajectories)),
+            "turns": float(sum(t.turns for t in trajectories)),
+            "tool_calls": float(sum(e.events.get("tool_calls", 0) for e in self.episodes)),
+            "tool_errors": float(sum(e.events.get("tool_errors", 0) for e in self.episodes)),
+            "observation_tokens": float(sum(len(t.generated_mask) - sum(t.generated_mask) for t in trajectories)),
+            "response_tokens": float(sum(len(t.response_ids) for t in trajectories)),
+            "prefix_mismatch": float(mismatches),
+            "env_errors": float(len(failed)),
         }
+        self.metrics = agent_metrics(self.totals)
+
+    def collate(self, prompts, rep, trajectories, group_ids) -> RolloutBatch:
+        """:meth:`RolloutRunner.collate`, with the multi-turn parts: ``turn_rewards`` (B, T), each turn's reward at
+        its last model token (``Trajectory.turn_ends``); a trajectory whose environment failed dropped (its
+        ``response_mask`` 0, ``extra["agent_failed"]`` (B,) bool); ``extra["agent_totals"]`` (the counts behind
+        :attr:`metrics`, which :func:`agent_metrics` turns into ``agent/*``)."""
+        batch = super().collate(prompts, rep, trajectories, group_ids)
+        rewards = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        for j, t in enumerate(trajectories):
+            for end, r in zip(t.turn_ends, t.turn_rewards, strict=False):
+                if end >= 0 and r:
+                    rewards[j, end] = float(r)
+        failed = torch.tensor([t.error is not None for t in trajectories], device=batch.response_mask.device)
+        batch.turn_rewards = rewards.to(batch.response_mask.device)
+        batch.drop(failed)
+        batch.extra["agent_failed"] = failed
+        batch.extra["agent_totals"] = dict(self.totals)
+        return batch
+
+
+AGENT_TOTALS = (
+    "trajectories",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "observation_tokens",
+    "response_tokens",
+    "prefix_mismatch",
+    "env_errors",
+)
+"""The counts of a rollout behind ``agent/*``: summed over rollouts (validation's batches), then
+:func:`agent_metrics`."""
+
+
+def agent_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """``agent/*`` of one or more rollouts' summed :data:`AGENT_TOTALS`: ``turns_mean`` (model turns per trajectory),
+    ``tool_calls``, ``tool_errors``, ``prefix_mismatch`` (trajectories), ``env_errors`` (trajectories dropped because
+    their environment's ``reset``/``step`` raised): counts; ``observation_frac``: observation tokens / all response
+    tokens."""
+    if not totals:
+        return {}
+    n, tokens = max(1.0, totals["trajectories"]), totals["response_tokens"]
+    return {
+        "agent/turns_mean": totals["turns"] / n,
+        "agent/tool_calls": totals["tool_calls"],
+        "agent/tool_errors": totals["tool_errors"],
+        "agent/observation_frac": totals["observation_tokens"] / tokens if tokens else 0.0,
+        "agent/prefix_mismatch": totals["prefix_mismatch"],
+        "agent/env_errors": totals["env_errors"],
+    }
+
+
+def sum_totals(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The sum of rollouts' :data:`AGENT_TOTALS` (empty ones, of single-turn rollouts, left out)."""
+    parts = [p for p in parts if p]
+    return {k: sum(p[k] for p in parts) for k in AGENT_TOTALS} if parts else {}
+
+
+def _finite(reward) -> float | Exception:
+    try:
+        x = float(reward)
+    except (TypeError, ValueError) as err:
+        return TypeError(f"step gave the reward {reward!r}, not a number ({err})")
+    return x if math.isfinite(x) else ValueError(f"step gave the reward {x}, not a finite number")
 
 
 def _as_messages(observation) -> list[dict]:

@@ -41,6 +41,7 @@ def resolve(
     *,
     on_ray: bool = False,
     async_steps: int = 0,
+    agent: bool = False,
     key: str = "actor.model",
     value: str | None = None,
 ) -> tuple[str, str]:
@@ -53,6 +54,7 @@ def resolve(
         on_ray: the roles run on Ray worker groups (``trainer.backend=ray``): auto never picks an engine that runs
             as Ray replicas (they are asked for by name).
         async_steps: ``rollout.async_steps``: auto picks only an engine that generates on a policy snapshot.
+        agent: ``agent.tools`` / ``agent.environment`` set: auto picks only an engine that runs the multi-turn loop.
     Returns:
         ``(name, reason)``: a named engine as given (its checks run when it is built); for ``auto`` the first engine
         of :func:`tether.engines.auto_order` that the run allows and that :func:`check_usable` accepts, the reason
@@ -62,7 +64,7 @@ def resolve(
         return engine, f"rollout.engine={engine}"
     passed: list[str] = []
     for e in auto_order():
-        why = passed_over_by_auto(e, on_ray=on_ray, async_steps=async_steps)
+        why = passed_over_by_auto(e, on_ray=on_ray, async_steps=async_steps, agent=agent)
         if why is None:
             try:
                 found = engine_module(e.name).check_usable(model_path, key=key, value=value)

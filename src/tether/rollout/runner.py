@@ -35,6 +35,9 @@ class Trajectory:
             sampled nothing): where a per-turn reward sits.
         turn_rewards: per turn, the environment's reward for it (0.0 where it gave none); empty for single-turn
             sampling.
+        error: why the trajectory failed (a multi-turn environment's ``reset``/``step`` raised; one line naming the
+            sample and turn), None if it did not: a failed trajectory takes no more turns and is dropped from the
+            batch (the trainer counts it).
     """
 
     prompt_ids: list[int]
@@ -45,6 +48,7 @@ class Trajectory:
     turns: int = 0
     turn_ends: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def context(self) -> list[int]:
@@ -140,7 +144,7 @@ class RolloutRunner:
         finished trajectories."""
         trajectories = [Trajectory(list(p)) for p in prompt_ids]
         self.begin(trajectories, rows)
-        active = list(range(len(trajectories)))
+        active = [i for i, t in enumerate(trajectories) if t.error is None]  # a failed reset takes no turn
         while active:
             results = self.engine.generate([GenerationRequest(trajectories[i].context, params) for i in active])
             if len(results) != len(active):
@@ -151,7 +155,7 @@ class RolloutRunner:
                 trajectories[i].add_generated(result)
             still = []
             for i, appended in zip(active, self.next_turns([trajectories[i] for i in active]), strict=True):
-                if appended is not None:
+                if appended is not None and trajectories[i].error is None:
                     trajectories[i].add_observation(appended)
                     still.append(i)
             active = still

@@ -8,6 +8,7 @@ from tether.algos import kl_penalty, masked_mean, zero_variance_groups
 from tether.batch import RolloutBatch
 from tether.evaluation.sampled import response_tokens, rows_where
 from tether.metrics.diversity import diversity_metrics
+from tether.rollout.agent import agent_metrics
 
 
 def _mean(x: torch.Tensor) -> float:
@@ -77,6 +78,7 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     m |= batch.extra.get("async_metrics", {})  # rollout.async_steps: rollout/staleness, rollout/stale_dropped
     # actor/entropy_coef; algo.mask_truncated, algo.top_entropy_quantile (Trainer.mask_tokens)
     m |= batch.extra.get("control_metrics", {})
+    m |= agent_metrics(batch.extra.get("agent_totals", {}))  # agent.tools / agent.environment: agent/*
     keep = valid.tolist()  # diversity of the responses that counted (dropped samples are not the policy's output)
     if any(keep):
         pad = pad_id

@@ -44,6 +44,7 @@ from tether.placement import build_roles
 from tether.records import RolloutRecorder
 from tether.report import write_report
 from tether.rollout import truncated_rows
+from tether.rollout.agent import agent_metrics
 from tether.signals import StopSignals, TrainingInterrupted, signal_name
 from tether.trainer import lock, startup
 from tether.trainer.async_rollout import build_async_rollout
@@ -473,8 +474,10 @@ class Trainer:
         """Sequence scores from the reward function/model; failed or empty samples are dropped and counted."""
         result = self.roles.reward(batch.rows, batch.prompts, batch.responses)
         batch.scores = result.scores.to(self.device)
-        empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device)
-        batch.drop(~result.valid.to(self.device) | empty)
+        # a multi-turn trajectory whose environment failed is already dropped (agent/env_errors), not empty
+        failed = batch.extra.get("agent_failed", torch.zeros(len(batch), dtype=torch.bool)).to(self.device)
+        empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device) & ~failed
+        batch.drop(~result.valid.to(self.device) | empty | failed)
         batch.extra["reward_metrics"] = (
             dict(result.metrics) | {"rollout/empty_count": float(empty.sum())} | self.penalize_overlong(batch)
         )
@@ -904,8 +907,9 @@ class Trainer:
 
 def drop_reasons(batch: RolloutBatch) -> str:
     """Why samples were dropped, from the reward's counters (e.g. ``reward/error_count=128``)."""
-    m = batch.extra.get("reward_metrics", {})
+    m = batch.extra.get("reward_metrics", {}) | agent_metrics(batch.extra.get("agent_totals", {}))
     keys = (
+        "agent/env_errors",
         "reward/error_count",
         "reward/nonfinite_count",
         "reward/nonnumeric_count",

@@ -25,6 +25,7 @@ from peft import set_peft_model_state_dict
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tether import engines
+from tether.agents import AgentSpec, build_agent
 from tether.algos import FULL_DISTILL_ESTIMATORS
 from tether.config import ConfigError, TetherConfig
 from tether.models import (
@@ -39,6 +40,7 @@ from tether.models import (
 )
 from tether.rewards import GoldReward, RewardManager, RewardResult
 from tether.rollout import registry
+from tether.rollout.agent import AgentRunner
 from tether.rollout.engine import GenerationEngine
 from tether.rollout.runner import RolloutRunner
 from tether.workers.actor import ActorUpdateSpec, ActorWorker, DistillSpec, ReferenceWorker
@@ -417,6 +419,7 @@ class DriverShare:
     val_reward: Any
     gold: Any
     teacher: ReferenceWorker | None = None
+    agent: AgentSpec | None = None
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -435,6 +438,7 @@ def resolve_engine(cfg: TetherConfig, actor_path) -> str:
         actor_path,
         on_ray=cfg.trainer.backend == "ray",
         async_steps=cfg.rollout.async_steps,
+        agent=cfg.agent.enabled,
         value=cfg.actor.model,
     )
     if engines.chosen(cfg) is None:
@@ -457,6 +461,7 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
     engine_name = resolve_engine(cfg, actor_path)  # no vllm, or a head size its kernels refuse: before any model loads
     # a missing file or a bad signature of reward.function / reward.val_function: before any model loads
     reward, val_reward = build_reward(cfg, device)
+    agent = build_agent(cfg.agent)  # agent.tools / agent.environment imported and their signatures read: before weights
     gold = build_gold(cfg, device)
     local = cfg.trainer.backend == "local"
     tok = load_tokenizer(actor_path, trust_remote_code=cfg.actor.trust_remote_code, key="actor.model")
@@ -494,7 +499,19 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
         paths["distill.teacher"] = teacher_dir
         teacher = reference_worker(cfg, assemble_teacher(cfg, device, teacher_dir))
     return DriverShare(
-        models.tokenizer, device, actor, ref, critic, actor_path, paths, engine_name, reward, val_reward, gold, teacher
+        models.tokenizer,
+        device,
+        actor,
+        ref,
+        critic,
+        actor_path,
+        paths,
+        engine_name,
+        reward,
+        val_reward,
+        gold,
+        teacher,
+        agent,
     )
 
 
@@ -508,7 +525,9 @@ def build_engine(
         ConfigError: the engine cannot run here.
     """
     if name is None:
-        name, _ = registry.resolve(cfg.rollout.engine, model_path, on_ray=on_ray, async_steps=cfg.rollout.async_steps)
+        name, _ = registry.resolve(
+            cfg.rollout.engine, model_path, on_ray=on_ray, async_steps=cfg.rollout.async_steps, agent=cfg.agent.enabled
+        )
     return registry.build_engine(
         name, cfg, model=model, tokenizer=tok, model_path=model_path, eos_token_ids=generation_eos_ids(model)
     )
@@ -517,10 +536,15 @@ def build_engine(
 def build_runner(cfg: TetherConfig, share: DriverShare, engine: GenerationEngine | None = None) -> RolloutRunner:
     """The rollout role, whole: ``engine`` (vLLM replicas, built by the placement) or the resolved engine built here
     over this process's policy, the run's sampling settings (with the sampled tokens' log-probs where they are
-    used: :func:`tether.rollout.registry.wants_logprobs`), ``rollout.mode`` and the model's EOS ids."""
+    used: :func:`tether.rollout.registry.wants_logprobs`), ``rollout.mode`` and the model's EOS ids; with
+    ``agent.tools`` / ``agent.environment`` an :class:`~tether.rollout.agent.AgentRunner` (multi-turn)."""
     if engine is None:
         engine = build_engine(cfg, share.actor.model, share.tokenizer, share.actor_path, name=share.engine_name)
     params = replace(registry.sampling_params(cfg), logprobs=registry.wants_logprobs(cfg, engine))
+    if share.agent is not None:  # agent.tools / agent.environment: the multi-turn loop (docs/agents.md)
+        return AgentRunner(
+            engine, share.tokenizer, share.device, params=params, agent=share.agent, eos_token_ids=share.eos_token_ids
+        )
     return RolloutRunner(
         engine, share.tokenizer, share.device, params=params, mode=cfg.rollout.mode, eos_token_ids=share.eos_token_ids
     )

@@ -1,0 +1,269 @@
+"""The agent wired into the trainer: ``agent.tools`` / ``agent.environment`` make the run multi-turn (AgentRunner),
+log ``agent/*`` (and ``val/agent/*``), train on the model's tokens only, go on past failing tools and environments
+(counted), refuse what is not done yet, and resume exactly. A scripted engine (every turn known) makes the tiny
+chat model call the tools; the resume test samples from the tiny model itself."""
+
+import json
+import math
+import textwrap
+
+import pytest
+
+from tether.config import ConfigError, load_config
+from tether.rollout.engine import EngineCapabilities, GenerationResult
+from tether.trainer import Trainer
+from tether.trainer.guards import TrainingStopped
+
+QUIET = [
+    "actor.dtype=float32",
+    "actor.gradient_checkpointing=false",
+    "actor.warmup_steps=0",
+    "data.batch_size=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=16",
+    "algo.mini_batch_size=8",
+    "trainer.total_steps=2",
+    "trainer.val_freq=0",
+    "trainer.val_n=1",
+    "trainer.save_freq=0",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.report=false",
+    "trainer.loggers=[jsonl]",
+]
+
+TOOLS = '''
+import time
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+def boom(x: int) -> str:
+    """Always raises."""
+    raise RuntimeError("kaput")
+
+def hang() -> str:
+    """Sleeps past agent.tool_timeout_s."""
+    time.sleep(2.0)
+    return "late"
+'''
+
+ENV = '''
+from tether.agents import StepResult
+
+class Flaky:
+    """Two turns: 'go on' then done, reward 0.5 per turn; raises on the prompt 'q1', or on every prompt (always)."""
+
+    def __init__(self, always: bool = False):
+        self.always = always
+
+    def reset(self, row):
+        self.q = row.prompt[-1]["content"]
+        self.turn = 0
+        return None
+
+    def step(self, model_turn):
+        self.turn += 1
+        if self.always or self.q == "q1":
+            raise KeyError("no such state")
+        return StepResult("go on", 0.5, self.turn >= 2)
+'''
+
+REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float("5" in solution_str)
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(model dir, files dir): a tiny Qwen2 with a Qwen2-style chat template; 4 chat prompts q0..q3; tools.py,
+    env.py, reward.py."""
+    from tether.testing import build_gsm8k_tokenizer, build_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("agent_train")
+    tok = build_gsm8k_tokenizer(root / "tok")
+    model = build_tiny_causal_lm(root / "model", tok, arch="qwen2", hidden=32, layers=2, heads=2, seed=0)
+    rows = [
+        {
+            "data_source": "agent_test",
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "reward_model": {"style": "rule", "ground_truth": "5"},
+            "extra_info": {"index": i},
+        }
+        for i in range(4)
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "tools.py").write_text(TOOLS)
+    (root / "env.py").write_text(textwrap.dedent(ENV))
+    (root / "reward.py").write_text(REWARD)
+    return model, root
+
+
+def _cfg(setup, out, *overrides):
+    model, root = setup
+    return load_config(
+        None,
+        [
+            *QUIET,
+            f"actor.model={model}",
+            f"data.train_files={root / 'train.jsonl'}",
+            f"data.val_files={root / 'train.jsonl'}",
+            f"reward.function={root / 'reward.py'}:compute_score",
+            f"trainer.output_dir={out}",
+            *overrides,
+        ],
+    )
+
+
+class ScriptedCalls:
+    """First turn of the k-th trajectory: a call of kind k % 4 (add, a raising tool, a hanging tool, a malformed
+    call: plain format); a later turn (a call is in its context): the answer. Text tokenised canonically, then EOS."""
+
+    name = "scripted"
+    capabilities = EngineCapabilities()
+    CALLS = ('CALL add {"a": 2, "b": 3}', 'CALL boom {"x": 1}', "CALL hang", 'CALL add {"a": 2,')
+
+    def __init__(self, tok):
+        self.tok, self.k = tok, 0
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, requests, *, seed=None):
+        out = []
+        for r in requests:
+            if "CALL" in self.tok.decode(r.prompt_ids):
+                text = "The answer is 5."
+            else:
+                text, self.k = self.CALLS[self.k % 4], self.k + 1
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(GenerationResult(ids, None, "eos"))
+        return out
+
+
+def _scripted(trainer):
+    trainer.roles.engine.engine = ScriptedCalls(trainer.tok)
+    batches, score = [], trainer.score
+
+    def capture(batch):
+        score(batch)
+        batches.append(batch)
+
+    trainer.score = capture
+    return batches
+
+
+def _lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_agent_tools_train_multi_turn_and_failing_calls_leave_the_run_going(setup, tmp_path):
+    model, root = setup
+    tools = f"[{root}/tools.py:add,{root}/tools.py:boom,{root}/tools.py:hang]"
+    t = Trainer(_cfg(setup, tmp_path / "r", f"agent.tools={tools}", "agent.tool_timeout_s=0.3", "trainer.val_freq=2"))
+    from tether.rollout.agent import AgentRunner
+
+    assert isinstance(t.roles.engine, AgentRunner)
+    batches = _scripted(t)
+    history = t.fit()
+    assert len(history) == 2
+    for m in history:  # 8 trajectories a step, kinds 0..3 twice each: 8 calls, 6 failed (raise, hang, malformed)
+        assert (m["agent/turns_mean"], m["agent/tool_calls"], m["agent/tool_errors"]) == (2.0, 8.0, 6.0)
+        assert m["agent/env_errors"] == 0.0 and m["agent/prefix_mismatch"] == 0.0
+        assert m["rollout/dropped_count"] == 0.0
+        assert 0.0 < m["agent/observation_frac"] < 1.0
+    for b in batches:
+        obs = b.response_mask.bool() & ~b.generated_mask.bool()
+        assert bool(obs.any(-1).all())  # every trajectory holds an observation ...
+        assert not bool(b.loss_mask[obs].any())  # ... that the update does not train on
+        assert float(obs.sum()) / float(b.response_mask.sum()) == pytest.approx(history[0]["agent/observation_frac"])
+        assert bool((b.turn_rewards == 0).all())  # tools give no per-turn reward
+        for j, text in enumerate(b.responses):  # the score is reward.function on the whole decoded trajectory
+            assert "CALL" in text and "The answer is 5." in text and float(b.scores[j]) == 1.0
+    val = [line for line in _lines(tmp_path / "r") if "val/agent/tool_calls" in line]
+    assert [v["step"] for v in val] == [0, 2] and [v["val/agent/turns_mean"] for v in val] == [2.0, 2.0]
+
+
+def test_an_environment_that_raises_on_one_sample_drops_it_and_counts_it(setup, tmp_path, caplog):
+    model, root = setup
+    t = Trainer(_cfg(setup, tmp_path / "r", f"agent.environment={root}/env.py:Flaky", "trainer.total_steps=1"))
+    batches = _scripted(t)
+    (m,) = t.fit()
+    assert m["agent/env_errors"] == 2.0 and m["rollout/dropped_count"] == 2.0  # prompt q1's two samples
+    assert m["rollout/empty_count"] == 0.0
+    b = batches[0]
+    dropped = b.response_mask.sum(-1) == 0
+    assert [r.prompt[-1]["content"] for r, d in zip(b.rows, dropped.tolist(), strict=True) if d] == ["q1", "q1"]
+    # per-turn rewards: 0.5 at each of the two turns' last model token of every kept trajectory
+    kept = ~dropped
+    assert b.turn_rewards[kept].sum(-1).tolist() == [1.0] * 6
+    ends = b.turn_rewards[kept] != 0
+    assert bool(b.generated_mask[kept][ends].bool().all())
+    assert "agent environment failed on 2 of 8 trajectories" in caplog.text
+    assert "turn 1: KeyError: 'no such state'" in caplog.text
+
+
+def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup, tmp_path):
+    model, root = setup
+    cfg = _cfg(
+        setup,
+        tmp_path / "r",
+        f"agent.environment={root}/env.py:Flaky",
+        "trainer.total_steps=3",
+        "reward.max_failed_steps=2",
+    )
+    t = Trainer(cfg)
+    _scripted(t)
+    always = t.roles.engine.agent.environment
+    t.roles.engine.agent = type(t.roles.engine.agent)(environment=lambda: always(always=True), max_turns=4)
+    with pytest.raises(TrainingStopped, match="agent/env_errors=8"):
+        t.fit()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.backend=ray", "trainer.backend=ray"),
+        ("rollout.async_steps=1", "rollout.async_steps=1"),
+        ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
+        ("rollout.engine=vllm", "rollout.engine=vllm"),
+    ],
+)
+def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path, override, key):
+    model, root = setup
+    with pytest.raises(ConfigError, match=rf"{key} does not run with agent.tools yet"):
+        _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
+
+
+def test_agent_specs_are_saved_absolute(setup, tmp_path, monkeypatch):
+    from tether.config import config_to_yaml
+
+    model, root = setup
+    monkeypatch.chdir(root)
+    cfg = _cfg(setup, tmp_path / "r", "agent.tools=[tools.py:add]")
+    saved = config_to_yaml(cfg)
+    assert f"{root}/tools.py:add" in saved
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(setup, tmp_path / "r", "agent.environment=env.py:Flaky".replace("env.py", f"{root}/env.py"))
+    assert f"{root}/env.py:Flaky" in config_to_yaml(cfg)
+
+
+def test_an_agent_run_resumes_exactly(setup, tmp_path):
+    """The tiny model samples every turn (the environment answers 'go on' until its second turn; prompt q1's
+    trajectories fail and are dropped): 3 steps straight equal 2 steps, then a resume to 3 (2 s)."""
+    model, root = setup
+    extra = [f"agent.environment={root}/env.py:Flaky", "agent.on_prefix_mismatch=count", "trainer.save_freq=1"]
+    Trainer(_cfg(setup, tmp_path / "full", *extra, "trainer.total_steps=3")).fit()
+    Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=2")).fit()
+    again = Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=3"))
+    assert again.step == 2
+    again.fit()
+    got, want = _lines(tmp_path / "run"), _lines(tmp_path / "full")
+    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/")) and isinstance(v, float):
+                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
+    assert want[-1]["agent/turns_mean"] >= 1.0
