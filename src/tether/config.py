@@ -27,6 +27,8 @@ from tether.sections import ConfigError, Section
 from tether.tasks import embedded_task
 
 EMBEDDED = "embedded"
+#: ``distill.teacher``'s value for the embedded task's exact optimum π*_β (tether.tasks.exact_teacher)
+EXACT_TEACHER = "exact"
 #: ``rollout.engine``'s values: auto and the registered engines (tether.engines)
 EngineName = Literal[engine_names()]
 
@@ -146,7 +148,15 @@ class DistillConfig(Section):
         None,
         description="On-policy distillation: the frozen teacher's model directory (it must share the actor's "
         "tokenizer: vocabulary, special tokens, EOS ids); null = off. Adds -distill.coef * KL(π ‖ π_teacher), the "
-        "reverse KL (student first), to the objective (docs/distillation.md).",
+        "reverse KL (student first), to the objective (docs/distillation.md). 'exact' = on the embedded task, the "
+        "exact optimum π*_β ∝ π_ref·exp(r/β) of the task's own reward at β = distill.teacher_beta, enumerated over "
+        "responses of up to rollout.max_new_tokens tokens and served token by token (docs/distillation.md#exact).",
+    )
+    teacher_beta: float | None = Field(
+        None,
+        gt=0,
+        description="distill.teacher=exact: β > 0 of the teacher π*_β ∝ π_ref·exp(r/β) (r: the embedded task's own "
+        "reward, whatever reward.function is); null = kl.coef (refused when that is 0).",
     )
     coef: float = Field(
         1.0,
@@ -1467,13 +1477,20 @@ def _check_distill(cfg) -> None:
     d = cfg.distill
     fields = DistillConfig.model_fields
     if d.teacher is None:
-        for key in ("coef", "estimator", "jsd_beta", "top_k"):
+        for key in ("coef", "estimator", "jsd_beta", "top_k", "teacher_beta"):
             if getattr(d, key) != fields[key].default:
                 raise ValueError(
                     f"distill.{key}={getattr(d, key)} has no effect without distill.teacher (distillation is off); set "
                     f"distill.teacher=DIR or leave distill.{key} at its default"
                 )
         return
+    if d.teacher == EXACT_TEACHER:
+        _check_exact_teacher(cfg)
+    elif d.teacher_beta is not None:
+        raise ValueError(
+            f"distill.teacher_beta={d.teacher_beta} is β of distill.teacher=exact and has no effect with "
+            f"distill.teacher={d.teacher}; set distill.teacher=exact or distill.teacher_beta=null"
+        )
     if d.jsd_beta != fields["jsd_beta"].default and d.estimator != "jsd":
         raise ValueError(
             f"distill.jsd_beta={d.jsd_beta} has no effect with distill.estimator={d.estimator}; set "
@@ -1499,6 +1516,31 @@ def _check_distill(cfg) -> None:
         raise ValueError(
             "distill.teacher needs the student's own samples (on-policy distillation), and rollout.mode=offline trains "
             "on a dataset's responses; use rollout.mode=online or set distill.teacher=null"
+        )
+
+
+def exact_teacher_beta(cfg) -> float:
+    """β of ``distill.teacher=exact``'s π*_β: ``distill.teacher_beta``, else ``kl.coef``."""
+    d = cfg.distill
+    return d.teacher_beta if d.teacher_beta is not None else cfg.kl.coef
+
+
+def _check_exact_teacher(cfg) -> None:
+    """``distill.teacher=exact``: the embedded task's enumerable space, its shipped reference, and β > 0."""
+    if not cfg.exact_evaluation_applies:
+        raise ValueError(
+            "distill.teacher=exact is the embedded task's exact optimum and needs its enumerable responses: "
+            "data.train_files=embedded sampled with rollout.top_p=1, rollout.top_k=0, rollout.do_sample=true"
+        )
+    if cfg.actor.model != EMBEDDED or cfg.ref.model is not None:
+        raise ValueError(
+            "distill.teacher=exact is π*_β ∝ π_ref·exp(r/β) of the shipped reference: set actor.model=embedded and "
+            "ref.model=null"
+        )
+    if not exact_teacher_beta(cfg) > 0:
+        raise ValueError(
+            "distill.teacher=exact needs β > 0 (π*_0 is a hard argmax): distill.teacher_beta is null and kl.coef=0; "
+            "set distill.teacher_beta=B, e.g. 0.05"
         )
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
-from tether.config import EMBEDDED, ConfigError, load_config
+from tether.config import EMBEDDED, EXACT_TEACHER, ConfigError, load_config
 from tether.engines import ENGINES, entry, fallback, planned_engine
 from tether.models import resolve_model_path
 from tether.plan_shapes import SHAPES
@@ -1110,7 +1110,8 @@ def plan_config(
         "critic": ("critic.model", cfg.critic.model),
         "reward": ("reward.model", cfg.reward.model),
         "val_reward": ("reward.val_model", cfg.reward.val_model),
-        "teacher": ("distill.teacher", cfg.distill.teacher),
+        # distill.teacher=exact: a lookup table of the embedded task's π*_β, no weights
+        "teacher": ("distill.teacher", None if cfg.distill.teacher == EXACT_TEACHER else cfg.distill.teacher),
     }
     shapes = {role: resolve_shape(name, key) for role, (key, name) in keys.items()}
     actor = shapes["actor"]

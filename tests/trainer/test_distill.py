@@ -257,3 +257,38 @@ def test_async_and_engine_logprob_paths_measure_the_same_k1_at_step_1(small_cfg,
     assert values["sync"] > 0.01, values
     assert values["async"] == pytest.approx(values["sync"], abs=1e-5), values
     assert values["engine"] == pytest.approx(values["sync"], abs=1e-5), values
+
+
+def test_exact_teacher_config_is_refused_off_the_embedded_task_and_without_beta():
+    for overrides, match in (
+        (["distill.teacher_beta=0.1"], r"distill.teacher_beta=0.1 has no effect without distill.teacher"),
+        (["distill.teacher=x", "distill.teacher_beta=0.1"], r"distill.teacher_beta=0.1 is β of distill.teacher=exact"),
+        (["distill.teacher=exact", "rollout.top_p=0.9"], r"distill.teacher=exact is the embedded task's exact optimum"),
+        (["distill.teacher=exact", "ref.model=embedded"], r"set actor.model=embedded and ref.model=null"),
+        (["distill.teacher=exact", "kl.coef=0"], r"distill.teacher=exact needs β > 0.*distill.teacher_beta=B"),
+        (["distill.teacher=exact", "distill.teacher_beta=0"], r"distill.teacher_beta"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, overrides)
+    assert load_config(None, ["distill.teacher=exact", "kl.coef=0", "distill.teacher_beta=0.05"]).distill.teacher_beta
+
+
+def test_exact_teacher_at_the_runs_beta_measures_what_exact_objective_gap_does(small_cfg, tmp_path):
+    """distill.teacher=exact with β_T = kl.coef = 0.05 and the task's own reward: π_T is the π* of exact/*, over the
+    same val prompts and the same T (rollout.max_new_tokens = k + 1 = 4), computed by another code path (the teacher's
+    lookup table vs tether.tasks.exact.evaluate_prompt), so exact/kl_student_teacher = exact/kl_opt_seq and
+    exact/teacher_objective_gap = exact/objective_gap at every validation (float64 sums of the same terms in another
+    order: 1e-9). The reverse estimator runs against the lookup teacher (padded and prompt-shared layouts)."""
+    run = tmp_path / "run"
+    Trainer(
+        small_cfg("distill.teacher=exact", "distill.estimator=reverse", "kl.coef=0.05", "trainer.report=false", out=run)
+    ).fit()
+    vals = [r for r in read_lines(run) if "exact/kl_student_teacher" in r]
+    assert [r["step"] for r in vals] == [0, 2, 3]
+    for r in vals:
+        assert r["exact/teacher_beta"] == 0.05
+        assert r["exact/kl_student_teacher"] == pytest.approx(r["exact/kl_opt_seq"], rel=1e-9, abs=1e-12)
+        assert r["exact/teacher_objective_gap"] == pytest.approx(r["exact/objective_gap"], rel=1e-9, abs=1e-12)
+        assert r["exact/kl_student_teacher"] > 1.0  # the reference is far from π*_0.05: not vacuous
+    steps = lines(run)
+    assert all(math.isfinite(r["distill/kl_student_teacher"]) and r["distill/kl_student_teacher"] > 0 for r in steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from tether.config import EXACT_TEACHER
 from tether.evaluation.exact import ExactCache, exact_metrics
 from tether.evaluation.sampled import capped_indices, distinct_prompt_indices, evaluate_prompts
 
@@ -79,4 +80,12 @@ def validate(
             gold=getattr(roles, "gold", None),
             rows=rows,
         )
+        if cfg.distill.teacher == EXACT_TEACHER:  # the student against π*_β exactly: exact/kl_student_teacher, ...
+            teacher = roles.teacher.module.teacher
+            policy = roles.actor.model
+            was_training = policy.training
+            policy.eval()
+            got = teacher.evaluate(policy, roles.tokenizer, list(rows))
+            policy.train(was_training)
+            out |= {f"exact/{k}": v for k, v in got.items()} | {"exact/teacher_beta": teacher.beta}
     return out

@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from tether import engines
 from tether.agents import AgentSpec, build_agent
 from tether.algos import FULL_DISTILL_ESTIMATORS
-from tether.config import ConfigError, TetherConfig
+from tether.config import EXACT_TEACHER, ConfigError, TetherConfig, exact_teacher_beta
+from tether.data.loading import load_prompt_rows
 from tether.models import (
     DTYPES,
     ValueModel,
@@ -43,6 +44,9 @@ from tether.rollout import registry
 from tether.rollout.agent import AgentRunner
 from tether.rollout.engine import GenerationEngine
 from tether.rollout.runner import RolloutRunner
+from tether.tasks import embedded_task
+from tether.tasks.exact_teacher import ExactTeacher
+from tether.tasks.sft import load_reference
 from tether.workers.actor import ActorUpdateSpec, ActorWorker, DistillSpec, ReferenceWorker
 from tether.workers.critic import CriticWorker
 from tether.workers.roles import Roles
@@ -375,7 +379,7 @@ def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
     Raises:
         ConfigError: one line naming ``distill.teacher``: a missing directory or another tokenizer.
     """
-    if cfg.distill.teacher is None:
+    if cfg.distill.teacher in (None, EXACT_TEACHER):  # exact: a lookup table of the shipped reference's π*_β
         return None
     actor_path = resolve_model_path(cfg.actor.model, "actor.model")
     path = resolve_model_path(cfg.distill.teacher, "distill.teacher")
@@ -389,6 +393,34 @@ def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
             who="the teacher",
         )
     return path
+
+
+def exact_teacher(cfg: TetherConfig) -> torch.nn.Module:
+    """``distill.teacher=exact``: π*_β of the embedded task's own reward (β = ``distill.teacher_beta``, else
+    ``kl.coef``) over every response of up to ``rollout.max_new_tokens`` tokens, for each distinct prompt of the run's
+    train and val data, as a frozen :class:`~tether.tasks.exact_teacher.LookupLM` (``tether.tasks.exact_teacher``).
+    It enumerates the shipped reference once per prompt (about 0.2 s each)."""
+    train, val = load_prompt_rows(cfg.data, cfg.trainer.seed)
+    prompts = list(dict.fromkeys(r.prompt for r in train + val))
+    reference, tok = load_reference()
+    beta = exact_teacher_beta(cfg)
+    teacher = ExactTeacher(
+        reference,
+        tok,
+        prompts,
+        beta,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        reward_fn=embedded_task(cfg.data.embedded_task).compute_score,
+    )
+    log.info(
+        "distill.teacher=exact: π*_β of data.embedded_task=%s's reward at β=%g over %d prompts (%d states)",
+        cfg.data.embedded_task,
+        beta,
+        len(prompts),
+        len(teacher.table),
+    )
+    return teacher.model()
 
 
 def assemble_teacher(cfg: TetherConfig, device: torch.device, path: Path) -> torch.nn.Module:
@@ -495,6 +527,8 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
             hidden = AutoConfig.from_pretrained(str(path), trust_remote_code=cfg.actor.trust_remote_code).hidden_size
             ValueModel.make_head(hidden)
     teacher = None
+    if cfg.distill.teacher == EXACT_TEACHER:  # a lookup table: no prompt sharing (it has no KV cache)
+        teacher = reference_worker(cfg, exact_teacher(cfg), share_prompt_prefix=False)
     if teacher_dir is not None:  # distill.teacher (the config refuses it under trainer.backend=ray)
         paths["distill.teacher"] = teacher_dir
         teacher = reference_worker(cfg, assemble_teacher(cfg, device, teacher_dir))
