@@ -787,9 +787,9 @@ def check_hacking_gold(
 
     False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
     persist = 2, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples, against 93.5% for
-    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 6 honest runs measured
-    so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes ``persist``
-    validations after the fall starts, not one.
+    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 10 honest runs
+    measured so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes
+    ``persist`` validations after the fall starts, not one.
 
     Suggests raising ``kl.coef``, ``guard.on_hacking=rollback``, and fixing the reward's flaw.
     """
