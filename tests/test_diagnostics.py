@@ -325,6 +325,7 @@ def test_diagnose_runs_all_checks_in_order_and_validates_thresholds():
         "no_learning_signal",
         "hacking_gold",
         "hacking_proxy",
+        "hacking_kl_focus",
     ]
 
 

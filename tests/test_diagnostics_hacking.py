@@ -163,3 +163,30 @@ def test_observed_reference_validation_is_the_first_best_without_a_call_on_the_s
         rec = {"exact/gold_mean": 0.31, "exact/score_mean": 0.96} if step == 10 else {}
         fired += [(step, f.check) for f in live.update(step, rec)]
     assert fired == [(10, "hacking_gold")]
+
+
+def focus_history(share, kl=0.3, reward_slope=0.01):
+    return [
+        {"step": i + 1, "kl/token_top_share": x, "kl/ref_mean": kl, "reward/score_mean": 0.5 + reward_slope * i}
+        for i, x in enumerate(share)
+    ]
+
+
+def test_kl_focus_fires_on_the_median_of_the_last_window():
+    from tether.diagnostics import check_hacking_kl_focus
+
+    # last 10 points: five at 0.25, five at 0.75 -> median (0.25 + 0.75) / 2 = 0.5 (exact in binary), at min_share
+    share = [0.25] * 10 + [0.25, 0.75] * 5
+    (f,) = check_hacking_kl_focus(focus_history(share), min_share=0.5)
+    assert f.check == "hacking_kl_focus" and f.evidence["share_median"] == 0.5
+    # one point fewer at 0.75 in the window: the median is 0.25, below
+    assert check_hacking_kl_focus(focus_history([0.25] * 16 + [0.75] * 4), min_share=0.5) == []
+    # a concentrated but tiny KL (0.05 < 0.1 nats/token) is noise, and a falling reward is not hacking
+    assert check_hacking_kl_focus(focus_history([0.9] * 20, kl=0.05)) == []
+    assert check_hacking_kl_focus(focus_history([0.9] * 20, reward_slope=-0.01)) == []
+    assert check_hacking_kl_focus(focus_history([0.9] * 9)) == []  # fewer than `window` points
+    # it is a hacking check: guard.on_hacking acts on it, and diagnose runs it
+    from tether.diagnostics import HACKING_CHECKS
+
+    assert "hacking_kl_focus" in HACKING_CHECKS
+    assert [x.check for x in diagnose(focus_history([0.9] * 20))].count("hacking_kl_focus") == 1

@@ -39,6 +39,9 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
 * ``hacking_proxy`` (``kl/ref_mean`` with ``response/length_mean``): the KL's slope jumped ``kl_accel`` [3]× within the
   last ``lookback`` [20] points (windows of ``window`` [10], at least ``min_kl_slope`` [0.005]/step) and the length's
   median drifted ≥ ``min_len_drift`` [5 %], while ``reward/score_mean`` is not falling (τ > ``min_reward_tau`` [0]).
+* ``hacking_kl_focus`` (``kl/token_top_share`` with ``kl/ref_mean``): the median of the last ``window`` [10] points of
+  the KL's share on its heaviest token id is ≥ ``min_share`` [0.45] at a KL ≥ ``min_kl`` [0.1 nats/token], while the
+  training reward is not falling (τ > ``min_reward_tau`` [0]).
 
 Each :class:`Finding` names the metric, carries the evidence (``steps`` and ``values`` of the
 points the check looked at, plus the statistics it computed) and a concrete suggestion naming the
@@ -71,6 +74,7 @@ __all__ = [
     "check_collapse_rising",
     "check_entropy_collapse",
     "check_hacking_gold",
+    "check_hacking_kl_focus",
     "check_hacking_proxy",
     "check_kl_rising",
     "check_length_shrinking",
@@ -783,9 +787,9 @@ def check_hacking_gold(
 
     False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
     persist = 2, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples, against 93.5% for
-    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 6 honest runs measured
-    so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes ``persist``
-    validations after the fall starts, not one.
+    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 10 honest runs
+    measured so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes
+    ``persist`` validations after the fall starts, not one.
 
     Suggests raising ``kl.coef``, ``guard.on_hacking=rollback``, and fixing the reward's flaw.
     """
@@ -930,6 +934,63 @@ def check_hacking_proxy(
     return [Finding("hacking_proxy", "kl/ref_mean", msg, evidence, suggestion, overrides=overrides)]
 
 
+def check_hacking_kl_focus(
+    history: History,
+    *,
+    window: int = 10,
+    min_share: float = 0.45,
+    min_kl: float = 0.1,
+    min_reward_tau: float = 0.0,
+    config: Any = None,
+) -> list[Finding]:
+    """Reward hacking seen without a gold reward and without the length moving: the KL to the reference sits on one
+    token id while the training reward rises.
+
+    Fires when the median of the last ``window`` points of ``kl/token_top_share`` (the share of the step's KL carried
+    by the token id carrying the most) is at least ``min_share``, the median of the last ``window`` points of
+    ``kl/ref_mean`` is at least ``min_kl`` nats/token (below it the share of a near-zero KL is noise), and the
+    training reward is not falling (Kendall's τ of ``reward/score_mean`` over the last ``2·window`` points above
+    ``min_reward_tau``). A flaw that over-pays one token (a leading digit, a format marker) moves the policy on that
+    token; learning a task spreads the KL over what the answer needs.
+
+    Tuned on the tuning half of ``tether.tasks.hacks`` (``docs/hacking.md``: one length-keeping hack and honest runs)
+    and reported on the held-out half there. It sees nothing of a flaw whose paid answers differ from the honest ones
+    in many tokens (a noisy reward model accepting wrong answers, an answer off by one): there the KL is as spread as
+    in honest learning.
+    """
+    s_steps, s_vals = _series(history, "kl/token_top_share")
+    k_steps, k_vals = _series(history, "kl/ref_mean")
+    if len(s_vals) < window or len(k_vals) < window:
+        return []
+    share, kl = statistics.median(s_vals[-window:]), statistics.median(k_vals[-window:])
+    if share < min_share or kl < min_kl:
+        return []
+    r_steps, r_vals = _series(history, "reward/score_mean")
+    r_tau = _kendall_tau(r_steps[-2 * window :], r_vals[-2 * window :]) if len(r_steps) >= 2 else 0.0
+    if not r_tau > min_reward_tau:
+        return []
+    msg = (
+        f"possible reward hacking: {100 * share:.0f}% of the KL to the reference sits on one token id (median of the "
+        f"last {window} points of kl/token_top_share, at kl/ref_mean {_fmt(kl)} nats/token) while the training reward "
+        "rises: the policy is moving on one token, as when a reward over-pays it; without a gold reward this is a "
+        "warning sign, not proof"
+    )
+    evidence = {
+        "steps": s_steps[-window:],
+        "values": s_vals[-window:],
+        "share_median": share,
+        "kl_median": kl,
+        "reward_kendall_tau": r_tau,
+    }
+    guard_txt, guard = _hacking_guard(config)
+    suggestion = (
+        "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
+        f"{_raise_kl_coef(history, config)}" + (f"; {guard_txt} acts on this" if guard_txt else "")
+    )
+    overrides = tuple(o for o in (_raise_kl_coef_change(history, config), guard) if o)
+    return [Finding("hacking_kl_focus", "kl/token_top_share", msg, evidence, suggestion, overrides=overrides)]
+
+
 def _hacking_guard(config: Any) -> tuple[str, dict[str, Any]]:
     """The guard to suggest for a hacking finding: guard.on_hacking=rollback, with checkpoints to return to where the
     run writes none before its end (trainer.save_freq=0, or at least trainer.total_steps, refuses it); nothing when it
@@ -959,10 +1020,11 @@ CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "no_learning_signal": check_no_learning_signal,
     "hacking_gold": check_hacking_gold,
     "hacking_proxy": check_hacking_proxy,
+    "hacking_kl_focus": check_hacking_kl_focus,
 }
 
 #: The checks that signal reward hacking (guard.on_hacking acts on their live findings).
-HACKING_CHECKS = ("hacking_gold", "hacking_proxy")
+HACKING_CHECKS = ("hacking_gold", "hacking_proxy", "hacking_kl_focus")
 
 #: Every metric some check reads (LiveDiagnostics stores only these).
 WATCHED = (
@@ -983,6 +1045,7 @@ WATCHED = (
     "val/gold_sem",
     "val/score_sem",
     "val/gold_unscored_frac",
+    "kl/token_top_share",
 )
 
 

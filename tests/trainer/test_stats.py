@@ -66,3 +66,23 @@ def test_response_and_prompt_tokens_by_hand():
         [t for t, k in zip(r, m, strict=True) if k and t != 2] for r, m in zip(ids.tolist(), mask.tolist(), strict=True)
     ]
     assert _rows_where(ids, mask.bool() & (ids != 2)) == loop == [[3, 5], [], [], [1, 0, 1, 0]]
+
+
+def test_kl_concentration_by_hand():
+    from tether.trainer.stats import kl_concentration_metrics
+
+    b = _batch()  # counted tokens: row 0 ids [7, 2] with KL [0.1, 0.3]; row 1 id [8] with KL 0.2 (9.0 is masked)
+    m = rollout_metrics(b, beta=0.05, **ARGS)
+    # positions: t0 = 0.1 + 0.2 = 0.3, t1 = 0.3 -> 0.3 / 0.6; token ids: 7 -> 0.1, 2 -> 0.3, 8 -> 0.2 -> 0.3 / 0.6
+    assert m["kl/pos_top_share"] == pytest.approx(0.5, abs=1e-7)
+    assert m["kl/token_top_share"] == pytest.approx(0.5, abs=1e-7)
+    # a negative sum counts as 0: t0 = 0.1 - 0.4 < 0, so all positive KL sits on t1
+    kl = torch.tensor([[0.1, 0.3], [-0.4, 0.0]])
+    m = kl_concentration_metrics(kl, b.response_mask, b.response_ids)
+    assert m["kl/pos_top_share"] == 1.0
+    # ids 7 -> 0.1, 2 -> 0.3, 8 -> -0.4 (counted as 0): 0.3 / 0.4
+    assert m["kl/token_top_share"] == pytest.approx(0.75, abs=1e-7)
+    assert kl_concentration_metrics(torch.zeros(2, 2), b.response_mask, b.response_ids) == {
+        "kl/pos_top_share": 0.0,
+        "kl/token_top_share": 0.0,
+    }

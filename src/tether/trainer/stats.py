@@ -62,6 +62,7 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
+    m |= kl_concentration_metrics(batch.kl, mask, batch.response_ids)
     m |= learning_signal_metrics(batch, grouped=grouped)
     if batch.values is not None:
         m["critic/values_mean"] = _mean(per_tok(batch.values))
@@ -87,6 +88,27 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         prompts = [p for p, k in zip(rows_where(batch.prompt_ids, batch.prompt_ids != pad), keep, strict=True) if k]
         m |= diversity_metrics(tokens, groups, prompts=prompts)
     return m
+
+
+def kl_concentration_metrics(kl: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor) -> dict[str, float]:
+    """Where one step's KL to the reference sits: on one response position, or on one token id.
+
+    The KL estimate of every counted token (``kl``, (B, T), masked by ``mask``) is summed per response position t
+    and, separately, per sampled token id; a sum below 0 (the k1 estimate of a token can be negative) counts as 0.
+    ``kl/pos_top_share``: the largest position's share of the positive sums, in [1/T', 1] for T' positions with
+    positive KL (1: all of the step's KL on one position, e.g. a hack that changes only the first token);
+    ``kl/token_top_share``: the same by token id. Both 0.0 when no sum is positive. Read by the doctor's no-gold
+    signals (``docs/hacking.md``); logging them changes nothing else.
+    """
+    k = torch.where(mask.bool(), kl.float(), 0.0)
+    out = {}
+    by_pos = k.sum(0).clamp(min=0.0)
+    ids, inv = torch.unique(token_ids[mask.bool()], return_inverse=True)
+    by_tok = torch.zeros(ids.numel(), dtype=k.dtype, device=k.device).index_add_(0, inv, k[mask.bool()])
+    for name, sums in (("kl/pos_top_share", by_pos), ("kl/token_top_share", by_tok.clamp(min=0.0))):
+        total = float(sums.sum()) if sums.numel() else 0.0
+        out[name] = float(sums.max()) / total if total > 0 else 0.0
+    return out
 
 
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
