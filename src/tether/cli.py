@@ -441,6 +441,22 @@ def _add_eval_parser(sub) -> None:
         "the table beside it (.txt); with --checkpoints: the output directory (default RUN_DIR/eval)",
     )
     v.add_argument("--samples", action="store_true", help="include each sample's prompt and response text in the JSON")
+    v.add_argument(
+        "--tools",
+        default=None,
+        metavar="SPEC[,SPEC]",
+        help="evaluate multi-turn with these tools (agent.tools: file.py:name or module:name, comma-separated; "
+        "replaces the run's agent): agent/turns_mean, agent/tool_success per sample and overall (docs/agents.md)",
+    )
+    v.add_argument(
+        "--environment",
+        default=None,
+        metavar="SPEC",
+        help="evaluate multi-turn with this environment (agent.environment; replaces the run's agent)",
+    )
+    v.add_argument(
+        "--max-turns", type=int, default=None, help="model turns per trajectory (agent.max_turns; default the run's, 4)"
+    )
     v.set_defaults(func=cmd_eval)
 
 

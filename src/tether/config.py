@@ -1601,7 +1601,8 @@ class TetherConfig(Section):
             ("rollout.async_steps", self.rollout.async_steps, self.rollout.async_steps > 0, "0"),
         ]
         if self.rollout.engine not in (AUTO, *(e.name for e in ENGINES.values() if e.multi_turn)):
-            refused.append(("rollout.engine", self.rollout.engine, True, "hf or auto"))
+            ok = " or ".join([*(e.name for e in ENGINES.values() if e.multi_turn), AUTO])
+            refused.append(("rollout.engine", self.rollout.engine, True, ok))
         for key, value, bad, fix in refused:
             if bad:
                 raise ValueError(

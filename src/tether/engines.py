@@ -291,6 +291,7 @@ VLLM = EngineEntry(
     check=_vllm_check,
     auto=10,
     snapshot_async=False,
+    multi_turn=True,  # AgentRunner over generate-from-ids: tests/vllm/test_real_vllm.py, equal to hf token for token
     on_ray="replicas",
     plan_auto_on_accelerator=True,
     plan=_vllm_plan,

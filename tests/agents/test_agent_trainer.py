@@ -228,13 +228,22 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
         ("trainer.backend=ray", "trainer.backend=ray"),
         ("rollout.async_steps=1", "rollout.async_steps=1"),
         ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
-        ("rollout.engine=vllm", "rollout.engine=vllm"),
     ],
 )
 def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path, override, key):
     model, root = setup
     with pytest.raises(ConfigError, match=rf"{key} does not run with agent.tools yet"):
         _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
+
+
+def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):
+    from tether.engines import ENGINES
+
+    model, root = setup
+    assert sorted(e.name for e in ENGINES.values() if e.multi_turn) == ["hf", "vllm"]
+    for name in ("hf", "vllm"):  # vllm: tests/vllm/test_real_vllm.py runs AgentRunner over the real engine
+        cfg = _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", f"rollout.engine={name}")
+        assert cfg.rollout.engine == name
 
 
 def test_agent_specs_are_saved_absolute(setup, tmp_path, monkeypatch):

@@ -96,6 +96,11 @@ class EvalSettings:
             reference is known.
         device: auto | cpu | cuda. dtype: float32 | bfloat16 | float16. seed: torch seed for sampling.
         progress: show a progress bar (prompts done / total, ETA).
+        tools, environment, max_turns: as ``agent.tools`` / ``agent.environment`` / ``agent.max_turns``: evaluate
+            multi-turn (:class:`~tether.rollout.agent.AgentRunner`; default: the run's ``agent`` section, else
+            single-turn). Tools or an environment given here replace the run's; each sample's record then holds
+            ``turns``, ``tool_calls`` and ``tool_errors``, and the metrics ``agent/turns_mean``,
+            ``agent/tool_success`` (calls without an error / calls), ... (docs/agents.md).
     """
 
     n: int | None = None
@@ -121,6 +126,9 @@ class EvalSettings:
     dtype: str = "float32"
     seed: int = 0
     progress: bool = False
+    tools: list[str] | None = None
+    environment: str | None = None
+    max_turns: int | None = None
     resolved: dict = field(default_factory=dict)  # filled by evaluate(): the settings actually used
 
 
@@ -552,6 +560,10 @@ class Evaluator:
             )
         self.engine = None
         self._agent = None
+        if s.tools or s.environment or s.max_turns is not None:  # bad agent settings fail before any weights load
+            agent = self.engine_config().agent
+            self.resolved["agent"] = {"tools": list(agent.tools), "environment": agent.environment}
+            build_agent(agent)
         self._ref = None
         self._no_ref = False  # reference() found none (checked once)
         self._exact_ref_cache: dict = {}  # the reference's enumerated responses, reused by every policy
@@ -674,6 +686,10 @@ class Evaluator:
         ]
         if r["engine"] != AUTO:  # the run's settings of other engines do nothing here: their defaults
             overrides += [f"rollout.{name}={{}}" for name, e in ENGINES.items() if e.section and name != r["engine"]]
+        if s.tools or s.environment:  # given here: they replace the run's agent
+            overrides += [f"agent.tools=[{','.join(s.tools or [])}]", f"agent.environment={s.environment or 'null'}"]
+        if s.max_turns is not None:
+            overrides.append(f"agent.max_turns={s.max_turns}")
         return load_config(self.run / "config.yaml" if self.cfg is not None else None, overrides)
 
     def _runner(self, model, model_path: Path | None):
@@ -1175,6 +1191,9 @@ def _settings_from_args(args) -> EvalSettings:
         dtype=args.dtype,
         seed=args.seed,
         progress=not args.no_progress,
+        tools=[t for t in args.tools.split(",") if t.strip()] if args.tools else None,
+        environment=args.environment,
+        max_turns=args.max_turns,
     )
 
 

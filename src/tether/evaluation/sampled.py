@@ -124,7 +124,9 @@ def evaluate_prompts(
             :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``scored``
             (False: the reward could not score it: an error, a timeout, a non-finite score), ``length``
             (tokens), ``truncated``, ``kl_ref`` (nats per token, with ``kl_probe``), ``prompt``,
-            ``response``, ``response_ids`` (the ``length`` sampled token ids).
+            ``response``, ``response_ids`` (the ``length`` sampled token ids); with a multi-turn runner
+            (``agent.tools`` / ``agent.environment``) also ``turns`` (model turns), ``tool_calls`` and
+            ``tool_errors`` (calls whose observation is an error) of the trajectory.
         by_source: when a dict, filled with ``{data_source: metrics}`` (the accuracy and length
             metrics of :func:`summarize_samples` per source).
         kl_probe: a :class:`KLProbe`: adds ``kl_ref_mean`` / ``kl_ref_k3_mean`` (nats per token, mean
@@ -180,6 +182,8 @@ def evaluate_prompts(
             ).any(-1)
             lengths = batch.response_mask.sum(-1).tolist()
             kl = kl_probe(batch) if kl_probe is not None else None
+            counts = batch.extra.get("agent_counts")  # a multi-turn runner's turns, tool calls, tool errors
+            counts = counts.tolist() if counts is not None else None
             tokens += response_tokens(batch, eos)
             groups += (batch.group_ids.cpu() + start).tolist()
             for j, row in enumerate(batch.rows):
@@ -200,6 +204,8 @@ def evaluate_prompts(
                     rec["gold"], rec["gold_scored"] = (g.scores[j] if g.scored[j] else None), g.scored[j]
                 if kl is not None:
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
+                if counts is not None:
+                    rec["turns"], rec["tool_calls"], rec["tool_errors"] = counts[j]
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
                 rec["response_ids"] = batch.response_ids[j, : int(lengths[j])].tolist()
                 records.append(rec)
@@ -271,9 +277,26 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         out["kl_ref_mean"] = float(k1.mean())
         out["kl_ref_k3_mean"] = float(torch.tensor([r["kl_ref_k3"] for r in records], dtype=torch.float64).mean())
         out["kl_ref_seq_mean"] = float((k1 * L.double()).mean())
+    if "turns" in records[0]:
+        out |= agent_sample_metrics(records)
     covered = [r for r in records if "gold" in r]
     if covered:
         out |= gold_metrics(covered, n, ks, score_mean=out["score_mean"] if len(covered) == len(records) else None)
+    return out
+
+
+def agent_sample_metrics(records: list[dict]) -> dict[str, float]:
+    """The agent metrics of per-sample records carrying ``turns``, ``tool_calls`` and ``tool_errors``:
+    ``agent/turns_mean`` (model turns per trajectory), ``agent/tool_calls`` and ``agent/tool_errors`` (counts), and
+    ``agent/tool_success`` (calls without an error / calls; left out when no tool was called: there is no rate)."""
+    calls, errors = sum(r["tool_calls"] for r in records), sum(r["tool_errors"] for r in records)
+    out = {
+        "agent/turns_mean": sum(r["turns"] for r in records) / len(records),
+        "agent/tool_calls": float(calls),
+        "agent/tool_errors": float(errors),
+    }
+    if calls:
+        out["agent/tool_success"] = (calls - errors) / calls
     return out
 
 

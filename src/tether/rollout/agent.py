@@ -240,7 +240,8 @@ class AgentRunner(RolloutRunner):
         """:meth:`RolloutRunner.collate`, with the multi-turn parts: ``turn_rewards`` (B, T), each turn's reward at
         its last model token (``Trajectory.turn_ends``); a trajectory whose environment failed dropped (its
         ``response_mask`` 0, ``extra["agent_failed"]`` (B,) bool); ``extra["agent_totals"]`` (the counts behind
-        :attr:`metrics`, which :func:`agent_metrics` turns into ``agent/*``)."""
+        :attr:`metrics`, which :func:`agent_metrics` turns into ``agent/*``); ``extra["agent_counts"]`` (B, 3) long:
+        each trajectory's model turns, tool calls and tool errors (the per-sample records of ``tether eval``)."""
         batch = super().collate(prompts, rep, trajectories, group_ids)
         rewards = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         for j, t in enumerate(trajectories):
@@ -252,6 +253,13 @@ class AgentRunner(RolloutRunner):
         batch.drop(failed)
         batch.extra["agent_failed"] = failed
         batch.extra["agent_totals"] = dict(self.totals)
+        batch.extra["agent_counts"] = torch.tensor(
+            [
+                [t.turns, e.events.get("tool_calls", 0), e.events.get("tool_errors", 0)]
+                for t, e in zip(trajectories, self.episodes, strict=True)
+            ],
+            dtype=torch.long,
+        )
         return batch
 
 
