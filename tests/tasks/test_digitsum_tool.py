@@ -175,3 +175,12 @@ def test_demonstrations_call_at_the_set_rate():
     assert abs(calls - 400) < 5 * math.sqrt(1000 * 0.4 * 0.6)
     assert all(d[1] == ("=", True) for d in demos if len(d) == 4)
     np.testing.assert_equal(len(demos), 1000)
+
+
+def test_embedded_task_sets_the_agent_keys_left_unset():
+    from tether.config import load_config
+
+    cfg = load_config(None, ["data.embedded_task=digitsum_tool"])
+    assert cfg.agent.environment == dt.AGENT["environment"] and cfg.agent.max_turns == 2
+    assert load_config(None, ["data.embedded_task=digitsum_tool", "agent.max_turns=3"]).agent.max_turns == 3
+    assert not load_config(None, []).agent.enabled  # the default demo stays single-turn
