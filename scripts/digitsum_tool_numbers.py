@@ -28,15 +28,11 @@ for r in rows:
     spaces.append(ts)
     per.append(evaluate_trajectories(ts, ts, 0.1))
 print(
-    f"{len(rows)} prompts, {len(spaces[0])} trajectories each, {time.perf_counter() - t0:.1f}s; mass {np.mean([t.space.total_mass for t in spaces]):.6f}"
+    f"{len(rows)} prompts, {len(spaces[0])} trajectories each, {time.perf_counter() - t0:.1f}s; "
+    f"mass {np.mean([t.space.total_mass for t in spaces]):.6f}"
 )
-print(
-    "ref: score %.4f  tool_call %.4f  score_after_call %.4f  score_direct %.4f"
-    % tuple(
-        np.mean([d[k] for d in per])
-        for k in ("ref_score_mean", "ref_tool_call_rate", "score_after_call", "score_direct")
-    )
-)
+keys = ("ref_score_mean", "ref_tool_call_rate", "score_after_call", "score_direct")
+print("ref: " + "  ".join(f"{k} {np.mean([d[k] for d in per]):.4f}" for k in keys))
 print("beta | opt objective | opt E[r] | opt KL_seq | opt tool-call | opt correct_eff_answers | ref objective gap")
 for beta in (0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0):
     ds = [evaluate_trajectories(ts, ts, max(beta, 1e-9)) for ts in spaces] if beta > 0 else None
