@@ -24,7 +24,7 @@ from tether.algos import DISTILL_ESTIMATORS, FULL_DISTILL_ESTIMATORS, KL_ESTIMAT
 from tether.engines import AUTO, ENGINES, check_engines, chosen, engine_names, section_fields
 from tether.rewards.registry import GOLD_FUNCTIONS
 from tether.sections import ConfigError, Section
-from tether.tasks import embedded_task
+from tether.tasks import EMBEDDED_TASKS, embedded_task
 
 EMBEDDED = "embedded"
 #: ``distill.teacher``'s value for the embedded task's exact optimum π*_β (tether.tasks.exact_teacher)
@@ -449,11 +449,12 @@ class DataConfig(Section):
         True, description="Render chat-message prompts with the tokenizer's chat template."
     )
     instruction_suffix: str = Field("", description="Text appended to every prompt's last user message.")
-    embedded_task: Literal["digitsum", "digitsum_hack"] = Field(
+    embedded_task: Literal["digitsum", "digitsum_hack", "digitsum_tool"] = Field(
         "digitsum",
-        description="data.train_files=embedded: digitsum (exact correctness), or digitsum_hack (the same prompts "
+        description="data.train_files=embedded: digitsum (exact correctness), digitsum_hack (the same prompts "
         "trained on a flawed proxy reward that pays short answers a bonus, with exact correctness as the gold reward; "
-        "docs/task.md, docs/hacking.md).",
+        "docs/hacking.md), or digitsum_tool (multi-turn: the sum is hidden until a tool call reveals it; sets "
+        "agent.environment and agent.max_turns=2 where unset; docs/task.md).",
     )
     embedded_train_size: int = Field(2000, ge=1, description="Prompts in the embedded task's train split.")
     embedded_val_size: int = Field(32, ge=1, description="Prompts in the embedded task's val split.")
@@ -1609,6 +1610,34 @@ class TetherConfig(Section):
                     f"{key}={value} does not run with {on} yet (the multi-turn agent loop, docs/agents.md); set "
                     f"{key}={fix}, or leave {on} unset"
                 )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _embedded_task_agent(cls, data):
+        """An embedded task that runs in the turn loop (its module's ``AGENT``: data.embedded_task=digitsum_tool)
+        fills the agent keys left unset (agent.environment, agent.max_turns), with data.train_files=embedded and no
+        agent.tools; a key the user set is kept."""
+        if not isinstance(data, dict):
+            return data
+
+        def get(section, key, default):
+            v = data.get(section, {})
+            return v.get(key, default) if isinstance(v, dict) else getattr(v, key, default)
+
+        task = get("data", "embedded_task", "digitsum")
+        if get("data", "train_files", EMBEDDED) != EMBEDDED or task not in EMBEDDED_TASKS:
+            return data
+        defaults = getattr(EMBEDDED_TASKS[task], "AGENT", None)
+        agent = data.get("agent", {})
+        if not defaults or get("agent", "tools", None):
+            return data
+        if isinstance(agent, BaseModel):
+            given = agent.model_fields_set
+            fill = {k: v for k, v in defaults.items() if k not in given}
+            agent = AgentConfig(**(agent.model_dump(include=given) | fill))
+        else:
+            agent = {**defaults, **agent}
+        return {**data, "agent": agent}
 
     @model_validator(mode="after")
     def _cross_checks(self):

@@ -18,8 +18,8 @@ from tether.checkpoint import latest_valid_checkpoint
 from tether.config import EMBEDDED, ConfigError, load_config
 from tether.data import PromptRow
 from tether.diagnostics import read_metrics
-from tether.tasks import digitsum, embedded_task
-from tether.tasks.exact import evaluate_policy, exact_space_problem
+from tether.tasks import digitsum, digitsum_tool, embedded_task
+from tether.tasks.exact import evaluate_policy, evaluate_tool_policy, exact_space_problem
 from tether.tasks.sft import load_reference
 
 EXACT_FINAL = "exact_final.json"
@@ -115,13 +115,15 @@ def exact_metrics(
     Returns:
         {} when the response space is too large (one warning, the first time).
     """
+    mod = embedded_task(task)
+    if getattr(mod, "AGENT", None):  # a multi-turn task: every trajectory enumerated (tether.tasks.exact)
+        return _trajectory_metrics(policy, ref, tok, prompts, beta, temperature, n_samples, cache, rows or {})
     if not cache.checked:
         cache.checked, cache.skipped = True, exact_space_problem(policy, prompts)
         if cache.skipped:
             logging.getLogger("tether").warning("%s", cache.skipped)
     if cache.skipped:
         return {}
-    mod = embedded_task(task)
     rows = rows or {}
     source = next(iter(rows.values())).data_source if rows else mod.DATA_SOURCE
     reward_batch = (lambda item, texts: _manager_scores(reward, _row(item, rows, source), texts)) if reward else None
@@ -157,6 +159,36 @@ def exact_metrics(
             "count 0: %s (the policy's probability of them)",
             ", ".join(f"{k}={v:.3g}" for k, v in unscored.items()),
         )
+    return out
+
+
+def _trajectory_metrics(policy, ref, tok, prompts, beta, temperature, n_samples, cache: ExactCache, rows: dict):
+    """``exact/*`` of the multi-turn tool task (:func:`tether.tasks.exact.evaluate_tool_policy`): the same keys as
+    the single-turn task's over whole trajectories (KLs over model tokens), plus ``exact/tool_call_rate`` (and
+    ``ref_``/``opt_``), ``exact/score_after_call``, ``exact/score_direct``. A prompt without its validation row is
+    rebuilt from its puzzle number."""
+    items = []
+    for p in prompts:
+        row = rows.get(p)
+        if row is not None:
+            items.append({"prompt": p, "extra_info": dict(row.extra_info or {})})
+        else:
+            k, puzzle = digitsum_tool.parse_prompt(p)
+            items.append(digitsum_tool.make_row(k, puzzle, 0, "val"))
+    was_training = policy.training
+    policy.eval()
+    with ref.as_reference():
+        out = evaluate_tool_policy(
+            policy,
+            ref.module,
+            tok,
+            items,
+            max(beta, 1e-6),
+            temperature=temperature,
+            n_samples=n_samples,
+            ref_cache=cache.ref,
+        )
+    policy.train(was_training)
     return out
 
 

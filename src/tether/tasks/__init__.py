@@ -2,21 +2,28 @@
 
 * :mod:`tether.tasks.digitsum`: prompts, the rule-based reward ``compute_score`` and verl-schema rows.
 * :mod:`tether.tasks.digitsum_hack`: the same prompts with a flawed proxy reward and exact correctness as gold.
+* :mod:`tether.tasks.digitsum_tool`: the multi-turn task, the sum hidden until a tool call reveals it (an ``AGENT``
+  section and its own reference).
 * :mod:`tether.tasks.sft`: the character-level tokenizer and the SFT-built reference policy
   (``build_reference``, ``ensure_reference``, ``default_reference_path``, ``load_reference``).
 * :mod:`tether.tasks.exact`: exact enumeration of responses and the KL-regularized optimum π*.
 
-Only :mod:`digitsum` and :mod:`digitsum_hack` are imported eagerly; the others load torch/transformers on first use.
+Only :mod:`digitsum`, :mod:`digitsum_hack` and :mod:`digitsum_tool` are imported eagerly; the others load
+torch/transformers on first use.
 """
 
 from types import ModuleType
 
-from tether.tasks import digitsum, digitsum_hack
+from tether.tasks import digitsum, digitsum_hack, digitsum_tool
 from tether.tasks.digitsum import DATA_SOURCE, MAX_NEW_TOKENS, compute_score, make_dataset, make_prompt
 
 #: ``data.embedded_task`` -> its module (``DATA_SOURCE``, ``compute_score`` (the training reward), ``make_dataset``; a
 #: ``gold_score`` where the training reward is a proxy)
-EMBEDDED_TASKS: dict[str, ModuleType] = {"digitsum": digitsum, "digitsum_hack": digitsum_hack}
+EMBEDDED_TASKS: dict[str, ModuleType] = {
+    "digitsum": digitsum,
+    "digitsum_hack": digitsum_hack,
+    "digitsum_tool": digitsum_tool,
+}
 
 
 def embedded_task(name: str) -> ModuleType:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tether.tasks import digitsum, digitsum_hack
+from tether.tasks import digitsum, digitsum_hack, digitsum_tool
 
 #: Refuse to enumerate spaces larger than this many responses unless asked to.
 MAX_RESPONSES = 2_000_000
@@ -151,6 +151,7 @@ def enumerate_policy(
     *,
     batch_size: int = 8192,
     max_responses: int = MAX_RESPONSES,
+    prompt_ids: Sequence[int] | None = None,
 ) -> ResponseSpace:
     """Enumerate every response of ``prompt`` with its exact log-probability under ``model``.
 
@@ -169,6 +170,8 @@ def enumerate_policy(
         temperature: sampling temperature (``> 0``).
         batch_size: prefix rows per forward pass.
         max_responses: refuse larger spaces (see :func:`response_space_size`).
+        prompt_ids: the context's token ids in place of ``tokenizer(prompt)``'s (a later turn's context: the
+            prompt, the earlier turns and observations as the turn loop appended them).
 
     Returns:
         A :class:`ResponseSpace` with N = ``response_space_size(V, T)`` responses.
@@ -186,7 +189,7 @@ def enumerate_policy(
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token_id; responses could not end")
-    prompt_ids = list(tokenizer(prompt)["input_ids"])
+    prompt_ids = list(tokenizer(prompt)["input_ids"]) if prompt_ids is None else [int(i) for i in prompt_ids]
     if not prompt_ids:
         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
     device = next(model.parameters()).device
@@ -277,6 +280,120 @@ def _next_token_logprobs(model, prompt_ids, prefixes, temperature, batch_size) -
         logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[:, -1, :]
         out.append(torch.log_softmax(logits.double() / temperature, dim=-1).cpu())
     return torch.cat(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# multi-turn trajectories with a deterministic environment
+
+
+@dataclass(frozen=True, eq=False)
+class TrajectorySpace:
+    """Every trajectory of a prompt under a deterministic environment, with its exact probability under one policy.
+
+    ``space`` is a :class:`ResponseSpace` over trajectories: ``token_ids`` / ``ids`` / ``token_logprobs`` hold the
+    model's tokens only (the turns concatenated, observations left out: they are not actions, and a deterministic
+    environment gives each the probability 1), so ``space.logprobs`` is log π(τ|x) = Σ over model tokens of
+    log π(a_t | context), ``space.lengths`` counts model tokens, and ``space.texts`` are the model turns' texts
+    joined with ``"|"``. ``rewards``: (N,) the sum of the per-turn rewards; ``turns``: (N,) model turns taken;
+    ``answers``: the last turn's text. Two spaces of the same prompt and environment align row by row.
+    """
+
+    space: ResponseSpace
+    rewards: np.ndarray
+    turns: np.ndarray
+    answers: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.space)
+
+
+def enumerate_trajectories(
+    model,
+    tokenizer,
+    prompt: str,
+    step: Callable[[int, str], tuple[Any, float, bool]],
+    max_new_tokens: int,
+    *,
+    max_turns: int,
+    observation_ids: Callable[[Any], Sequence[int]] | None = None,
+    temperature: float = 1.0,
+    max_responses: int = MAX_RESPONSES,
+) -> TrajectorySpace:
+    """Enumerate every trajectory of ``prompt``: each model turn over its whole response space
+    (:func:`enumerate_policy`, ``max_new_tokens`` per turn), the environment's deterministic answer, the next turn.
+
+    ``step(turn, text) -> (observation, reward, done)`` is the environment after model turn ``turn`` (1-based) wrote
+    ``text`` (decoded without special tokens). A trajectory ends when ``done``, after ``max_turns`` turns, or at a
+    turn cut by the length limit (no EOS: reward 0 and no step, as :class:`tether.rollout.agent.AgentRunner` does);
+    otherwise the next turn's context is the previous context, the turn's tokens (EOS included) and
+    ``observation_ids(observation)`` (default: the observation text tokenised without special tokens). Costs one
+    enumeration per context that goes on (the tool task: 2).
+
+    Raises:
+        ValueError: ``max_turns < 1``, and as :func:`enumerate_policy`.
+    """
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+    if observation_ids is None:
+
+        def observation_ids(obs):
+            return tokenizer(obs, add_special_tokens=False)["input_ids"]
+
+    ctx0 = list(tokenizer(prompt)["input_ids"])
+    # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
+    live = [(ctx0, [], [], 0.0, [])]
+    done_rows = []
+    for turn in range(1, max_turns + 1):
+        nxt = []
+        for ctx, ids, lps, rsum, texts in live:
+            sp = enumerate_policy(
+                model, tokenizer, prompt, max_new_tokens, temperature, max_responses=max_responses, prompt_ids=ctx
+            )
+            for i in range(len(sp)):
+                n = int(sp.lengths[i])
+                t_ids, t_lps = list(sp.token_ids[i]), sp.token_logprobs[i, :n].tolist()
+                text = sp.texts[i]
+                if not sp.ended_with_eos[i]:
+                    obs, r, end = None, 0.0, True
+                else:
+                    obs, r, end = step(turn, text)
+                    r = float(r)
+                    if not math.isfinite(r):
+                        raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
+                row = (ctx + t_ids, ids + t_ids, lps + t_lps, rsum + r, [*texts, text])
+                if end or turn == max_turns:
+                    done_rows.append(row)
+                else:
+                    nxt.append((row[0] + list(observation_ids(obs)), *row[1:]))
+        live = nxt
+        if not live:
+            break
+    N, width = len(done_rows), max_new_tokens * max_turns
+    ids = np.full((N, width), -1, dtype=np.int64)
+    tok = np.zeros((N, width), dtype=np.float64)
+    lengths = np.empty(N, dtype=np.int64)
+    for j, (_, m_ids, m_lps, _, _) in enumerate(done_rows):
+        ids[j, : len(m_ids)], tok[j, : len(m_lps)], lengths[j] = m_ids, m_lps, len(m_ids)
+    eos = tokenizer.eos_token_id
+    space = ResponseSpace(
+        prompt=prompt,
+        prompt_ids=tuple(ctx0),
+        token_ids=tuple(tuple(r[1]) for r in done_rows),
+        ids=ids,
+        texts=tuple("|".join(r[4]) for r in done_rows),
+        logprobs=tok.sum(axis=1),
+        token_logprobs=tok,
+        lengths=lengths,
+        ended_with_eos=np.array([bool(r[1]) and r[1][-1] == eos for r in done_rows]),
+        temperature=float(temperature),
+        max_new_tokens=width,
+    )
+    return TrajectorySpace(
+        space=space,
+        rewards=np.array([r[3] for r in done_rows], dtype=np.float64),
+        turns=np.array([len(r[4]) for r in done_rows], dtype=np.int64),
+        answers=tuple(r[4][-1] for r in done_rows),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -575,6 +692,83 @@ def evaluate_prompt(
         out[f"unique_frac@{n_samples}"] = float(
             np.sum(-np.expm1(n_samples * np.log1p(-np.minimum(p, 1.0)))) / n_samples
         )
+    return out
+
+
+def evaluate_trajectories(
+    policy: TrajectorySpace, reference: TrajectorySpace, beta: float, *, n_samples: int | None = None
+) -> dict[str, float]:
+    """:func:`evaluate_prompt` over trajectories (π* ∝ π_ref·exp(r/β) over whole trajectories, the KLs summed over
+    model tokens, ``_tok`` per model token), plus the tool's use: ``tool_call_rate`` (π's probability of more than
+    one turn; ``ref_``/``opt_`` versions), ``score_after_call`` E_π[r | more than one turn] and ``score_direct``
+    E_π[r | one turn] (0 where π gives the case no mass).
+
+    Holds for a deterministic environment, whose trajectory distribution is the product of the model's token
+    probabilities. Raises ValueError on misaligned spaces, as :func:`evaluate_prompt`.
+    """
+    out = evaluate_prompt(policy.space, reference.space, reference.rewards, beta, n_samples=n_samples)
+    opt = exact_optimum(reference.space.logprobs, reference.rewards, beta)
+    called = reference.turns > 1
+    for prefix, lq in (("", policy.space.logprobs), ("ref_", reference.space.logprobs), ("opt_", opt.logprobs)):
+        out[f"{prefix}tool_call_rate"] = float(np.sum(np.exp(lq[called])))
+    p, r = policy.space.probs, reference.rewards
+    for name, m in (("score_after_call", called), ("score_direct", ~called)):
+        mass = float(np.sum(p[m]))
+        out[name] = float(np.sum(p[m] * r[m]) / mass) if mass > 0 else 0.0
+    return out
+
+
+def evaluate_tool_policy(
+    policy,
+    reference,
+    tokenizer,
+    rows: Sequence[Mapping],
+    beta: float,
+    *,
+    temperature: float = 1.0,
+    n_samples: int | None = None,
+    ref_cache: dict | None = None,
+    observation_ids: Callable[[Any], Sequence[int]] | None = None,
+    prefix: str = "exact/",
+) -> dict[str, float]:
+    """Exact metrics of the multi-turn tool task (:mod:`tether.tasks.digitsum_tool`) over its rows: the mean over
+    rows of :func:`evaluate_trajectories`'s keys, prefixed (``exact/score_mean``, ``exact/kl_ref_seq``,
+    ``exact/objective_gap``, ``exact/tool_call_rate``, ...), plus ``{prefix}n_prompts``. ``ref_cache`` maps
+    ``(prompt, temperature)`` to the reference's :class:`TrajectorySpace`. Two trajectory enumerations per row (one
+    with a warm cache). Raises ValueError for a row that is not the task's."""
+    if len(rows) == 0:
+        raise ValueError("rows is empty")
+    per = []
+    for row in rows:
+        extra = row.get("extra_info") or {} if isinstance(row, Mapping) else {}
+        if not isinstance(row, Mapping) or "s" not in extra:
+            raise ValueError(f"row {row!r} is not a digitsum_tool row (needs extra_info.s)")
+        k, s = int(extra.get("k", digitsum_tool.DEFAULT_K)), int(extra["s"])
+
+        def step(turn, text, k=k, s=s):
+            return digitsum_tool.transition(k, s, turn, text)
+
+        def run(model, prompt=row["prompt"], k=k, step=step):
+            return enumerate_trajectories(
+                model,
+                tokenizer,
+                prompt,
+                step,
+                k + 1,
+                max_turns=digitsum_tool.MAX_TURNS,
+                observation_ids=observation_ids,
+                temperature=temperature,
+            )
+
+        key = (row["prompt"], float(temperature))
+        ref_ts = ref_cache.get(key) if ref_cache is not None else None
+        if ref_ts is None:
+            ref_ts = run(reference)
+            if ref_cache is not None:
+                ref_cache[key] = ref_ts
+        per.append(evaluate_trajectories(run(policy), ref_ts, beta, n_samples=n_samples))
+    out = {f"{prefix}{k}": float(np.mean([d[k] for d in per])) for k in per[0]}
+    out[f"{prefix}n_prompts"] = float(len(per))
     return out
 
 

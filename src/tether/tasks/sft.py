@@ -224,27 +224,18 @@ def build_reference(
         prompts = [(r["extra_info"]["k"], r["extra_info"]["s"]) for r in digitsum.make_dataset("all")]
         demos = make_demonstrations(prompts, demos_per_prompt, p_correct=p_correct, p_short=p_short, seed=seed)
         ids, labels = _encode_demos(tokenizer, demos)
-        attn = (ids != tokenizer.pad_token_id).long()
         model = new_model(seed, model_config)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
-        gen = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        for step in range(steps):
-            idx = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
-            logits = model(input_ids=ids[idx], attention_mask=attn[idx]).logits
-            lab = labels[idx]
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1), ignore_index=-100
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            if log_every and (step % log_every == 0 or step == steps - 1):
-                print(f"sft step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        train_sft(
+            model,
+            ids,
+            labels,
+            pad_id=tokenizer.pad_token_id,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            log_every=log_every,
+        )
         model.eval()
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
@@ -253,6 +244,35 @@ def build_reference(
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def train_sft(
+    model, ids, labels, *, pad_id: int, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 0
+):
+    """The reference's SFT loop, in place: AdamW (betas 0.9, 0.98, no weight decay), cosine decay of ``lr`` to zero
+    over ``steps`` mini-batches of ``batch_size`` rows of ``ids`` (N, L) drawn with replacement (seeded), gradient
+    norm clipped at 1; the loss is the mean cross-entropy (nats) over the positions whose ``labels`` are not -100.
+    Shared by the digit-sum reference and the tool task's (:mod:`tether.tasks.digitsum_tool`)."""
+    attn = (ids != pad_id).long()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps)))
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        idx = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
+        logits = model(input_ids=ids[idx], attention_mask=attn[idx]).logits
+        lab = labels[idx]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1), ignore_index=-100
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"sft step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
 def _portable_tokenizer_config(out: Path) -> None:
