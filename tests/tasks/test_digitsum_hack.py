@@ -36,7 +36,11 @@ def test_rows_registry_and_config():
     }
     assert REWARD_FUNCTIONS["tether/digitsum_hack"] == "tether.tasks.digitsum_hack:compute_score"
     assert get_reward_function("tether/digitsum_hack") is digitsum_hack.compute_score
-    assert embedded_task("digitsum_hack") is digitsum_hack and set(EMBEDDED_TASKS) == {"digitsum", "digitsum_hack"}
+    assert embedded_task("digitsum_hack") is digitsum_hack and set(EMBEDDED_TASKS) == {
+        "digitsum",
+        "digitsum_hack",
+        "digitsum_tool",
+    }
     with pytest.raises(ValueError, match="unknown embedded task 'nope'; valid: digitsum, digitsum_hack"):
         embedded_task("nope")
     assert load_config(None, ["data.embedded_task=digitsum_hack"]).data.embedded_task == "digitsum_hack"
