@@ -8,7 +8,7 @@ import math
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
+from distill_teachers import sharpened_teacher
 from test_resume import assert_same_metrics, crash_after, read_lines
 from test_resume import cfg as resume_cfg
 
@@ -23,16 +23,6 @@ def reward(data_sources, solution_strs, ground_truths, extra_infos):
 """
 
 
-def sharpened_teacher(path, factor: float = 3.0):
-    """A copy of the embedded reference with its final RMSNorm weight times ``factor``: its embeddings are tied, so
-    every logit is ``factor`` times the reference's and π_T ∝ π_ref^factor (a sharper teacher, same tokenizer)."""
-    shutil.copytree(default_reference_path(), path)
-    w = load_file(path / "model.safetensors")
-    w["model.norm.weight"] = w["model.norm.weight"] * factor
-    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 def lines(run) -> list[dict]:
     return [r for r in read_lines(run) if r["step"] > 0]
 
@@ -40,7 +30,10 @@ def lines(run) -> list[dict]:
 def test_config_refuses_what_distillation_cannot_run_with():
     for overrides, match in (
         (["distill.coef=2"], r"distill.coef=2.0 has no effect without distill.teacher"),
-        (["distill.teacher=x", "trainer.backend=ray"], r"distill.teacher is not supported with trainer.backend=ray"),
+        (
+            ["distill.teacher=exact", "distill.teacher_beta=0.1", "distill.estimator=reverse", "trainer.backend=ray"],
+            r"distill.teacher=exact with distill.estimator=reverse and trainer.backend=ray",
+        ),
         (
             ["distill.teacher=x", "rollout.mode=offline", "data.response_key=r"],
             r"distill.teacher needs the student's own samples",
