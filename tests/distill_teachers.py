@@ -10,10 +10,11 @@ from safetensors.torch import load_file, save_file
 from tether.tasks.sft import default_reference_path
 
 
-def sharpened_teacher(path, factor: float = 3.0):
-    """A copy of the embedded reference with its final RMSNorm weight times ``factor``: its embeddings are tied, so
-    every logit is ``factor`` times the reference's and π_T ∝ π_ref^factor (a sharper teacher, same tokenizer)."""
-    shutil.copytree(default_reference_path(), path)
+def sharpened_teacher(path, factor: float = 3.0, source=None):
+    """A copy of ``source`` (default: the embedded reference; a model of its architecture, whose embeddings are tied)
+    with its final RMSNorm weight times ``factor``: every logit is ``factor`` times the source's and
+    π_T ∝ π_source^factor (a sharper teacher, same tokenizer)."""
+    shutil.copytree(source or default_reference_path(), path)
     w = load_file(path / "model.safetensors")
     w["model.norm.weight"] = w["model.norm.weight"] * factor
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
