@@ -212,14 +212,22 @@ def test_reverse_estimator_with_the_reference_as_teacher_equals_the_full_referen
         assert r["distill/kl_student_teacher"] == pytest.approx(r["kl/ref_mean"], rel=1e-4, abs=1e-7), r["step"]
 
 
+RESUME_CASES = {
+    "k1": ["distill.estimator=k1"],
+    "jsd": ["distill.estimator=jsd"],
+    # one batch generated ahead: the checkpoint holds it pending, with its behaviour log-probs (k1's π_old)
+    "k1-async-1": ["distill.estimator=k1", "rollout.async_steps=1"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["k1", "jsd"])
-def test_resume_with_distillation_equals_uninterrupted(tmp_path, estimator):
+@pytest.mark.parametrize("extra", list(RESUME_CASES.values()), ids=list(RESUME_CASES))
+def test_resume_with_distillation_equals_uninterrupted(tmp_path, extra):
     """As tests/trainer/test_resume.py: the teacher is frozen and holds no state, so a run crashed after step 3 and
-    resumed from step 2's checkpoint logs exactly the uninterrupted run's metrics, distill/* included."""
+    resumed from step 2's checkpoint logs exactly the uninterrupted run's metrics, distill/* included; with
+    rollout.async_steps=1 the resumed run picks up the pending batch its checkpoint holds."""
     teacher = sharpened_teacher(tmp_path / "teacher", factor=2.0)
-    extra = ["data.embedded_train_size=8", f"distill.teacher={teacher}", "distill.coef=0.5"]
-    extra += [f"distill.estimator={estimator}"]
+    extra = ["data.embedded_train_size=8", f"distill.teacher={teacher}", "distill.coef=0.5", *extra]
     Trainer(resume_cfg(tmp_path / "full", *extra)).fit()
     want = read_lines(tmp_path / "full")
     assert all(r["distill/kl_student_teacher_seq"] > 0 for r in want if r["step"] > 0)
@@ -227,6 +235,8 @@ def test_resume_with_distillation_equals_uninterrupted(tmp_path, estimator):
     crash_after(Trainer(resume_cfg(run, *extra)), 3)
     resumed = Trainer(resume_cfg(run, *extra))
     assert resumed.step == 2
+    if "rollout.async_steps=1" in extra:
+        assert len(resumed.async_rollout._ready) == 1
     resumed.fit()
     assert_same_metrics(read_lines(run), want)
 
