@@ -150,7 +150,9 @@ class DistillConfig(Section):
         "tokenizer: vocabulary, special tokens, EOS ids); null = off. Adds -distill.coef * KL(π ‖ π_teacher), the "
         "reverse KL (student first), to the objective (docs/distillation.md). 'exact' = on the embedded task, the "
         "exact optimum π*_β ∝ π_ref·exp(r/β) of the task's own reward at β = distill.teacher_beta, enumerated over "
-        "responses of up to rollout.max_new_tokens tokens and served token by token (docs/distillation.md#exact).",
+        "responses of up to rollout.max_new_tokens tokens and served token by token (docs/distillation.md#exact). "
+        "Placed as the reference: in this process (trainer.backend=local) or sharded on the actor group's ranks (ray; "
+        "'exact' stays in the driver, k1 only).",
     )
     teacher_beta: float | None = Field(
         None,
@@ -1509,10 +1511,12 @@ def _check_distill(cfg) -> None:
             f"actor.old_logprobs_source=rollout: distill.estimator={d.estimator} needs the actor's logits at each "
             "visited state; use actor.old_logprobs_source=recompute or distill.estimator=k1"
         )
-    if cfg.trainer.backend == "ray":
+    if cfg.trainer.backend == "ray" and d.teacher == EXACT_TEACHER and d.estimator in FULL_DISTILL_ESTIMATORS:
         raise ValueError(
-            "distill.teacher is not supported with trainer.backend=ray yet (the teacher runs in this process only); "
-            "use trainer.backend=local (docs/distillation.md)"
+            f"distill.teacher=exact with distill.estimator={d.estimator} and trainer.backend=ray: the exact teacher is "
+            "a lookup table in the driver, and this estimator needs its logits on the actor's ranks; use "
+            "distill.estimator=k1, trainer.backend=local, or a model directory as distill.teacher "
+            "(docs/distillation.md)"
         )
     if cfg.rollout.mode == "offline":
         raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from tether.config import ConfigError, TetherConfig
+from tether.config import EXACT_TEACHER, ConfigError, TetherConfig
 from tether.distributed.parallel import ParallelDims
 from tether.distributed.ray_backend import build_ray_roles, check_ray_installed, probe_ray_address
 from tether.models import resolve_model_path
@@ -42,7 +42,8 @@ def build_roles(cfg: TetherConfig) -> Roles:
 
 def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
     """``actor.tp_size`` must split the attention and KV heads of every model the worker groups shard (the actor,
-    and a separate ``ref.model`` / ``critic.model``), read from their config.json before anything loads.
+    and a separate ``ref.model`` / ``critic.model`` / ``distill.teacher``), read from their config.json before anything
+    loads.
 
     Raises:
         ConfigError: naming ``actor.tp_size``, the model's key and the count it does not divide.
@@ -52,6 +53,7 @@ def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
     for key, value in (
         ("ref.model", cfg.ref.model),
         ("critic.model", cfg.critic.model if cfg.algo.adv_estimator == "gae" else None),
+        ("distill.teacher", cfg.distill.teacher if cfg.distill.teacher != EXACT_TEACHER else None),
     ):
         if value is not None:
             models[key] = resolve_model_path(value, key)

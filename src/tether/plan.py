@@ -1134,11 +1134,6 @@ def plan_config(
             f"task: add rollout.max_new_tokens=N (and data.max_prompt_length=N, now {cfg.data.max_prompt_length}) "
             "with your task's lengths, e.g. rollout.max_new_tokens=1024"
         )
-    if devices > 1 and cfg.distill.teacher is not None:
-        plan.notes.append(
-            f"--devices {devices} with distill.teacher: the teacher is planned sharded as the reference, but "
-            "distillation runs on trainer.backend=local only so far (one device holds all of it)"
-        )
     if devices > 1 and getattr(cfg.trainer, "backend", "local") == "local":
         plan.notes.append(
             f"--devices {devices}: planned for the Ray backend's FSDP2 sharding (trainer.backend=ray); the local "

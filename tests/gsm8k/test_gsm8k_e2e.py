@@ -181,3 +181,71 @@ def test_cli_converts_model_solutions(gsm8k_dir, tmp_path, capsys):
         for m in ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
     ]
     assert main(["data", "gsm8k-solutions", str(tmp_path / "missing.jsonl"), str(tmp_path / "x.jsonl")]) == 2
+
+
+# GSM8K correctness as the built-in scores it, with verl's format_score: 1 for the right final answer, 0.1 for a wrong
+# one that was found (a number in the response), 0 for none; a random tiny model writes numbers now and then, so the
+# reward term is not identically 0
+FORMAT_REWARD_FN = """
+from tether.rewards import gsm8k_compute_score
+
+def gsm8k_with_format(data_sources, solution_strs, ground_truths, extra_infos):
+    return [gsm8k_compute_score(s, g, format_score=0.1) for s, g in zip(solution_strs, ground_truths)]
+"""
+
+
+@pytest.mark.slow
+def test_distillation_mixed_with_the_task_reward_and_the_reference_kl(qwen2_dir, gsm8k_files, tmp_path):
+    """One run with all three terms of J = E[r] − β·KL(π‖π_ref) − λ·KL(π‖π_T) on GSM8K rows: the task reward (GSM8K
+    correctness), the reference KL (β = 0.05, k1, in the reward) and a teacher (the tiny model trained 3 steps further
+    by tether and exported). Each token's reward is then worked out by hand from the batch's log-probs and scores:
+    score·[t = last] − β·(log π_old − log π_ref) − λ·(log π_old − log π_T), and each of the three is non-zero on the
+    run (float32: the trainer subtracts the same numbers in another order, so to 1e-6)."""
+    from tether.export import export_checkpoint
+
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text(FORMAT_REWARD_FN)
+    data = [f"data.train_files={gsm8k_files['train']}", f"data.val_files={gsm8k_files['val']}"]
+    reward = f"reward.function={fn}:gsm8k_with_format"
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    teacher_run, _ = _trainer(qwen2_dir, pre, *data, reward, "trainer.total_steps=3", "trainer.val_freq=0")
+    teacher_run.fit()
+    teacher = export_checkpoint(pre / "run", tmp_path / "teacher")
+    beta, lam = 0.05, 0.5
+    trainer, batches = _trainer(
+        qwen2_dir,
+        tmp_path,
+        *data,
+        reward,
+        f"kl.coef={beta}",
+        "kl.placement=reward",
+        "kl.estimator=k1",
+        f"distill.teacher={teacher}",
+        f"distill.coef={lam}",
+        "trainer.total_steps=3",
+        "trainer.val_freq=0",
+    )
+    history = trainer.fit()
+    assert len(history) == 3
+    for batch in batches:
+        mask = batch.action_mask.bool()
+        last = mask.cumsum(-1) == mask.sum(-1, keepdim=True)  # the last response token
+        k1_ref = batch.old_logprobs - batch.ref_logprobs
+        k1_teacher = batch.old_logprobs - batch.teacher_logprobs
+        want = torch.where(mask, -beta * k1_ref - lam * k1_teacher, 0.0) + torch.where(
+            mask & last, batch.scores[:, None], 0.0
+        )
+        assert batch.token_level_rewards == pytest.approx(want, abs=1e-6)
+    # each term live on the run: scores that vary, log-ratios to the reference once the policy moved (step 1 samples
+    # from the reference's weights: exactly 0) and to the teacher at every step; their metrics logged
+    assert max(float(b.scores.max()) for b in batches) > 0
+    m = [b.action_mask.bool() for b in batches]
+    assert float((batches[0].old_logprobs - batches[0].ref_logprobs)[m[0]].abs().max()) == 0.0
+    assert float((batches[-1].old_logprobs - batches[-1].ref_logprobs)[m[-1]].abs().max()) > 1e-3
+    assert all(
+        float((b.old_logprobs - b.teacher_logprobs)[k].abs().max()) > 1e-2 for b, k in zip(batches, m, strict=True)
+    )
+    for h in history:
+        print({k: h[k] for k in ("reward/score_mean", "kl/ref_mean", "distill/kl_student_teacher_seq")})
+        assert h["kl/coef"] == beta and h["distill/coef"] == lam and h["distill/kl_student_teacher_seq"] != 0

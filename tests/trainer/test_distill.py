@@ -8,7 +8,7 @@ import math
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
+from distill_teachers import sharpened_teacher
 from test_resume import assert_same_metrics, crash_after, read_lines
 from test_resume import cfg as resume_cfg
 
@@ -23,16 +23,6 @@ def reward(data_sources, solution_strs, ground_truths, extra_infos):
 """
 
 
-def sharpened_teacher(path, factor: float = 3.0):
-    """A copy of the embedded reference with its final RMSNorm weight times ``factor``: its embeddings are tied, so
-    every logit is ``factor`` times the reference's and π_T ∝ π_ref^factor (a sharper teacher, same tokenizer)."""
-    shutil.copytree(default_reference_path(), path)
-    w = load_file(path / "model.safetensors")
-    w["model.norm.weight"] = w["model.norm.weight"] * factor
-    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 def lines(run) -> list[dict]:
     return [r for r in read_lines(run) if r["step"] > 0]
 
@@ -40,7 +30,10 @@ def lines(run) -> list[dict]:
 def test_config_refuses_what_distillation_cannot_run_with():
     for overrides, match in (
         (["distill.coef=2"], r"distill.coef=2.0 has no effect without distill.teacher"),
-        (["distill.teacher=x", "trainer.backend=ray"], r"distill.teacher is not supported with trainer.backend=ray"),
+        (
+            ["distill.teacher=exact", "distill.teacher_beta=0.1", "distill.estimator=reverse", "trainer.backend=ray"],
+            r"distill.teacher=exact with distill.estimator=reverse and trainer.backend=ray",
+        ),
         (
             ["distill.teacher=x", "rollout.mode=offline", "data.response_key=r"],
             r"distill.teacher needs the student's own samples",
@@ -219,14 +212,22 @@ def test_reverse_estimator_with_the_reference_as_teacher_equals_the_full_referen
         assert r["distill/kl_student_teacher"] == pytest.approx(r["kl/ref_mean"], rel=1e-4, abs=1e-7), r["step"]
 
 
+RESUME_CASES = {
+    "k1": ["distill.estimator=k1"],
+    "jsd": ["distill.estimator=jsd"],
+    # one batch generated ahead: the checkpoint holds it pending, with its behaviour log-probs (k1's π_old)
+    "k1-async-1": ["distill.estimator=k1", "rollout.async_steps=1"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["k1", "jsd"])
-def test_resume_with_distillation_equals_uninterrupted(tmp_path, estimator):
+@pytest.mark.parametrize("extra", list(RESUME_CASES.values()), ids=list(RESUME_CASES))
+def test_resume_with_distillation_equals_uninterrupted(tmp_path, extra):
     """As tests/trainer/test_resume.py: the teacher is frozen and holds no state, so a run crashed after step 3 and
-    resumed from step 2's checkpoint logs exactly the uninterrupted run's metrics, distill/* included."""
+    resumed from step 2's checkpoint logs exactly the uninterrupted run's metrics, distill/* included; with
+    rollout.async_steps=1 the resumed run picks up the pending batch its checkpoint holds."""
     teacher = sharpened_teacher(tmp_path / "teacher", factor=2.0)
-    extra = ["data.embedded_train_size=8", f"distill.teacher={teacher}", "distill.coef=0.5"]
-    extra += [f"distill.estimator={estimator}"]
+    extra = ["data.embedded_train_size=8", f"distill.teacher={teacher}", "distill.coef=0.5", *extra]
     Trainer(resume_cfg(tmp_path / "full", *extra)).fit()
     want = read_lines(tmp_path / "full")
     assert all(r["distill/kl_student_teacher_seq"] > 0 for r in want if r["step"] > 0)
@@ -234,6 +235,8 @@ def test_resume_with_distillation_equals_uninterrupted(tmp_path, estimator):
     crash_after(Trainer(resume_cfg(run, *extra)), 3)
     resumed = Trainer(resume_cfg(run, *extra))
     assert resumed.step == 2
+    if "rollout.async_steps=1" in extra:
+        assert len(resumed.async_rollout._ready) == 1
     resumed.fit()
     assert_same_metrics(read_lines(run), want)
 

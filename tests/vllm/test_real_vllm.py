@@ -361,6 +361,49 @@ def test_vllm_logprobs_as_old_logprobs(tmp_path):
 
 
 @pytest.mark.slow
+def test_distillation_with_the_real_engine(tmp_path):
+    """distill.teacher=DIR (k1) with rollout.engine=vllm: vLLM samples, the trainer's actor and the teacher score the
+    samples, and λ·k1 goes into the reward. The teacher is the policy flattened (every logit halved), so k1 is far
+    from 0; the logged old log-probs are vLLM's sampling policy's (logprob_diff within LOGPROB_TOL at every step: the
+    k1 is taken under the policy that sampled)."""
+    from distill_teachers import sharpened_teacher
+
+    from tether.trainer import Trainer
+
+    model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
+    teacher = sharpened_teacher(tmp_path / "teacher", factor=0.5, source=model)
+    cfg = load_config(
+        None,
+        [
+            f"actor.model={model}",
+            "rollout.engine=vllm",
+            f"rollout.vllm.kv_cache_gib={KV_CACHE_GIB}",
+            f"trainer.device={DEVICE}",
+            f"distill.teacher={teacher}",
+            "distill.coef=0.5",
+            "trainer.total_steps=2",
+            "trainer.val_freq=0",
+            "trainer.progress=false",
+            "trainer.report=false",
+            "trainer.save_freq=0",
+            "data.batch_size=4",
+            "rollout.n=4",
+            "actor.lr=0.01",
+            "data.embedded_train_size=16",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    history = Trainer(cfg).fit()
+    assert len(history) == 2
+    for h in history:
+        print({k: v for k, v in h.items() if k.startswith(("distill/", "rollout/logprob_diff"))})
+        assert h["distill/coef"] == 0.5 and math.isfinite(h["distill/kl_student_teacher"])
+        assert h["distill/kl_student_teacher_seq"] > 0.1  # the flattened teacher is far from the peaked student
+        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
+        assert h["timing/teacher_s"] > 0
+
+
+@pytest.mark.slow
 def test_rollout_correction_against_the_real_engine(tmp_path):
     """algo.rollout_correction.level=token with vLLM: the weights are π_old/π_rollout from vLLM's own log-probs,
     logged as rollout_corr/*. At the engine's temperature they are 1 within LOGPROB_TOL; with the engine at 1.5

@@ -27,12 +27,13 @@ import torch
 from tether import engines
 from tether.batch import RolloutBatch
 from tether.checkpoint import CheckpointError
-from tether.config import ConfigError
+from tether.config import EXACT_TEACHER, ConfigError
 from tether.distributed.dp import gather_rows, split_batch
 from tether.distributed.errors import WorkerDiedError, death_cause, failure_text
 from tether.distributed.rollout_workers import ReplicaGroup, replica_count
 from tether.distributed.worker import ALL, DP_SPLIT, RankWorker
 from tether.engines import EngineEntry
+from tether.workers.actor import DISTILL_OUT
 from tether.workers.build import build_driver_share, build_runner
 from tether.workers.roles import Roles
 
@@ -505,10 +506,29 @@ class RemoteActor:
             self.pull_weights()
         return self.model_as_is
 
-    def compute_logprobs(self, batch: RolloutBatch, *, with_entropy: bool = True, full_kl_ref=None):
-        return self.group.call("compute_logprobs", batch, with_entropy=with_entropy, full_kl=full_kl_ref is not None)
+    def compute_logprobs(
+        self,
+        batch: RolloutBatch,
+        *,
+        with_entropy: bool = True,
+        full_kl_ref=None,
+        teacher=None,
+        distill=None,
+        distill_out: dict | None = None,
+    ):
+        """As ``ActorWorker.compute_logprobs``, on the actor group: ``full_kl_ref`` and ``teacher`` say only whether
+        the ranks' own reference and teacher join the pass (they live beside the actor there)."""
+        with_teacher = teacher is not None and distill is not None
+        out = self.group.call(
+            "compute_logprobs", batch, with_entropy=with_entropy, full_kl=full_kl_ref is not None, distill=with_teacher
+        )
+        if with_teacher and distill_out is not None:
+            distill_out.update(zip(DISTILL_OUT, out[4:], strict=True))
+        return out[:4]
 
-    def update(self, batch: RolloutBatch, spec, step: int, ref=None) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, spec, step: int, ref=None, teacher=None) -> dict[str, float]:
+        """``ActorWorker.update`` on the actor group; ``ref`` and ``teacher`` are the ranks' own (``spec.distill``: the
+        ranks pass their teacher to the loss term)."""
         metrics = self.group.call("update_actor", batch, spec, step)
         # spec.reuse_logprobs: the rows measured by the ranks, gathered in order
         for k in ("_old_logprobs", "_entropy"):
@@ -588,6 +608,17 @@ class RemoteReference:
             self.local.model.load_state_dict(self.group.call("full_state", "ref", False))
 
 
+class RemoteTeacher:
+    """Stands where the teacher's ``ReferenceWorker`` stands (``distill.teacher=DIR``): log-probs on the actor group,
+    whose ranks hold the teacher sharded beside the reference (``RankWorker._build_actor``)."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        return self.group.call("teacher_logprobs", batch)
+
+
 class RemoteCritic:
     """Stands where ``CriticWorker`` stands: values and updates on the critic's group (the driver
     holds no critic model)."""
@@ -641,8 +672,9 @@ class RayBackend:
         self.groups: list[WorkerGroup] = []
         try:
             actor_roles = ("actor", "critic") if has_critic and not split else ("actor",)
+            teacher = ["teacher"] if cfg.distill.teacher not in (None, EXACT_TEACHER) else []
             self.actor_group = self._group(
-                "+".join(["actor", "ref", *actor_roles[1:]]), cfg, n, actor_roles, lora_state
+                "+".join(["actor", "ref", *teacher, *actor_roles[1:]]), cfg, n, actor_roles, lora_state
             )
             self.critic_group = None
             if has_critic:
@@ -736,6 +768,8 @@ def build_ray_roles(cfg) -> Roles:
     actor = RemoteActor(backend.actor_group, share.actor.model, lazy=backend.rollout is not None)
     ref = RemoteReference(backend.actor_group, share.ref, actor)
     critic = RemoteCritic(backend.critic_group) if backend.critic_group is not None else None
+    # distill.teacher=DIR lives on the actor group's ranks; =exact (a lookup table) stays in this process
+    teacher = RemoteTeacher(backend.actor_group) if "distill.teacher" in share.model_paths else share.teacher
     return Roles(
         share.tokenizer,
         actor,
@@ -749,6 +783,7 @@ def build_ray_roles(cfg) -> Roles:
         placement=backend,
         model_paths=share.model_paths,
         gold=share.gold,
+        teacher=teacher,
     )
 
 

@@ -17,15 +17,19 @@ from dataclasses import fields, replace
 import torch
 
 from tether.batch import RolloutBatch
+from tether.config import EXACT_TEACHER
 from tether.distributed.dp import DataParallel, real_rows
 from tether.distributed.parallel import FSDPSettings, ParallelDims, parallelize
 from tether.distributed.weights import stream_weights
 from tether.models import load_tokenizer, resolve_model_path
+from tether.workers.actor import DISTILL_OUT
 from tether.workers.build import (
     actor_worker,
     assemble_critic,
     assemble_policy,
+    assemble_teacher,
     critic_worker,
+    distill_spec,
     reference_worker,
 )
 
@@ -67,7 +71,8 @@ def fsdp_settings(cfg) -> FSDPSettings:
 
 
 class RankWorker:
-    """The roles of one rank. ``roles`` ⊆ {"actor", "critic"}; "actor" brings the reference with it.
+    """The roles of one rank. ``roles`` ⊆ {"actor", "critic"}; "actor" brings the reference with it, and the teacher
+    of ``distill.teacher=DIR``.
 
     With ``actor.tp_size`` = tp > 1 the group's ranks form a (world_size / tp) × tp mesh
     (:class:`ParallelDims`): rank r is data-parallel rank r // tp, and the tp ranks of one dp rank
@@ -104,7 +109,7 @@ class RankWorker:
         # the tp ranks of one dp rank see the same rows; the loss normalisers and metrics reduce over dp only
         dp_group = self.mesh["dp_shard"].get_group() if self.dims.tp > 1 else None
         self.dp = DataParallel(self.dims.dp_rank(rank), self.dims.dp_shard, group=dp_group)
-        self.actor = self.ref = self.critic = self.tokenizer = None
+        self.actor = self.ref = self.critic = self.teacher = self.tokenizer = None
         if "actor" in self.role_names:
             self._build_actor(lora_state)
         if "critic" in self.role_names:
@@ -175,6 +180,11 @@ class RankWorker:
             self.ref = reference_worker(cfg, self._parallelize(models.reference), share_prompt_prefix=share)
         self.actor = actor_worker(cfg, model, share_prompt_prefix=share)
         self.actor.dp = self.ref.dp = self.dp  # equal micro-batch counts on every rank (token budgets)
+        if cfg.distill.teacher not in (None, EXACT_TEACHER):  # a model directory: placed as the reference is
+            path = resolve_model_path(cfg.distill.teacher, "distill.teacher")  # the driver checked its tokenizer
+            teacher = assemble_teacher(cfg, self.device, path, load_device=self._load_device)
+            self.teacher = reference_worker(cfg, self._parallelize(teacher), share_prompt_prefix=share)
+            self.teacher.dp = self.dp
 
     def _build_critic(self) -> None:
         tokenizer = self.tokenizer or load_tokenizer(
@@ -192,19 +202,35 @@ class RankWorker:
 
     # ------------------------------------------------------------------ no-grad passes (split by tokens)
     @register(DP_SPLIT)
-    def compute_logprobs(self, shard: RolloutBatch, with_entropy: bool = True, full_kl: bool = False):
+    def compute_logprobs(
+        self, shard: RolloutBatch, with_entropy: bool = True, full_kl: bool = False, distill: bool = False
+    ):
         """The actor's (old_logprobs, entropy, kl_full, ref_logprobs) for this rank's shard (see
-        ``ActorWorker.compute_logprobs``); padding rows removed, on the CPU."""
+        ``ActorWorker.compute_logprobs``); padding rows removed, on the CPU. With ``distill`` (``distill.estimator``
+        reverse, forward or jsd) the teacher's pass in the same micro-batches adds (teacher_logprobs, divergence,
+        kl_student_teacher) to the tuple (``tether.workers.actor.DISTILL_OUT``)."""
         n = real_rows(shard)
+        got: dict = {}
         out = self.actor.compute_logprobs(
-            batch_to(shard, self.device), with_entropy=with_entropy, full_kl_ref=self.ref if full_kl else None
+            batch_to(shard, self.device),
+            with_entropy=with_entropy,
+            full_kl_ref=self.ref if full_kl else None,
+            teacher=self._role("teacher") if distill else None,
+            distill=distill_spec(self.cfg) if distill else None,
+            distill_out=got,
         )
+        out = (*out, *(got[k] for k in DISTILL_OUT)) if distill else out
         return tuple(None if x is None else x[:n].cpu() for x in out)
 
     @register(DP_SPLIT)
     def ref_logprobs(self, shard: RolloutBatch) -> torch.Tensor:
         """ref_logprobs (rows, T), nats."""
         return self._role("ref").compute_logprobs(batch_to(shard, self.device))[: real_rows(shard)].cpu()
+
+    @register(DP_SPLIT)
+    def teacher_logprobs(self, shard: RolloutBatch) -> torch.Tensor:
+        """teacher_logprobs (rows, T) of ``distill.teacher``, nats (at rollout.temperature, as the reference's)."""
+        return self._role("teacher").compute_logprobs(batch_to(shard, self.device))[: real_rows(shard)].cpu()
 
     @register(DP_SPLIT)
     def compute_values(self, shard: RolloutBatch) -> torch.Tensor:
@@ -217,7 +243,8 @@ class RankWorker:
         """``ActorWorker.update``: every rank draws the same mini-batches and trains on its share of each.
         With ``spec.reuse_logprobs`` its ``_old_logprobs`` / ``_entropy`` (B, T) hold every rank's rows
         in the batch's order (``DataParallel.merge_rows``), on the CPU."""
-        out = self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref)
+        teacher = self._role("teacher") if spec.distill is not None else None  # the full estimators' loss term
+        out = self._role("actor").update(batch_to(batch, self.device), spec, step, ref=self.ref, teacher=teacher)
         return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
     @register(ALL)

@@ -28,6 +28,10 @@ from tether.workers.common import (
 from tether.workers.packing import MicroBatching, check_padding_free
 from tether.workers.persist import keep_lrs, load_module, load_policy, save_module, save_policy
 
+#: what the actor's old-logprob pass measures of the teacher with a :class:`DistillSpec` ((B, T) each, into
+#: ``distill_out``): the sampled tokens' log-probs, the optimised per-state divergence f, the full KL(π‖π_T) per state
+DISTILL_OUT = ("teacher_logprobs", "divergence", "kl_student_teacher")
+
 
 @dataclass(frozen=True)
 class DistillSpec:
@@ -133,8 +137,7 @@ def _forward_logprobs(
     with_teacher = teacher is not None and distill is not None
     keep = full_kl_ref is not None or with_teacher
     dev = batch.response_ids.device
-    teacher_names = ("teacher_logprobs", "divergence", "kl_student_teacher")
-    names = ("lp", "ent", "kl", "ref") + (teacher_names if with_teacher else ())
+    names = ("lp", "ent", "kl", "ref") + (DISTILL_OUT if with_teacher else ())
     outs = {k: torch.zeros(B, T, device=dev) for k in names}
     with torch.no_grad():
         for idx, _, lay in micro.split(batch, dp):
@@ -167,7 +170,7 @@ def _forward_logprobs(
                 if v is not None and len(idx):
                     outs[k][idx.to(dev), : lay.t] = v.float()
     if with_teacher and distill_out is not None:
-        distill_out.update({k: outs[k] for k in teacher_names})
+        distill_out.update({k: outs[k] for k in DISTILL_OUT})
     full = full_kl_ref is not None
     return (
         outs["lp"],

@@ -423,10 +423,15 @@ def exact_teacher(cfg: TetherConfig) -> torch.nn.Module:
     return teacher.model()
 
 
-def assemble_teacher(cfg: TetherConfig, device: torch.device, path: Path) -> torch.nn.Module:
-    """The frozen teacher by the reference's recipe: loaded from ``path`` (``actor.dtype``), attention as the actor's,
-    no LoRA, no gradients, the LM-head patch (``actor.lm_head_fp32``). Its role is :func:`reference_worker` over it."""
-    model = attention.set_attn_implementation(_load_lm(cfg, path, device), attention.for_config(cfg, device))
+def assemble_teacher(
+    cfg: TetherConfig, device: torch.device, path: Path, *, load_device: torch.device | None = None
+) -> torch.nn.Module:
+    """The frozen teacher by the reference's recipe: loaded from ``path`` (``actor.dtype``) onto ``load_device``
+    (default ``device``; a Ray rank other than 0: the meta device, its architecture only, sharded and filled from
+    rank 0 afterwards), attention as the actor's on ``device``, no LoRA, no gradients, the LM-head patch
+    (``actor.lm_head_fp32``). Its role is :func:`reference_worker` over it."""
+    load_device = device if load_device is None else load_device
+    model = attention.set_attn_implementation(_load_lm(cfg, path, load_device), attention.for_config(cfg, device))
     model.requires_grad_(False)
     patch_lm_head(model, fp32=head_fp32(cfg))
     return model
@@ -529,9 +534,10 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
     teacher = None
     if cfg.distill.teacher == EXACT_TEACHER:  # a lookup table: no prompt sharing (it has no KV cache)
         teacher = reference_worker(cfg, exact_teacher(cfg), share_prompt_prefix=False)
-    if teacher_dir is not None:  # distill.teacher (the config refuses it under trainer.backend=ray)
+    if teacher_dir is not None:  # distill.teacher: under trainer.backend=ray the actor group's ranks hold it
         paths["distill.teacher"] = teacher_dir
-        teacher = reference_worker(cfg, assemble_teacher(cfg, device, teacher_dir))
+        if local:
+            teacher = reference_worker(cfg, assemble_teacher(cfg, device, teacher_dir))
     return DriverShare(
         models.tokenizer,
         device,
