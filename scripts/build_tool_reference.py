@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tether.tasks import digitsum_tool
+from tether.tasks import digitsum_tool, sft
 
 
 def main() -> int:
@@ -20,7 +20,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=digitsum_tool.DEFAULT_STEPS)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    out = digitsum_tool.build_reference(args.out_dir, seed=args.seed, steps=args.steps, log_every=250)
+    out = sft.build_tool_reference(args.out_dir, seed=args.seed, steps=args.steps, log_every=250)
     print(f"reference written to {out} in {time.perf_counter() - t0:.1f}s")
     return 0
 

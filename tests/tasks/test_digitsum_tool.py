@@ -13,6 +13,7 @@ import torch
 from tether.agents import ObservationRenderer
 from tether.agents.digitsum_tool import DigitSumToolEnvironment
 from tether.tasks import digitsum_tool as dt
+from tether.tasks import sft
 from tether.tasks.exact import enumerate_trajectories, evaluate_trajectories
 
 EOS, A, B = 0, 1, 2
@@ -162,7 +163,7 @@ def test_prompts_rows_and_splits():
 def test_observation_tokens_are_the_chat_templates():
     """The enumeration's default observation ids (the text tokenised) are what the turn loop appends under the
     task tokenizer's chat template."""
-    tok = dt.build_tokenizer()
+    tok = sft.build_tool_tokenizer()
     render = ObservationRenderer(tok, tools=None, eos_texts=[tok.eos_token], max_tokens=256)
     ids, _ = render([{"role": "user", "content": "13="}])
     assert ids == tok("13=", add_special_tokens=False)["input_ids"] == [4, 6, 14]

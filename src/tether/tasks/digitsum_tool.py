@@ -17,9 +17,9 @@ k + 1 tokens). π*_β ∝ π_ref·exp(r/β) over trajectories is then exact, as 
 
 The transition is :func:`transition` (pure); :class:`tether.agents.digitsum_tool.DigitSumToolEnvironment` is the
 ``agent.environment`` that runs it in the turn loop (:data:`AGENT`: what ``data.embedded_task=digitsum_tool`` sets).
-The task's reference policy (:func:`build_reference`, shipped in ``assets/digitsum_tool_ref``) calls the tool some of
-the time; its tokenizer is the digit-sum one plus a chat template (:data:`CHAT_TEMPLATE`) under which an observation
-is its text and an assistant turn ends with EOS.
+The task's reference policy (:func:`tether.tasks.sft.build_tool_reference`, shipped in ``assets/digitsum_tool_ref``)
+calls the tool some of the time; its tokenizer is the digit-sum one plus a chat template (:data:`CHAT_TEMPLATE`) under
+which an observation is its text and an assistant turn ends with EOS.
 """
 
 from __future__ import annotations
@@ -191,76 +191,6 @@ def make_demonstrations(
             else:
                 demos.append([(prompt, False), ("".join(rng.choice("0123456789") for _ in range(k)), True)])
     return demos
-
-
-def build_tokenizer():
-    """The digit-sum tokenizer (:func:`tether.tasks.sft.build_tokenizer`) with :data:`CHAT_TEMPLATE`."""
-    from tether.tasks import sft
-
-    tok = sft.build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def _encode(tokenizer, demos):
-    import torch
-
-    rows, labels = [], []
-    for segs in demos:
-        ids, lab = [tokenizer.bos_token_id], [-100]
-        for text, model_turn in segs:
-            t = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if model_turn:
-                t = t + [tokenizer.eos_token_id]
-            ids += t
-            lab += t if model_turn else [-100] * len(t)
-        rows.append(ids)
-        labels.append(lab)
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, b) in enumerate(zip(rows, labels, strict=True)):
-        ids[i, : len(r)], lab[i, : len(b)] = torch.tensor(r), torch.tensor(b)
-    return ids, lab
-
-
-def build_reference(out_dir: str | Path, *, seed: int = 0, steps: int = DEFAULT_STEPS, log_every: int = 0) -> Path:
-    """Train the task's reference by SFT on :func:`make_demonstrations` with the digit-sum reference's recipe
-    (architecture, optimiser, batch size, learning rate: :func:`tether.tasks.sft.train_sft`), single-threaded so a
-    seed gives the same weights on a given CPU and torch build; save it (weights, config, tokenizer with its chat
-    template) to ``out_dir``. The loss covers model-turn tokens only (observation and prompt tokens are labelled
-    -100). Rebuild the shipped copy with ``python scripts/build_tool_reference.py``."""
-    import torch
-
-    from tether.tasks import sft
-
-    out = Path(out_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tokenizer = build_tokenizer()
-        ids, labels = _encode(tokenizer, make_demonstrations(seed=seed))
-        model = sft.new_model(seed)
-        model.generation_config.max_new_tokens = MAX_NEW_TOKENS
-        sft.train_sft(
-            model,
-            ids,
-            labels,
-            pad_id=tokenizer.pad_token_id,
-            steps=steps,
-            batch_size=sft.DEFAULT_BATCH_SIZE,
-            lr=sft.DEFAULT_LR,
-            seed=seed,
-            log_every=log_every,
-        )
-        model.eval()
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        sft._portable_tokenizer_config(out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
 
 
 def reference_path() -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tether.tasks import digitsum, exact
+from tether.tasks import digitsum, digitsum_tool, exact
 from tether.tasks.digitsum import BOS_TOKEN, CHARS, EOS_TOKEN, PAD_TOKEN
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -361,3 +361,72 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=None)
     args = ap.parse_args()
     raise SystemExit(main_sft(args.out_dir, args.seed, args.steps))
+
+
+# ---------------------------------------------------------------- the multi-turn task's reference (digitsum_tool)
+def build_tool_tokenizer():
+    """The digit-sum tokenizer (:func:`build_tokenizer`) with :data:`tether.tasks.digitsum_tool.CHAT_TEMPLATE`."""
+    tok = build_tokenizer()
+    tok.chat_template = digitsum_tool.CHAT_TEMPLATE
+    return tok
+
+
+def _encode_turns(tokenizer, demos):
+    import torch
+
+    rows, labels = [], []
+    for segs in demos:
+        ids, lab = [tokenizer.bos_token_id], [-100]
+        for text, model_turn in segs:
+            t = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if model_turn:
+                t = t + [tokenizer.eos_token_id]
+            ids += t
+            lab += t if model_turn else [-100] * len(t)
+        rows.append(ids)
+        labels.append(lab)
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (r, b) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(r)], lab[i, : len(b)] = torch.tensor(r), torch.tensor(b)
+    return ids, lab
+
+
+def build_tool_reference(
+    out_dir: str | Path, *, seed: int = 0, steps: int = digitsum_tool.DEFAULT_STEPS, log_every: int = 0
+) -> Path:
+    """Train the digitsum_tool task's reference by SFT on :func:`tether.tasks.digitsum_tool.make_demonstrations`
+    with the digit-sum reference's recipe (architecture, optimiser, batch size, learning rate: :func:`train_sft`),
+    single-threaded so a seed gives the same weights on a given CPU and torch build; save it (weights, config, tokenizer
+    with its chat template) to ``out_dir``. The loss covers model-turn tokens only (observation and prompt tokens are
+    labelled -100). Rebuild the shipped copy with ``python scripts/build_tool_reference.py``."""
+    import torch
+
+    out = Path(out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = build_tool_tokenizer()
+        ids, labels = _encode_turns(tokenizer, digitsum_tool.make_demonstrations(seed=seed))
+        model = new_model(seed)
+        model.generation_config.max_new_tokens = digitsum_tool.MAX_NEW_TOKENS
+        train_sft(
+            model,
+            ids,
+            labels,
+            pad_id=tokenizer.pad_token_id,
+            steps=steps,
+            batch_size=DEFAULT_BATCH_SIZE,
+            lr=DEFAULT_LR,
+            seed=seed,
+            log_every=log_every,
+        )
+        model.eval()
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        _portable_tokenizer_config(out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
