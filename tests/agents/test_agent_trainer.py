@@ -143,6 +143,28 @@ class ScriptedCalls:
         return out
 
 
+class DrawnTurns:
+    """Each turn one of three answers, drawn from torch's global RNG (as sampling draws: a resume restores it), then
+    EOS; the tiny model's own samples never end within rollout.max_new_tokens, so they would never take a turn."""
+
+    name = "drawn"
+    capabilities = EngineCapabilities()
+    TEXTS = ("The answer is 5.", "No idea.", "Maybe 4?")
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, requests, *, seed=None):
+        import torch
+
+        picks = torch.randint(len(self.TEXTS), (len(requests),)).tolist()
+        ids = [self.tok(self.TEXTS[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for k in picks]
+        return [GenerationResult(x, None, "eos") for x in ids]
+
+
 def _scripted(trainer):
     trainer.roles.engine.engine = ScriptedCalls(trainer.tok)
     batches, score = [], trainer.score
@@ -226,7 +248,6 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
     "override, key",
     [
         ("trainer.backend=ray", "trainer.backend=ray"),
-        ("rollout.async_steps=1", "rollout.async_steps=1"),
         ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
     ],
 )
@@ -276,3 +297,59 @@ def test_an_agent_run_resumes_exactly(setup, tmp_path):
             if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/")) and isinstance(v, float):
                 assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
     assert want[-1]["agent/turns_mean"] >= 1.0
+
+
+def test_an_async_agent_run_logs_agent_metrics_and_resumes_exactly(setup, tmp_path):
+    """rollout.async_steps=1 with the agent on: the batch trained at step t was generated a step ahead (staleness 1
+    from step 2), the job runs the turn loop on the snapshot; its per-turn rewards, observation mask, dropped rows
+    and agent/* survive a checkpoint: 3 steps straight equal 2 steps, then a resume to 3 (the pending batch of step 3
+    is rebuilt from async_pending.safetensors)."""
+    from safetensors import safe_open
+
+    model, root = setup
+    extra = [
+        f"agent.environment={root}/env.py:Flaky",
+        "agent.on_prefix_mismatch=count",
+        "trainer.save_freq=1",
+        "rollout.async_steps=1",
+    ]
+
+    def drawn(t):  # the main runner's engine and the async job's copy
+        t.roles.engine.engine = t.async_rollout.runner.engine = DrawnTurns(t.tok)
+        return t
+
+    drawn(Trainer(_cfg(setup, tmp_path / "full", *extra, "trainer.total_steps=3"))).fit()
+    first = drawn(Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=3")))
+    step = first.train_step
+
+    def crash_after_2():  # the run dies after step 2's checkpoint, which holds the pending batch of step 3
+        if first.step >= 2:
+            raise KeyboardInterrupt("crash")
+        return step()
+
+    first.train_step = crash_after_2
+    with pytest.raises(KeyboardInterrupt, match="crash"):
+        first.fit()
+    pending = tmp_path / "run" / "checkpoints" / "step_000002" / "async_pending.safetensors"
+    with safe_open(str(pending), framework="pt") as f:
+        names = set(f.keys())
+        failed = f.get_tensor("0.extra.agent_failed")
+        turn_rewards = f.get_tensor("0.turn_rewards")
+    assert {"0.generated_mask", "0.turn_rewards", "0.extra.agent_counts", "0.extra.agent_lengths"} <= names
+    assert int(failed.sum()) == 2  # q1's two trajectories (Flaky raises on it)
+    assert float(turn_rewards.sum()) == 0.5 * 2 * int((~failed).sum())  # Flaky: 0.5 on each of two turns
+    again = drawn(Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=3")))
+    assert again.step == 2
+    restored = again.async_rollout._ready[0][0]
+    assert bool(restored.response_mask[restored.extra["agent_failed"]].eq(0).all())
+    assert float(restored.turn_rewards.sum()) == float(turn_rewards.sum())
+    again.fit()
+    got, want = _lines(tmp_path / "run"), _lines(tmp_path / "full")
+    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
+    assert [w["rollout/staleness"] for w in want] == [0.0, 1.0, 1.0]
+    for w in want:  # q1's two trajectories fail every step; the others take two turns
+        assert (w["agent/env_errors"], w["rollout/dropped_count"], w["agent/turns_mean"]) == (2.0, 2.0, 1.75)
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/", "rollout/")) and isinstance(v, float):
+                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
