@@ -1603,7 +1603,6 @@ class TetherConfig(Section):
         refused = [
             ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
             ("rollout.mode", self.rollout.mode, self.rollout.mode == "offline", "online"),
-            ("rollout.async_steps", self.rollout.async_steps, self.rollout.async_steps > 0, "0"),
         ]
         if self.rollout.engine not in (AUTO, *(e.name for e in ENGINES.values() if e.multi_turn)):
             ok = " or ".join([*(e.name for e in ENGINES.values() if e.multi_turn), AUTO])

@@ -143,6 +143,28 @@ class ScriptedCalls:
         return out
 
 
+class DrawnTurns:
+    """Each turn one of three answers, drawn from torch's global RNG (as sampling draws: a resume restores it), then
+    EOS; the tiny model's own samples never end within rollout.max_new_tokens, so they would never take a turn."""
+
+    name = "drawn"
+    capabilities = EngineCapabilities()
+    TEXTS = ("The answer is 5.", "No idea.", "Maybe 4?")
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, requests, *, seed=None):
+        import torch
+
+        picks = torch.randint(len(self.TEXTS), (len(requests),)).tolist()
+        ids = [self.tok(self.TEXTS[k], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for k in picks]
+        return [GenerationResult(x, None, "eos") for x in ids]
+
+
 def _scripted(trainer):
     trainer.roles.engine.engine = ScriptedCalls(trainer.tok)
     batches, score = [], trainer.score
@@ -226,7 +248,6 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
     "override, key",
     [
         ("trainer.backend=ray", "trainer.backend=ray"),
-        ("rollout.async_steps=1", "rollout.async_steps=1"),
         ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
     ],
 )
@@ -276,3 +297,222 @@ def test_an_agent_run_resumes_exactly(setup, tmp_path):
             if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/")) and isinstance(v, float):
                 assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
     assert want[-1]["agent/turns_mean"] >= 1.0
+
+
+def test_an_async_agent_run_logs_agent_metrics_and_resumes_exactly(setup, tmp_path):
+    """rollout.async_steps=1 with the agent on: the batch trained at step t was generated a step ahead (staleness 1
+    from step 2), the job runs the turn loop on the snapshot; its per-turn rewards, observation mask, dropped rows
+    and agent/* survive a checkpoint: 3 steps straight equal 2 steps, then a resume to 3 (the pending batch of step 3
+    is rebuilt from async_pending.safetensors)."""
+    from safetensors import safe_open
+
+    model, root = setup
+    extra = [
+        f"agent.environment={root}/env.py:Flaky",
+        "agent.on_prefix_mismatch=count",
+        "trainer.save_freq=1",
+        "rollout.async_steps=1",
+    ]
+
+    def drawn(t):  # the main runner's engine and the async job's copy
+        t.roles.engine.engine = t.async_rollout.runner.engine = DrawnTurns(t.tok)
+        return t
+
+    drawn(Trainer(_cfg(setup, tmp_path / "full", *extra, "trainer.total_steps=3"))).fit()
+    first = drawn(Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=3")))
+    step = first.train_step
+
+    def crash_after_2():  # the run dies after step 2's checkpoint, which holds the pending batch of step 3
+        if first.step >= 2:
+            raise KeyboardInterrupt("crash")
+        return step()
+
+    first.train_step = crash_after_2
+    with pytest.raises(KeyboardInterrupt, match="crash"):
+        first.fit()
+    pending = tmp_path / "run" / "checkpoints" / "step_000002" / "async_pending.safetensors"
+    with safe_open(str(pending), framework="pt") as f:
+        names = set(f.keys())
+        failed = f.get_tensor("0.extra.agent_failed")
+        turn_rewards = f.get_tensor("0.turn_rewards")
+    assert {"0.generated_mask", "0.turn_rewards", "0.extra.agent_counts", "0.extra.agent_lengths"} <= names
+    assert int(failed.sum()) == 2  # q1's two trajectories (Flaky raises on it)
+    assert float(turn_rewards.sum()) == 0.5 * 2 * int((~failed).sum())  # Flaky: 0.5 on each of two turns
+    again = drawn(Trainer(_cfg(setup, tmp_path / "run", *extra, "trainer.total_steps=3")))
+    assert again.step == 2
+    restored = again.async_rollout._ready[0][0]
+    assert bool(restored.response_mask[restored.extra["agent_failed"]].eq(0).all())
+    assert float(restored.turn_rewards.sum()) == float(turn_rewards.sum())
+    again.fit()
+    got, want = _lines(tmp_path / "run"), _lines(tmp_path / "full")
+    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
+    assert [w["rollout/staleness"] for w in want] == [0.0, 1.0, 1.0]
+    for w in want:  # q1's two trajectories fail every step; the others take two turns
+        assert (w["agent/env_errors"], w["rollout/dropped_count"], w["agent/turns_mean"]) == (2.0, 2.0, 1.75)
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/", "rollout/")) and isinstance(v, float):
+                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
+
+
+NAP_TOOLS = '''
+import os
+import pathlib
+import time
+
+
+def nap(x: int) -> str:
+    """Answers after a nap; with TOOL_HOLD set, the process's first call writes TOOL_HOLD/napping and sleeps until
+    TOOL_HOLD/release exists (the test sends SIGTERM in between)."""
+    hold = os.environ.get("TOOL_HOLD")
+    if hold and not pathlib.Path(hold, "napping").exists():
+        pathlib.Path(hold, "napping").write_text(str(os.getpid()))
+        while not pathlib.Path(hold, "release").exists():
+            time.sleep(0.01)
+    return str(x + 1)
+
+
+def hang() -> str:
+    """Never returns in a test's lifetime: abandoned at agent.tool_timeout_s; its thread must not keep the process
+    alive."""
+    time.sleep(10**6)
+    return "late"
+'''
+
+LAUNCH = '''
+import sys
+
+import torch
+
+import tether.workers.build as build
+from tether.rollout.engine import EngineCapabilities, GenerationResult
+
+
+class Drawn:
+    """A first turn calls nap, calls hang or answers; a later turn answers; drawn from torch's RNG (as sampling)."""
+
+    name = "hf"  # stands in for the engine the run resolved (the registry looks the name up)
+    capabilities = EngineCapabilities()
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, requests, *, seed=None):
+        out = []
+        for r in requests:
+            later = "CALL" in self.tok.decode(r.prompt_ids)
+            texts = ("The answer is 5.", "No idea.") if later else (CALL, 'CALL nap {"x": 4}', "It is 5.")
+            text = texts[int(torch.randint(len(texts), (1,)))]
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(GenerationResult(ids, None, "eos"))
+        return out
+
+
+CALL = sys.argv.pop(1)  # the second first-turn choice: a call of nap, or of hang
+built = build.build_runner
+
+
+def build_runner(cfg, share, engine=None):
+    runner = built(cfg, share, engine)
+    runner.engine = Drawn(share.tokenizer)
+    return runner
+
+
+build.build_runner = build_runner
+from tether.cli import main  # noqa: E402
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_sigterm_while_a_tool_sleeps_finishes_the_step_and_resumes_as_uninterrupted(setup, tmp_path):
+    """``tether train`` (a subprocess; a drawn engine makes the tiny model call the tools, as in the tests above):
+    SIGTERM arrives while step 1's nap call is held (detected by the file it writes, released once the process said it
+    got the signal): the step finishes, its checkpoint is written whole, exit 143; a resume to 3 gives the
+    uninterrupted run's metrics. Before that, a run whose hang calls are abandoned at agent.tool_timeout_s (threads
+    that sleep on) exits by itself."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tether.checkpoint import latest_valid_checkpoint, verify_checkpoint
+
+    model, root = setup
+    (tmp_path / "tools.py").write_text(NAP_TOOLS)
+    (tmp_path / "launch.py").write_text(LAUNCH)
+    tools = f"[{tmp_path}/tools.py:nap,{tmp_path}/tools.py:hang]"
+
+    def args(out, *extra):
+        return [
+            *QUIET,
+            f"actor.model={model}",
+            f"data.train_files={root / 'train.jsonl'}",
+            f"reward.function={root / 'reward.py'}:compute_score",
+            f"agent.tools={tools}",
+            "agent.tool_format=plain",
+            "agent.tool_timeout_s=120",  # a held nap is never abandoned
+            "trainer.total_steps=3",
+            f"trainer.output_dir={out}",
+            *extra,
+        ]
+
+    def train(out, call='CALL nap {"x": 1}', *extra, **env):
+        env = {k: v for k, v in os.environ.items() if k != "TOOL_HOLD"} | {"OMP_NUM_THREADS": "1"} | env
+        cmd = [sys.executable, str(tmp_path / "launch.py"), call, "train", *args(out, *extra)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+        return proc, lines
+
+    def finish(proc, lines):  # the bound only guards against a process kept alive (a hang thread): no timing asserted
+        proc.wait(timeout=300)
+        time.sleep(0.1)  # the reader thread drains the pipe's last lines
+        return proc.returncode, "".join(lines)
+
+    # abandoned calls: the hang tool times out (agent/tool_errors) and its threads do not keep the process alive
+    code, err = finish(*train(tmp_path / "hang", "CALL hang", "agent.tool_timeout_s=0.3", "trainer.total_steps=1"))
+    assert code == 0, err
+    (hang,) = _lines(tmp_path / "hang")
+    assert hang["agent/tool_errors"] >= 1  # the hang calls (the nap calls succeed)
+
+    code, err = finish(*train(tmp_path / "full"))
+    assert code == 0, err
+    want = _lines(tmp_path / "full")
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc, lines = train(tmp_path / "run", TOOL_HOLD=str(hold))
+    deadline = time.monotonic() + 300  # a guard against a stuck process, not a timing assertion
+    while not (hold / "napping").exists():  # the first nap call (step 1) has started and waits
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    while not any("SIGTERM received" in x for x in lines):  # the handler ran, on the main thread, while the tool waits
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.01)
+    assert _lines(tmp_path / "run") == []  # still in step 1
+    (hold / "release").touch()
+    code, err = finish(proc, lines)
+    assert code == 143, err
+    assert "tether train: stopped by SIGTERM after step 1; checkpoint step 1 written" in err, err
+    assert [r["step"] for r in _lines(tmp_path / "run")] == [1]
+    last = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
+    assert last is not None and last.name == "step_000001"
+    verify_checkpoint(last)
+
+    code, err = finish(*train(tmp_path / "run"))
+    assert code == 0, err
+    assert f"resumed from {last} (step 1)" in err
+    got = _lines(tmp_path / "run")
+    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
+    assert sum(w["agent/tool_calls"] for w in want) > 0 and sum(w["agent/tool_errors"] for w in want) == 0
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/", "rollout/")) and isinstance(v, float):
+                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k

@@ -14,6 +14,7 @@ Metrics of the last :meth:`AgentRunner.run`: :attr:`AgentRunner.metrics`.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,14 @@ class AgentRunner(RolloutRunner):
         self.last_trajectories: list[Trajectory] = []
         self.metrics: dict[str, float] = {}
         self.totals: dict[str, float] = {}
+
+    def fork(self, engine) -> AgentRunner:
+        """:meth:`RolloutRunner.fork`; the observation renderer uses the copy's tokenizer too."""
+        other = super().fork(engine)
+        other.render = copy.copy(self.render)
+        other.render.tok = other.tok
+        other.episodes, other.last_trajectories, other.metrics, other.totals = [], [], {}, {}
+        return other
 
     # -- the conversation as the template renders it -------------------------------------------------------------
 
@@ -241,26 +250,55 @@ class AgentRunner(RolloutRunner):
         its last model token (``Trajectory.turn_ends``); a trajectory whose environment failed dropped (its
         ``response_mask`` 0, ``extra["agent_failed"]`` (B,) bool); ``extra["agent_totals"]`` (the counts behind
         :attr:`metrics`, which :func:`agent_metrics` turns into ``agent/*``); ``extra["agent_counts"]`` (B, 3) long:
-        each trajectory's model turns, tool calls and tool errors (the per-sample records of ``tether eval``)."""
+        each trajectory's model turns, tool calls and tool errors (the per-sample records of ``tether eval``);
+        ``extra["agent_lengths"]`` (B,) long: each trajectory's response tokens, a dropped one's too (a checkpoint's
+        pending batch keeps them, :meth:`saved_extra`)."""
         batch = super().collate(prompts, rep, trajectories, group_ids)
         rewards = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         for j, t in enumerate(trajectories):
             for end, r in zip(t.turn_ends, t.turn_rewards, strict=False):
                 if end >= 0 and r:
                     rewards[j, end] = float(r)
-        failed = torch.tensor([t.error is not None for t in trajectories], device=batch.response_mask.device)
         batch.turn_rewards = rewards.to(batch.response_mask.device)
+        counts = [
+            [t.turns, e.events.get("tool_calls", 0), e.events.get("tool_errors", 0)]
+            for t, e in zip(trajectories, self.episodes, strict=True)
+        ]
+        saved = {
+            "agent_failed": torch.tensor([t.error is not None for t in trajectories]),
+            "agent_counts": torch.tensor(counts, dtype=torch.long),
+            "agent_totals": dict(self.totals),
+        }
+        return self._agent_parts(batch, saved)
+
+    def _agent_parts(self, batch: RolloutBatch, saved: dict) -> RolloutBatch:
+        """The failed trajectories dropped, and the ``agent_*`` extras of :meth:`collate`."""
+        failed = saved["agent_failed"].to(device=batch.response_mask.device, dtype=torch.bool)
+        batch.extra["agent_lengths"] = batch.response_mask.sum(-1).long()
         batch.drop(failed)
         batch.extra["agent_failed"] = failed
-        batch.extra["agent_totals"] = dict(self.totals)
-        batch.extra["agent_counts"] = torch.tensor(
-            [
-                [t.turns, e.events.get("tool_calls", 0), e.events.get("tool_errors", 0)]
-                for t, e in zip(trajectories, self.episodes, strict=True)
-            ],
-            dtype=torch.long,
-        )
+        batch.extra["agent_totals"] = dict(saved["agent_totals"])
+        batch.extra["agent_counts"] = saved["agent_counts"].long().cpu()
         return batch
+
+    def saved_extra(self, batch: RolloutBatch) -> tuple[dict[str, torch.Tensor], dict]:
+        """The ``agent_*`` extras of a pending batch, for :meth:`restore`: the failed rows, per-trajectory counts and
+        lengths (tensors) and the rollout's totals behind ``agent/*`` (JSON); the per-turn rewards and the
+        observation mask are batch tensors (``turn_rewards``, ``generated_mask``)."""
+        x = batch.extra
+        if "agent_failed" not in x:
+            return {}, {}
+        tensors = {k: x[k] for k in ("agent_failed", "agent_counts", "agent_lengths")}
+        return tensors, {"agent_totals": x["agent_totals"]}
+
+    def collate_restored(self, prompts, rep, trajectories, group_ids, saved: dict) -> RolloutBatch:
+        """A pending batch rebuilt (:meth:`RolloutRunner.restore`, its rows at their saved ``agent_lengths``, the
+        dropped ones' too): the single-turn batch, then the saved ``agent_*`` parts; its ``turn_rewards`` are the
+        caller's to set (saved as a batch tensor)."""
+        batch = super().collate(prompts, rep, trajectories, group_ids)
+        if "agent_failed" not in saved:  # a checkpoint of a single-turn run: nothing to add
+            return batch
+        return self._agent_parts(batch, saved)
 
 
 AGENT_TOTALS = (

@@ -10,6 +10,7 @@ trains only on tokens the model wrote; ``response_mask`` says which positions ho
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +116,15 @@ class RolloutRunner:
     def sync_weights(self, model) -> None:
         """The engine takes the policy's weights (after an update, a resume or a rollback)."""
         self.engine.sync_weights(model)
+
+    def fork(self, engine) -> RolloutRunner:
+        """A copy of this runner over ``engine``, with a tokenizer of its own, for another thread (the async
+        rollout's job): it may decode while this one's tokenizer is in use (a fast tokenizer refuses concurrent
+        use)."""
+        other = copy.copy(self)
+        other.engine = engine
+        other.tok = copy.deepcopy(self.tok)
+        return other
 
     def rollout(
         self, prompts: PromptSet, indices: list[int], n: int, *, mode: str | None = None, **overrides
@@ -231,12 +241,13 @@ class RolloutRunner:
         response_mask: torch.Tensor | None = None,
         generated_mask: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
+        saved: dict | None = None,
     ) -> RolloutBatch:
         """A batch saved as tensors (a pending async batch, on resume), rebuilt as :meth:`collate` built it.
 
         Without ``response_mask`` (a checkpoint written before ``generated_mask`` existed) each row is its tokens up
         to and including the first EOS id (``eos``), else the whole row (``length``), every one generated: what a
-        single-turn batch holds.
+        single-turn batch holds. ``saved``: what :meth:`saved_extra` took from the batch (single-turn: nothing).
         """
         eos = set(self.eos_token_ids)
         trajectories = []
@@ -250,7 +261,16 @@ class RolloutRunner:
             t = Trajectory([x for x, m in zip(p, pm, strict=True) if m], row[:k], gen, None, "length" if cut else "eos")
             t.turns = 1
             trajectories.append(t)
-        return self.collate(prompts, rep, trajectories, group_ids.to(self.device))
+        return self.collate_restored(prompts, rep, trajectories, group_ids.to(self.device), saved or {})
+
+    def collate_restored(self, prompts, rep, trajectories, group_ids, saved: dict) -> RolloutBatch:
+        """:meth:`restore`'s batch of rebuilt ``trajectories`` and the ``saved`` parts of :meth:`saved_extra`."""
+        return self.collate(prompts, rep, trajectories, group_ids)
+
+    def saved_extra(self, batch: RolloutBatch) -> tuple[dict[str, torch.Tensor], dict]:
+        """What a checkpoint keeps of ``batch.extra`` for :meth:`restore` besides the batch's tensors: (tensors,
+        JSON-able values). Single-turn: nothing."""
+        return {}, {}
 
     def _groups(self, prompts: PromptSet) -> tuple[list[list[int]], dict[int, int]]:
         """Row indices of ``prompts`` grouped by identical rendered prompt text (first-appearance

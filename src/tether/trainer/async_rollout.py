@@ -149,9 +149,7 @@ class AsyncRollout:
         self.snapshot = snapshot_model(model)
         engine = copy.copy(runner.engine)
         engine.sync_weights(self.snapshot)
-        self.runner = copy.copy(runner)
-        self.runner.engine = engine
-        self.runner.tok = copy.deepcopy(runner.tok)  # the job decodes while the main thread may use the tokenizer
+        self.runner = runner.fork(engine)  # its own tokenizer: the job decodes while the main thread may use one
         self.prompts, self.sampler, self.n = prompts, sampler, n
         self.micro_batch_size, self.temperature, self.compute_dtype = micro_batch_size, temperature, compute_dtype
         self.from_rollout = from_rollout
@@ -306,7 +304,9 @@ class AsyncRollout:
                 v = getattr(b, k)
                 if v is not None:
                     tensors[f"{i}.{k}"] = v.detach().cpu().contiguous()
-            meta.append({"indices": indices, "version": version})
+            extra, values = self.runner.saved_extra(b)  # a multi-turn batch's agent_* (turns, calls, failed rows)
+            tensors |= {f"{i}.extra.{k}": v.detach().cpu().contiguous() for k, v in extra.items()}
+            meta.append({"indices": indices, "version": version} | ({"extra": values} if values else {}))
         save_file(tensors, str(Path(directory) / PENDING_FILE), metadata={"batches": json.dumps(meta)})
 
     def load(self, directory: Path, step: int | None = None) -> None:
@@ -346,6 +346,11 @@ class AsyncRollout:
                 )
             rep = [j for j in indices for _ in range(self.n)]
             masks = {k: t.get(f"{i}.{k}") for k in ("response_mask", "generated_mask", "truncated")}  # None: older file
+            saved = {k[len(f"{i}.extra.") :]: v for k, v in t.items() if k.startswith(f"{i}.extra.")}
+            saved |= spec.get("extra", {})
+            if "agent_lengths" in saved:  # a multi-turn batch: its dropped rows (response_mask 0) at their length
+                saved["agent_lengths"] = saved["agent_lengths"].long()
+                masks["response_mask"] = torch.arange(ids.shape[1]) < saved["agent_lengths"].unsqueeze(1)
             batch = self.runner.restore(
                 self.prompts,
                 rep,
@@ -354,6 +359,7 @@ class AsyncRollout:
                 ids,
                 t[f"{i}.group_ids"],
                 **masks,
+                saved=saved,
             )
             for k in (
                 "old_logprobs",
