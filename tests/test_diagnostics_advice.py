@@ -37,7 +37,7 @@ NEEDS_USER_INPUT = {"reward.val_function"}  # a file the user writes
 
 def sick_histories(coef: float) -> list[list[dict]]:
     """Histories on which, together, every check fires (the first one most of them; the second with β rising, the
-    third a falling gold, the fourth an accelerating KL)."""
+    third a falling gold, the fourth an accelerating KL that sits on one token id)."""
     drift = [
         {
             "step": s,
@@ -64,6 +64,7 @@ def sick_histories(coef: float) -> list[list[dict]]:
             "kl/coef": coef,
             "response/length_mean": 100.0 if s <= 20 else 60.0,
             "reward/score_mean": 0.01 * s,
+            "kl/token_top_share": 0.2 if s <= 20 else 0.6,  # the KL sits on one token id (hacking_kl_focus)
         }
         for s in range(1, 41)
     ]
