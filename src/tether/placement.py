@@ -35,7 +35,7 @@ def build_roles(cfg: TetherConfig) -> Roles:
             probe_ray_address(cfg.trainer.ray_address)
         if cfg.actor.tp_size > 1:
             # before any model loads or Ray starts
-            check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model"))
+            check_tp_heads(cfg, resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task))
         return build_ray_roles(cfg)  # actor, ref and critic run on Ray worker groups; the rest stays here
     return build_local_roles(cfg)
 
@@ -56,7 +56,7 @@ def check_tp_heads(cfg: TetherConfig, actor_path) -> None:
         ("distill.teacher", cfg.distill.teacher if cfg.distill.teacher != EXACT_TEACHER else None),
     ):
         if value is not None:
-            models[key] = resolve_model_path(value, key)
+            models[key] = resolve_model_path(value, key, task=cfg.data.embedded_task)
     for key, path in models.items():
         try:
             dims.check_model(AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor.trust_remote_code))

@@ -188,7 +188,8 @@ class RankWorker:
 
     def _build_critic(self) -> None:
         tokenizer = self.tokenizer or load_tokenizer(
-            resolve_model_path(self.cfg.actor.model, "actor.model"), trust_remote_code=self.cfg.actor.trust_remote_code
+            resolve_model_path(self.cfg.actor.model, "actor.model", task=self.cfg.data.embedded_task),
+            trust_remote_code=self.cfg.actor.trust_remote_code,
         )
         vm = assemble_critic(self.cfg, self.device, tokenizer=tokenizer, load_device=self._load_device)
         self.critic = critic_worker(self.cfg, self._parallelize(vm), share_prompt_prefix=self._share_prefix)

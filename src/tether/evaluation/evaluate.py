@@ -643,7 +643,9 @@ class Evaluator:
         if self.cfg is None:
             return resolve_model_path(EMBEDDED) if self.data in EMBEDDED_DATA else None
         return resolve_model_path(
-            self.cfg.ref.model or self.cfg.actor.model, "ref.model" if self.cfg.ref.model else "actor.model"
+            self.cfg.ref.model or self.cfg.actor.model,
+            "ref.model" if self.cfg.ref.model else "actor.model",
+            task=self.cfg.data.embedded_task,
         )
 
     def reference(self):

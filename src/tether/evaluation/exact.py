@@ -18,7 +18,7 @@ from tether.checkpoint import latest_valid_checkpoint
 from tether.config import EMBEDDED, ConfigError, load_config
 from tether.data import PromptRow
 from tether.diagnostics import read_metrics
-from tether.tasks import digitsum, digitsum_tool, embedded_task
+from tether.tasks import digitsum, digitsum_tool, embedded_reference, embedded_task
 from tether.tasks.exact import evaluate_policy, evaluate_tool_policy, exact_space_problem
 from tether.tasks.sft import load_reference
 
@@ -195,9 +195,10 @@ def _trajectory_metrics(policy, ref, tok, prompts, beta, temperature, n_samples,
 # ---------------------------------------------------------------------------------------------- a finished run
 
 
-def exact_prompts(which: str) -> list[str]:
-    """Distinct prompts of the embedded task's ``val``, ``train`` or ``all`` split."""
-    return list(dict.fromkeys(r["prompt"] for r in digitsum.make_dataset(which)))
+def exact_prompts(which: str, task: str = "digitsum") -> list[str]:
+    """Distinct prompts of the ``val``, ``train`` or ``all`` split of the embedded task ``task``
+    (``data.embedded_task``)."""
+    return list(dict.fromkeys(r["prompt"] for r in embedded_task(task).make_dataset(which)))
 
 
 def _final_beta(history: list[dict]) -> float | None:
@@ -213,8 +214,10 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     checkpoint on the embedded task's ``which`` prompts, at the run's final β (floored at 1e-6, as the
     trainer does); cached in ``<run_dir>/exact_final.json``. None when exact evaluation does not apply to the
     run's config (``TetherConfig.exact_evaluation_applies``), when the run's policy is not the shipped
-    reference's fine-tune (``actor.model`` other than embedded, a ``ref.model``, LoRA adapters: the shipped
-    reference is what this loads), when its config.yaml does not load, or when it has no checkpoint.
+    reference's fine-tune (``actor.model`` other than embedded, a ``ref.model``, LoRA adapters: the task's shipped
+    reference, :func:`tether.tasks.embedded_reference`, is what this loads), when its config.yaml does not load,
+    or when it has no checkpoint. On a multi-turn task (digitsum_tool) the numbers are those of
+    :func:`tether.tasks.exact.evaluate_tool_policy`, over trajectories.
     """
     run_dir = Path(run_dir)
     cache = run_dir / EXACT_FINAL
@@ -235,24 +238,37 @@ def evaluate_final(run_dir: Path, which: str = "all", ref_cache: dict | None = N
     if not cfg.exact_evaluation_applies or cfg.actor.model != EMBEDDED or cfg.ref.model or cfg.actor.lora.rank:
         return None
     hf_logging.disable_progress_bar()
-    ref, tok = load_reference()
+    ref, tok = load_reference(embedded_reference(cfg.data.embedded_task))
     policy = AutoModelForCausalLM.from_pretrained(ckpt / "actor")
     policy.eval()
     beta = _final_beta(read_metrics(run_dir))
     beta = max(beta if beta is not None else cfg.kl.coef, 1e-6)
     task = embedded_task(cfg.data.embedded_task)  # the run's training reward (a proxy has a gold_score too)
-    metrics = evaluate_policy(
-        policy,
-        ref,
-        tok,
-        exact_prompts(which),
-        beta,
-        temperature=cfg.rollout.temperature,
-        n_samples=cfg.rollout.n,
-        ref_cache=ref_cache,
-        reward_fn=task.compute_score,
-        gold_fn=getattr(task, "gold_score", None),
-    )
+    if getattr(task, "AGENT", None):  # a multi-turn task: every trajectory enumerated, one row per prompt
+        rows = list({r["prompt"]: r for r in task.make_dataset(which)}.values())
+        metrics = evaluate_tool_policy(
+            policy,
+            ref,
+            tok,
+            rows,
+            beta,
+            temperature=cfg.rollout.temperature,
+            n_samples=cfg.rollout.n,
+            ref_cache=ref_cache,
+        )
+    else:
+        metrics = evaluate_policy(
+            policy,
+            ref,
+            tok,
+            exact_prompts(which, cfg.data.embedded_task),
+            beta,
+            temperature=cfg.rollout.temperature,
+            n_samples=cfg.rollout.n,
+            ref_cache=ref_cache,
+            reward_fn=task.compute_score,
+            gold_fn=getattr(task, "gold_score", None),
+        )
     metrics["exact/beta"] = beta
     cache.write_text(json.dumps({"checkpoint": ckpt.name, "prompts": which, "metrics": metrics}, indent=1))
     return metrics

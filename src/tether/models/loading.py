@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tether.config import EMBEDDED, ConfigError
-from tether.tasks.sft import ensure_reference
+from tether.tasks import embedded_reference
 
 log = logging.getLogger("tether")
 
@@ -21,15 +21,16 @@ _LOAD_ERRORS = (OSError, ValueError, RuntimeError, SafetensorError)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(name: str, key: str = "actor.model") -> Path:
-    """A local model directory for ``name``; 'embedded' is the shipped digit-sum reference (built if missing).
+def resolve_model_path(name: str, key: str = "actor.model", *, task: str = "digitsum") -> Path:
+    """A local model directory for ``name``; 'embedded' is the reference of the embedded task ``task``
+    (``data.embedded_task``: :func:`tether.tasks.embedded_reference`; the digit-sum reference is built if missing).
 
     Raises:
         ConfigError: the directory does not exist or holds no config.json (names ``key``). Nothing
             is ever downloaded: hub ids are not accepted.
     """
     if name == EMBEDDED:
-        return Path(ensure_reference())
+        return embedded_reference(task)
     p = Path(name).expanduser()
     if p.is_file():
         raise ConfigError(

@@ -80,6 +80,7 @@ _MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Huggin
 REWARD_FUNCTIONS: dict[str, str] = {
     "tether/digitsum": "tether.tasks.digitsum:compute_score",
     "tether/digitsum_hack": "tether.tasks.digitsum_hack:compute_score",  # the proxy; gold = tether/digitsum's
+    "tether/digitsum_tool": "tether.tasks.digitsum_tool:compute_score",  # 0: the environment's turn rewards score
     "openai/gsm8k": _GSM8K,
     "gsm8k": _GSM8K,
     "lighteval/MATH": _MATH,
@@ -112,6 +113,7 @@ ANSWER_EXTRACTORS: dict[str, str] = {
 GOLD_FUNCTIONS: dict[str, str] = {
     # a hackable task's source maps to its exact verifier here, e.g. "my/proxy-task": "my.module:exact_score"
     "tether/digitsum_hack": "tether.tasks.digitsum_hack:gold_score",  # exact correctness (the digit-sum task's reward)
+    "tether/digitsum_tool": "tether.tasks.digitsum_tool:gold_score",  # the trajectory's final answer's correctness
 }
 
 _cache: dict[str, Callable] = {}

@@ -12,6 +12,7 @@ Only :mod:`digitsum`, :mod:`digitsum_hack` and :mod:`digitsum_tool` are imported
 torch/transformers on first use.
 """
 
+from pathlib import Path
 from types import ModuleType
 
 from tether.tasks import digitsum, digitsum_hack, digitsum_tool
@@ -33,11 +34,25 @@ def embedded_task(name: str) -> ModuleType:
     return EMBEDDED_TASKS[name]
 
 
+def embedded_reference(name: str = "digitsum") -> Path:
+    """The model directory ``actor.model=embedded`` stands for under ``data.embedded_task=name``: the task module's
+    own reference where it names one (``reference_path()``: digitsum_tool's, which calls the tool), else the shipped
+    digit-sum reference (:func:`tether.tasks.sft.ensure_reference`, built if missing). Raises ValueError for an
+    unknown task."""
+    mod = embedded_task(name)
+    if hasattr(mod, "reference_path"):
+        return Path(mod.reference_path())
+    from tether.tasks.sft import ensure_reference
+
+    return Path(ensure_reference())
+
+
 __all__ = [
     "DATA_SOURCE",
     "EMBEDDED_TASKS",
     "MAX_NEW_TOKENS",
     "compute_score",
+    "embedded_reference",
     "embedded_task",
     "make_dataset",
     "make_prompt",

@@ -92,9 +92,27 @@ def transition(k: int, s: int, turn: int, text: str) -> tuple[str | None, float,
 
 
 def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-    """Correctness of a final answer (verl's signature): :func:`tether.tasks.digitsum.compute_score`. In training the
-    environment's per-turn rewards are the reward (:func:`transition`); this scores a single-turn answer."""
-    return digitsum.compute_score(solution_str, ground_truth, extra_info)
+    """The trajectory's score in training (verl's signature, the built-in reward of :data:`DATA_SOURCE`): always
+    0.0. The environment's per-turn rewards (:func:`transition`, on each turn's last model token) are the task's
+    reward, as the enumeration counts it; a score on the decoded trajectory would count the answer twice."""
+    if not isinstance(solution_str, str):
+        raise TypeError(f"solution_str must be str, got {type(solution_str).__name__}")
+    return 0.0
+
+
+def gold_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    """Correctness of a decoded trajectory (the validation gold of :data:`DATA_SOURCE`: ``val/gold_mean``): the
+    answer is the text after the call and its observation (``"=13=490"`` -> ``"490"``) when the trajectory starts
+    with them, else the whole text (a direct answer); 1.0 when it is k digits summing to s. Equals the sum of the
+    environment's rewards except on a turn cut by the length limit whose text still reads as an answer (a BOS or
+    pad token decodes to nothing): the environment scores such a turn 0."""
+    if not isinstance(solution_str, str):
+        raise TypeError(f"solution_str must be str, got {type(solution_str).__name__}")
+    k, s = digitsum.parse_ground_truth(ground_truth)
+    text = solution_str.strip()
+    head = CALL + observation_text(s)
+    answer = text[len(head) :] if text.startswith(head) else text
+    return 1.0 if digitsum.is_correct(answer.strip(), k, s) else 0.0
 
 
 def split_puzzles(split: str) -> list[int]:

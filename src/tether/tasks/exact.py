@@ -192,20 +192,34 @@ def enumerate_policy(
     prompt_ids = list(tokenizer(prompt)["input_ids"]) if prompt_ids is None else [int(i) for i in prompt_ids]
     if not prompt_ids:
         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+    return _enumerate_contexts(
+        model, tokenizer, prompt, [prompt_ids], max_new_tokens, temperature, batch_size, max_responses
+    )[0]
+
+
+@torch.inference_mode()
+def _enumerate_contexts(
+    model, tokenizer, prompt, contexts, max_new_tokens, temperature, batch_size, max_responses
+) -> list[ResponseSpace]:
+    """:func:`enumerate_policy` of several contexts of one length at once (a later turn's contexts: the prompt, an
+    earlier turn and its observation): the prefix tree is the same for each, so every depth is one batch of
+    contexts × prefixes. One :class:`ResponseSpace` per context, in order."""
+    eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    C = len(contexts)
     try:
-        p_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        p_ids = torch.tensor(contexts, dtype=torch.long, device=device)  # (C, L)
         vocab = None
-        # live prefixes at the current depth d: ids (P, d) and their token logprobs (P, d)
+        # live prefixes at the current depth d: ids (P, d) and, per context, their token logprobs (C, P, d)
         pre_ids = torch.zeros((1, 0), dtype=torch.long)
-        pre_tok = torch.zeros((1, 0), dtype=torch.float64)
+        pre_tok = torch.zeros((C, 1, 0), dtype=torch.float64)
         done_ids, done_tok, done_eos = [], [], []
         for _ in range(max_new_tokens):
-            next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (P, V)
+            next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (C, P, V)
             if vocab is None:
-                vocab = next_lp.shape[1]
+                vocab = next_lp.shape[-1]
                 if not 0 <= eos < vocab:
                     raise ValueError(f"eos_token_id {eos} is outside the model's vocabulary of {vocab}")
                 n = response_space_size(vocab, max_new_tokens)
@@ -218,13 +232,13 @@ def enumerate_policy(
             P = pre_ids.shape[0]
             # responses that end here with EOS
             done_ids.append(torch.cat([pre_ids, torch.full((P, 1), eos, dtype=torch.long)], dim=1))
-            done_tok.append(torch.cat([pre_tok, next_lp[:, eos : eos + 1]], dim=1))
+            done_tok.append(torch.cat([pre_tok, next_lp[:, :, eos : eos + 1]], dim=2))
             done_eos.append(torch.ones(P, dtype=torch.bool))
             # extend by every non-EOS token
             B = keep.numel()
             pre_ids = torch.cat([pre_ids.repeat_interleave(B, dim=0), keep.repeat(P).unsqueeze(1)], dim=1)
-            step_lp = next_lp[:, keep].reshape(-1, 1)
-            pre_tok = torch.cat([pre_tok.repeat_interleave(B, dim=0), step_lp], dim=1)
+            step_lp = next_lp[:, :, keep].reshape(C, -1, 1)
+            pre_tok = torch.cat([pre_tok.repeat_interleave(B, dim=1), step_lp], dim=2)
         # responses cut at the length limit
         done_ids.append(pre_ids)
         done_tok.append(pre_tok)
@@ -235,30 +249,34 @@ def enumerate_policy(
     T = max_new_tokens
     N = sum(x.shape[0] for x in done_ids)
     ids = np.full((N, T), -1, dtype=np.int64)
-    tok = np.zeros((N, T), dtype=np.float64)
+    tok = np.zeros((C, N, T), dtype=np.float64)
     lengths = np.empty(N, dtype=np.int64)
     row = 0
     for a, b in zip(done_ids, done_tok, strict=True):
         n, d = a.shape
         ids[row : row + n, :d] = a.numpy()
-        tok[row : row + n, :d] = b.numpy()
+        tok[:, row : row + n, :d] = b.numpy()
         lengths[row : row + n] = d
         row += n
     token_ids = tuple(tuple(r[:n].tolist()) for r, n in zip(ids, lengths, strict=True))
     texts = _decode_all(tokenizer, token_ids)
-    return ResponseSpace(
-        prompt=prompt,
-        prompt_ids=tuple(prompt_ids),
-        token_ids=token_ids,
-        ids=ids,
-        texts=texts,
-        logprobs=tok.sum(axis=1),
-        token_logprobs=tok,
-        lengths=lengths,
-        ended_with_eos=torch.cat(done_eos).numpy(),
-        temperature=float(temperature),
-        max_new_tokens=T,
-    )
+    ended = torch.cat(done_eos).numpy()
+    return [
+        ResponseSpace(
+            prompt=prompt,
+            prompt_ids=tuple(int(i) for i in ctx),
+            token_ids=token_ids,
+            ids=ids,
+            texts=texts,
+            logprobs=tok[c].sum(axis=1),
+            token_logprobs=tok[c],
+            lengths=lengths,
+            ended_with_eos=ended,
+            temperature=float(temperature),
+            max_new_tokens=T,
+        )
+        for c, ctx in enumerate(contexts)
+    ]
 
 
 def _decode_all(tokenizer, token_ids) -> tuple[str, ...]:
@@ -270,16 +288,19 @@ def _decode_all(tokenizer, token_ids) -> tuple[str, ...]:
     return tuple(tokenizer.batch_decode([list(t) for t in token_ids], skip_special_tokens=True))
 
 
-def _next_token_logprobs(model, prompt_ids, prefixes, temperature, batch_size) -> torch.Tensor:
-    """(P, V) float64 log-softmax of the last position's logits / temperature for each prefix."""
-    P = prefixes.shape[0]
+def _next_token_logprobs(model, contexts, prefixes, temperature, batch_size) -> torch.Tensor:
+    """(C, P, V) float64 log-softmax of the last position's logits / temperature for each context (C, L) and prefix
+    (P, d), in chunks of ``batch_size`` rows of context × prefix."""
+    C, P = contexts.shape[0], prefixes.shape[0]
+    ctx_idx = torch.arange(C).repeat_interleave(P)
+    pre_idx = torch.arange(P).repeat(C)
     out = []
-    for start in range(0, P, batch_size):
-        chunk = prefixes[start : start + batch_size].to(prompt_ids.device)
-        x = torch.cat([prompt_ids.expand(chunk.shape[0], -1), chunk], dim=1)
+    for start in range(0, C * P, batch_size):
+        ci, pi = ctx_idx[start : start + batch_size], pre_idx[start : start + batch_size]
+        x = torch.cat([contexts[ci.to(contexts.device)], prefixes[pi].to(contexts.device)], dim=1)
         logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[:, -1, :]
         out.append(torch.log_softmax(logits.double() / temperature, dim=-1).cpu())
-    return torch.cat(out)
+    return torch.cat(out).reshape(C, P, -1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,15 +361,35 @@ def enumerate_trajectories(
             return tokenizer(obs, add_special_tokens=False)["input_ids"]
 
     ctx0 = list(tokenizer(prompt)["input_ids"])
+
+    def enumerate_turn(contexts, first):
+        if first:  # the prompt alone: enumerate_policy checks the arguments
+            return [
+                enumerate_policy(
+                    model,
+                    tokenizer,
+                    prompt,
+                    max_new_tokens,
+                    temperature,
+                    max_responses=max_responses,
+                    prompt_ids=contexts[0],
+                )
+            ]
+        return _enumerate_contexts(model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses)
+
     # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
     live = [(ctx0, [], [], 0.0, [])]
     done_rows = []
     for turn in range(1, max_turns + 1):
         nxt = []
-        for ctx, ids, lps, rsum, texts in live:
-            sp = enumerate_policy(
-                model, tokenizer, prompt, max_new_tokens, temperature, max_responses=max_responses, prompt_ids=ctx
-            )
+        # the turn's contexts, one enumeration per context length (contexts of a length run in one batch)
+        spaces = {}
+        for length in dict.fromkeys(len(c[0]) for c in live):
+            group = [j for j, c in enumerate(live) if len(c[0]) == length]
+            for j, sp in zip(group, enumerate_turn([live[j][0] for j in group], turn == 1), strict=True):
+                spaces[j] = sp
+        for j, (ctx, ids, lps, rsum, texts) in enumerate(live):
+            sp = spaces[j]
             for i in range(len(sp)):
                 n = int(sp.lengths[i])
                 t_ids, t_lps = list(sp.token_ids[i]), sp.token_logprobs[i, :n].tolist()

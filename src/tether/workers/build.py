@@ -308,14 +308,14 @@ def assemble_policy(
             "actor.dtype=float16 does not train on a CPU (half-precision sampling overflows); use float32 or bfloat16"
         )
     trc, lora = cfg.actor.trust_remote_code, cfg.actor.lora.rank > 0
-    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task)
     tok = tokenizer or load_tokenizer(actor_path, trust_remote_code=trc, key="actor.model")
     paths = {"actor.model": actor_path}
     ref_path = actor_path
     if lora:
         check_lora_reference(cfg)
     elif cfg.ref.model:
-        ref_path = resolve_model_path(cfg.ref.model, "ref.model")
+        ref_path = resolve_model_path(cfg.ref.model, "ref.model", task=cfg.data.embedded_task)
         if ref_path != actor_path:
             check_same_tokenizer(tok, ref_path, "ref.model", trust_remote_code=trc)
             paths["ref.model"] = ref_path
@@ -346,8 +346,12 @@ def critic_path(cfg: TetherConfig, tokenizer) -> Path:
     Raises:
         ConfigError: a bad directory, or another tokenizer (naming ``critic.model``).
     """
-    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
-    path = resolve_model_path(cfg.critic.model, "critic.model") if cfg.critic.model else actor_path
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task)
+    path = (
+        resolve_model_path(cfg.critic.model, "critic.model", task=cfg.data.embedded_task)
+        if cfg.critic.model
+        else actor_path
+    )
     if path != actor_path:
         check_same_tokenizer(tokenizer, path, "critic.model", trust_remote_code=cfg.actor.trust_remote_code)
     return path
@@ -381,8 +385,8 @@ def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
     """
     if cfg.distill.teacher in (None, EXACT_TEACHER):  # exact: a lookup table of the shipped reference's π*_β
         return None
-    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
-    path = resolve_model_path(cfg.distill.teacher, "distill.teacher")
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task)
+    path = resolve_model_path(cfg.distill.teacher, "distill.teacher", task=cfg.data.embedded_task)
     if path != actor_path:
         check_same_tokenizer(
             tokenizer,
@@ -494,7 +498,7 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
             combination (naming the keys), before the first model loads where it can be.
     """
     device = pick_device(cfg.trainer.device)
-    actor_path = resolve_model_path(cfg.actor.model, "actor.model")
+    actor_path = resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task)
     engine_name = resolve_engine(cfg, actor_path)  # no vllm, or a head size its kernels refuse: before any model loads
     # a missing file or a bad signature of reward.function / reward.val_function: before any model loads
     reward, val_reward = build_reward(cfg, device)
@@ -619,7 +623,11 @@ def build_reward(cfg: TetherConfig, device) -> tuple[Any, Any]:
     :class:`~tether.rewards.RewardManager` of ``reward.function`` / ``reward.model`` / the built-in rewards."""
     if cfg.rollout.mode == "offline" and cfg.data.score_key and not (cfg.reward.function or cfg.reward.model):
         return OfflineScores(), RewardManager(clip=cfg.reward.clip, timeout_s=cfg.reward.timeout_s)
-    reward_model = str(resolve_model_path(cfg.reward.model, "reward.model")) if cfg.reward.model else None
+    reward_model = (
+        str(resolve_model_path(cfg.reward.model, "reward.model", task=cfg.data.embedded_task))
+        if cfg.reward.model
+        else None
+    )
     reward = RewardManager(
         function=cfg.reward.function,
         reward_model=reward_model,
@@ -636,7 +644,11 @@ def build_gold(cfg: TetherConfig, device) -> Any:
     """Validation's gold reward (:class:`tether.rewards.GoldReward`): ``reward.val_function`` or ``reward.val_model``,
     else the built-in gold of each row's data source (where one is registered). Loaded at start-up, so a bad
     function or model fails before training (naming its key)."""
-    model = str(resolve_model_path(cfg.reward.val_model, "reward.val_model")) if cfg.reward.val_model else None
+    model = (
+        str(resolve_model_path(cfg.reward.val_model, "reward.val_model", task=cfg.data.embedded_task))
+        if cfg.reward.val_model
+        else None
+    )
     return GoldReward(
         cfg.reward.val_function,
         model,
