@@ -378,8 +378,9 @@ def enumerate_trajectories(
         return _enumerate_contexts(model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses)
 
     # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
-    live = [(ctx0, [], [], 0.0, [])]
-    done_rows = []
+    live = [(ctx0, (), np.zeros(0), 0.0, ())]
+    # finished trajectories in blocks: one live prefix and the rows ``idx`` of its turn's space that end there
+    blocks = []
     for turn in range(1, max_turns + 1):
         nxt = []
         # the turn's contexts, one enumeration per context length (contexts of a length run in one batch)
@@ -388,53 +389,81 @@ def enumerate_trajectories(
             group = [j for j, c in enumerate(live) if len(c[0]) == length]
             for j, sp in zip(group, enumerate_turn([live[j][0] for j in group], turn == 1), strict=True):
                 spaces[j] = sp
+        outcomes = {}  # the environment is deterministic: one step per distinct text of the turn
         for j, (ctx, ids, lps, rsum, texts) in enumerate(live):
             sp = spaces[j]
-            for i in range(len(sp)):
-                n = int(sp.lengths[i])
-                t_ids, t_lps = list(sp.token_ids[i]), sp.token_logprobs[i, :n].tolist()
+            rewards = np.zeros(len(sp), dtype=np.float64)
+            ends = ~sp.ended_with_eos.copy()  # a turn cut at the length limit: reward 0, no step, the end
+            observations = {}
+            for i in np.flatnonzero(sp.ended_with_eos):
                 text = sp.texts[i]
-                if not sp.ended_with_eos[i]:
-                    obs, r, end = None, 0.0, True
-                else:
+                if text not in outcomes:
                     obs, r, end = step(turn, text)
                     r = float(r)
                     if not math.isfinite(r):
                         raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
-                row = (ctx + t_ids, ids + t_ids, lps + t_lps, rsum + r, [*texts, text])
+                    outcomes[text] = (obs, r, bool(end))
+                obs, rewards[i], end = outcomes[text]
                 if end or turn == max_turns:
-                    done_rows.append(row)
+                    ends[i] = True
                 else:
-                    nxt.append((row[0] + list(observation_ids(obs)), *row[1:]))
+                    observations[int(i)] = obs
+            blocks.append((ids, lps, rsum, texts, sp, np.flatnonzero(ends), rewards))
+            for i, obs in observations.items():
+                n = int(sp.lengths[i])
+                t_ids = sp.token_ids[i]
+                nxt.append(
+                    (
+                        [*ctx, *t_ids, *observation_ids(obs)],
+                        ids + t_ids,
+                        np.concatenate([lps, sp.token_logprobs[i, :n]]),
+                        rsum + float(rewards[i]),
+                        (*texts, sp.texts[i]),
+                    )
+                )
         live = nxt
         if not live:
             break
-    N, width = len(done_rows), max_new_tokens * max_turns
+    N, width = sum(len(b[5]) for b in blocks), max_new_tokens * max_turns
     ids = np.full((N, width), -1, dtype=np.int64)
     tok = np.zeros((N, width), dtype=np.float64)
     lengths = np.empty(N, dtype=np.int64)
-    for j, (_, m_ids, m_lps, _, _) in enumerate(done_rows):
-        ids[j, : len(m_ids)], tok[j, : len(m_lps)], lengths[j] = m_ids, m_lps, len(m_ids)
-    eos = tokenizer.eos_token_id
+    rewards = np.empty(N, dtype=np.float64)
+    turns = np.empty(N, dtype=np.int64)
+    ended = np.empty(N, dtype=bool)
+    token_ids, texts, answers = [], [], []
+    row = 0
+    for p_ids, p_lps, rsum, p_texts, sp, idx, r in blocks:
+        m, p, T = len(idx), len(p_ids), sp.max_new_tokens
+        if not m:
+            continue
+        ids[row : row + m, :p] = p_ids
+        ids[row : row + m, p : p + T] = sp.ids[idx]  # -1 after each turn's end, as the padding
+        tok[row : row + m, :p] = p_lps
+        tok[row : row + m, p : p + T] = sp.token_logprobs[idx]  # 0 after each turn's end
+        lengths[row : row + m] = p + sp.lengths[idx]
+        rewards[row : row + m] = rsum + r[idx]
+        turns[row : row + m] = len(p_texts) + 1
+        ended[row : row + m] = sp.ended_with_eos[idx]  # a turn's response is never empty: its last token ends it
+        token_ids += [p_ids + sp.token_ids[i] for i in idx]
+        head = "|".join(p_texts) + "|" if p_texts else ""
+        texts += [head + sp.texts[i] for i in idx]
+        answers += [sp.texts[i] for i in idx]
+        row += m
     space = ResponseSpace(
         prompt=prompt,
         prompt_ids=tuple(ctx0),
-        token_ids=tuple(tuple(r[1]) for r in done_rows),
+        token_ids=tuple(token_ids),
         ids=ids,
-        texts=tuple("|".join(r[4]) for r in done_rows),
+        texts=tuple(texts),
         logprobs=tok.sum(axis=1),
         token_logprobs=tok,
         lengths=lengths,
-        ended_with_eos=np.array([bool(r[1]) and r[1][-1] == eos for r in done_rows]),
+        ended_with_eos=ended,
         temperature=float(temperature),
         max_new_tokens=width,
     )
-    return TrajectorySpace(
-        space=space,
-        rewards=np.array([r[3] for r in done_rows], dtype=np.float64),
-        turns=np.array([len(r[4]) for r in done_rows], dtype=np.int64),
-        answers=tuple(r[4][-1] for r in done_rows),
-    )
+    return TrajectorySpace(space=space, rewards=rewards, turns=turns, answers=tuple(answers))
 
 
 # --------------------------------------------------------------------------------------------------
