@@ -185,8 +185,8 @@ def test_kl_focus_fires_on_the_median_of_the_last_window():
     assert check_hacking_kl_focus(focus_history([0.9] * 20, kl=0.05)) == []
     assert check_hacking_kl_focus(focus_history([0.9] * 20, reward_slope=-0.01)) == []
     assert check_hacking_kl_focus(focus_history([0.9] * 9)) == []  # fewer than `window` points
-    # it is a hacking check: guard.on_hacking acts on it, and diagnose runs it
-    from tether.diagnostics import HACKING_CHECKS
+    # a hacking check that diagnose runs, but warn-only: guard.on_hacking does not act on it (held-out false alarms)
+    from tether.diagnostics import GUARDED_HACKING_CHECKS, HACKING_CHECKS
 
-    assert "hacking_kl_focus" in HACKING_CHECKS
+    assert "hacking_kl_focus" in HACKING_CHECKS and "hacking_kl_focus" not in GUARDED_HACKING_CHECKS
     assert [x.check for x in diagnose(focus_history([0.9] * 20))].count("hacking_kl_focus") == 1

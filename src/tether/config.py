@@ -1260,9 +1260,9 @@ class GuardConfig(Section):
     )
     on_hacking: Literal["warn", "rollback", "stop"] = Field(
         "warn",
-        description="What a live reward-hacking warning (the doctor's hacking_gold, hacking_proxy or "
-        "hacking_kl_focus check, docs/hacking.md) does: warn = log it; rollback = restore the last checkpoint before "
-        "the warning's step whose "
+        description="What a live reward-hacking warning (the doctor's hacking_gold or hacking_proxy check; "
+        "hacking_kl_focus only warns, docs/hacking.md) does: warn = log it; rollback = restore the last checkpoint "
+        "before the warning's step whose "
         "validated gold is within guard.rollback_drop of the best gold so far, the reference's included (without a "
         "gold reward: the last stable one by guard.rollback_metric; never the flagged step's own), multiply β by "
         "guard.coef_factor (at least guard.hacking_coef, escalating) and the learning rates by "

@@ -67,6 +67,7 @@ from typing import Any, Literal, TextIO
 __all__ = [
     "CHECKS",
     "HACKING_CHECKS",
+    "GUARDED_HACKING_CHECKS",
     "LIVE_EVERY",
     "Finding",
     "LiveDiagnostics",
@@ -982,12 +983,12 @@ def check_hacking_kl_focus(
         "kl_median": kl,
         "reward_kendall_tau": r_tau,
     }
-    guard_txt, guard = _hacking_guard(config)
+    # warn-only (not in GUARDED_HACKING_CHECKS): no guard.on_hacking suggestion, which would not act on it
     suggestion = (
         "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
-        f"{_raise_kl_coef(history, config)}" + (f"; {guard_txt} acts on this" if guard_txt else "")
+        f"{_raise_kl_coef(history, config)}"
     )
-    overrides = tuple(o for o in (_raise_kl_coef_change(history, config), guard) if o)
+    overrides = tuple(o for o in (_raise_kl_coef_change(history, config),) if o)
     return [Finding("hacking_kl_focus", "kl/token_top_share", msg, evidence, suggestion, overrides=overrides)]
 
 
@@ -1023,8 +1024,12 @@ CHECKS: dict[str, Callable[..., list[Finding]]] = {
     "hacking_kl_focus": check_hacking_kl_focus,
 }
 
-#: The checks that signal reward hacking (guard.on_hacking acts on their live findings).
+#: The checks that signal reward hacking (reported as such live and by ``tether doctor``).
 HACKING_CHECKS = ("hacking_gold", "hacking_proxy", "hacking_kl_focus")
+
+#: The hacking checks ``guard.on_hacking`` acts on (rollback, stop). ``hacking_kl_focus`` only warns: on the held-out
+#: honest runs of docs/hacking.md it warned in 2 of 10, too often to roll a run back on.
+GUARDED_HACKING_CHECKS = ("hacking_gold", "hacking_proxy")
 
 #: Every metric some check reads (LiveDiagnostics stores only these).
 WATCHED = (

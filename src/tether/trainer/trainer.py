@@ -35,7 +35,7 @@ from tether.algos import (
 from tether.batch import RolloutBatch
 from tether.config import EMBEDDED, ConfigError, TetherConfig, config_to_yaml
 from tether.data.loading import PromptSampler, load_prompt_rows, prepare_offline_rows, prepare_prompts
-from tether.diagnostics import HACKING_CHECKS, LiveDiagnostics, read_metrics
+from tether.diagnostics import GUARDED_HACKING_CHECKS, LiveDiagnostics, read_metrics
 from tether.evaluation.exact import ExactCache
 from tether.evaluation.validation import validate
 from tether.models import DTYPES
@@ -411,9 +411,9 @@ class Trainer:
         return metrics
 
     def react(self, findings, *, log_them: bool = True, resumed: bool = False) -> None:
-        """Log the doctor's new live findings; a reward-hacking one (``tether.diagnostics.HACKING_CHECKS``) goes to the
-        guard (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a
-        rollback's
+        """Log the doctor's new live findings; a reward-hacking one the guard acts on
+        (``tether.diagnostics.GUARDED_HACKING_CHECKS``: not the warn-only ``hacking_kl_focus``) goes to the guard
+        (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
         ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
         rollback is applied again, a stop is not."""
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
@@ -421,7 +421,8 @@ class Trainer:
             if log_them:
                 tail = f"; suggestion: {finding.suggestion}" if finding.suggestion else ""
                 log.warning("doctor: %s%s", finding.message.rstrip(". "), tail)
-            if finding.check in HACKING_CHECKS and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
+            guarded = finding.check in GUARDED_HACKING_CHECKS
+            if guarded and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
                 acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
 
