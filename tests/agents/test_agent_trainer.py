@@ -221,6 +221,10 @@ def test_an_environment_that_raises_on_one_sample_drops_it_and_counts_it(setup, 
     # per-turn rewards: 0.5 at each of the two turns' last model token of every kept trajectory
     kept = ~dropped
     assert b.turn_rewards[kept].sum(-1).tolist() == [1.0] * 6
+    assert m["reward/turn_reward_mean"] == 1.0  # logged beside the score, over the 6 kept trajectories
+    assert m["reward/rlhf_mean"] == pytest.approx(
+        float(b.scores[kept].mean()) + 1.0 - m["kl/coef"] * m["kl/ref_seq_mean"], abs=1e-6
+    )
     ends = b.turn_rewards[kept] != 0
     assert bool(b.generated_mask[kept][ends].bool().all())
     assert "agent environment failed on 2 of 8 trajectories" in caplog.text

@@ -41,10 +41,12 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     truncated = (
         batch.truncated.to(mask.device) if batch.truncated is not None else (batch.response_ids == eos).sum(-1) == 0
     )
+    # multi-turn: the environment's per-turn rewards (batch.turn_rewards), summed per trajectory, beside the score
+    turn_sum = None if batch.turn_rewards is None else batch.turn_rewards.sum(-1)[valid].to(scores.dtype)
     m = {
         "reward/score_mean": _mean(scores),
         "reward/score_std": float(scores.std()) if scores.numel() > 1 else 0.0,
-        "reward/rlhf_mean": _mean(scores - beta * kl_seq),
+        "reward/rlhf_mean": _mean(scores + (0.0 if turn_sum is None else turn_sum) - beta * kl_seq),
         "kl/coef": beta,
         "kl/ref_mean": _mean(per_tok(batch.kl)),
         "kl/ref_seq_mean": _mean(kl_seq),
@@ -62,6 +64,8 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         "ref/logprob_mean": _mean(per_tok(batch.ref_logprobs)),
         "ref/logprob_seq_mean": _mean(torch.where(mask.bool(), batch.ref_logprobs, 0.0).sum(-1)[valid]),
     }
+    if turn_sum is not None:
+        m["reward/turn_reward_mean"] = _mean(turn_sum)
     m |= kl_concentration_metrics(batch.kl, mask, batch.response_ids)
     m |= learning_signal_metrics(batch, grouped=grouped)
     if batch.values is not None:
