@@ -1,0 +1,35 @@
+"""``tether train data.embedded_task=digitsum_tool`` (issue 30's done-when): the multi-turn task trains from its own
+reference, logs ``agent/*`` and the exact ``exact/*`` of its enumerated trajectories at validation."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_tool_task_trains_and_logs_agent_and_exact_trajectory_metrics(small_cfg):
+    from tether.trainer import Trainer
+
+    cfg = small_cfg("data.embedded_task=digitsum_tool", "trainer.total_steps=1", "trainer.val_freq=1")
+    assert cfg.agent.environment == "tether.agents.digitsum_tool:DigitSumToolEnvironment" and cfg.agent.max_turns == 2
+    t = Trainer(cfg)
+    (m,) = t.fit()
+    # the task's own reference calls the tool: every turn-1 call gets a second turn (2 turns at most)
+    assert m["agent/tool_calls"] > 0 and 1.0 < m["agent/turns_mean"] <= 2.0
+    assert m["agent/tool_errors"] == 0.0 and m["agent/env_errors"] == 0.0 and m["agent/prefix_mismatch"] == 0.0
+    assert 0.0 < m["agent/observation_frac"] < 1.0
+    # the reward is the environment's per turn (the data source's built-in score is 0, so nothing counts twice)
+    assert m["reward/score_mean"] == 0.0 and 0.0 <= m["reward/turn_reward_mean"] <= 1.0
+    lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "exact/tool_call_rate" in r]
+    step0 = next(r for r in records if r["step"] == 0)
+    # at step 0 the policy is the reference, enumerated by the same code: its KL to itself is 0, its numbers the ref's
+    assert step0["exact/kl_ref_seq"] == 0.0
+    assert step0["exact/tool_call_rate"] == step0["exact/ref_tool_call_rate"]
+    assert step0["exact/score_mean"] == step0["exact/ref_score_mean"]
+    # the tool reveals s, so π*_β calls more than the reference and scores higher; the gap is π*'s objective less ours
+    assert step0["exact/opt_tool_call_rate"] > step0["exact/tool_call_rate"]
+    assert step0["exact/opt_score_mean"] > step0["exact/score_mean"]
+    assert step0["exact/objective_gap"] == pytest.approx(step0["exact/opt_objective"] - step0["exact/objective"])
+    assert any(r["step"] == 1 for r in records)
