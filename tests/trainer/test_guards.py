@@ -401,15 +401,15 @@ def huge_lr_at(t: Trainer, step: int, lr: float = 0.05) -> None:
     """Inject a KL explosion: one actor update with a huge learning rate."""
     update = t.roles.actor.update
 
-    def patched(batch, spec, s, ref=None):
+    def patched(batch, spec, s, ref=None, **kw):  # kw: teacher= (distill.teacher)
         if s != step:
-            return update(batch, spec, s, ref=ref)
+            return update(batch, spec, s, ref=ref, **kw)
         groups = t.roles.actor.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g in groups:
             g["lr"] = lr
         try:
-            return update(batch, spec, s, ref=ref)
+            return update(batch, spec, s, ref=ref, **kw)
         finally:
             for g, x in zip(groups, saved, strict=True):
                 g["lr"] = x

@@ -43,3 +43,27 @@ def test_stop_ends_the_run_at_the_warning(tmp_path):
     steps = [json.loads(x)["step"] for x in (tmp_path / "st" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == len(set(steps))  # the stopped step's line is written once, with guard/stop
     assert json.loads((tmp_path / "st" / "metrics.jsonl").read_text().splitlines()[-1])["guard/hacking"] == 1.0
+
+
+def test_the_reference_is_a_rollback_target_for_a_hack_from_the_first_update(tmp_path):
+    """A flaw exploited from the first update (the held-out ``short_any`` of docs/hacking.md: exact onset at step 0)
+    has no checkpoint strictly before it but the reference's weights: under guard.on_hacking=rollback the run
+    checkpoints step 0 after its first validation, and that checkpoint is the hacking target of every later step."""
+    out = tmp_path / "first"
+    cfg = [
+        *[c for c in COMMON if not c.startswith(("trainer.total_steps", "trainer.val_freq", "trainer.save_freq"))],
+        "trainer.total_steps=2",
+        "trainer.val_freq=2",
+        "trainer.save_freq=1",
+        "guard.on_hacking=rollback",
+        f"trainer.output_dir={out}",
+    ]
+    t = Trainer(load_config(None, cfg))
+    t.fit()
+    assert (out / "checkpoints" / "step_000000").is_dir()
+    assert t.guard.gold_stable_steps[0][0] == 0  # the reference's gold, at step 0
+    assert t.guard.hacking_target(1) == 0 and t.guard.hacking_target(0) is None  # strictly before the flagged step
+    # without the rollback guard nothing changes: no step-0 checkpoint
+    t2 = Trainer(load_config(None, [*cfg[:-2], "guard.on_hacking=warn", f"trainer.output_dir={tmp_path / 'warn'}"]))
+    t2.fit()
+    assert not (tmp_path / "warn" / "checkpoints" / "step_000000").exists()

@@ -286,6 +286,10 @@ class Trainer:
                     self.logger.log_samples(0, self.records.last_rows)
                     self.logger.log(0, val)
                     self.diagnostics.observe(0, val)  # the reference's gold: the monitor's first best
+                    if self.cfg.guard.on_hacking == "rollback":
+                        # the reference's weights as a checkpoint: a hack from the first update (onset at step 0) has
+                        # a checkpoint strictly before it to return to (docs/hacking.md)
+                        self.ckpt.save(0, self.last_val, diagnostics=self.diagnostics)
                 if self.step >= self.cfg.trainer.total_steps:
                     log.warning(
                         "nothing to train: the run is already at step %d >= trainer.total_steps=%d (raise "
@@ -775,9 +779,9 @@ class Trainer:
             batch.extra["kl_coef"] = self.beta  # the loss's β is the step's (raised at a guard/kl_explosion step)
         beta = self.beta if self.cfg.kl.placement in ("loss", "both") else 0.0
         spec = actor_spec(self.cfg, beta, reuse_logprobs=batch.old_logprobs is None, entropy_coef=self.entropy_coef)
-        metrics = self.roles.actor.update(
-            batch, spec, self.step, ref=self.roles.ref, teacher=self.roles.teacher if spec.distill else None
-        )
+        # the teacher only with a full-vocabulary distillation estimator (the update's loss term needs its logits)
+        teacher = {"teacher": self.roles.teacher} if spec.distill else {}
+        metrics = self.roles.actor.update(batch, spec, self.step, ref=self.roles.ref, **teacher)
         # broken weights stop here, before anything samples them
         self.guard.check_update(self.step, metrics, lr=self.cfg.actor.lr)
         if spec.reuse_logprobs:  # π_old's log-probs and entropy, measured by the update's own forward
