@@ -407,3 +407,12 @@ def test_the_neighbours_of_the_refused_settings_still_load():
     tree = yaml.safe_load(config_to_yaml(load_config()))
     assert tree["rollout"]["staleness_policy"] == "drop" and tree["rollout"]["max_staleness"] is None
     TetherConfig.model_validate(tree)
+
+
+def test_the_multi_turn_embedded_task_refuses_tools_and_the_single_turn_exact_teacher():
+    """data.embedded_task=digitsum_tool trains on its environment's rewards: tools in its place would train on nothing,
+    and distill.teacher=exact is π*_β over single responses; both refused naming the keys (a new user's trial)."""
+    with pytest.raises(ValueError, match=r"data.embedded_task=digitsum_tool runs its own environment .*agent.tools"):
+        load_config(None, ["data.embedded_task=digitsum_tool", "agent.tools=[tools.py:add]"])
+    with pytest.raises(ValueError, match=r"distill.teacher=exact is a single-turn teacher .*digitsum_tool"):
+        load_config(None, ["data.embedded_task=digitsum_tool", "distill.teacher=exact"])

@@ -1538,6 +1538,12 @@ def _check_exact_teacher(cfg) -> None:
             "distill.teacher=exact is the embedded task's exact optimum and needs its enumerable responses: "
             "data.train_files=embedded sampled with rollout.top_p=1, rollout.top_k=0, rollout.do_sample=true"
         )
+    if getattr(EMBEDDED_TASKS[cfg.data.embedded_task], "AGENT", None):
+        raise ValueError(
+            f"distill.teacher=exact is a single-turn teacher (π*_β over one response) and "
+            f"data.embedded_task={cfg.data.embedded_task} is multi-turn; use data.embedded_task=digitsum or "
+            "digitsum_hack, or a model directory as distill.teacher"
+        )
     if cfg.actor.model != EMBEDDED or cfg.ref.model is not None:
         raise ValueError(
             "distill.teacher=exact is π*_β ∝ π_ref·exp(r/β) of the shipped reference: set actor.model=embedded and "
@@ -1632,8 +1638,13 @@ class TetherConfig(Section):
             return data
         defaults = getattr(EMBEDDED_TASKS[task], "AGENT", None)
         agent = data.get("agent", {})
-        if not defaults or get("agent", "tools", None):
+        if not defaults:
             return data
+        if get("agent", "tools", None):  # the task's reward is its environment's: tools would train on nothing
+            raise ValueError(
+                f"data.embedded_task={task} runs its own environment ({defaults['environment']}) and agent.tools "
+                "would replace it; leave agent.tools unset, or train your tools on another dataset"
+            )
         if isinstance(agent, BaseModel):
             given = agent.model_fields_set
             fill = {k: v for k, v in defaults.items() if k not in given}

@@ -86,3 +86,18 @@ def test_kl_concentration_by_hand():
         "kl/pos_top_share": 0.0,
         "kl/token_top_share": 0.0,
     }
+    # rounding noise (the policy is the reference: |k1| ~ 1e-7) sits nowhere: 3 counted tokens, floor 3e-5 nats
+    noise = torch.tensor([[2e-7, -1e-7], [3e-7, 0.0]])
+    assert kl_concentration_metrics(noise, b.response_mask, b.response_ids) == {
+        "kl/pos_top_share": 0.0,
+        "kl/token_top_share": 0.0,
+    }
+
+
+def test_the_step_line_counts_an_agent_runs_turn_rewards():
+    from tether.trainer.progress import summary
+
+    base = {"kl/ref_mean": 0.01, "kl/coef": 0.05, "policy/entropy": 1.0}
+    assert summary({**base, "reward/score_mean": 0.5}).startswith("reward 0.500  kl 0.0100")
+    # digitsum_tool: the score is 0 and the reward is the environment's per turn (a new user saw 'reward 0.000')
+    assert summary({**base, "reward/score_mean": 0.0, "reward/turn_reward_mean": 0.25}).startswith("reward 0.250")

@@ -11,12 +11,18 @@ log = logging.getLogger("tether")
 
 
 def summary(metrics: dict) -> str:
-    """``reward 0.531  kl 0.0123  β 0.0500  H 1.234`` (and ``val``): the step's headline numbers, KL in nats/token."""
+    """``reward 0.531  kl 0.0123  β 0.0500  H 1.234`` (and ``val``): the step's headline numbers, KL in nats/token;
+    the reward is ``reward/score_mean`` plus, in an agent run, ``reward/turn_reward_mean``."""
 
     def f(key, fmt):
         v = metrics.get(key)
         return "nan" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, fmt)
 
+    if "reward/turn_reward_mean" in metrics:  # an agent run: its environment's per-turn rewards count too
+        metrics = {
+            **metrics,
+            "reward/score_mean": metrics.get("reward/score_mean", 0.0) + metrics["reward/turn_reward_mean"],
+        }
     return (
         f"reward {f('reward/score_mean', '.3f')}  kl {f('kl/ref_mean', '.4f')}  β {f('kl/coef', '.4f')}  H "
         f"{f('policy/entropy', '.3f')}" + (f"  val {f('val/score_mean', '.3f')}" if "val/score_mean" in metrics else "")

@@ -94,6 +94,10 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     return m
 
 
+#: Below this many nats per counted token of positive KL, kl_concentration_metrics reports 0.0 (rounding noise).
+KL_SHARE_FLOOR = 1e-5
+
+
 def kl_concentration_metrics(kl: torch.Tensor, mask: torch.Tensor, token_ids: torch.Tensor) -> dict[str, float]:
     """Where one step's KL to the reference sits: on one response position, or on one token id.
 
@@ -101,17 +105,20 @@ def kl_concentration_metrics(kl: torch.Tensor, mask: torch.Tensor, token_ids: to
     and, separately, per sampled token id; a sum below 0 (the k1 estimate of a token can be negative) counts as 0.
     ``kl/pos_top_share``: the largest position's share of the positive sums, in [1/T', 1] for T' positions with
     positive KL (1: all of the step's KL on one position, e.g. a hack that changes only the first token);
-    ``kl/token_top_share``: the same by token id. Both 0.0 when no sum is positive. Read by the doctor's no-gold
-    signals (``docs/hacking.md``); logging them changes nothing else.
+    ``kl/token_top_share``: the same by token id. Both 0.0 when the positive sums total at most
+    :data:`KL_SHARE_FLOOR` nats per counted token (no KL, or a KL of rounding noise whose shares two code paths
+    would not agree on). Read by the doctor's no-gold signals (``docs/hacking.md``); logging them changes nothing else.
     """
     k = torch.where(mask.bool(), kl.float(), 0.0)
     out = {}
+    # a KL of rounding noise (step 1, where the policy is the reference) has no place it sits: its shares are noise
+    floor = KL_SHARE_FLOOR * max(1.0, float(mask.bool().sum()))
     by_pos = k.sum(0).clamp(min=0.0)
     ids, inv = torch.unique(token_ids[mask.bool()], return_inverse=True)
     by_tok = torch.zeros(ids.numel(), dtype=k.dtype, device=k.device).index_add_(0, inv, k[mask.bool()])
     for name, sums in (("kl/pos_top_share", by_pos), ("kl/token_top_share", by_tok.clamp(min=0.0))):
         total = float(sums.sum()) if sums.numel() else 0.0
-        out[name] = float(sums.max()) / total if total > 0 else 0.0
+        out[name] = float(sums.max()) / total if total > floor else 0.0
     return out
 
 
