@@ -1376,10 +1376,11 @@ class LiveDiagnostics:
         self._active = {tuple(a) for a in state["active"]}
 
     def load(self, history: History) -> None:
-        """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating; step 0 (the reference's
-        validation, never fed live) is left out, so a resumed run sees what the uninterrupted one saw."""
+        """Feed past records (e.g. :func:`read_metrics` of a resumed run) without evaluating, step 0 (the reference's
+        validation, which the live run passes to :meth:`observe`) included,
+        so a resumed run sees what the uninterrupted one saw."""
         for rec in sorted(
-            (r for r in history if isinstance(r.get("step"), int) and r["step"] >= 1), key=lambda r: r["step"]
+            (r for r in history if isinstance(r.get("step"), int) and r["step"] >= 0), key=lambda r: r["step"]
         ):
             self._store(rec["step"], rec)
 
