@@ -209,6 +209,44 @@ def test_samples_are_a_function_of_the_callers_rng_state(engine, models, tok, pr
     assert torch.equal(_generate(engine, prompts, temperature=1.5, seed=seed)[0], first)
 
 
+# Uses the module's engine: it must run before the tests below, whose own engines' shutdown tears down vLLM's
+# process-wide parallel state (get_pp_group) that the module engine needs.
+def test_the_agent_loop_runs_over_the_real_engine_as_over_hf(engine, models, tok, prompts, monkeypatch):
+    """AgentRunner over vLLM (generate from token ids, continues_from_ids): three greedy turns with an environment
+    that answers every turn; the trajectories (ids, the observation mask, turn ends) equal the HF engine's token for
+    token. The random model's most frequent greedy token is made an end-of-turn id on both engines, so turns end
+    (a turn cut by max_new_tokens ends its trajectory)."""
+    from collections import Counter
+
+    from tether.agents import AgentSpec, StepResult
+    from tether.rollout.agent import AgentRunner
+
+    class Answer:
+        def reset(self, row):
+            return None
+
+        def step(self, model_turn):
+            return StepResult("ok", None, False)
+
+    m0 = _load(models[0])
+    eos = tok.eos_token_id
+    stop = Counter(t for row in _hf_greedy(m0, tok, prompts) for t in row[:-1]).most_common(1)[0][0]
+    p_ids, p_mask = prompts
+    ids = [i[m.bool()].tolist() for i, m in zip(p_ids.cpu(), p_mask.cpu(), strict=True)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, do_sample=False)
+    spec = AgentSpec(environment=Answer, max_turns=3)
+    engine.sync_weights(m0)
+    monkeypatch.setattr(engine, "eos_ids", [eos, stop])
+    out = {}
+    for name, eng in (("hf", HFRolloutEngine(m0, tok, eos_token_ids=[stop])), ("vllm", engine)):
+        runner = AgentRunner(eng, tok, torch.device(DEVICE), params=params, agent=spec, eos_token_ids=[eos, stop])
+        out[name] = [(t.response_ids, t.generated_mask, t.turns, t.turn_ends) for t in runner.run(ids, params)]
+        assert runner.metrics["agent/env_errors"] == 0.0
+    assert out["vllm"] == out["hf"]
+    turns = [t[2] for t in out["vllm"]]
+    assert max(turns) == 3 and 0 in [g for t in out["vllm"] for g in t[1]]  # observations were appended, and continued
+
+
 @pytest.mark.slow
 def test_grpo_three_steps_on_the_digit_sum_task(tmp_path):
     """3 GRPO steps of the embedded task with rollout.engine=vllm and a head-size-32 digit-sum
@@ -478,39 +516,3 @@ def test_tensor_parallel_engine_decodes_and_takes_pushed_weights(models, tok, pr
     after = _vllm_greedy(eng, prompts)
     assert after == _hf_greedy(m1, tok, prompts)  # every tp rank took its part of the new weights
     assert sum(a != b for a, b in zip(after, before, strict=True)) >= N_PROMPTS - 1
-
-
-def test_the_agent_loop_runs_over_the_real_engine_as_over_hf(engine, models, tok, prompts, monkeypatch):
-    """AgentRunner over vLLM (generate from token ids, continues_from_ids): three greedy turns with an environment
-    that answers every turn; the trajectories (ids, the observation mask, turn ends) equal the HF engine's token for
-    token. The random model's most frequent greedy token is made an end-of-turn id on both engines, so turns end
-    (a turn cut by max_new_tokens ends its trajectory)."""
-    from collections import Counter
-
-    from tether.agents import AgentSpec, StepResult
-    from tether.rollout.agent import AgentRunner
-
-    class Answer:
-        def reset(self, row):
-            return None
-
-        def step(self, model_turn):
-            return StepResult("ok", None, False)
-
-    m0 = _load(models[0])
-    eos = tok.eos_token_id
-    stop = Counter(t for row in _hf_greedy(m0, tok, prompts) for t in row[:-1]).most_common(1)[0][0]
-    p_ids, p_mask = prompts
-    ids = [i[m.bool()].tolist() for i, m in zip(p_ids.cpu(), p_mask.cpu(), strict=True)]
-    params = SamplingParams(max_new_tokens=MAX_NEW, do_sample=False)
-    spec = AgentSpec(environment=Answer, max_turns=3)
-    engine.sync_weights(m0)
-    monkeypatch.setattr(engine, "eos_ids", [eos, stop])
-    out = {}
-    for name, eng in (("hf", HFRolloutEngine(m0, tok, eos_token_ids=[stop])), ("vllm", engine)):
-        runner = AgentRunner(eng, tok, torch.device(DEVICE), params=params, agent=spec, eos_token_ids=[eos, stop])
-        out[name] = [(t.response_ids, t.generated_mask, t.turns, t.turn_ends) for t in runner.run(ids, params)]
-        assert runner.metrics["agent/env_errors"] == 0.0
-    assert out["vllm"] == out["hf"]
-    turns = [t[2] for t in out["vllm"]]
-    assert max(turns) == 3 and 0 in [g for t in out["vllm"] for g in t[1]]  # observations were appended, and continued
