@@ -225,24 +225,43 @@ def build_reference(
         demos = make_demonstrations(prompts, demos_per_prompt, p_correct=p_correct, p_short=p_short, seed=seed)
         ids, labels = _encode_demos(tokenizer, demos)
         model = new_model(seed, model_config)
-        train_sft(
+        return _train_and_save(
+            out,
             model,
+            tokenizer,
             ids,
             labels,
-            pad_id=tokenizer.pad_token_id,
             steps=steps,
             batch_size=batch_size,
             lr=lr,
             seed=seed,
             log_every=log_every,
         )
-        model.eval()
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        _portable_tokenizer_config(out)
     finally:
         torch.set_num_threads(threads)
+
+
+def _train_and_save(
+    out: Path, model, tokenizer, ids, labels, *, steps: int, batch_size: int, lr: float, seed: int, log_every: int
+) -> Path:
+    """:func:`train_sft` on the encoded demonstrations, then ``model`` (in eval mode) and ``tokenizer`` saved to
+    ``out`` with a portable tokenizer config: the common tail of both references' builds."""
+    train_sft(
+        model,
+        ids,
+        labels,
+        pad_id=tokenizer.pad_token_id,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        log_every=log_every,
+    )
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _portable_tokenizer_config(out)
     return out
 
 
@@ -411,22 +430,17 @@ def build_tool_reference(
         ids, labels = _encode_turns(tokenizer, digitsum_tool.make_demonstrations(seed=seed))
         model = new_model(seed)
         model.generation_config.max_new_tokens = digitsum_tool.MAX_NEW_TOKENS
-        train_sft(
+        return _train_and_save(
+            out,
             model,
+            tokenizer,
             ids,
             labels,
-            pad_id=tokenizer.pad_token_id,
             steps=steps,
             batch_size=DEFAULT_BATCH_SIZE,
             lr=DEFAULT_LR,
             seed=seed,
             log_every=log_every,
         )
-        model.eval()
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        _portable_tokenizer_config(out)
     finally:
         torch.set_num_threads(threads)
-    return out
