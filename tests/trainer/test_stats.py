@@ -47,6 +47,13 @@ def test_learning_signal_metrics():
     assert m["rollout/zero_var_group_frac"] == 0.0 and m["advantages/abs_mean"] == 0.5
     b.scores = torch.tensor([1.0, 1.0])  # both right: nothing to compare
     assert rollout_metrics(b, beta=0.05, **ARGS)["rollout/zero_var_group_frac"] == 1.0
+    # multi-turn: the per-turn rewards count as the score does (digitsum_tool pays through them, score 0)
+    b.scores = torch.tensor([0.0, 0.0])
+    b.turn_rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])  # totals 1, 0: the group differs
+    assert rollout_metrics(b, beta=0.05, **ARGS)["rollout/zero_var_group_frac"] == 0.0
+    b.turn_rewards = torch.tensor([[0.0, 1.0], [1.0, 0.0]])  # totals 1, 1: flat
+    assert rollout_metrics(b, beta=0.05, **ARGS)["rollout/zero_var_group_frac"] == 1.0
+    b.turn_rewards = None
     # a critic's baseline is not the group: PPO with one sample per prompt is not "flat"
     assert "rollout/zero_var_group_frac" not in rollout_metrics(b, beta=0.05, eos_id=2, pad_id=0, grouped=False)
 

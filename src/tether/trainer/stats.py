@@ -131,14 +131,19 @@ def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dic
 
     ``rollout/zero_var_group_frac`` (only when ``grouped``: a group-relative estimator, see
     :data:`GROUP_ESTIMATORS`): the fraction of the batch's prompts (groups with a counted response)
-    whose counted responses all got the same score, or that have a single one: they give every
-    group-relative advantage exactly 0 (all wrong or all right). ``advantages/abs_mean``: the mean
-    |advantage| over counted tokens (0 = nothing to learn from this batch).
+    whose counted responses all got the same reward, or that have a single one: they give every
+    group-relative advantage exactly 0 (all wrong or all right). The reward compared is the one the
+    advantages see: the score plus, in a multi-turn run, the trajectory's per-turn rewards
+    (``batch.turn_rewards`` summed). ``advantages/abs_mean``: the mean |advantage| over counted tokens
+    (0 = nothing to learn from this batch).
     """
     valid = batch.response_mask.sum(-1) > 0  # (B,)
     out = {}
     if grouped and batch.scores is not None and bool(valid.any()):
-        flat = zero_variance_groups(batch.scores, batch.response_mask, batch.group_ids)[valid]  # (B',)
+        total = batch.scores
+        if batch.turn_rewards is not None:  # the environment's per-turn rewards count as the score does
+            total = total + batch.turn_rewards.sum(-1).to(total.dtype)
+        flat = zero_variance_groups(total, batch.response_mask, batch.group_ids)[valid]  # (B',)
         groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
         # (G,)
         flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)
