@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -722,3 +723,66 @@ def test_the_distillation_teacher_is_counted():
     assert plan.params["teacher"] == teacher.causal_lm_params() == 494_032_768  # tied embeddings
     assert [i.bytes for i in plan.items if i.role == "teacher"] == [494_032_768 * 4]
     assert plan.peak - without.peak == 494_032_768 * 4
+
+
+def test_full_vocabulary_divergences_count_the_frozen_logits_and_their_chunks():
+    """kl.estimator=full and distill.estimator=reverse|forward|jsd on the hand-worked small model (V=1000; b=2, T=4:
+    n = 8000 logits, one CPU chunk of c = 8000): without grad the frozen logits in float32 (4n = 32000) plus the chunk
+    temporaries beyond the log-prob pass's three, (d − 12)·c with d = 4·9 + 1 = 37 bytes an element for reverse and
+    forward, 4·10 + 1 = 41 for jsd, 12 for kl_full; in training 2·e·n (the frozen logits kept for the backward and the
+    gradient it builds) + 2·d·c."""
+    from tether.plan import full_logits_bytes
+
+    shape = ModelShape(
+        "qwen2",
+        vocab=1000,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        tied=False,
+        qkv_bias=True,
+    )
+    fb = full_logits_bytes
+    assert fb(shape, 2, 4, 4, "reverse", accelerator=False) == 32000 + 25 * 8000 == 232000
+    assert fb(shape, 2, 4, 4, "forward", accelerator=False) == 232000
+    assert fb(shape, 2, 4, 4, "jsd", accelerator=False) == 32000 + 29 * 8000 == 264000
+    assert fb(shape, 2, 4, 4, "kl_full", accelerator=False) == 32000  # its chunks fit in the log-prob pass's
+    assert fb(shape, 2, 4, 2, "reverse", accelerator=False) == 232000 + 32000  # + a float32 copy of bf16 logits
+    assert fb(shape, 2, 4, 4, "reverse", accelerator=False, train=True) == 2 * 32000 + 2 * 37 * 8000 == 656000
+    assert fb(shape, 2, 4, 4, "kl_full", accelerator=False, train=True) == 2 * 32000 + 2 * 12 * 8000 == 256000
+    # tp=2 halves V; a chunk smaller than the micro-batch's logits: 2**22 elements on CPU
+    assert fb(shape, 2, 4, 4, "reverse", tp=2, accelerator=False) == 16000 + 25 * 4000
+    big = replace(shape, vocab=2**20)
+    assert fb(big, 2, 4, 4, "jsd", accelerator=False) == 4 * 8 * 2**20 + 29 * 2**22
+    with pytest.raises(ValueError, match="unknown estimator 'k1'"):
+        fb(shape, 2, 4, 4, "k1")
+
+    s = PlanSettings(
+        devices=1,
+        actor_micro_batch=2,
+        logprob_micro_batch=2,
+        prompt_len=6,
+        response_len=4,
+        rollout_batch=2,
+        separate_ref=False,
+        accelerator=False,
+    )
+    base = plan_memory(s, shape, teacher=shape)
+    assert base.phase_bytes()["log-probs"] == 32000 + 3 * 32000  # logits_bytes without grad: k1, no full KL
+    both = replace(s, kl_full=True, kl_full_loss=True, distill_estimator="reverse")
+    plan = plan_memory(both, shape, teacher=shape)
+    assert plan.phase_bytes()["log-probs"] == 128000 + max(232000, 32000)  # the reference's logits are freed first
+    assert plan.phase_bytes()["actor backward"] == base.phase_bytes()["actor backward"] + 656000 + 256000
+    # a full distillation estimator without a teacher shape (distill.teacher=exact) adds nothing
+    assert plan_memory(replace(s, distill_estimator="jsd"), shape).phase_bytes() == base.phase_bytes()
+
+
+def test_plan_settings_read_the_full_kl_and_the_distillation_estimator():
+    cfg = ["actor.model=qwen2.5-7b", "rollout.engine=hf", "distill.teacher=qwen2.5-0.5b"]
+    s = PlanSettings.from_config(load_config(None, [*cfg, "distill.estimator=jsd", "kl.estimator=full"]))
+    assert (s.distill_estimator, s.kl_full, s.kl_full_loss) == ("jsd", True, False)  # kl.placement=reward
+    s = PlanSettings.from_config(load_config(None, [*cfg, "kl.placement=loss", "kl.loss_estimator=full"]))
+    assert (s.distill_estimator, s.kl_full, s.kl_full_loss) == (None, False, True)  # distill.estimator=k1

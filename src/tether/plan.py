@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tether.algos.distill import DIVERGENCE_CHUNK_TEMPORARIES, FULL_DISTILL_ESTIMATORS
 from tether.algos.logprobs import DEFAULT_CHUNK_ELEMENTS
 from tether.config import EMBEDDED, EXACT_TEACHER, ConfigError, load_config
 from tether.engines import ENGINES, entry, fallback, planned_engine
@@ -56,6 +57,7 @@ __all__ = [
     "activation_bytes",
     "activation_bytes_per_layer",
     "logits_bytes",
+    "full_logits_bytes",
     "parse_size",
     "plan_memory",
     "plan_config",
@@ -395,6 +397,61 @@ def logits_bytes(
     return max(logits + b * t * v * e + 2 * chunk, logits + shape.hidden * v * e)
 
 
+FULL_KL_CHUNK_BYTES = 12
+"""Bytes per chunk element of :func:`tether.algos.kl_full`'s forward (``_FullKL``): log p, then the other model's
+scaled logits and their log-softmax turned in place into log p − log q: three float32 chunks at most, as many as the
+log-prob pass's (:func:`logits_bytes`)."""
+
+
+def full_logits_bytes(
+    shape: ModelShape,
+    b: int,
+    t: int,
+    e: int,
+    estimator: str,
+    *,
+    tp: int = 1,
+    accelerator: bool = True,
+    train: bool = False,
+) -> int:
+    """Bytes one micro-batch adds, beyond :func:`logits_bytes`, for a full-vocabulary divergence to a frozen model's
+    logits: ``estimator`` ``"kl_full"`` (``kl.estimator=full``, the reference) or one of
+    :data:`tether.algos.FULL_DISTILL_ESTIMATORS` (``distill.estimator``, the teacher).
+
+    With n = b·t·V' elements (V' = ceil(V / tp)) and a chunk of c = min(``DEFAULT_CHUNK_ELEMENTS``, n) elements, d
+    bytes per chunk element (:data:`FULL_KL_CHUNK_BYTES` = 12 for ``kl_full``; 4·D + 1 for a divergence, D float32
+    temporaries of :data:`tether.algos.distill.DIVERGENCE_CHUNK_TEMPORARIES`, 9 for reverse and forward, 10 for jsd,
+    and a bool mask):
+
+    * without grad (``train=False``, the log-prob pass, ``tether.workers.actor._forward_logprobs``): the frozen
+      model's (b, t, V') logits in float32 (``.float()``), 4n; a float32 copy of the student's logits, 4n more, when
+      they are not float32 (e ≠ 4); and the chunk temporaries beyond the log-prob pass's three float32 ones
+      (:func:`logits_bytes` counts those, freed before): max(0, d − 12)·c;
+    * in training (``train=True``, the update with the KL loss or the distillation term): the frozen logits saved for
+      the backward, e·n, the (b, t, V') gradient the term's backward builds for the student's logits, e·n, and the
+      backward's recomputed chunk with its gradients, 2·d·c: 2·e·n + 2·d·c.
+
+    ``top_k`` only makes a divergence's chunk smaller; it is counted at the full vocabulary.
+
+    Raises:
+        ValueError: an unknown ``estimator`` (names the valid ones).
+    """
+    if estimator == "kl_full":
+        d = FULL_KL_CHUNK_BYTES
+    elif estimator in FULL_DISTILL_ESTIMATORS:
+        d = 4 * DIVERGENCE_CHUNK_TEMPORARIES[estimator] + 1
+    else:
+        raise ValueError(
+            f"full_logits_bytes: unknown estimator {estimator!r}; use kl_full or one of "
+            f"{', '.join(FULL_DISTILL_ESTIMATORS)}"
+        )
+    n = b * t * math.ceil(shape.vocab / tp)
+    c = min(DEFAULT_CHUNK_ELEMENTS["accelerator" if accelerator else "cpu"], n)
+    if train:
+        return 2 * e * n + 2 * d * c
+    return 4 * n + (4 * n if e != 4 else 0) + max(0, d - 3 * 4) * c
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     """Everything the plan depends on besides the model shapes (from the config and ``tether plan``'s flags).
@@ -431,6 +488,12 @@ class PlanSettings:
     engine_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     autocast: bool = False
     accelerator: bool = True
+    #: ``kl.estimator=full``: the reference's logits in the log-prob pass; ``kl_full_loss``: also in the update (the
+    #: KL loss's estimator is ``full``)
+    kl_full: bool = False
+    kl_full_loss: bool = False
+    #: ``distill.estimator`` when it is a full-vocabulary one with a teacher (reverse, forward, jsd); None otherwise
+    distill_estimator: str | None = None
 
     @property
     def storage_bytes(self) -> int:
@@ -477,7 +540,8 @@ class PlanSettings:
         ``ref.model``, ``reward.model``, ``algo.adv_estimator``, ``algo.mini_batch_size``,
         ``data.batch_size``, ``data.max_prompt_length``, ``rollout.n``, ``rollout.max_new_tokens``,
         ``rollout.engine``, ``rollout.vllm.*`` (``tensor_parallel_size``, when set, is the rollout's
-        tp unless ``rollout_tp`` is given) and, from the Ray backend, ``trainer.fsdp.param_dtype``,
+        tp unless ``rollout_tp`` is given), ``kl.estimator``, ``kl.loss_estimator``, ``kl.placement``,
+        ``distill.teacher``, ``distill.estimator`` and, from the Ray backend, ``trainer.fsdp.param_dtype``,
         ``trainer.fsdp.cpu_offload``, ``trainer.fsdp.activation_checkpointing`` and
         ``trainer.n_gpus_per_node``.
 
@@ -549,6 +613,13 @@ class PlanSettings:
             rollout_tp=rollout_tp,
             engine_settings={name: v.model_dump() for name, v in sections.items()},
             accelerator=accelerator,
+            kl_full=cfg.kl.estimator == "full",
+            kl_full_loss=cfg.kl.placement in ("loss", "both") and cfg.kl_loss_estimator == "full",
+            distill_estimator=(
+                cfg.distill.estimator
+                if cfg.distill.teacher is not None and cfg.distill.estimator in FULL_DISTILL_ESTIMATORS
+                else None
+            ),
         )
 
 
@@ -840,6 +911,35 @@ def plan_memory(
             note=f"micro-batch {mb}, no grad",
         )
     )
+    e_lg = 4 if s.autocast else ec  # the logits' bytes, as the log-prob forward's
+    frozen = [("reference", "kl_full", s.kl_full, s.kl_full_loss)]
+    if teacher is not None and s.distill_estimator is not None:
+        frozen.append(("teacher", s.distill_estimator, True, True))
+    # the log-prob pass frees the reference's logits before the teacher's forward: the larger of the two
+    nograd = [(r, est) for r, est, on, _ in frozen if on]
+    if nograd:
+        role, est = max(
+            nograd,
+            key=lambda x: full_logits_bytes(actor, mb, s.response_len, e_lg, x[1], tp=s.tp, accelerator=s.accelerator),
+        )
+        b = full_logits_bytes(actor, mb, s.response_len, e_lg, est, tp=s.tp, accelerator=s.accelerator)
+        what = "kl_full" if est == "kl_full" else f"distill.estimator={est}"
+        items.append(Item(role, f"{role} logits + {what} chunks", b, "log-probs", note=f"micro-batch {mb}, no grad"))
+    for role, est, _, in_loss in frozen:
+        if in_loss:  # both terms of the loss keep their frozen logits until the backward
+            b = full_logits_bytes(
+                actor, s.actor_micro_batch, s.response_len, e_lg, est, tp=s.tp, accelerator=s.accelerator, train=True
+            )
+            what = "KL loss (kl_full)" if est == "kl_full" else f"distill.estimator={est}"
+            items.append(
+                Item(
+                    "actor",
+                    f"{role} logits + their gradient, {what}",
+                    b,
+                    "actor backward",
+                    note=f"micro-batch {s.actor_micro_batch}: kept for the backward, which builds the logits' gradient",
+                )
+            )
     if s.separate_ref:
         params["reference"] = ref.causal_lm_params()
         items.append(_frozen_role(s, "reference", params["reference"], s.storage_dtype, f"sharded over {n} devices"))

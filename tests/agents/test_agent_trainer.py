@@ -362,6 +362,7 @@ def test_an_async_agent_run_logs_agent_metrics_and_resumes_exactly(setup, tmp_pa
 NAP_TOOLS = '''
 import os
 import pathlib
+import threading
 import time
 
 
@@ -369,6 +370,11 @@ def nap(x: int) -> str:
     """Answers after a nap; with TOOL_HOLD set, the process's first call writes TOOL_HOLD/napping and sleeps until
     TOOL_HOLD/release exists (the test sends SIGTERM in between)."""
     hold = os.environ.get("TOOL_HOLD")
+    # TOOL_HOLD_BACKGROUND: only a call made once the async rollout's job thread exists (step 1's batch is generated
+    # on the main thread before it starts, so the call held is the background job's, while step 1 trains)
+    background = any(t.name.startswith("tether-async-rollout") for t in threading.enumerate())
+    if os.environ.get("TOOL_HOLD_BACKGROUND") and not background:
+        hold = None
     if hold and not pathlib.Path(hold, "napping").exists():
         pathlib.Path(hold, "napping").write_text(str(os.getpid()))
         while not pathlib.Path(hold, "release").exists():
@@ -432,77 +438,104 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-def test_sigterm_while_a_tool_sleeps_finishes_the_step_and_resumes_as_uninterrupted(setup, tmp_path):
-    """``tether train`` (a subprocess; a drawn engine makes the tiny model call the tools, as in the tests above):
-    SIGTERM arrives while step 1's nap call is held (detected by the file it writes, released once the process said it
-    got the signal): the step finishes, its checkpoint is written whole, exit 143; a resume to 3 gives the
-    uninterrupted run's metrics. Before that, a run whose hang calls are abandoned at agent.tool_timeout_s (threads
-    that sleep on) exits by itself."""
+def _nap_train(setup, tmp_path, out, call='CALL nap {"x": 1}', *extra, **env):
+    """``tether train`` of 3 steps as a subprocess through LAUNCH (the drawn engine) with NAP_TOOLS' nap and hang:
+    (process, its stderr lines, filled by a reader thread). ``env``: added to the environment (TOOL_HOLD...)."""
     import os
-    import signal
     import subprocess
     import sys
     import threading
-    import time
-
-    from tether.checkpoint import latest_valid_checkpoint, verify_checkpoint
 
     model, root = setup
     (tmp_path / "tools.py").write_text(NAP_TOOLS)
     (tmp_path / "launch.py").write_text(LAUNCH)
     tools = f"[{tmp_path}/tools.py:nap,{tmp_path}/tools.py:hang]"
+    args = [
+        *QUIET,
+        f"actor.model={model}",
+        f"data.train_files={root / 'train.jsonl'}",
+        f"reward.function={root / 'reward.py'}:compute_score",
+        f"agent.tools={tools}",
+        "agent.tool_format=plain",
+        "agent.tool_timeout_s=120",  # a held nap is never abandoned
+        "trainer.total_steps=3",
+        f"trainer.output_dir={out}",
+        *extra,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_HOLD")} | {"OMP_NUM_THREADS": "1"} | env
+    cmd = [sys.executable, str(tmp_path / "launch.py"), call, "train", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return proc, lines
 
-    def args(out, *extra):
-        return [
-            *QUIET,
-            f"actor.model={model}",
-            f"data.train_files={root / 'train.jsonl'}",
-            f"reward.function={root / 'reward.py'}:compute_score",
-            f"agent.tools={tools}",
-            "agent.tool_format=plain",
-            "agent.tool_timeout_s=120",  # a held nap is never abandoned
-            "trainer.total_steps=3",
-            f"trainer.output_dir={out}",
-            *extra,
-        ]
 
-    def train(out, call='CALL nap {"x": 1}', *extra, **env):
-        env = {k: v for k, v in os.environ.items() if k != "TOOL_HOLD"} | {"OMP_NUM_THREADS": "1"} | env
-        cmd = [sys.executable, str(tmp_path / "launch.py"), call, "train", *args(out, *extra)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        lines: list[str] = []
-        threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-        return proc, lines
+def _finish(proc, lines):
+    """(exit status, stderr). The bound only guards against a process kept alive (a hang thread): no timing
+    asserted."""
+    import time
 
-    def finish(proc, lines):  # the bound only guards against a process kept alive (a hang thread): no timing asserted
-        proc.wait(timeout=300)
-        time.sleep(0.1)  # the reader thread drains the pipe's last lines
-        return proc.returncode, "".join(lines)
+    proc.wait(timeout=300)
+    time.sleep(0.1)  # the reader thread drains the pipe's last lines
+    return proc.returncode, "".join(lines)
 
-    # abandoned calls: the hang tool times out (agent/tool_errors) and its threads do not keep the process alive
-    code, err = finish(*train(tmp_path / "hang", "CALL hang", "agent.tool_timeout_s=0.3", "trainer.total_steps=1"))
-    assert code == 0, err
-    (hang,) = _lines(tmp_path / "hang")
-    assert hang["agent/tool_errors"] >= 1  # the hang calls (the nap calls succeed)
 
-    code, err = finish(*train(tmp_path / "full"))
-    assert code == 0, err
-    want = _lines(tmp_path / "full")
+def _sigterm_while_held(proc, lines, hold, out):
+    """Wait for the held nap call (TOOL_HOLD/napping), send SIGTERM, wait until the process logged it while the call
+    still waits (no step line yet), release the call; the exit status and stderr."""
+    import signal
+    import time
 
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    proc, lines = train(tmp_path / "run", TOOL_HOLD=str(hold))
     deadline = time.monotonic() + 300  # a guard against a stuck process, not a timing assertion
-    while not (hold / "napping").exists():  # the first nap call (step 1) has started and waits
+    while not (hold / "napping").exists():  # the held nap call has started and waits
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     while not any("SIGTERM received" in x for x in lines):  # the handler ran, on the main thread, while the tool waits
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         time.sleep(0.01)
-    assert _lines(tmp_path / "run") == []  # still in step 1
+    assert _lines(out) == []  # still in step 1
     (hold / "release").touch()
-    code, err = finish(proc, lines)
+    return _finish(proc, lines)
+
+
+def _assert_same_run(got, want):
+    """The resumed run's step lines equal the uninterrupted run's: steps 1..3, every agent/, reward/, kl/, actor/,
+    response/, rollout/ number within 1e-6 (float32 sums over a few hundred tokens; the same operations in the same
+    order give the same bits, the bound only allows for reduction order)."""
+    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
+    assert sum(w["agent/tool_calls"] for w in want) > 0 and sum(w["agent/tool_errors"] for w in want) == 0
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/", "rollout/")) and isinstance(v, float):
+                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
+
+
+def test_sigterm_while_a_tool_sleeps_finishes_the_step_and_resumes_as_uninterrupted(setup, tmp_path):
+    """``tether train`` (a subprocess; a drawn engine makes the tiny model call the tools, as in the tests above):
+    SIGTERM arrives while step 1's nap call is held (detected by the file it writes, released once the process said it
+    got the signal): the step finishes, its checkpoint is written whole, exit 143; a resume to 3 gives the
+    uninterrupted run's metrics. Before that, a run whose hang calls are abandoned at agent.tool_timeout_s (threads
+    that sleep on) exits by itself."""
+    from tether.checkpoint import latest_valid_checkpoint, verify_checkpoint
+
+    # abandoned calls: the hang tool times out (agent/tool_errors) and its threads do not keep the process alive
+    hang = _nap_train(
+        setup, tmp_path, tmp_path / "hang", "CALL hang", "agent.tool_timeout_s=0.3", "trainer.total_steps=1"
+    )
+    code, err = _finish(*hang)
+    assert code == 0, err
+    (hang,) = _lines(tmp_path / "hang")
+    assert hang["agent/tool_errors"] >= 1  # the hang calls (the nap calls succeed)
+
+    code, err = _finish(*_nap_train(setup, tmp_path, tmp_path / "full"))
+    assert code == 0, err
+    want = _lines(tmp_path / "full")
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc, lines = _nap_train(setup, tmp_path, tmp_path / "run", TOOL_HOLD=str(hold))
+    code, err = _sigterm_while_held(proc, lines, hold, tmp_path / "run")
     assert code == 143, err
     assert "tether train: stopped by SIGTERM after step 1; checkpoint step 1 written" in err, err
     assert [r["step"] for r in _lines(tmp_path / "run")] == [1]
@@ -510,13 +543,48 @@ def test_sigterm_while_a_tool_sleeps_finishes_the_step_and_resumes_as_uninterrup
     assert last is not None and last.name == "step_000001"
     verify_checkpoint(last)
 
-    code, err = finish(*train(tmp_path / "run"))
+    code, err = _finish(*_nap_train(setup, tmp_path, tmp_path / "run"))
     assert code == 0, err
     assert f"resumed from {last} (step 1)" in err
-    got = _lines(tmp_path / "run")
-    assert [g["step"] for g in got] == [w["step"] for w in want] == [1, 2, 3]
-    assert sum(w["agent/tool_calls"] for w in want) > 0 and sum(w["agent/tool_errors"] for w in want) == 0
-    for g, w in zip(got, want, strict=True):
-        for k, v in w.items():
-            if k.startswith(("agent/", "reward/", "kl/", "actor/", "response/", "rollout/")) and isinstance(v, float):
-                assert math.isclose(g[k], v, rel_tol=0, abs_tol=1e-6) or (math.isnan(v) and math.isnan(g[k])), k
+    _assert_same_run(_lines(tmp_path / "run"), want)
+
+
+def test_sigterm_while_the_async_job_sleeps_in_a_tool_checkpoints_its_batch_and_resumes_as_uninterrupted(
+    setup, tmp_path
+):
+    """As above with ``rollout.async_steps=1``: the nap call held is one of step 2's batch, generated by the
+    background job while step 1 trains (TOOL_HOLD_BACKGROUND). The SIGTERM is logged while the call waits; step 1's
+    update ends, its join waits for the job, the released call lets the job finish, and checkpoint 1 holds that
+    batch as pending (async_pending.safetensors with its multi-turn parts): exit 143, and a resume to 3 trains on
+    the restored batch and equals the uninterrupted async run (staleness 0, 1, 1)."""
+    from safetensors import safe_open
+
+    from tether.checkpoint import latest_valid_checkpoint, verify_checkpoint
+    from tether.trainer.async_rollout import PENDING_FILE
+
+    overlap = "rollout.async_steps=1"
+    code, err = _finish(*_nap_train(setup, tmp_path, tmp_path / "full", 'CALL nap {"x": 1}', overlap))
+    assert code == 0, err
+    want = _lines(tmp_path / "full")
+    assert [w["rollout/staleness"] for w in want] == [0.0, 1.0, 1.0]
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    run = _nap_train(
+        setup, tmp_path, tmp_path / "run", 'CALL nap {"x": 1}', overlap, TOOL_HOLD=str(hold), TOOL_HOLD_BACKGROUND="1"
+    )
+    code, err = _sigterm_while_held(*run, hold, tmp_path / "run")
+    assert code == 143, err
+    assert "tether train: stopped by SIGTERM after step 1; checkpoint step 1 written" in err, err
+    assert [r["step"] for r in _lines(tmp_path / "run")] == [1]
+    last = latest_valid_checkpoint(tmp_path / "run" / "checkpoints")
+    assert last is not None and last.name == "step_000001"
+    verify_checkpoint(last)
+    with safe_open(str(last / PENDING_FILE), framework="pt") as f:  # step 2's batch, the one whose call was held
+        assert json.loads(f.metadata()["batches"])[0]["version"] == 0
+        assert {"0.response_ids", "0.generated_mask", "0.turn_rewards", "0.extra.agent_lengths"} <= set(f.keys())
+
+    code, err = _finish(*_nap_train(setup, tmp_path, tmp_path / "run", 'CALL nap {"x": 1}', overlap))
+    assert code == 0, err
+    assert f"resumed from {last} (step 1)" in err
+    _assert_same_run(_lines(tmp_path / "run"), want)

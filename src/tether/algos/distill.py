@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from .logprobs import _chunks, _rows_per_chunk
 from .masked import as_bool_mask, masked_mean
 
 __all__ = [
@@ -60,7 +61,15 @@ __all__ = [
     "distill_divergence",
     "subtract_token_penalty",
     "sequence_kl_mean",
+    "DIVERGENCE_CHUNK_TEMPORARIES",
 ]
+
+DIVERGENCE_CHUNK_TEMPORARIES: dict[str, int] = {"reverse": 9, "forward": 9, "jsd": 10}
+"""Float32 tensors of one chunk's (rows, V) size alive at once in :func:`distill_divergence`'s forward, by estimator,
+counted from the code (``_divergence``): the scaled logits z and z_T, log p and log q (4), then in ``_plogp_diff``
+p, the two masked log-probs, their product and the ``where`` output (5); ``jsd`` keeps log m beside them (10). A
+(rows, V) bool mask (1 byte an element) comes on top. With ``top_k`` all but z and z_T are (rows, k): fewer bytes.
+``tether plan`` counts these (:func:`tether.plan.full_logits_bytes`)."""
 
 FULL_DISTILL_ESTIMATORS: tuple[str, ...] = ("reverse", "forward", "jsd")
 """The ``distill.estimator`` values computed from both models' logits (:func:`distill_divergence`)."""
@@ -173,6 +182,7 @@ def distill_divergence(
     jsd_beta: float = 0.5,
     top_k: int | None = None,
     temperature: float = 1.0,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The exact per-state divergence f(π_θ(·|s), π_T(·|s)) between the student and the teacher at each position.
 
@@ -202,15 +212,19 @@ def distill_divergence(
         jsd_beta: b ∈ (0, 1), the teacher's weight in ``jsd``'s mixture; ignored otherwise.
         top_k: k ≥ 1 or None (the full vocabulary).
         temperature: τ > 0; both logit tensors are divided by it (``rollout.temperature``).
+        chunk_size: positions per chunk; ``None`` as :func:`tether.algos.kl_full` (at most 2**22 logits a chunk on
+            CPU, 2**24 on an accelerator).
 
     Returns:
         (...,) divergence in nats per state, float32 at least (float64 for float64 inputs), ≥ 0 up to round-off;
         +inf for ``reverse`` where the student gives mass to a token the teacher cannot emit (and for ``forward``
-        the other way round), the exact value. Materialises a few (..., V) temporaries (no chunking).
+        the other way round), the exact value. Computed in chunks of positions, as :func:`tether.algos.kl_full`: the
+        forward holds :data:`DIVERGENCE_CHUNK_TEMPORARIES` float32 chunks, the backward recomputes each chunk and
+        builds the (..., V) gradient of the inputs that need one.
 
     Raises:
         ValueError: an unknown estimator (lists the valid ones), shapes that differ, jsd_beta outside (0, 1),
-            top_k < 1, temperature ≤ 0.
+            top_k < 1, temperature ≤ 0, chunk_size < 1.
     """
     if estimator not in FULL_DISTILL_ESTIMATORS:
         raise ValueError(
@@ -228,17 +242,68 @@ def distill_divergence(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     dtype = torch.promote_types(torch.promote_types(logits.dtype, teacher_logits.dtype), torch.float32)
-    z = logits.to(dtype) / temperature
-    zt = teacher_logits.to(device=logits.device, dtype=dtype) / temperature
-    if top_k is not None and top_k < z.shape[-1]:
-        idx = zt.topk(top_k, dim=-1).indices  # K(s): the teacher's k most likely tokens
-        z, zt = z.gather(-1, idx), zt.gather(-1, idx)
-    logp = torch.log_softmax(z, dim=-1)  # the student, renormalised over K(s) under top_k
-    logq = torch.log_softmax(zt, dim=-1)  # the teacher
-    if estimator == "reverse":
-        return _plogp_diff(logp, logq)
-    if estimator == "forward":
-        return _plogp_diff(logq, logp)
-    b = float(jsd_beta)
-    logm = torch.logaddexp(logq + math.log(b), logp + math.log1p(-b))  # log(b·q + (1 − b)·p)
-    return b * _plogp_diff(logq, logm) + (1.0 - b) * _plogp_diff(logp, logm)
+    lead, v = tuple(logits.shape[:-1]), logits.shape[-1]
+    x = logits.reshape(1, -1, v) if logits.dim() != 3 else logits
+    xt = teacher_logits.to(device=logits.device).reshape(x.shape)
+    rows = _rows_per_chunk(v, chunk_size, logits.device)
+    fn = _DivergenceFn(estimator, float(jsd_beta), top_k, float(temperature), dtype)
+    return _ChunkedDivergence.apply(x, xt, fn, rows).reshape(lead)
+
+
+class _DivergenceFn:
+    """f per position of one (kb, kt, V) chunk of both logit tensors: :func:`distill_divergence`'s formulas."""
+
+    def __init__(self, estimator: str, jsd_beta: float, top_k: int | None, temperature: float, dtype: torch.dtype):
+        self.estimator, self.b, self.top_k = estimator, jsd_beta, top_k
+        self.temperature, self.dtype = temperature, dtype
+
+    def __call__(self, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        z = logits.to(self.dtype) / self.temperature
+        zt = teacher_logits.to(self.dtype) / self.temperature
+        if self.top_k is not None and self.top_k < z.shape[-1]:
+            idx = zt.topk(self.top_k, dim=-1).indices  # K(s): the teacher's k most likely tokens
+            z, zt = z.gather(-1, idx), zt.gather(-1, idx)
+        logp = torch.log_softmax(z, dim=-1)  # the student, renormalised over K(s) under top_k
+        logq = torch.log_softmax(zt, dim=-1)  # the teacher
+        if self.estimator == "reverse":
+            return _plogp_diff(logp, logq)
+        if self.estimator == "forward":
+            return _plogp_diff(logq, logp)
+        b = self.b
+        logm = torch.logaddexp(logq + math.log(b), logp + math.log1p(-b))  # log(b·q + (1 − b)·p)
+        return b * _plogp_diff(logq, logm) + (1.0 - b) * _plogp_diff(logp, logm)
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    """f over a (B, T, V) grid in chunks of at most ``rows`` positions: the forward keeps no (B, T, V) temporary,
+    the backward recomputes each chunk under autograd and writes its gradient into the (B, T, V) result (f of a
+    position depends on that position's logits only, so the chunks' gradients do not overlap). The same operations
+    per position as one unchunked call, so the same values and gradients to float rounding. Not twice
+    differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher_logits, fn, rows):  # (B, T, V), (B, T, V)
+        b, t, _ = logits.shape
+        out = torch.empty(b, t, dtype=fn.dtype, device=logits.device)
+        for bs, ts in _chunks(b, t, rows):
+            out[bs, ts] = fn(logits[bs, ts], teacher_logits[bs, ts])
+        ctx.save_for_backward(logits, teacher_logits)
+        ctx.fn, ctx.rows = fn, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, teacher_logits = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        grads = [torch.empty_like(x) if n else None for x, n in zip((logits, teacher_logits), need, strict=True)]
+        b, t, _ = logits.shape
+        for bs, ts in _chunks(b, t, ctx.rows):
+            with torch.enable_grad():
+                xs = [x[bs, ts].detach().requires_grad_(n) for x, n in zip((logits, teacher_logits), need, strict=True)]
+                f = ctx.fn(*xs)
+                wrt = [x for x in xs if x.requires_grad]
+                got = iter(torch.autograd.grad(f, wrt, g[bs, ts].to(f.dtype)))
+            for gr, n in zip(grads, need, strict=True):
+                if n:
+                    gr[bs, ts] = next(got)
+        return grads[0], grads[1], None, None
