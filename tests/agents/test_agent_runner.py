@@ -149,6 +149,54 @@ def test_calls_of_the_batch_run_concurrently_and_failures_are_counted(tok_dir, t
     assert runner.metrics["agent/tool_calls"] == 5.0 and runner.metrics["agent/tool_errors"] == 2.0
 
 
+class Echo:
+    """Answers every model turn with its word and the reward ``r`` (given by the row's interaction_kwargs), done
+    after one turn."""
+
+    word = "echo"
+
+    def __init__(self, r: float = 0.0):
+        self.r = r
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_turn):
+        return StepResult(self.word, self.r, True)
+
+
+class Shout(Echo):
+    word = "SHOUT"
+
+
+def test_each_row_picks_its_environment_by_name_in_one_batch(tok_dir):
+    """agent.environments {echo, shout} and agent.environment (echo): rows naming shout / echo / none run Shout /
+    Echo / the default, in one rollout; their per-turn rewards are the rows' interaction_kwargs.r."""
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    agent = AgentSpec(environment=Echo, environments={"echo": Echo, "shout": Shout}, max_turns=1)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    rows = [
+        _row("q0", environment="shout", interaction_kwargs={"r": 2.0}),
+        _row("q1", environment="echo", interaction_kwargs={"r": 1.0}),
+        _row("q2", interaction_kwargs={"r": 0.5}),
+    ]
+    prompts = _prompts(tok, runner, rows)
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[i], "turns": ["hi"]} for i in range(3)])
+    runner.rollout(prompts, [0, 1, 2], n=1)
+    assert [type(e.env) for e in runner.episodes] == [Shout, Echo, Echo]
+    assert [t.turn_rewards for t in runner.last_trajectories] == [[2.0], [1.0], [0.5]]
+    # an unknown name is refused before any turn, naming the sample, the name and the known names
+    bad = _prompts(tok, runner, [rows[0], _row("q3", environment="whisper")])
+    runner.engine = Scripted(tok, [])
+    with pytest.raises(ValueError, match=r"^sample 1 has extra_info.environment='whisper', not one of agent.environ"):
+        runner.rollout(bad, [0, 1], n=1)
+    assert runner.engine.calls == []
+    # without agent.environment a row that names none is refused too
+    runner.agent = AgentSpec(environments={"echo": Echo, "shout": Shout}, max_turns=1)
+    with pytest.raises(ValueError, match=r"^sample 1 has no extra_info.environment and agent.environment is null"):
+        runner.rollout(_prompts(tok, runner, [rows[0], rows[2]]), [0, 1], n=1)
+
+
 class ThinkingUser:
     """An environment whose observation is a user message: Qwen3's template then strips <think> from earlier
     assistant turns, which the model saw."""

@@ -271,6 +271,27 @@ def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):
         assert cfg.rollout.engine == name
 
 
+def test_rows_picking_unknown_or_no_environment_are_refused_before_models_load(setup, tmp_path, monkeypatch):
+    """agent.environments: a row's extra_info.environment picks one; the train rows name none (refused without
+    agent.environment) and a val row names one that is not there; relative specs are saved absolute."""
+    model, root = setup
+    envs = f"agent.environments={{go: {root}/env.py:Flaky, also: {root}/env.py:Flaky}}"
+    with pytest.raises(ConfigError, match=r"^data.train_files row 0 has no extra_info.environment and agent.envir"):
+        Trainer(_cfg(setup, tmp_path / "r", envs))
+    val = root / "val_named.jsonl"
+    named = [{"prompt": f"q{i}", "extra_info": {"environment": e}} for i, e in enumerate(["go", "x"])]
+    val.write_text("".join(json.dumps(r) + "\n" for r in named))
+    with pytest.raises(ConfigError, match=r"^data.val_files row 1 has extra_info.environment='x', not one of agent.e"):
+        Trainer(_cfg(setup, tmp_path / "r", envs, f"agent.environment={root}/env.py:Flaky", f"data.val_files={val}"))
+    with pytest.raises(ConfigError, match=r"agent.environments.go='nope.py:Flaky': file 'nope.py' not found"):
+        _cfg(setup, tmp_path / "r", "agent.environments={go: nope.py:Flaky}")
+    from tether.config import config_to_yaml
+
+    monkeypatch.chdir(root)
+    saved = config_to_yaml(_cfg(setup, tmp_path / "r", "agent.environments={go: env.py:Flaky}"))
+    assert f"{root}/env.py:Flaky" in saved
+
+
 def test_agent_specs_are_saved_absolute(setup, tmp_path, monkeypatch):
     from tether.config import config_to_yaml
 
