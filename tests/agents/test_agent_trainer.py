@@ -244,8 +244,28 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
     _scripted(t)
     always = t.roles.engine.agent.environment
     t.roles.engine.agent = type(t.roles.engine.agent)(environment=lambda: always(always=True), max_turns=4)
-    with pytest.raises(TrainingStopped, match="agent/env_errors=8"):
+    with pytest.raises(
+        TrainingStopped, match=r"agent/env_errors=8.*: the agent environment failed on every trajectory"
+    ):
         t.fit()
+
+
+def test_observations_a_tokenizer_without_a_template_cannot_encode_are_refused_before_weights_load(setup, tmp_path):
+    """The default embedded model's tokenizer has no chat template and no '<' in its vocabulary: every observation
+    would fail; refused at startup, naming agent.environment."""
+    from tether.agents import plain_observation_problem
+    from tether.models import load_tokenizer, resolve_model_path
+
+    model, root = setup
+    tok = load_tokenizer(resolve_model_path("embedded"))
+    assert "raised Exception: WordLevel error" in plain_observation_problem(tok)
+    assert plain_observation_problem(load_tokenizer(model)) is None  # a chat template: rendered per turn instead
+    cfg = load_config(None, [*QUIET, f"agent.environment={root}/env.py:Flaky", f"trainer.output_dir={tmp_path / 'r'}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^agent.environment={root}/env.py:Flaky: the tokenizer of actor.model=embedded has no chat template",
+    ):
+        Trainer(cfg)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from tether.agents.templates import (
     check_turn_contexts,
     first_mismatch,
     mismatch_message,
+    plain_observation_problem,
 )
 from tether.agents.tools import (
     Environment,
@@ -49,6 +50,7 @@ __all__ = [
     "load_tools",
     "mismatch_message",
     "parse_tool_calls",
+    "plain_observation_problem",
     "resolve_format",
     "row_environment",
     "run_tool",
