@@ -495,6 +495,13 @@ class AgentConfig(Section):
         "trajectory (with the row's extra_info.interaction_kwargs), with reset(row) and step(model_turn) -> "
         "StepResult (docs/agents.md). Exclusive with agent.tools; null = none.",
     )
+    environments: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environments a dataset row picks by name: {name: 'path/file.py:Name' or 'module:Name'}; a row's "
+        "extra_info.environment names one, a row without it runs agent.environment (refused before training when "
+        "that is null), an unknown name is refused before training naming the row (docs/agents.md). Exclusive with "
+        "agent.tools; empty = none.",
+    )
     max_turns: int = Field(4, ge=1, description="Agent on: the most model turns per trajectory.")
     max_observation_tokens: int | None = Field(
         256,
@@ -523,23 +530,29 @@ class AgentConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.tools) or self.environment is not None
+        return bool(self.tools) or self.environment is not None or bool(self.environments)
 
     @model_validator(mode="after")
     def _specs(self):
-        if self.tools and self.environment is not None:
+        env = "agent.environment" if self.environment is not None else "agent.environments" if self.environments else ""
+        if self.tools and env:
+            value = self.environment if self.environment is not None else self.environments
             raise ValueError(
-                f"agent.tools={self.tools} and agent.environment={self.environment!r} are both set: a trajectory runs "
-                "one environment (tools make one); set one"
+                f"agent.tools={self.tools} and {env}={value!r} are both set: a trajectory runs one environment "
+                "(tools make one); set one"
             )
         for i, spec in enumerate(self.tools):
             _spec_file(f"agent.tools[{i}]", spec)
         if self.environment is not None:
             _spec_file("agent.environment", self.environment)
+        for name, spec in self.environments.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"agent.environments has the name {name!r}: names are non-empty strings")
+            _spec_file(f"agent.environments.{name}", spec)
         if not self.enabled:
             set_here = sorted(
                 k
-                for k in self.model_fields_set - {"tools", "environment"}
+                for k in self.model_fields_set - {"tools", "environment", "environments"}
                 if getattr(self, k) != type(self).model_fields[k].default
             )
             if set_here:
@@ -1605,7 +1618,8 @@ class TetherConfig(Section):
         """What the multi-turn loop (agent.tools / agent.environment) does not run with yet: refused, naming the key."""
         if not self.agent.enabled:
             return
-        on = "agent.tools" if self.agent.tools else "agent.environment"
+        a = self.agent
+        on = "agent.tools" if a.tools else "agent.environment" if a.environment else "agent.environments"
         refused = [
             ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
             ("rollout.mode", self.rollout.mode, self.rollout.mode == "offline", "online"),
@@ -1941,7 +1955,7 @@ def _merge(tree: dict, layer: dict) -> None:
 
 
 #: Config keys that hold a local path (``reward.function``, ``reward.val_function``, ``agent.tools`` (each item),
-#: ``agent.environment``: the file part of ``file.py:name``).
+#: ``agent.environment``, each value of ``agent.environments``: the file part of ``file.py:name``).
 PATH_KEYS = (
     "actor.model",
     "ref.model",
@@ -1954,12 +1968,13 @@ PATH_KEYS = (
     "data.val_files",
     "agent.tools",
     "agent.environment",
+    "agent.environments",
 )
 
 
 def _path_values(tree: dict, key: str):
     """``(holder, slot, value)`` of each string at ``key`` of a config mapping (each item of a list, as
-    ``agent.tools``): ``holder[slot] = ...`` replaces it."""
+    ``agent.tools``; each value of a mapping, as ``agent.environments``): ``holder[slot] = ...`` replaces it."""
     section, _, name = key.partition(".")
     holder = tree.get(section)
     value = holder.get(name) if isinstance(holder, dict) else None
@@ -1967,10 +1982,12 @@ def _path_values(tree: dict, key: str):
         yield holder, name, value
     elif isinstance(value, list):
         yield from ((value, i, v) for i, v in enumerate(value) if isinstance(v, str))
+    elif isinstance(value, dict):
+        yield from ((value, k, v) for k, v in value.items() if isinstance(v, str))
 
 
 def _path_part(key: str, value: str) -> str | None:
-    if key in ("reward.function", "reward.val_function", "agent.tools", "agent.environment"):
+    if key in ("reward.function", "reward.val_function", "agent.tools", "agent.environment", "agent.environments"):
         target = value.rpartition(":")[0]
         return target if target.endswith(".py") or "/" in target or "\\" in target else None
     return None if value == EMBEDDED else value

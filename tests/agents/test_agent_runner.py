@@ -149,6 +149,91 @@ def test_calls_of_the_batch_run_concurrently_and_failures_are_counted(tok_dir, t
     assert runner.metrics["agent/tool_calls"] == 5.0 and runner.metrics["agent/tool_errors"] == 2.0
 
 
+class Echo:
+    """Answers every model turn with its word and the reward ``r`` (given by the row's interaction_kwargs), done
+    after one turn."""
+
+    word = "echo"
+
+    def __init__(self, r: float = 0.0):
+        self.r = r
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_turn):
+        return StepResult(self.word, self.r, True)
+
+
+class Shout(Echo):
+    word = "SHOUT"
+
+
+def test_each_row_picks_its_environment_by_name_in_one_batch(tok_dir):
+    """agent.environments {echo, shout} and agent.environment (echo): rows naming shout / echo / none run Shout /
+    Echo / the default, in one rollout; their per-turn rewards are the rows' interaction_kwargs.r."""
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    agent = AgentSpec(environment=Echo, environments={"echo": Echo, "shout": Shout}, max_turns=1)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    rows = [
+        _row("q0", environment="shout", interaction_kwargs={"r": 2.0}),
+        _row("q1", environment="echo", interaction_kwargs={"r": 1.0}),
+        _row("q2", interaction_kwargs={"r": 0.5}),
+    ]
+    prompts = _prompts(tok, runner, rows)
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[i], "turns": ["hi"]} for i in range(3)])
+    runner.rollout(prompts, [0, 1, 2], n=1)
+    assert [type(e.env) for e in runner.episodes] == [Shout, Echo, Echo]
+    assert [t.turn_rewards for t in runner.last_trajectories] == [[2.0], [1.0], [0.5]]
+    # an unknown name is refused before any turn, naming the sample, the name and the known names
+    bad = _prompts(tok, runner, [rows[0], _row("q3", environment="whisper")])
+    runner.engine = Scripted(tok, [])
+    with pytest.raises(ValueError, match=r"^sample 1 has extra_info.environment='whisper', not one of agent.environ"):
+        runner.rollout(bad, [0, 1], n=1)
+    assert runner.engine.calls == []
+    # without agent.environment a row that names none is refused too
+    runner.agent = AgentSpec(environments={"echo": Echo, "shout": Shout}, max_turns=1)
+    with pytest.raises(ValueError, match=r"^sample 1 has no extra_info.environment and agent.environment is null"):
+        runner.rollout(_prompts(tok, runner, [rows[0], rows[2]]), [0, 1], n=1)
+
+
+class _Prompts(SimpleNamespace):
+    def __len__(self):
+        return len(self.ids)
+
+
+def test_a_validation_score_is_the_final_reward_plus_the_turn_rewards(tok_dir):
+    """evaluate_prompts (validation's val/score_mean and tether eval) on Echo trajectories with per-turn rewards 2.0,
+    0.0 and 0.5 and a final reward of 0.25 each, the second unscorable: scores 2.25, 0 (unscored counts 0, its turn
+    reward too) and 0.75, as the training reward totals them; turn_reward_mean = (2 + 0 + 0.5) / 3."""
+    from tether.evaluation.sampled import evaluate_prompts
+    from tether.rewards.manager import RewardResult
+
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    runner = AgentRunner(
+        None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=AgentSpec(environment=Echo)
+    )
+    rows = [_row(f"q{i}", interaction_kwargs={"r": r}) for i, r in enumerate([2.0, 1.0, 0.5])]
+    for i, row in enumerate(rows):
+        row.index, row.data_source = i, "test"
+    p = _prompts(tok, runner, rows)
+    prompts = _Prompts(ids=p.ids, texts=p.texts, rows=rows)
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[i], "turns": ["hi"]} for i in range(3)])
+
+    def reward(rows, prompts, responses):
+        valid = torch.tensor([True, False, True])
+        raw = torch.where(valid, 0.25, float("nan"))
+        return RewardResult(torch.where(valid, 0.25, 0.0), valid, raw, {})
+
+    records = []
+    m = evaluate_prompts(runner, reward, prompts, n=1, ks=[1], batch_size=3, samples=records, progress=False)
+    assert [r["score"] for r in records] == [2.25, 0.0, 0.75]
+    assert [r["turn_reward"] for r in records] == [2.0, 0.0, 0.5]
+    assert m["score_mean"] == pytest.approx(3.0 / 3, abs=1e-12)
+    assert m["turn_reward_mean"] == pytest.approx(2.5 / 3, abs=1e-12)
+    assert m["pass@1"] == pytest.approx(2 / 3, abs=1e-12)  # 2.25 and 0.75 reach 0.5; the unscored one does not
+
+
 class ThinkingUser:
     """An environment whose observation is a user message: Qwen3's template then strips <think> from earlier
     assistant turns, which the model saw."""

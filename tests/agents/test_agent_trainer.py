@@ -244,8 +244,28 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
     _scripted(t)
     always = t.roles.engine.agent.environment
     t.roles.engine.agent = type(t.roles.engine.agent)(environment=lambda: always(always=True), max_turns=4)
-    with pytest.raises(TrainingStopped, match="agent/env_errors=8"):
+    with pytest.raises(
+        TrainingStopped, match=r"agent/env_errors=8.*: the agent environment failed on every trajectory"
+    ):
         t.fit()
+
+
+def test_observations_a_tokenizer_without_a_template_cannot_encode_are_refused_before_weights_load(setup, tmp_path):
+    """The default embedded model's tokenizer has no chat template and no '<' in its vocabulary: every observation
+    would fail; refused at startup, naming agent.environment."""
+    from tether.agents import plain_observation_problem
+    from tether.models import load_tokenizer, resolve_model_path
+
+    model, root = setup
+    tok = load_tokenizer(resolve_model_path("embedded"))
+    assert "raised Exception: WordLevel error" in plain_observation_problem(tok)
+    assert plain_observation_problem(load_tokenizer(model)) is None  # a chat template: rendered per turn instead
+    cfg = load_config(None, [*QUIET, f"agent.environment={root}/env.py:Flaky", f"trainer.output_dir={tmp_path / 'r'}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^agent.environment={root}/env.py:Flaky: the tokenizer of actor.model=embedded has no chat template",
+    ):
+        Trainer(cfg)
 
 
 @pytest.mark.parametrize(
@@ -269,6 +289,27 @@ def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):
     for name in ("hf", "vllm"):  # vllm: tests/vllm/test_real_vllm.py runs AgentRunner over the real engine
         cfg = _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", f"rollout.engine={name}")
         assert cfg.rollout.engine == name
+
+
+def test_rows_picking_unknown_or_no_environment_are_refused_before_models_load(setup, tmp_path, monkeypatch):
+    """agent.environments: a row's extra_info.environment picks one; the train rows name none (refused without
+    agent.environment) and a val row names one that is not there; relative specs are saved absolute."""
+    model, root = setup
+    envs = f"agent.environments={{go: {root}/env.py:Flaky, also: {root}/env.py:Flaky}}"
+    with pytest.raises(ConfigError, match=r"^data.train_files row 0 has no extra_info.environment and agent.envir"):
+        Trainer(_cfg(setup, tmp_path / "r", envs))
+    val = root / "val_named.jsonl"
+    named = [{"prompt": f"q{i}", "extra_info": {"environment": e}} for i, e in enumerate(["go", "x"])]
+    val.write_text("".join(json.dumps(r) + "\n" for r in named))
+    with pytest.raises(ConfigError, match=r"^data.val_files row 1 has extra_info.environment='x', not one of agent.e"):
+        Trainer(_cfg(setup, tmp_path / "r", envs, f"agent.environment={root}/env.py:Flaky", f"data.val_files={val}"))
+    with pytest.raises(ConfigError, match=r"agent.environments.go='nope.py:Flaky': file 'nope.py' not found"):
+        _cfg(setup, tmp_path / "r", "agent.environments={go: nope.py:Flaky}")
+    from tether.config import config_to_yaml
+
+    monkeypatch.chdir(root)
+    saved = config_to_yaml(_cfg(setup, tmp_path / "r", "agent.environments={go: env.py:Flaky}"))
+    assert f"{root}/env.py:Flaky" in saved
 
 
 def test_agent_specs_are_saved_absolute(setup, tmp_path, monkeypatch):

@@ -33,3 +33,33 @@ def test_the_tool_task_trains_and_logs_agent_and_exact_trajectory_metrics(small_
     assert step0["exact/opt_score_mean"] > step0["exact/score_mean"]
     assert step0["exact/objective_gap"] == pytest.approx(step0["exact/opt_objective"] - step0["exact/objective"])
     assert any(r["step"] == 1 for r in records)
+
+
+def test_tether_eval_of_a_tool_task_run_runs_the_agent_loop_and_enumerates_trajectories(small_cfg, monkeypatch, capsys):
+    """``tether eval RUN embedded`` on a digitsum_tool run: the run's environment runs every trajectory (agent/*),
+    scores are the environment's turn rewards (the built-in score is 0), and exact/* come from the trajectory
+    enumeration of the evaluated rows (recorded here; tests/tasks covers its numbers), not the single-turn parser."""
+    import tether.evaluation.evaluate as ev
+    from tether.cli import main
+    from tether.trainer import Trainer
+
+    cfg = small_cfg("data.embedded_task=digitsum_tool", "trainer.total_steps=1", "trainer.val_freq=0")
+    Trainer(cfg).fit()
+    seen = []
+
+    def enumerated(policy, ref, tok, rows, beta, **kw):
+        seen.append([r["extra_info"]["s"] for r in rows])
+        return {"exact/score_mean": 0.5}
+
+    monkeypatch.setattr(ev, "evaluate_tool_policy", enumerated)
+    out = Path(cfg.trainer.output_dir) / "eval.json"
+    rc = main(
+        ["eval", cfg.trainer.output_dir, "embedded", "--n", "2", "--limit", "2", "--no-progress", "--out", str(out)]
+    )
+    assert rc == 0, capsys.readouterr().err
+    from tether.tasks import digitsum_tool
+
+    val = list({r["prompt"]: r for r in digitsum_tool.make_dataset("val")}.values())[:2]
+    assert seen == [[r["extra_info"]["s"] for r in val]] * len(seen) and seen
+    text = out.read_text()
+    assert '"agent/turns_mean"' in text and '"turn_reward_mean"' in text and '"exact/score_mean": 0.5' in text

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import sys
 import textwrap
 
@@ -172,6 +173,24 @@ def test_a_run_that_ends_with_every_step_failed_is_an_error():
     assert g.all_steps_failed(3) is None  # a step of the 3 had a valid sample
     g.before_update(3, 0.01, torch.ones(4), 0.1, n_valid=4)
     assert g.all_steps_failed(3) is None
+
+
+@pytest.mark.parametrize(
+    "why, blamed",
+    [
+        ("agent/env_errors=8", "the agent environment failed on every trajectory (agent/env_errors"),
+        ("agent/env_errors=5, reward/error_count=3", "the agent environment (agent/env_errors) or the reward function"),
+        ("reward/error_count=8", "the reward function or the data never give a valid sample"),
+    ],
+)
+def test_a_stop_for_dropped_samples_blames_what_dropped_them(why, blamed):
+    g = GuardMonitor(GuardConfig(), max_failed_steps=2)
+    g.before_update(1, float("nan"), torch.zeros(4), 0.1, n_valid=0, why=why)
+    stop = g.all_steps_failed(1)
+    assert "of this run was dropped: nothing was trained; " + blamed in str(stop)
+    assert ("agent environment" in str(stop)) == ("agent/env_errors" in why)
+    with pytest.raises(TrainingStopped, match=rf"\({why}\) for 2 steps in a row .*: {re.escape(blamed)}"):
+        g.before_update(2, float("nan"), torch.zeros(4), 0.1, n_valid=0, why=why)
 
 
 def test_max_failed_steps_is_a_config_value(small_cfg):

@@ -16,6 +16,7 @@ from tether.agents.templates import (
     check_turn_contexts,
     first_mismatch,
     mismatch_message,
+    plain_observation_problem,
 )
 from tether.agents.tools import (
     Environment,
@@ -42,13 +43,16 @@ __all__ = [
     "ToolEnvironment",
     "ToolOutcome",
     "build_agent",
+    "check_row_environments",
     "check_turn_contexts",
     "first_mismatch",
     "load_environment",
     "load_tools",
     "mismatch_message",
     "parse_tool_calls",
+    "plain_observation_problem",
     "resolve_format",
+    "row_environment",
     "run_tool",
     "tool_schema",
     "tool_text",
@@ -60,7 +64,8 @@ class AgentSpec:
     """The loaded ``agent`` section: what :class:`tether.rollout.agent.AgentRunner` runs.
 
     Attributes:
-        tools: the tools (empty with an environment); environment: the environment factory, or None;
+        tools: the tools (empty with an environment); environment: the environment factory, or None (a row without
+        ``extra_info.environment`` runs it); environments: the factories a row picks by name (``agent.environments``);
         max_turns, max_observation_tokens, tool_timeout_s, tool_format, on_prefix_mismatch: the ``agent.*`` keys.
     """
 
@@ -71,6 +76,59 @@ class AgentSpec:
     tool_timeout_s: float | None = 10.0
     tool_format: str = "auto"
     on_prefix_mismatch: str = "error"
+    environments: dict[str, Callable] = field(default_factory=dict)
+
+    def factory(self, row, index: int) -> Callable | None:
+        """The environment factory of ``row`` (sample ``index``): ``environments[extra_info.environment]`` when
+        :attr:`environments` is set and the row names one, else :attr:`environment` (None with tools).
+
+        Raises:
+            ValueError: :func:`row_environment`'s.
+        """
+        if not self.environments:
+            return self.environment
+        name = row_environment(row, index, sorted(self.environments), has_default=self.environment is not None)
+        return self.environment if name is None else self.environments[name]
+
+
+def row_environment(row, index: int, known: list[str], *, has_default: bool, where: str = "sample") -> str | None:
+    """The name of the environment a row picks (``extra_info.environment``, one of ``agent.environments``), or None
+    for the default (``agent.environment``). ``row`` is a dict or has ``extra_info``; ``where`` names its place in
+    the message (``sample`` in a rollout, ``data.train_files row`` before training).
+
+    Raises:
+        ValueError: the name is not in ``known`` (one line: the row index, the name, the known names), or the row
+            names none and there is no default.
+    """
+    extra = (row.get("extra_info") if isinstance(row, dict) else getattr(row, "extra_info", None)) or {}
+    name = extra.get("environment") if isinstance(extra, dict) else None
+    if name is None:
+        if has_default:
+            return None
+        raise ValueError(
+            f"{where} {index} has no extra_info.environment and agent.environment is null: name one of "
+            f"agent.environments ({', '.join(known)}) in the row, or set agent.environment for rows without one"
+        )
+    if name not in known:
+        raise ValueError(
+            f"{where} {index} has extra_info.environment={name!r}, not one of agent.environments ({', '.join(known)}); "
+            "fix the row or add the name to agent.environments"
+        )
+    return name
+
+
+def check_row_environments(agent, rows: list, key: str) -> None:
+    """Before training: every row of ``rows`` (from ``key``, e.g. ``data.train_files``) picks a known environment
+    (:func:`row_environment`) when the ``agent`` config section sets ``agent.environments``; else nothing to check.
+
+    Raises:
+        ValueError: the first bad row, naming ``key``, its index, the name and the known names.
+    """
+    if not agent.environments:
+        return
+    known = sorted(agent.environments)
+    for i, row in enumerate(rows):
+        row_environment(row, i, known, has_default=agent.environment is not None, where=f"{key} row")
 
 
 def build_agent(agent, *, base_dir: str | Path | None = None) -> AgentSpec | None:
@@ -78,12 +136,17 @@ def build_agent(agent, *, base_dir: str | Path | None = None) -> AgentSpec | Non
     tools' signatures read: call it before loading weights.
 
     Raises:
-        ValueError: one line naming the key (``agent.tools``, ``agent.environment``) and the spec.
+        ValueError: one line naming the key (``agent.tools``, ``agent.environment``, ``agent.environments.<name>``)
+            and the spec.
     """
     if not agent.enabled:
         return None
     tools = load_tools(list(agent.tools), base_dir=base_dir) if agent.tools else []
     env = load_environment(agent.environment, base_dir=base_dir) if agent.environment else None
+    named = {
+        name: load_environment(spec, base_dir=base_dir, key=f"agent.environments.{name}")
+        for name, spec in agent.environments.items()
+    }
     return AgentSpec(
         tools,
         env,
@@ -92,4 +155,5 @@ def build_agent(agent, *, base_dir: str | Path | None = None) -> AgentSpec | Non
         agent.tool_timeout_s,
         agent.tool_format,
         agent.on_prefix_mismatch,
+        named,
     )

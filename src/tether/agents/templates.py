@@ -96,6 +96,25 @@ class ObservationRenderer:
         return self.tok(self.text(messages), add_special_tokens=False)["input_ids"], messages
 
 
+def plain_observation_problem(tokenizer, sample: str = "0") -> str | None:
+    """Why ``tokenizer`` (one without a chat template) cannot encode an observation in the plain wrapper
+    (:meth:`ObservationRenderer.text`): the encoder raises, or gives its unknown-token id; None when it can, or when
+    the tokenizer has a chat template (its rendering is checked per turn). ``sample``: the probe's content."""
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    text = ObservationRenderer(tokenizer, tools=None, eos_texts=[], max_tokens=None).text(
+        [{"role": "user", "content": sample}]
+    )
+    try:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - any encoder failure is the answer
+        return f"encoding {text!r} raised {type(e).__name__}: {e}"
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and unk in ids:
+        return f"encoding {text!r} gives the unknown token {tokenizer.unk_token!r}"
+    return None
+
+
 def first_mismatch(actual: list[int], expected: list[int]) -> int | None:
     """The first position where ``actual`` and ``expected`` differ (including one ending before the other), or None
     when they are equal. Pure; O(length)."""

@@ -60,7 +60,7 @@ from tether.rollout.agent import AgentRunner
 from tether.rollout.runner import RolloutRunner
 from tether.tasks import embedded_task
 from tether.tasks.digitsum import MAX_NEW_TOKENS
-from tether.tasks.exact import evaluate_policy, exact_space_problem
+from tether.tasks.exact import evaluate_policy, evaluate_tool_policy, exact_space_problem
 from tether.workers.actor import ReferenceWorker
 from tether.workers.build import build_engine, generation_eos_ids, pick_device
 
@@ -782,15 +782,28 @@ class Evaluator:
 
     def _exact(self, model) -> dict[str, float]:
         """exact/*: the policy against the reference and π* at β (the run's kl.coef, else 0.05) on
-        the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`)."""
+        the evaluated prompts, by enumerating every response (:func:`tether.tasks.exact.evaluate_policy`); a run of
+        the multi-turn task (digitsum_tool) enumerates every trajectory of each evaluated row instead
+        (:func:`tether.tasks.exact.evaluate_tool_policy`: ``exact/tool_call_rate`` and the like)."""
         ref = self.reference() if self.reference() is not None else model
+        task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")
+        if getattr(task, "AGENT", None):  # a multi-turn task (digitsum_tool): every trajectory enumerated per row
+            rows = {self.prompts.rows[i].prompt: self.prompts.rows[i] for i in self.indices}
+            return evaluate_tool_policy(
+                model,
+                ref,
+                self.tok,
+                [{"prompt": p, "extra_info": r.extra_info} for p, r in rows.items()],
+                max(self.beta, 1e-6),
+                temperature=self.resolved["temperature"],
+                n_samples=self.resolved["n"],
+                ref_cache=self._exact_ref_cache if ref is not model else None,
+            )
         prompts = list(dict.fromkeys(self.prompts.rows[i].prompt for i in self.indices))
         if problem := exact_space_problem(model, prompts):
             log.warning("%s", problem)
             return {}
 
-        # its proxy reward and gold
-        task = embedded_task(self.cfg.data.embedded_task if self.cfg is not None else "digitsum")
         return evaluate_policy(
             model,
             ref,

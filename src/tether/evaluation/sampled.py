@@ -122,11 +122,13 @@ def evaluate_prompts(
         samples: when a list, one record per response is appended: ``index`` (the row's source index),
             ``sample`` (0..n-1), ``data_source``, ``answer`` (the extracted answer,
             :func:`tether.rewards.extract_answer`, or None), ``score``, ``correct``, ``scored``
-            (False: the reward could not score it: an error, a timeout, a non-finite score), ``length``
+            (False: the reward could not score it: an error, a timeout, a non-finite score; counted 0), ``length``
             (tokens), ``truncated``, ``kl_ref`` (nats per token, with ``kl_probe``), ``prompt``,
             ``response``, ``response_ids`` (the ``length`` sampled token ids); with a multi-turn runner
             (``agent.tools`` / ``agent.environment``) also ``turns`` (model turns), ``tool_calls`` and
-            ``tool_errors`` (calls whose observation is an error) of the trajectory.
+            ``tool_errors`` (calls whose observation is an error) of the trajectory, and ``turn_reward``: the sum
+            of the environment's per-turn rewards (``StepResult.reward``), which ``score`` includes (the final
+            reward plus it: the total the training reward uses, ``reward/score_mean`` + ``reward/turn_reward_mean``).
         by_source: when a dict, filled with ``{data_source: metrics}`` (the accuracy and length
             metrics of :func:`summarize_samples` per source).
         kl_probe: a :class:`KLProbe`: adds ``kl_ref_mean`` / ``kl_ref_k3_mean`` (nats per token, mean
@@ -177,6 +179,12 @@ def evaluate_prompts(
             if g is not None and len(gold_errors) < 3:
                 gold_errors += g.errors[: 3 - len(gold_errors)]
             s = torch.where(res.valid, res.raw_scores.nan_to_num(0.0), 0.0).float()
+            # a multi-turn trajectory's score is the total the training reward uses: the final score plus the
+            # environment's per-turn rewards (StepResult.reward); turn_reward keeps their part apart
+            turn = None if batch.turn_rewards is None else batch.turn_rewards.sum(-1).float().to(s.device)
+            if turn is not None:
+                turn = torch.where(res.valid, turn, 0.0)
+                s = s + turn
             ended = torch.isin(
                 batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)
             ).any(-1)
@@ -206,6 +214,8 @@ def evaluate_prompts(
                     rec["kl_ref"], rec["kl_ref_k3"] = float(kl[0][j]), float(kl[1][j])
                 if counts is not None:
                     rec["turns"], rec["tool_calls"], rec["tool_errors"] = counts[j]
+                if turn is not None:
+                    rec["turn_reward"] = float(turn[j])
                 rec["prompt"], rec["response"] = batch.prompts[j], batch.responses[j]
                 rec["response_ids"] = batch.response_ids[j, : int(lengths[j])].tolist()
                 records.append(rec)
@@ -250,7 +260,9 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         records without ``scored`` count as scored), ``length_mean`` / ``length_max`` (response tokens, EOS included),
         ``truncated_frac`` (responses that hit the length limit), ``prompts``, ``samples``; with KL in
         the records, ``kl_ref_mean``, ``kl_ref_k3_mean`` (nats per token) and ``kl_ref_seq_mean`` (nats
-        per response); with gold scores in some records, :func:`gold_metrics` of those. See
+        per response); with ``turn_reward`` in the records (a multi-turn run), ``turn_reward_mean`` (the per-turn
+        rewards' part of ``score_mean``, which holds final + per-turn); with gold scores in some records,
+        :func:`gold_metrics` of those. See
         :mod:`tether.metrics.accuracy`.
     """
     P = len(records) // n
@@ -279,6 +291,8 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         out["kl_ref_seq_mean"] = float((k1 * L.double()).mean())
     if "turns" in records[0]:
         out |= agent_sample_metrics(records)
+    if "turn_reward" in records[0]:  # the part of score_mean that the environment's per-turn rewards make
+        out["turn_reward_mean"] = math.fsum(r["turn_reward"] for r in records) / len(records)
     covered = [r for r in records if "gold" in r]
     if covered:
         out |= gold_metrics(covered, n, ks, score_mean=out["score_mean"] if len(covered) == len(records) else None)

@@ -75,6 +75,8 @@ class AgentRunner(RolloutRunner):
     rollout names the first (sample, turn, exception). The run goes on.
 
     Raises:
+        ValueError: (from :meth:`run`, before any turn) with ``agent.environments``, a row that names an unknown
+            environment, or none without ``agent.environment`` (:func:`tether.agents.row_environment`).
         ValueError: (from :meth:`run`) with ``agent.on_prefix_mismatch=error``, the first trajectory whose turn
             context is not the template's (one line: sample, turn, token id and text).
     """
@@ -109,11 +111,12 @@ class AgentRunner(RolloutRunner):
         text = self.tok.apply_chat_template(messages, tools=self.schemas, add_generation_prompt=True, tokenize=False)
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def _make_env(self, row):
+    def _make_env(self, row, j: int):
         extra = getattr(row, "extra_info", None) or {}
-        if self.agent.environment is not None:
+        factory = self.agent.factory(row, j)  # agent.environments: the row's extra_info.environment picks one
+        if factory is not None:
             kwargs = {k: v for k, v in (extra.get("interaction_kwargs") or {}).items() if k != "name"}
-            return self.agent.environment(**kwargs)
+            return factory(**kwargs)
         return ToolEnvironment(
             self.agent.tools, fmt=self.fmt, timeout_s=self.agent.tool_timeout_s, tools_kwargs=extra.get("tools_kwargs")
         )
@@ -124,9 +127,11 @@ class AgentRunner(RolloutRunner):
         message); other prompts keep their ids (a first observation is then refused)."""
         rows = rows if rows is not None else [None] * len(trajectories)
         self.episodes = []
+        for j, row in enumerate(rows):  # a row naming an unknown environment: refused, not dropped (a data error)
+            self.agent.factory(row, j)
         for j, (t, row) in enumerate(zip(trajectories, rows, strict=True)):
             try:
-                env = self._make_env(row)
+                env = self._make_env(row, j)
                 first = env.reset(row)
             except Exception as e:  # noqa: BLE001 - the sample is dropped and counted (agent/env_errors)
                 t.error = f"sample {j}, turn 0 (reset): {type(e).__name__}: {e}"

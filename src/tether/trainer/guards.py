@@ -44,6 +44,7 @@ class GuardMonitor:
         self.cfg = cfg
         # reward.max_failed_steps: this many steps in a row with no valid sample stop the run
         self.max_failed_steps = max_failed_steps
+        self.empty_cause = ""  # what the last all-dropped step's counters blame (_drop_cause)
         self.coef_scale = 1.0
         self.coef_floor = 0.0  # β at least this after a hacking rollback (guard.hacking_coef): a β of 0 scaled stays 0
         self.rollbacks = 0
@@ -161,12 +162,12 @@ class GuardMonitor:
             msg = f"step {step}: every sample of the batch was dropped ({why}); the update is not applied"
             if self.cfg.on_nonfinite == "stop":
                 raise self._stop("empty_batch", msg + " (guard.on_nonfinite=stop)")
+            self.empty_cause = _drop_cause(why)
             if self.empty_streak >= self.max_failed_steps:
                 raise self._stop(
                     "empty_batch",
                     f"step {step}: every sample was dropped ({why or 'no valid response'}) for {self.empty_streak} "
-                    f"steps in a row (reward.max_failed_steps={self.max_failed_steps}): the reward function or the "
-                    "data never give a valid sample (see the reward warnings above)",
+                    f"steps in a row (reward.max_failed_steps={self.max_failed_steps}): {self.empty_cause}",
                 )
             self._event("empty_batch", msg)
             return "skip"
@@ -218,8 +219,8 @@ class GuardMonitor:
         if self.empty_streak >= steps_run:
             return self._stop(
                 "empty_batch",
-                f"every sample of all {steps_run} step(s) of this run was dropped (see the reward warnings above): "
-                "nothing was trained; the reward function or the data never give a valid sample",
+                f"every sample of all {steps_run} step(s) of this run was dropped: nothing was trained; "
+                f"{self.empty_cause}",
             )
         return self._stop(
             "nothing_trained",
@@ -599,3 +600,16 @@ class GuardMonitor:
         self.stable_steps = [list(h) for h in state.get("stable_steps", old_stable)]
         self.gold_stable_steps = [list(h) for h in state.get("gold_stable_steps", old_gold)]
         self.tried = [list(t) for t in state.get("tried", [])]
+
+
+def _drop_cause(why: str) -> str:
+    """What a step whose every sample was dropped blames, from its counters (``why``, e.g. ``agent/env_errors=8``):
+    the agent environment when it failed on every trajectory, the reward or the data otherwise."""
+    env = "agent/env_errors" in why
+    if env and "," not in why:
+        return (
+            "the agent environment failed on every trajectory (agent/env_errors; see the agent environment warnings "
+            "above for the first failure): fix agent.environment / agent.tools, or the model or data they run on"
+        )
+    either = "the agent environment (agent/env_errors) or " if env else ""
+    return f"{either}the reward function or the data never give a valid sample (see the warnings above)"

@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+from tether.agents import check_row_environments
 from tether.config import ConfigError, TetherConfig, no_gold_message
 from tether.engines import entry
 from tether.plan import ModelShape
@@ -282,3 +283,17 @@ def check_gold(cfg: TetherConfig, val_rows) -> None:
             ", ".join(covered),
             ", ".join(missing),
         )
+
+
+def check_agent_rows(cfg: TetherConfig, train_rows, val_rows) -> None:
+    """``agent.environments``: every train and val row picks a known environment (``extra_info.environment``) or has
+    ``agent.environment`` to fall back on (:func:`tether.agents.check_row_environments`), before any model loads.
+
+    Raises:
+        ConfigError: the first bad row, naming its file key, index and name and the known names.
+    """
+    try:
+        check_row_environments(cfg.agent, train_rows, "data.train_files")
+        check_row_environments(cfg.agent, val_rows, "data.val_files")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

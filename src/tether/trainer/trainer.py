@@ -211,6 +211,7 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         # guard.rollback_metric=gold without a gold reward fails here, before any model loads
         startup.check_gold(cfg, val_rows)
+        startup.check_agent_rows(cfg, train_rows, val_rows)  # agent.environments: each row's pick, before any model
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
         engine = self.roles.engine.engine

@@ -25,7 +25,7 @@ from peft import set_peft_model_state_dict
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from tether import engines
-from tether.agents import AgentSpec, build_agent
+from tether.agents import AgentSpec, build_agent, plain_observation_problem
 from tether.algos import FULL_DISTILL_ESTIMATORS
 from tether.config import EXACT_TEACHER, ConfigError, TetherConfig, exact_teacher_beta
 from tether.data.loading import load_prompt_rows
@@ -506,6 +506,7 @@ def build_driver_share(cfg: TetherConfig) -> DriverShare:
     gold = build_gold(cfg, device)
     local = cfg.trainer.backend == "local"
     tok = load_tokenizer(actor_path, trust_remote_code=cfg.actor.trust_remote_code, key="actor.model")
+    check_observations(cfg, agent, tok)  # observations the tokenizer cannot encode: refused before weights load
     teacher_dir = teacher_path(cfg, tok)  # a missing teacher or another tokenizer: before any model loads
     models = assemble_policy(
         cfg,
@@ -574,6 +575,30 @@ def build_engine(
         )
     return registry.build_engine(
         name, cfg, model=model, tokenizer=tok, model_path=model_path, eos_token_ids=generation_eos_ids(model)
+    )
+
+
+def check_observations(cfg: TetherConfig, agent: AgentSpec | None, tok) -> None:
+    """With the agent on and a tokenizer without a chat template, an observation (written in the plain wrapper,
+    docs/agents.md) must encode: else every trajectory would fail at its first observation and be dropped.
+
+    Raises:
+        ConfigError: one line naming the agent key, the tokenizer's problem and what to do.
+    """
+    if agent is None or not (problem := plain_observation_problem(tok)):
+        return
+    a = cfg.agent
+    key, value = (
+        ("agent.tools", a.tools)
+        if a.tools
+        else ("agent.environment", a.environment)
+        if a.environment
+        else ("agent.environments", a.environments)
+    )
+    raise ConfigError(
+        f"{key}={value}: the tokenizer of actor.model={cfg.actor.model} has no chat template and cannot encode an "
+        f"observation ({problem}); use a model whose tokenizer has a chat template (or encodes the plain "
+        "'<observation>' wrapper), e.g. data.embedded_task=digitsum_tool for the embedded multi-turn task"
     )
 
 
