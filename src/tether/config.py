@@ -514,11 +514,13 @@ class AgentConfig(Section):
         "Qwen3 templates), plain (a line 'CALL name {json}'), auto (qwen when the chat template mentions "
         "<tool_call>, else plain).",
     )
-    on_prefix_mismatch: Literal["error", "count"] = Field(
+    on_prefix_mismatch: Literal["error", "count", "split"] = Field(
         "error",
         description="Agent on: a turn's context that is not the chat template's tokens for the conversation so far "
         "stops the run naming the sample, turn and token (error), or is counted in agent/prefix_mismatch and trained "
-        "on as sampled (count).",
+        "on as sampled (count), or (split) closes the sample after the previous model turn and generates the turn "
+        "from the template's rendering as a new sample (agent/prefix_splits; the rollout loop only: training "
+        "refuses it until the trainer scores and normalises per trajectory, docs/agents.md).",
     )
 
     @property
@@ -1619,6 +1621,12 @@ class TetherConfig(Section):
                     f"{key}={value} does not run with {on} yet (the multi-turn agent loop, docs/agents.md); set "
                     f"{key}={fix}, or leave {on} unset"
                 )
+        if self.agent.on_prefix_mismatch == "split":
+            raise ValueError(
+                "agent.on_prefix_mismatch=split does not train yet: the rollout loop splits a trajectory into "
+                "samples, but the trainer would score and normalise each piece as a trajectory of its own "
+                "(docs/agents.md); set agent.on_prefix_mismatch=error or count"
+            )
 
     @model_validator(mode="before")
     @classmethod

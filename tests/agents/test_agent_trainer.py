@@ -261,6 +261,14 @@ def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, 
         _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
 
 
+def test_split_on_prefix_mismatch_is_refused_for_training_naming_the_key(setup, tmp_path):
+    """The loop splits (tests/agents/test_agent_runner.py), but the trainer would score and normalise each piece as
+    a trajectory of its own: refused at config load until it does not."""
+    model, root = setup
+    with pytest.raises(ConfigError, match=r"agent.on_prefix_mismatch=split does not train yet.*set agent.on_prefix"):
+        _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", "agent.on_prefix_mismatch=split")
+
+
 def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):
     from tether.engines import ENGINES
 
