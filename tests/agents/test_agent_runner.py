@@ -168,6 +168,7 @@ def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_di
         ("error", tok, None),
         ("count", tok, 1.0),
         ("error", _tok(tok_dir, LLAMA3_LIKE, True), 0.0),
+        ("split", _tok(tok_dir, LLAMA3_LIKE, True), 0.0),  # a template that keeps history: nothing to split
     ):
         agent = AgentSpec(environment=ThinkingUser, max_turns=3, on_prefix_mismatch=mode)
         runner = AgentRunner(None, tok_, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
@@ -178,8 +179,9 @@ def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_di
             with pytest.raises(ValueError, match=rf"sample 0, turn 2: .* the model saw {think} '<'"):
                 runner.rollout(prompts, [0], n=1)
             continue
-        runner.rollout(prompts, [0], n=1)
-        assert runner.metrics["agent/prefix_mismatch"] == expect
+        batch = runner.rollout(prompts, [0], n=1)
+        assert runner.metrics["agent/prefix_mismatch"] == expect and runner.metrics["agent/prefix_splits"] == 0.0
+        assert len(batch) == 1 and "agent_trajectory" not in batch.extra
         (t,) = runner.last_trajectories
         assert t.turn_rewards == [0.5, 1.0] and t.turns == 2
 
