@@ -3,6 +3,7 @@ the chat template renders them, the prefix check on Qwen2.5-, Qwen3- and Llama 3
 environments stepped concurrently; and one run on the tiny HF model."""
 
 import textwrap
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -240,6 +241,26 @@ def test_split_generates_each_mismatched_turn_from_the_qwen3_rendering_as_a_new_
     assert batch.finish_reasons == ["eos"] * 4 and not batch.extra["agent_failed"].any()
     assert runner.metrics["agent/prefix_splits"] == 2.0 and runner.metrics["agent/prefix_mismatch"] == 1.0
     assert runner.metrics["agent/turns_mean"] == 2.0  # (3 + 1) model turns over 2 trajectories
+    # the trajectories whole (extra["agent_joined"], what the trainer scores): the same sampled turns under count
+    # (unsplit: the observations appended), row for row
+    joined = batch.extra["agent_joined"]
+    count = AgentRunner(
+        None,
+        tok,
+        torch.device("cpu"),
+        params=SamplingParams(max_new_tokens=64),
+        agent=replace(agent, on_prefix_mismatch="count"),
+    )
+    count.engine = Scripted(
+        tok, [{"prompt": prompts.ids[0], "turns": list(turns)}, {"prompt": prompts.ids[1], "turns": ["done"]}]
+    )
+    unsplit = count.rollout(prompts, [0, 1], n=1)
+    assert len(joined) == 2 and "agent_joined" not in unsplit.extra and "agent_trajectory" not in joined.extra
+    assert joined.responses == unsplit.responses and "Try again." in joined.responses[0]
+    for name in ("prompt_ids", "response_ids", "response_mask", "generated_mask", "turn_rewards", "group_ids"):
+        assert torch.equal(getattr(joined, name), getattr(unsplit, name)), name
+    assert int((joined.generated_mask[0] == 0).sum() - (joined.response_mask[0] == 0).sum()) > 0  # observations
+    assert torch.equal(joined.extra["agent_counts"], unsplit.extra["agent_counts"])
 
 
 def test_the_tiny_hf_model_runs_the_loop(tok_dir, tmp_path):

@@ -54,7 +54,9 @@ class Episode:
         template's ids for the conversation then (None without a chat template);
         turn_start: where the current model turn starts in ``response_ids``; events: counters;
         pieces: under ``agent.on_prefix_mismatch=split``, the trajectory's closed pieces in order (each a
-        :class:`Trajectory` ending with a model turn; the trajectory object itself is the last piece).
+        :class:`Trajectory` ending with a model turn; the trajectory object itself is the last piece);
+        bridges: per closed piece, the observation ids that followed it (what the trajectory, unsplit, would have
+        appended: the next piece's prompt holds them as the template renders them).
     """
 
     env: Any
@@ -64,6 +66,7 @@ class Episode:
     turn_start: int = 0
     events: dict[str, int] = field(default_factory=dict)
     pieces: list[Trajectory] = field(default_factory=list)
+    bridges: list[list[int]] = field(default_factory=list)
 
 
 class AgentRunner(RolloutRunner):
@@ -215,6 +218,7 @@ class AgentRunner(RolloutRunner):
                 want = e.expected[-1]
                 if [*t.context, *ids] != want:  # the next turn is generated from the rendering, as a new piece
                     e.pieces.append(_split(t, want))
+                    e.bridges.append(list(ids))
                     e.starts, e.expected, e.turn_start = [0], [want], 0
                     out.append([])
                     continue
@@ -270,14 +274,26 @@ class AgentRunner(RolloutRunner):
         from) and response; ``group_ids``, ``rows`` and ``prompts`` its trajectory's; its turns' rewards at their
         last model tokens; ``agent_counts`` on the trajectory's last piece (0 on the others); a failed trajectory's
         pieces all dropped; ``extra["agent_trajectory"]`` (B,) long: each row's trajectory (index into
-        ``trajectories``), set only when some trajectory split."""
-        of = [j for j, e in enumerate(self.episodes) for _ in range(len(e.pieces) + 1)]  # each row's trajectory
-        rows = [p for t, e in zip(trajectories, self.episodes, strict=True) for p in (*e.pieces, t)]
+        ``trajectories``), and ``extra["agent_joined"]``: the batch of the trajectories whole (a row each, as
+        :meth:`collate` builds it unsplit: each piece's response and the observations between them, the first
+        piece's prompt), which the trainer scores and ``tether eval`` counts; both set only when some trajectory
+        split."""
+        pieces = [[*e.pieces, t] for t, e in zip(trajectories, self.episodes, strict=True)]
+        batch = self._collate_pieces(prompts, rep, trajectories, group_ids, pieces)
+        if len(batch) > len(trajectories):
+            joined = [[_join(e, t)] for t, e in zip(trajectories, self.episodes, strict=True)]
+            batch.extra["agent_joined"] = self._collate_pieces(prompts, rep, trajectories, group_ids, joined)
+        return batch
+
+    def _collate_pieces(self, prompts, rep, trajectories, group_ids, pieces: list[list[Trajectory]]) -> RolloutBatch:
+        """:meth:`collate` with ``pieces[j]`` the rows of trajectory j."""
+        of = [j for j, p in enumerate(pieces) for _ in p]  # each row's trajectory
+        rows = [x for p in pieces for x in p]
         if len(rows) > len(trajectories):  # agent.on_prefix_mismatch=split: a row per piece
             index = torch.as_tensor(of, device=group_ids.device)
             batch = super().collate(prompts, [rep[j] for j in of], rows, group_ids[index])
         else:
-            batch = super().collate(prompts, rep, trajectories, group_ids)
+            batch = super().collate(prompts, rep, rows, group_ids)
         rewards = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
         for i, t in enumerate(rows):
             for end, r in zip(t.turn_ends, t.turn_rewards, strict=False):
@@ -387,6 +403,29 @@ def _split(t: Trajectory, prompt_ids: list[int]) -> Trajectory:
     t.response_ids, t.generated_mask, t.turn_ends, t.turn_rewards = [], [], [], []
     t.logprobs = None if t.logprobs is None else []
     return piece
+
+
+def _join(e: Episode, t: Trajectory) -> Trajectory:
+    """The trajectory whole: its pieces' responses in order with the observation ids between them
+    (``generated_mask`` 0, log-prob 0.0), after the first piece's prompt; ``t`` itself when it did not split."""
+    if not e.pieces:
+        return t
+    whole = copy.copy(e.pieces[0])
+    whole.response_ids, whole.generated_mask = [], []
+    whole.turn_ends, whole.turn_rewards = [], []
+    with_lp = any(p.logprobs is not None for p in (*e.pieces, t))
+    whole.logprobs = [] if with_lp else None
+    for p, bridge in zip([*e.pieces, t], [*e.bridges, []], strict=True):
+        at = len(whole.response_ids)
+        whole.turn_ends += [end + at if end >= 0 else end for end in p.turn_ends]
+        whole.turn_rewards += p.turn_rewards
+        whole.response_ids += [*p.response_ids, *bridge]
+        whole.generated_mask += [*p.generated_mask, *[0] * len(bridge)]
+        if with_lp:
+            lp = p.logprobs if p.logprobs is not None else [math.nan] * len(p.response_ids)
+            whole.logprobs += [*lp, *[0.0] * len(bridge)]
+    whole.turns, whole.finish_reason, whole.error = t.turns, t.finish_reason, t.error
+    return whole
 
 
 def _finite(reward) -> float | Exception:
