@@ -521,11 +521,13 @@ class AgentConfig(Section):
         "Qwen3 templates), plain (a line 'CALL name {json}'), auto (qwen when the chat template mentions "
         "<tool_call>, else plain).",
     )
-    on_prefix_mismatch: Literal["error", "count"] = Field(
+    on_prefix_mismatch: Literal["error", "count", "split"] = Field(
         "error",
         description="Agent on: a turn's context that is not the chat template's tokens for the conversation so far "
         "stops the run naming the sample, turn and token (error), or is counted in agent/prefix_mismatch and trained "
-        "on as sampled (count).",
+        "on as sampled (count), or (split) closes the sample after the previous model turn and generates the turn "
+        "from the template's rendering as a new sample (agent/prefix_splits), each trajectory then scored once, "
+        "whole, and its outcome advantage shared by its pieces (docs/agents.md).",
     )
 
     @property
@@ -1633,6 +1635,24 @@ class TetherConfig(Section):
                     f"{key}={value} does not run with {on} yet (the multi-turn agent loop, docs/agents.md); set "
                     f"{key}={fix}, or leave {on} unset"
                 )
+        if self.agent.on_prefix_mismatch == "split":  # a trajectory's pieces are rows: what cannot carry that yet
+            split_refused = [
+                (
+                    "algo.adv_estimator",
+                    self.algo.adv_estimator,
+                    self.algo.adv_estimator in ("gae", "reinforce_plus_plus"),
+                    "grpo",
+                ),
+                ("rollout.async_steps", self.rollout.async_steps, self.rollout.async_steps > 0, "0"),
+                ("algo.filter_groups", self.algo.filter_groups, self.algo.filter_groups, "false"),
+                ("kl.loss_to_go", self.kl.loss_to_go, self.kl.loss_to_go, "false"),
+            ]
+            for key, value, bad, fix in split_refused:
+                if bad:
+                    raise ValueError(
+                        f"{key}={value} does not run with agent.on_prefix_mismatch=split yet (a trajectory's pieces "
+                        f"are rows of their own, docs/agents.md); set {key}={fix}, or agent.on_prefix_mismatch=count"
+                    )
 
     @model_validator(mode="before")
     @classmethod

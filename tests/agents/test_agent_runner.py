@@ -3,6 +3,7 @@ the chat template renders them, the prefix check on Qwen2.5-, Qwen3- and Llama 3
 environments stepped concurrently; and one run on the tiny HF model."""
 
 import textwrap
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from agent_templates import LLAMA3_LIKE, QWEN3_LIKE, QWEN25_LIKE
 
 from tether.agents import AgentSpec, StepResult, load_tools
-from tether.rollout.agent import AgentRunner
+from tether.rollout.agent import AGENT_TOTALS, AgentRunner, agent_metrics, sum_totals
 from tether.rollout.engine import EngineCapabilities, GenerationResult, SamplingParams
 
 
@@ -125,6 +126,7 @@ def test_a_tool_turn_is_token_in_token_out_and_matches_the_qwen25_template(tok_d
         "agent/observation_frac": pytest.approx(len(obs) / n_all, abs=1e-12),
         "agent/prefix_mismatch": 0.0,
         "agent/env_errors": 0.0,
+        "agent/prefix_splits": 0.0,
     }
 
 
@@ -252,6 +254,7 @@ def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_di
         ("error", tok, None),
         ("count", tok, 1.0),
         ("error", _tok(tok_dir, LLAMA3_LIKE, True), 0.0),
+        ("split", _tok(tok_dir, LLAMA3_LIKE, True), 0.0),  # a template that keeps history: nothing to split
     ):
         agent = AgentSpec(environment=ThinkingUser, max_turns=3, on_prefix_mismatch=mode)
         runner = AgentRunner(None, tok_, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
@@ -262,10 +265,87 @@ def test_the_prefix_check_catches_qwen3_stripping_think_and_passes_llama3(tok_di
             with pytest.raises(ValueError, match=rf"sample 0, turn 2: .* the model saw {think} '<'"):
                 runner.rollout(prompts, [0], n=1)
             continue
-        runner.rollout(prompts, [0], n=1)
-        assert runner.metrics["agent/prefix_mismatch"] == expect
+        batch = runner.rollout(prompts, [0], n=1)
+        assert runner.metrics["agent/prefix_mismatch"] == expect and runner.metrics["agent/prefix_splits"] == 0.0
+        assert len(batch) == 1 and "agent_trajectory" not in batch.extra
         (t,) = runner.last_trajectories
         assert t.turn_rewards == [0.5, 1.0] and t.turns == 2
+
+
+class UntilDone:
+    """A user-role environment that says "Try again." (reward 0.5) until the model's turn says done (reward 1.0)."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_turn):
+        return StepResult(None, 1.0, True) if "done" in model_turn else StepResult("Try again.", 0.5, False)
+
+
+def test_split_generates_each_mismatched_turn_from_the_qwen3_rendering_as_a_new_piece(tok_dir):
+    """agent.on_prefix_mismatch=split with the Qwen3-like template (it strips <think> from assistant turns before the
+    last user message): trajectory 0 thinks in turns 1 and 2, so turns 2 and 3 each start a piece whose prompt is the
+    template's rendering (written out here by hand) and which the engine was given as the turn's context; trajectory
+    1 answers at once (one piece). Rows: the pieces in order, each with its trajectory's group."""
+    tok = _tok(tok_dir, QWEN3_LIKE)
+    agent = AgentSpec(environment=UntilDone, max_turns=4, on_prefix_mismatch="split")
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    prompts = _prompts(tok, runner, [_row("hi"), _row("yo")])
+    turns = ["<think>a</think>\nx", "<think>b</think>\ny", "done"]
+    runner.engine = Scripted(
+        tok,
+        [{"prompt": prompts.ids[0], "turns": list(turns)}, {"prompt": prompts.ids[1], "turns": ["done"]}],
+    )
+    batch = runner.rollout(prompts, [0, 1], n=1)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    user, again, gen = "<|im_start|>user\n", "<|im_start|>user\nTry again.<|im_end|>\n", "<|im_start|>assistant\n"
+    prompt2 = ids(f"{user}hi<|im_end|>\n<|im_start|>assistant\nx<|im_end|>\n{again}{gen}")
+    prompt3 = ids(
+        f"{user}hi<|im_end|>\n<|im_start|>assistant\nx<|im_end|>\n{again}<|im_start|>assistant\ny<|im_end|>\n"
+        f"{again}{gen}"
+    )
+    pieces = [
+        (prompts.ids[0], ids(turns[0]) + [eos], 0.5),
+        (prompt2, ids(turns[1]) + [eos], 0.5),
+        (prompt3, ids("done") + [eos], 1.0),
+        (prompts.ids[1], ids("done") + [eos], 1.0),
+    ]
+    # the engine generated turns 2 and 3 of trajectory 0 from the renderings (on-policy for the pieces' rows)
+    assert [c[0] for c in runner.engine.calls] == [prompts.ids[0], prompt2, prompt3]
+    assert runner.engine.calls[0][1] == prompts.ids[1] and len(runner.engine.calls[1]) == 1
+    assert len(batch) == 4
+    assert batch.group_ids.tolist() == [0, 0, 0, 1] and batch.extra["agent_trajectory"].tolist() == [0, 0, 0, 1]
+    for i, (prompt, response, reward) in enumerate(pieces):
+        k = len(response)
+        assert batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() == prompt
+        assert batch.response_ids[i, :k].tolist() == response and batch.response_mask[i].sum() == k
+        assert batch.generated_mask[i, :k].tolist() == [1] * k  # no observation tokens: the prompt holds them
+        assert batch.turn_rewards[i].tolist() == [0.0] * (k - 1) + [reward] + [0.0] * (batch.turn_rewards.shape[1] - k)
+    assert batch.extra["agent_counts"][:, 0].tolist() == [0, 0, 3, 1]  # a trajectory's turns on its last piece
+    assert batch.finish_reasons == ["eos"] * 4 and not batch.extra["agent_failed"].any()
+    assert runner.metrics["agent/prefix_splits"] == 2.0 and runner.metrics["agent/prefix_mismatch"] == 1.0
+    assert runner.metrics["agent/turns_mean"] == 2.0  # (3 + 1) model turns over 2 trajectories
+    # the trajectories whole (extra["agent_joined"], what the trainer scores): the same sampled turns under count
+    # (unsplit: the observations appended), row for row
+    joined = batch.extra["agent_joined"]
+    count = AgentRunner(
+        None,
+        tok,
+        torch.device("cpu"),
+        params=SamplingParams(max_new_tokens=64),
+        agent=replace(agent, on_prefix_mismatch="count"),
+    )
+    count.engine = Scripted(
+        tok, [{"prompt": prompts.ids[0], "turns": list(turns)}, {"prompt": prompts.ids[1], "turns": ["done"]}]
+    )
+    unsplit = count.rollout(prompts, [0, 1], n=1)
+    assert len(joined) == 2 and "agent_joined" not in unsplit.extra and "agent_trajectory" not in joined.extra
+    assert joined.responses == unsplit.responses and "Try again." in joined.responses[0]
+    for name in ("prompt_ids", "response_ids", "response_mask", "generated_mask", "turn_rewards", "group_ids"):
+        assert torch.equal(getattr(joined, name), getattr(unsplit, name)), name
+    assert int((joined.generated_mask[0] == 0).sum() - (joined.response_mask[0] == 0).sum()) > 0  # observations
+    assert torch.equal(joined.extra["agent_counts"], unsplit.extra["agent_counts"])
 
 
 def test_the_tiny_hf_model_runs_the_loop(tok_dir, tmp_path):
@@ -301,3 +381,12 @@ def test_the_tiny_hf_model_runs_the_loop(tok_dir, tmp_path):
         n_obs = len(t.generated_mask) - sum(t.generated_mask)
         assert batch.loss_mask[j].sum().item() == sum(t.generated_mask) and (n_obs > 0) == (t.turns > 1)
     assert 1.0 <= runner.metrics["agent/turns_mean"] <= 3.0
+
+
+def test_totals_without_prefix_splits_sum_as_zero_splits():
+    """A checkpoint's pending batch written before agent/prefix_splits existed holds totals without it."""
+    old = {k: 1.0 for k in AGENT_TOTALS if k != "prefix_splits"}
+    new = {k: 2.0 for k in AGENT_TOTALS}
+    total = sum_totals([old, {}, new])
+    assert total["prefix_splits"] == 2.0 and total["turns"] == 3.0
+    assert agent_metrics(old)["agent/prefix_splits"] == 0.0

@@ -8,6 +8,7 @@ import math
 import textwrap
 
 import pytest
+from error_model import reduction_tol
 
 from tether.config import ConfigError, load_config
 from tether.rollout.engine import EngineCapabilities, GenerationResult
@@ -279,6 +280,136 @@ def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, 
     model, root = setup
     with pytest.raises(ConfigError, match=rf"{key} does not run with agent.tools yet"):
         _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["algo.adv_estimator=gae", "algo.adv_estimator=reinforce_plus_plus", "rollout.async_steps=1"]
+    + ["algo.filter_groups=true", "kl.placement=loss kl.loss_to_go=true"],
+)
+def test_what_split_does_not_train_with_is_refused_naming_the_key(setup, tmp_path, override):
+    """A trajectory's pieces are rows of their own: returns within a row (gae, reinforce_plus_plus, kl.loss_to_go)
+    would stop at a piece's end, and the async pending batch and DAPO's draws do not carry the pieces' trajectory."""
+    model, root = setup
+    key = override.split()[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=\S+ does not run with agent.on_prefix_mismatch=split yet"):
+        _cfg(
+            setup,
+            tmp_path / "r",
+            f"agent.tools=[{root}/tools.py:add]",
+            "agent.on_prefix_mismatch=split",
+            *override.split(),
+        )
+
+
+SPLIT_ENV = '''
+from tether.agents import StepResult
+
+class UntilDone:
+    """A user that says "Try again." (reward 0.5) until the model's turn says done (reward 1.0)."""
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_turn):
+        return StepResult(None, 1.0, True) if "done" in model_turn else StepResult("Try again.", 0.5, False)
+'''
+
+
+class ThinkThenDone:
+    """The k-th trajectory's first turn: k even thinks and answers 5 (the Qwen3-like template strips the <think> when
+    it renders the turn again, so the next turn is a new piece), k odd says done at once; a later turn: done."""
+
+    name = "scripted"
+    capabilities = EngineCapabilities()
+
+    def __init__(self, tok):
+        self.tok, self.k = tok, 0
+
+    def sync_weights(self, model):
+        pass
+
+    def generate(self, requests, *, seed=None):
+        out = []
+        for r in requests:
+            if "Try again." in self.tok.decode(r.prompt_ids):
+                text = "done"
+            else:
+                text, self.k = ("<think>a</think>\n5", "done")[self.k % 2], self.k + 1
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append(GenerationResult(ids, None, "eos"))
+        return out
+
+
+def test_split_trains_each_trajectory_scored_once_and_counted_once_in_its_group(setup, tmp_path):
+    """agent.on_prefix_mismatch=split with a Qwen3-like template: in each group of two, one trajectory thinks and
+    answers 5 in turn 1 (split: turn 2 is a piece of its own), the other says done at once. Each trajectory is scored
+    once on its whole text (the answer 5 is in its first piece: scored piece by piece its last would get 0), the score
+    on its last piece; its GRPO advantage is that of its total (the sum of its pieces' token rewards: score, per-turn
+    rewards 0.5 + 1.0, −β·KL of both pieces) in a group of two trajectories, on every token of both pieces."""
+    import shutil
+
+    import torch
+    from agent_templates import QWEN3_LIKE
+
+    from tether.algos import compute_grpo_advantages
+
+    model, root = setup
+    qwen3 = tmp_path / "model"
+    shutil.copytree(model, qwen3)
+    conf = json.loads((qwen3 / "tokenizer_config.json").read_text())
+    (qwen3 / "tokenizer_config.json").write_text(json.dumps(conf | {"chat_template": QWEN3_LIKE}))
+    (qwen3 / "chat_template.jinja").unlink(missing_ok=True)
+    (root / "split_env.py").write_text(SPLIT_ENV)
+    cfg = _cfg(
+        (qwen3, root),
+        tmp_path / "r",
+        f"agent.environment={root}/split_env.py:UntilDone",
+        "agent.max_turns=3",
+        "agent.on_prefix_mismatch=split",
+        "kl.placement=reward",
+        "kl.coef=0.1",
+        "algo.adv_estimator=grpo",
+        "trainer.val_freq=2",
+    )
+    t = Trainer(cfg)
+    t.roles.engine.engine = ThinkThenDone(t.tok)
+    batches, score = [], t.score
+
+    def capture(batch):
+        score(batch)
+        batches.append(batch)
+
+    t.score = capture
+    history = t.fit()
+    assert len(history) == 2
+    for m, b in zip(history, batches, strict=True):
+        traj = b.extra["agent_trajectory"]
+        # 8 trajectories, pieces in order: the even ones (thinking) in two rows, the odd ones in one
+        assert traj.tolist() == [0, 0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7]
+        assert b.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+        assert b.scores.tolist() == [0.0, 1.0, 0.0] * 4  # the whole trajectory's text holds the 5
+        assert [("5" in r) for r in b.responses] == [True, False, False] * 4  # the last piece alone does not
+        assert m["agent/prefix_splits"] == 4.0 and m["agent/prefix_mismatch"] == 4.0
+        assert m["reward/score_mean"] == 0.5  # over 8 trajectories, not 12 rows
+        assert m["rollout/zero_var_group_frac"] == 0.0
+        # the trajectories' totals (score + per-turn rewards − β·KL, every piece) and their GRPO advantages
+        mask = b.action_mask
+        row_sums = (b.token_level_rewards * mask).sum(-1).double()  # (12,)
+        totals = torch.zeros(8, dtype=torch.float64).index_add_(0, traj, row_sums)
+        beta = m["kl/coef"]
+        kl = torch.zeros(8, dtype=torch.float64).index_add_(0, traj, (b.kl * mask).sum(-1).double())
+        want = torch.tensor([1.0 + 0.5 + 1.0, 1.0] * 4, dtype=torch.float64) - beta * kl
+        assert torch.allclose(totals, want, rtol=0, atol=reduction_tol(mask.shape[1]) * 4)
+        adv, _ = compute_grpo_advantages(totals, torch.ones(8, 1), torch.arange(4).repeat_interleave(2))
+        per_row = adv[traj, 0]  # (12,)
+        assert torch.allclose(b.advantages, per_row[:, None].float() * mask, rtol=0, atol=1e-6)
+        assert per_row.abs().min() > 0.7  # a group of two distinct totals: ±1/√2
+        # counted per piece, each group would hold three members with another baseline
+        by_row, _ = compute_grpo_advantages(row_sums, mask, b.group_ids)
+        assert not torch.allclose(by_row.float(), b.advantages, atol=1e-3)
+    val = [line for line in _lines(tmp_path / "r") if "val/samples" in line]
+    assert [v["val/samples"] for v in val] == [4.0, 4.0]  # a record per trajectory (4 prompts × val_n=1)
 
 
 def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):

@@ -349,3 +349,108 @@ def test_zero_variance_groups_hand_values():
     # -3 = {5, 5} all equal; 1000 and 4 have one member each
     flat = zero_variance_groups(SCORES, MASK, GROUPS)
     assert flat.tolist() == [False, False, False, True, True, True, True, True]
+
+
+# --------------------------------------------------------------------------------------------
+# A trajectory split into rows (agent.on_prefix_mismatch=split): counted once
+# --------------------------------------------------------------------------------------------
+
+
+def _split_batch():
+    """Group 0: trajectory 0 in two pieces (rows 0, 1; row 1 has an observation token, masked), trajectories 1 and 2;
+    group 1: trajectories 3 and 4. Token rewards as the trainer builds them: −β·KL on model tokens, a turn reward on
+    row 0's last token, the score on each trajectory's last token. Totals per trajectory: 1.0, 0.0, 0.5, 2.0, 2.0."""
+    r = t64(
+        [
+            [-0.1, 0.4, 0.0],  # trajectory 0, piece 1: −0.1 KL, then −0.1 KL + 0.5 turn reward: 0.3
+            [-0.1, 9.0, 0.8],  # piece 2: −0.1 KL, an observation (masked: never read), −0.2 KL + 1.0 score: 0.7
+            [0.3, -0.3, 0.0],  # trajectory 1: 0.0
+            [0.5, 0.0, 0.0],  # trajectory 2: 0.5
+            [1.0, 1.0, 0.0],  # trajectory 3: 2.0
+            [2.0, 0.0, 0.0],  # trajectory 4: 2.0
+        ]
+    )
+    m = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0]])
+    return r, m, torch.tensor([0, 0, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize(
+    ("estimator", "norm", "want"),
+    [
+        # group 0's totals 1.0, 0.0, 0.5: mean 0.5, unbiased std 0.5; group 1 equal: 0
+        ("grpo", "group", [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.0, 0.0, 0.0]),
+        ("drgrpo", "group", [0.5, -0.5, 0.0, 0.0, 0.0]),
+        # batch std over the five totals (mean 1.1): sqrt((.01 + 1.21 + .36 + .81 + .81) / 4) = sqrt(.8)
+        ("grpo", "batch", [0.5 / (0.8**0.5 + 1e-6), -0.5 / (0.8**0.5 + 1e-6), 0.0, 0.0, 0.0]),
+        ("rloo", "group", [1.0 - 0.25, 0.0 - 0.75, 0.5 - 0.5, 0.0, 0.0]),  # x − mean of the others
+    ],
+)
+def test_a_split_trajectory_counts_once_in_its_group_with_its_pieces_summed(estimator, norm, want):
+    """Hand-worked: trajectory 0's score is its pieces' token rewards summed (KL, turn reward and score of both
+    pieces: 1.0), it is one of group 0's three members (counted per piece the group would have four rows, mean
+    0.375), and both pieces carry its advantage on every valid token."""
+    r, m, g, traj = _split_batch()
+    adv, ret = compute_advantages(
+        estimator, AdvantageInputs(r, m, group_ids=g, norm_by_std=norm, eps=1e-6, trajectory=traj)
+    )
+    per_row = t64([want[0], want[0], *want[1:]])  # (B,): the trajectory's advantage on each of its rows
+    assert torch.allclose(adv, per_row[:, None] * m, rtol=0, atol=1e-12)
+    assert torch.equal(adv, ret) and adv.dtype == F64
+    counted_per_piece, _ = compute_advantages(estimator, AdvantageInputs(r, m, group_ids=g, norm_by_std=norm))
+    assert not torch.allclose(counted_per_piece, adv)  # the test tells the two apart
+
+
+@pytest.mark.parametrize(
+    ("estimator", "norm"),
+    [("grpo", "group"), ("grpo", "batch"), ("grpo", "none"), ("drgrpo", "group"), ("rloo", "group")]
+    + [("reinforce_plus_plus_baseline", "group")],
+)
+def test_cutting_rows_into_pieces_leaves_every_tokens_advantage_unchanged(estimator, norm):
+    """Each row of a random batch (float64, holes in the mask, an empty row, a group of one) is cut at random points
+    into 1–3 pieces, rows of their own labelled by ``trajectory``: every token's advantage equals the uncut row's
+    (reinforce_plus_plus_baseline whitens over the same tokens), to float64 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    B, T = 9, 8
+    r = torch.randn(B, T, generator=gen, dtype=F64)
+    m = torch.rand(B, T, generator=gen) < 0.8
+    m[4] = False  # an empty trajectory takes no part
+    g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3])  # group 3 has one member: 0
+    whole, _ = compute_advantages(estimator, AdvantageInputs(r, m, group_ids=g, norm_by_std=norm))
+    rows, masks, groups, traj, where = [], [], [], [], []
+    for b in range(B):
+        cuts = sorted(torch.randperm(T - 1, generator=gen)[: b % 3].add(1).tolist())
+        for lo, hi in zip([0, *cuts], [*cuts, T], strict=True):
+            keep = torch.zeros(T, dtype=torch.bool)
+            keep[lo:hi] = True
+            rows.append(torch.where(keep, r[b], 0.0))
+            masks.append(m[b] & keep)
+            groups.append(int(g[b]))
+            traj.append(b)
+            where.append(keep)
+    inputs = AdvantageInputs(
+        torch.stack(rows),
+        torch.stack(masks),
+        group_ids=torch.tensor(groups),
+        norm_by_std=norm,
+        trajectory=torch.tensor(traj),
+    )
+    pieces, _ = compute_advantages(estimator, inputs)  # (pieces, T)
+    assert len(traj) > B
+    rebuilt = torch.zeros(B, T, dtype=F64).index_add_(0, torch.tensor(traj), pieces)  # each token in one piece
+    assert torch.allclose(rebuilt, whole, rtol=0, atol=1e-12)
+    assert float(whole.abs().sum()) > 1.0
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus"])
+def test_return_to_go_estimators_refuse_rows_that_are_pieces_of_trajectories(estimator):
+    r, m, g, traj = _split_batch()
+    inputs = AdvantageInputs(r, m, group_ids=g, values=torch.zeros_like(r), trajectory=traj)
+    with pytest.raises(ValueError, match=rf"{estimator}' runs its returns within a row.*outcome estimator"):
+        compute_advantages(estimator, inputs)
+
+
+def test_pieces_of_one_trajectory_in_two_groups_are_refused_naming_it():
+    r, m, g, traj = _split_batch()
+    g[1] = 5
+    with pytest.raises(ValueError, match=r"trajectory 0 has pieces in groups 0 and 5"):
+        compute_advantages("grpo", AdvantageInputs(r, m, group_ids=g, trajectory=traj))

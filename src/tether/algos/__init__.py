@@ -18,6 +18,7 @@ from .advantages import (
     compute_rloo_advantages,
     gae_reference_loop,
     reverse_discounted_cumsum,
+    trajectory_totals,
     zero_variance_groups,
 )
 from .controllers import (
@@ -131,6 +132,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "trajectory_totals",
     "zero_variance_groups",
     # rollout correction (engine vs trainer)
     "IS_LEVELS",

@@ -37,6 +37,7 @@ __all__ = [
     "compute_reinforce_pp_baseline_advantages",
     "reverse_discounted_cumsum",
     "gae_reference_loop",
+    "trajectory_totals",
     "zero_variance_groups",
 ]
 
@@ -537,6 +538,13 @@ class AdvantageInputs:
             ``"none"``); see :func:`compute_grpo_advantages`.
         eps: grpo's std epsilon.
         whiten: gae whitens its advantages.
+        trajectory: (B,) int64 labels, or None (each row a trajectory of its own): the trajectory each row is a
+            piece of (``agent.on_prefix_mismatch=split`` cuts one trajectory into several rows, which share its
+            group). The outcome estimators then count each trajectory once: its score is the sum of its pieces'
+            token-level rewards (the score, per-turn rewards and −β·KL of every piece: the sequence reward of the
+            trajectory as a whole), its group statistics are over trajectories, and its advantage is on every
+            valid token of every piece (:func:`trajectory_totals`). gae and reinforce_plus_plus refuse it: their
+            returns run within a row, so what a later piece earns would not reach an earlier one.
     """
 
     token_level_rewards: torch.Tensor
@@ -548,6 +556,43 @@ class AdvantageInputs:
     norm_by_std: str | bool = "group"
     eps: float = 1e-6
     whiten: bool = True
+    trajectory: torch.Tensor | None = None
+
+
+def trajectory_totals(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor, trajectory: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows that are pieces of trajectories, as one response per trajectory.
+
+    Args:
+        scores: (B,) each row's sequence reward; response_mask: (B, T); group_ids: (B,) int64;
+        trajectory: (B,) int64, equal label = pieces of one trajectory (any integers).
+
+    Returns:
+        ``(totals, mask, groups, index)``: totals (N,) float64, each trajectory's score, the sum of its pieces'
+        with a valid token; mask (N, 1) bool, the trajectory has a valid token in some piece (a one-token
+        ``response_mask`` for the estimators over N responses); groups (N,) int64, its group; index (B,) int64,
+        each row's trajectory in [0, N).
+
+    Raises:
+        ValueError: ``trajectory`` not (B,) integers, or the pieces of one trajectory in two groups (naming it).
+    """
+    b = response_mask.shape[0]
+    if tuple(trajectory.shape) != (b,) or trajectory.is_floating_point() or trajectory.is_complex():
+        raise ValueError(f"trajectory must be (B,) = ({b},) integers, got {tuple(trajectory.shape)} {trajectory.dtype}")
+    part = response_mask.bool().any(dim=-1)  # (B,)
+    labels, index = torch.unique(trajectory.to(group_ids.device), return_inverse=True)  # index: (B,) in [0, N)
+    n = labels.numel()
+    f64 = dict(dtype=torch.float64, device=part.device)
+    totals = torch.zeros(n, **f64).index_add_(0, index, torch.where(part, scores.double(), 0.0))  # (N,)
+    mask = torch.zeros(n, **f64).index_add_(0, index, part.double()) > 0  # (N,)
+    lo = torch.full((n,), torch.iinfo(torch.long).max, dtype=torch.long, device=part.device)
+    lo = lo.scatter_reduce(0, index, group_ids.long(), "amin")
+    hi = torch.full_like(lo, torch.iinfo(torch.long).min).scatter_reduce(0, index, group_ids.long(), "amax")
+    if bool((lo != hi).any()):
+        k = int((lo != hi).nonzero()[0])
+        raise ValueError(f"trajectory {int(labels[k])} has pieces in groups {int(lo[k])} and {int(hi[k])}")
+    return totals, mask[:, None], lo, index
 
 
 def _scores(inputs: AdvantageInputs) -> torch.Tensor:
@@ -560,7 +605,35 @@ def _need_groups(name: str, inputs: AdvantageInputs) -> torch.Tensor:
     return inputs.group_ids
 
 
+def _no_trajectory(name: str, inputs: AdvantageInputs) -> None:
+    if inputs.trajectory is not None:
+        raise ValueError(
+            f"advantage estimator {name!r} runs its returns within a row, and rows are pieces of trajectories "
+            "(trajectory set): a later piece's rewards would not reach an earlier one; use an outcome estimator "
+            "(grpo, drgrpo, rloo, reinforce_plus_plus_baseline)"
+        )
+
+
+def _outcome(name: str, inputs: AdvantageInputs, fn, *, whiten: bool = False):
+    """``fn(scores (N,), mask (N, T'), group_ids (N,)) -> (adv, ret)`` over the rows, or with ``inputs.trajectory``
+    over the trajectories (:func:`trajectory_totals`), each trajectory's advantage then on every valid token of its
+    pieces; ``whiten``: then whitened over the batch's valid tokens (reinforce_plus_plus_baseline)."""
+    ids, m = _need_groups(name, inputs), inputs.response_mask
+    scores = _scores(inputs)
+    if inputs.trajectory is None:
+        return fn(scores, m, ids)
+    totals, part, groups, index = trajectory_totals(scores, m, ids, inputs.trajectory)
+    per_traj = fn(totals, part, groups)[0][:, 0]  # (N,) float64
+    mb = _check_bt(m)
+    out = _broadcast(per_traj[index], mb, torch.float64)  # (B, T)
+    if whiten:
+        out = masked_whiten(out, mb)
+    out = out.to(_float_dtype(scores))
+    return out, out.clone()
+
+
 def _adv_gae(inputs: AdvantageInputs):
+    _no_trajectory("gae", inputs)
     if inputs.values is None:
         raise ValueError("advantage estimator 'gae' needs values (B, T) in AdvantageInputs")
     return compute_gae(
@@ -574,28 +647,37 @@ def _adv_gae(inputs: AdvantageInputs):
 
 
 def _adv_grpo(inputs: AdvantageInputs):
-    ids = _need_groups("grpo", inputs)
-    return compute_grpo_advantages(
-        _scores(inputs), inputs.response_mask, ids, norm_by_std=inputs.norm_by_std, eps=inputs.eps
-    )
+    def fn(x, m, ids):
+        return compute_grpo_advantages(x, m, ids, norm_by_std=inputs.norm_by_std, eps=inputs.eps)
+
+    return _outcome("grpo", inputs, fn)
 
 
 def _adv_drgrpo(inputs: AdvantageInputs):
-    ids = _need_groups("drgrpo", inputs)
-    return compute_grpo_advantages(_scores(inputs), inputs.response_mask, ids, norm_by_std="none", eps=inputs.eps)
+    def fn(x, m, ids):
+        return compute_grpo_advantages(x, m, ids, norm_by_std="none", eps=inputs.eps)
+
+    return _outcome("drgrpo", inputs, fn)
 
 
 def _adv_rloo(inputs: AdvantageInputs):
-    return compute_rloo_advantages(_scores(inputs), inputs.response_mask, _need_groups("rloo", inputs))
+    return _outcome("rloo", inputs, compute_rloo_advantages)
 
 
 def _adv_rpp(inputs: AdvantageInputs):
+    _no_trajectory("reinforce_plus_plus", inputs)
     return compute_reinforce_pp_advantages(inputs.token_level_rewards, inputs.response_mask, gamma=inputs.gamma)
 
 
 def _adv_rpp_baseline(inputs: AdvantageInputs):
-    ids = _need_groups("reinforce_plus_plus_baseline", inputs)
-    return compute_reinforce_pp_baseline_advantages(_scores(inputs), inputs.response_mask, ids)
+    if inputs.trajectory is None:
+        ids = _need_groups("reinforce_plus_plus_baseline", inputs)
+        return compute_reinforce_pp_baseline_advantages(_scores(inputs), inputs.response_mask, ids)
+
+    def centred(x, m, ids):  # the group mean subtracted, 0 for a constant group: drgrpo's advantage
+        return compute_grpo_advantages(x, m, ids, norm_by_std="none")
+
+    return _outcome("reinforce_plus_plus_baseline", inputs, centred, whiten=True)
 
 
 _REGISTRY = {

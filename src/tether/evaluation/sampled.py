@@ -171,6 +171,8 @@ def evaluate_prompts(
             idx = idx_all[start : start + batch_size]
             batch = runner.rollout(prompts, idx, n, mode="online", **gen_overrides)
             agent_totals.append(batch.extra.get("agent_totals", {}))
+            split = "agent_joined" in batch.extra  # agent.on_prefix_mismatch=split: a record per trajectory, whole
+            batch = batch.extra.get("agent_joined", batch)
             res = reward(batch.rows, batch.prompts, batch.responses)
             failed = batch.extra.get("agent_failed")  # an environment that raised: unscored (agent/env_errors)
             if failed is not None:
@@ -189,7 +191,9 @@ def evaluate_prompts(
                 batch.response_ids, torch.as_tensor(runner.eos_token_ids, device=batch.response_ids.device)
             ).any(-1)
             lengths = batch.response_mask.sum(-1).tolist()
-            kl = kl_probe(batch) if kl_probe is not None else None
+            # under split a trajectory's later pieces were sampled from the template's rendering, not from the joined
+            # context: its KL is not measured (the records leave kl_ref out)
+            kl = kl_probe(batch) if kl_probe is not None and not split else None
             counts = batch.extra.get("agent_counts")  # a multi-turn runner's turns, tool calls, tool errors
             counts = counts.tolist() if counts is not None else None
             tokens += response_tokens(batch, eos)
@@ -284,7 +288,7 @@ def summarize_samples(records: list[dict], n: int, ks: list[int]) -> dict[str, f
         "truncated_frac": sum(bool(r["truncated"]) for r in records) / len(records),
         "samples": float(len(records)),
     }
-    if "kl_ref" in records[0]:
+    if all("kl_ref" in r for r in records):  # a batch that split (agent.on_prefix_mismatch=split) measured none
         k1 = torch.tensor([r["kl_ref"] for r in records], dtype=torch.float64)
         out["kl_ref_mean"] = float(k1.mean())
         out["kl_ref_k3_mean"] = float(torch.tensor([r["kl_ref_k3"] for r in records], dtype=torch.float64).mean())

@@ -52,7 +52,11 @@ class Episode:
         turns as decoded text and the observations as rendered); starts: per model turn, where it starts in
         ``response_ids`` (its context is the prompt and what precedes); expected: per model turn, the chat
         template's ids for the conversation then (None without a chat template);
-        turn_start: where the current model turn starts in ``response_ids``; events: counters.
+        turn_start: where the current model turn starts in ``response_ids``; events: counters;
+        pieces: under ``agent.on_prefix_mismatch=split``, the trajectory's closed pieces in order (each a
+        :class:`Trajectory` ending with a model turn; the trajectory object itself is the last piece);
+        bridges: per closed piece, the observation ids that followed it (what the trajectory, unsplit, would have
+        appended: the next piece's prompt holds them as the template renders them).
     """
 
     env: Any
@@ -61,6 +65,8 @@ class Episode:
     expected: list[list[int]] | None = field(default_factory=list)
     turn_start: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    pieces: list[Trajectory] = field(default_factory=list)
+    bridges: list[list[int]] = field(default_factory=list)
 
 
 class AgentRunner(RolloutRunner):
@@ -213,6 +219,14 @@ class AgentRunner(RolloutRunner):
                 e.messages.append({"role": "assistant", "content": self.tok.decode(end, skip_special_tokens=False)})
                 e.messages += shown
             self._record_turn(e, len(t.response_ids) + len(ids))
+            if self.agent.on_prefix_mismatch == "split" and e.expected is not None:
+                want = e.expected[-1]
+                if [*t.context, *ids] != want:  # the next turn is generated from the rendering, as a new piece
+                    e.pieces.append(_split(t, want))
+                    e.bridges.append(list(ids))
+                    e.starts, e.expected, e.turn_start = [0], [want], 0
+                    out.append([])
+                    continue
             out.append(ids)
         return out
 
@@ -245,8 +259,9 @@ class AgentRunner(RolloutRunner):
             "tool_errors": float(sum(e.events.get("tool_errors", 0) for e in self.episodes)),
             "observation_tokens": float(sum(len(t.generated_mask) - sum(t.generated_mask) for t in trajectories)),
             "response_tokens": float(sum(len(t.response_ids) for t in trajectories)),
-            "prefix_mismatch": float(mismatches),
+            "prefix_mismatch": float(mismatches + sum(bool(e.pieces) for e in self.episodes)),
             "env_errors": float(len(failed)),
+            "prefix_splits": float(sum(len(e.pieces) for e in self.episodes)),
         }
         self.metrics = agent_metrics(self.totals)
 
@@ -257,24 +272,59 @@ class AgentRunner(RolloutRunner):
         :attr:`metrics`, which :func:`agent_metrics` turns into ``agent/*``); ``extra["agent_counts"]`` (B, 3) long:
         each trajectory's model turns, tool calls and tool errors (the per-sample records of ``tether eval``);
         ``extra["agent_lengths"]`` (B,) long: each trajectory's response tokens, a dropped one's too (a checkpoint's
-        pending batch keeps them, :meth:`saved_extra`)."""
-        batch = super().collate(prompts, rep, trajectories, group_ids)
+        pending batch keeps them, :meth:`saved_extra`).
+
+        Under ``agent.on_prefix_mismatch=split`` a row is a piece (B = pieces, each trajectory's in order): its own
+        prompt ids (the first piece's the trajectory's, a later one's the template's rendering it was generated
+        from) and response; ``group_ids``, ``rows`` and ``prompts`` its trajectory's; its turns' rewards at their
+        last model tokens; ``agent_counts`` on the trajectory's last piece (0 on the others); a failed trajectory's
+        pieces all dropped; ``extra["agent_trajectory"]`` (B,) long: each row's trajectory (index into
+        ``trajectories``), and ``extra["agent_joined"]``: the batch of the trajectories whole (a row each, as
+        :meth:`collate` builds it unsplit: each piece's response and the observations between them, the first
+        piece's prompt), which the trainer scores and ``tether eval`` counts; both set only when some trajectory
+        split."""
+        pieces = [[*e.pieces, t] for t, e in zip(trajectories, self.episodes, strict=True)]
+        batch = self._collate_pieces(prompts, rep, trajectories, group_ids, pieces)
+        if len(batch) > len(trajectories):
+            joined = [[_join(e, t)] for t, e in zip(trajectories, self.episodes, strict=True)]
+            batch.extra["agent_joined"] = self._collate_pieces(prompts, rep, trajectories, group_ids, joined)
+        return batch
+
+    def _collate_pieces(self, prompts, rep, trajectories, group_ids, pieces: list[list[Trajectory]]) -> RolloutBatch:
+        """:meth:`collate` with ``pieces[j]`` the rows of trajectory j."""
+        of = [j for j, p in enumerate(pieces) for _ in p]  # each row's trajectory
+        rows = [x for p in pieces for x in p]
+        if len(rows) > len(trajectories):  # agent.on_prefix_mismatch=split: a row per piece
+            index = torch.as_tensor(of, device=group_ids.device)
+            batch = super().collate(prompts, [rep[j] for j in of], rows, group_ids[index])
+        else:
+            batch = super().collate(prompts, rep, rows, group_ids)
         rewards = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-        for j, t in enumerate(trajectories):
+        for i, t in enumerate(rows):
             for end, r in zip(t.turn_ends, t.turn_rewards, strict=False):
                 if end >= 0 and r:
-                    rewards[j, end] = float(r)
+                    rewards[i, end] = float(r)
         batch.turn_rewards = rewards.to(batch.response_mask.device)
+        last = [i + 1 == len(of) or of[i + 1] != j for i, j in enumerate(of)]  # a trajectory's last piece
         counts = [
-            [t.turns, e.events.get("tool_calls", 0), e.events.get("tool_errors", 0)]
-            for t, e in zip(trajectories, self.episodes, strict=True)
+            [
+                trajectories[j].turns,
+                self.episodes[j].events.get("tool_calls", 0),
+                self.episodes[j].events.get("tool_errors", 0),
+            ]
+            if is_last
+            else [0, 0, 0]
+            for j, is_last in zip(of, last, strict=True)
         ]
         saved = {
-            "agent_failed": torch.tensor([t.error is not None for t in trajectories]),
+            "agent_failed": torch.tensor([trajectories[j].error is not None for j in of], dtype=torch.bool),
             "agent_counts": torch.tensor(counts, dtype=torch.long),
             "agent_totals": dict(self.totals),
         }
-        return self._agent_parts(batch, saved)
+        batch = self._agent_parts(batch, saved)
+        if len(rows) > len(trajectories):
+            batch.extra["agent_trajectory"] = torch.as_tensor(of, dtype=torch.long)
+        return batch
 
     def _agent_parts(self, batch: RolloutBatch, saved: dict) -> RolloutBatch:
         """The failed trajectories dropped, and the ``agent_*`` extras of :meth:`collate`."""
@@ -315,6 +365,7 @@ AGENT_TOTALS = (
     "response_tokens",
     "prefix_mismatch",
     "env_errors",
+    "prefix_splits",
 )
 """The counts of a rollout behind ``agent/*``: summed over rollouts (validation's batches), then
 :func:`agent_metrics`."""
@@ -322,9 +373,10 @@ AGENT_TOTALS = (
 
 def agent_metrics(totals: dict[str, float]) -> dict[str, float]:
     """``agent/*`` of one or more rollouts' summed :data:`AGENT_TOTALS`: ``turns_mean`` (model turns per trajectory),
-    ``tool_calls``, ``tool_errors``, ``prefix_mismatch`` (trajectories), ``env_errors`` (trajectories dropped because
-    their environment's ``reset``/``step`` raised): counts; ``observation_frac``: observation tokens / all response
-    tokens."""
+    ``tool_calls``, ``tool_errors``, ``prefix_mismatch`` (trajectories; under ``split``, those split), ``env_errors``
+    (trajectories dropped because their environment's ``reset``/``step`` raised), ``prefix_splits`` (new pieces
+    started at a mismatch, ``agent.on_prefix_mismatch=split``; a checkpoint's totals without it: 0): counts;
+    ``observation_frac``: observation tokens / all response tokens."""
     if not totals:
         return {}
     n, tokens = max(1.0, totals["trajectories"]), totals["response_tokens"]
@@ -335,13 +387,50 @@ def agent_metrics(totals: dict[str, float]) -> dict[str, float]:
         "agent/observation_frac": totals["observation_tokens"] / tokens if tokens else 0.0,
         "agent/prefix_mismatch": totals["prefix_mismatch"],
         "agent/env_errors": totals["env_errors"],
+        "agent/prefix_splits": totals.get("prefix_splits", 0.0),
     }
 
 
 def sum_totals(parts: list[dict[str, float]]) -> dict[str, float]:
     """The sum of rollouts' :data:`AGENT_TOTALS` (empty ones, of single-turn rollouts, left out)."""
     parts = [p for p in parts if p]
-    return {k: sum(p[k] for p in parts) for k in AGENT_TOTALS} if parts else {}
+    return {k: sum(p.get(k, 0.0) for p in parts) for k in AGENT_TOTALS} if parts else {}
+
+
+def _split(t: Trajectory, prompt_ids: list[int]) -> Trajectory:
+    """Close ``t``'s current piece (returned: everything up to its last model turn, the observation after it left
+    out) and start ``t`` again as a new piece with prompt ``prompt_ids`` (the template's rendering) and nothing
+    after it; ``t.turns`` keeps counting the trajectory's model turns (``agent.max_turns``)."""
+    piece = copy.copy(t)
+    piece.turns = len(t.turn_ends)
+    piece.finish_reason = "eos"  # it goes on after its last turn, which ended with an end-of-turn id
+    t.prompt_ids = list(prompt_ids)
+    t.response_ids, t.generated_mask, t.turn_ends, t.turn_rewards = [], [], [], []
+    t.logprobs = None if t.logprobs is None else []
+    return piece
+
+
+def _join(e: Episode, t: Trajectory) -> Trajectory:
+    """The trajectory whole: its pieces' responses in order with the observation ids between them
+    (``generated_mask`` 0, log-prob 0.0), after the first piece's prompt; ``t`` itself when it did not split."""
+    if not e.pieces:
+        return t
+    whole = copy.copy(e.pieces[0])
+    whole.response_ids, whole.generated_mask = [], []
+    whole.turn_ends, whole.turn_rewards = [], []
+    with_lp = any(p.logprobs is not None for p in (*e.pieces, t))
+    whole.logprobs = [] if with_lp else None
+    for p, bridge in zip([*e.pieces, t], [*e.bridges, []], strict=True):
+        at = len(whole.response_ids)
+        whole.turn_ends += [end + at if end >= 0 else end for end in p.turn_ends]
+        whole.turn_rewards += p.turn_rewards
+        whole.response_ids += [*p.response_ids, *bridge]
+        whole.generated_mask += [*p.generated_mask, *[0] * len(bridge)]
+        if with_lp:
+            lp = p.logprobs if p.logprobs is not None else [math.nan] * len(p.response_ids)
+            whole.logprobs += [*lp, *[0.0] * len(bridge)]
+    whole.turns, whole.finish_reason, whole.error = t.turns, t.finish_reason, t.error
+    return whole
 
 
 def _finite(reward) -> float | Exception:

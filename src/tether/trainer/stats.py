@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tether.algos import kl_penalty, masked_mean, zero_variance_groups
+from tether.algos import kl_penalty, masked_mean, trajectory_totals, zero_variance_groups
 from tether.batch import RolloutBatch
 from tether.evaluation.sampled import response_tokens, rows_where
 from tether.metrics.diversity import diversity_metrics
@@ -13,6 +13,14 @@ from tether.rollout.agent import agent_metrics
 
 def _mean(x: torch.Tensor) -> float:
     return float(x.float().mean()) if x.numel() else float("nan")
+
+
+def _per_trajectory(x: torch.Tensor, traj: torch.Tensor) -> torch.Tensor:
+    """(B',) per-row values -> (N',) their sums over each trajectory's rows (``traj`` (B',) its labels)."""
+    _, index = torch.unique(traj.to(x.device), return_inverse=True)
+    return torch.zeros(int(index.max()) + 1 if index.numel() else 0, dtype=x.dtype, device=x.device).index_add_(
+        0, index, x
+    )
 
 
 def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: int, grouped: bool) -> dict[str, float]:
@@ -35,6 +43,12 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
     k1 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1", log_ratio_clamp=None)
     k3 = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k3")
     scores = batch.scores[valid]
+    turn_sum = None if batch.turn_rewards is None else batch.turn_rewards.sum(-1)[valid].to(scores.dtype)
+    traj = batch.extra.get("agent_trajectory")
+    if traj is not None:  # agent.on_prefix_mismatch=split: reward/* and kl/ref_seq_mean per trajectory, pieces summed
+        scores, kl_seq, turn_sum = (
+            None if x is None else _per_trajectory(x, traj[valid.to(traj.device)]) for x in (scores, kl_seq, turn_sum)
+        )
     eos = eos_id
     # no EOS: cut at rollout.max_new_tokens (every EOS id of the model, batch.truncated; the tokenizer's alone for a
     # hand-built batch)
@@ -42,7 +56,6 @@ def rollout_metrics(batch: RolloutBatch, *, beta: float, eos_id: int, pad_id: in
         batch.truncated.to(mask.device) if batch.truncated is not None else (batch.response_ids == eos).sum(-1) == 0
     )
     # multi-turn: the environment's per-turn rewards (batch.turn_rewards), summed per trajectory, beside the score
-    turn_sum = None if batch.turn_rewards is None else batch.turn_rewards.sum(-1)[valid].to(scores.dtype)
     m = {
         "reward/score_mean": _mean(scores),
         "reward/score_std": float(scores.std()) if scores.numel() > 1 else 0.0,
@@ -140,11 +153,14 @@ def learning_signal_metrics(batch: RolloutBatch, *, grouped: bool = True) -> dic
     valid = batch.response_mask.sum(-1) > 0  # (B,)
     out = {}
     if grouped and batch.scores is not None and bool(valid.any()):
-        total = batch.scores
+        scores, mask, group_ids = batch.scores, batch.response_mask, batch.group_ids
         if batch.turn_rewards is not None:  # the environment's per-turn rewards count as the score does
-            total = total + batch.turn_rewards.sum(-1).to(total.dtype)
-        flat = zero_variance_groups(total, batch.response_mask, batch.group_ids)[valid]  # (B',)
-        groups, first = torch.unique(batch.group_ids[valid], return_inverse=True)
+            scores = scores + batch.turn_rewards.sum(-1).to(scores.dtype)
+        if "agent_trajectory" in batch.extra:  # agent.on_prefix_mismatch=split: a trajectory is one member
+            scores, mask, group_ids, _ = trajectory_totals(scores, mask, group_ids, batch.extra["agent_trajectory"])
+            valid = mask[:, 0]
+        flat = zero_variance_groups(scores, mask, group_ids)[valid]  # (B',)
+        groups, first = torch.unique(group_ids[valid], return_inverse=True)
         # (G,)
         flat_group = torch.zeros(groups.numel(), dtype=torch.bool, device=flat.device).index_put_((first,), flat)
         out["rollout/zero_var_group_frac"] = float(flat_group.float().mean())

@@ -477,7 +477,26 @@ class Trainer:
         return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
 
     def score(self, batch: RolloutBatch) -> None:
-        """Sequence scores from the reward function/model; failed or empty samples are dropped and counted."""
+        """Sequence scores from the reward function/model; failed or empty samples are dropped and counted.
+
+        ``agent.on_prefix_mismatch=split`` (rows are pieces, ``extra["agent_trajectory"]``): each trajectory is scored
+        once, whole (``extra["agent_joined"]``: its pieces and the observations between them, as it would be scored
+        unsplit), the score on its last piece and 0 on the others (as on a non-final turn); a trajectory dropped
+        drops all its pieces; the reward metrics are over trajectories."""
+        joined = batch.extra.get("agent_joined")
+        if joined is not None:
+            self._score_rows(joined)
+            traj = batch.extra["agent_trajectory"].to(self.device)  # (B,) each row's trajectory, pieces in order
+            last = torch.ones_like(traj, dtype=torch.bool)
+            last[:-1] = traj[1:] != traj[:-1]  # (B,) a trajectory's last piece
+            batch.scores = torch.where(last, joined.scores[traj], 0.0)
+            batch.drop(joined.response_mask.sum(-1)[traj] == 0)
+            batch.extra["reward_metrics"] = joined.extra["reward_metrics"]
+            return
+        self._score_rows(batch)
+
+    def _score_rows(self, batch: RolloutBatch) -> None:
+        """:meth:`score` with each row a trajectory."""
         result = self.roles.reward(batch.rows, batch.prompts, batch.responses)
         batch.scores = result.scores.to(self.device)
         # a multi-turn trajectory whose environment failed is already dropped (agent/env_errors), not empty
@@ -757,6 +776,8 @@ class Trainer:
             gamma=a.gamma,
             lam=a.lam,
             norm_by_std=a.norm_by_std,
+            # agent.on_prefix_mismatch=split: a trajectory's pieces count once, sharing its advantage
+            trajectory=batch.extra.get("agent_trajectory"),
         )
         batch.advantages, batch.returns = compute_advantages(a.adv_estimator, inputs)
 
