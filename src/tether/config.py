@@ -1607,7 +1607,6 @@ class TetherConfig(Section):
             return
         on = "agent.tools" if self.agent.tools else "agent.environment"
         refused = [
-            ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
             ("rollout.mode", self.rollout.mode, self.rollout.mode == "offline", "online"),
         ]
         if self.rollout.engine not in (AUTO, *(e.name for e in ENGINES.values() if e.multi_turn)):

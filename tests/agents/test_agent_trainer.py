@@ -248,17 +248,23 @@ def test_an_environment_that_always_raises_stops_as_a_failing_reward_does(setup,
         t.fit()
 
 
-@pytest.mark.parametrize(
-    "override, key",
-    [
-        ("trainer.backend=ray", "trainer.backend=ray"),
-        ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
-    ],
-)
-def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path, override, key):
+def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path):
     model, root = setup
-    with pytest.raises(ConfigError, match=rf"{key} does not run with agent.tools yet"):
-        _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
+    with pytest.raises(ConfigError, match=r"rollout.mode=offline does not run with agent.tools yet"):
+        _cfg(
+            setup,
+            tmp_path / "r",
+            f"agent.tools=[{root}/tools.py:add]",
+            "rollout.mode=offline",
+            "data.response_key=response",
+        )
+
+
+def test_the_agent_loop_is_accepted_on_the_ray_backend(setup, tmp_path):
+    """trainer.backend=ray runs the loop on the driver (tests/distributed/test_ray.py::test_ray_agent_equals_local)."""
+    model, root = setup
+    cfg = _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", "trainer.backend=ray")
+    assert cfg.trainer.backend == "ray" and cfg.agent.enabled
 
 
 def test_both_engines_that_run_the_agent_loop_are_accepted(setup, tmp_path):
