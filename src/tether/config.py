@@ -1623,7 +1623,6 @@ class TetherConfig(Section):
         a = self.agent
         on = "agent.tools" if a.tools else "agent.environment" if a.environment else "agent.environments"
         refused = [
-            ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
             ("rollout.mode", self.rollout.mode, self.rollout.mode == "offline", "online"),
         ]
         if self.rollout.engine not in (AUTO, *(e.name for e in ENGINES.values() if e.multi_turn)):
@@ -1646,6 +1645,8 @@ class TetherConfig(Section):
                 ("rollout.async_steps", self.rollout.async_steps, self.rollout.async_steps > 0, "0"),
                 ("algo.filter_groups", self.algo.filter_groups, self.algo.filter_groups, "false"),
                 ("kl.loss_to_go", self.kl.loss_to_go, self.kl.loss_to_go, "false"),
+                # not tested against local with pieces (test_ray_agent_equals_local runs whole trajectories)
+                ("trainer.backend", self.trainer.backend, self.trainer.backend == "ray", "local"),
             ]
             for key, value, bad, fix in split_refused:
                 if bad:

@@ -269,23 +269,29 @@ def test_observations_a_tokenizer_without_a_template_cannot_encode_are_refused_b
         Trainer(cfg)
 
 
-@pytest.mark.parametrize(
-    "override, key",
-    [
-        ("trainer.backend=ray", "trainer.backend=ray"),
-        ("rollout.mode=offline data.response_key=response", "rollout.mode=offline"),
-    ],
-)
-def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path, override, key):
+def test_what_the_agent_loop_does_not_run_with_is_refused_naming_the_key(setup, tmp_path):
     model, root = setup
-    with pytest.raises(ConfigError, match=rf"{key} does not run with agent.tools yet"):
-        _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", *override.split())
+    with pytest.raises(ConfigError, match=r"rollout.mode=offline does not run with agent.tools yet"):
+        _cfg(
+            setup,
+            tmp_path / "r",
+            f"agent.tools=[{root}/tools.py:add]",
+            "rollout.mode=offline",
+            "data.response_key=response",
+        )
+
+
+def test_the_agent_loop_is_accepted_on_the_ray_backend(setup, tmp_path):
+    """trainer.backend=ray runs the loop on the driver (tests/distributed/test_ray.py::test_ray_agent_equals_local)."""
+    model, root = setup
+    cfg = _cfg(setup, tmp_path / "r", f"agent.tools=[{root}/tools.py:add]", "trainer.backend=ray")
+    assert cfg.trainer.backend == "ray" and cfg.agent.enabled
 
 
 @pytest.mark.parametrize(
     "override",
     ["algo.adv_estimator=gae", "algo.adv_estimator=reinforce_plus_plus", "rollout.async_steps=1"]
-    + ["algo.filter_groups=true", "kl.placement=loss kl.loss_to_go=true"],
+    + ["algo.filter_groups=true", "kl.placement=loss kl.loss_to_go=true", "trainer.backend=ray"],
 )
 def test_what_split_does_not_train_with_is_refused_naming_the_key(setup, tmp_path, override):
     """A trajectory's pieces are rows of their own: returns within a row (gae, reinforce_plus_plus, kl.loss_to_go)

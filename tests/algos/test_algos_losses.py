@@ -229,6 +229,20 @@ def test_value_loss_hand_values():
         ppo_value_loss(values, old, returns, m, clip_range=0.0)
 
 
+def test_value_clipfrac_counts_no_token_inside_the_clip_range():
+    """Inside the range V_clip = V_old + (V − V_old) is V only up to rounding: in float32 (the critic's dtype) this
+    token's V_clip = 0.16153106 ≠ V = 0.16153105 makes the clipped error the larger by a rounding, yet |V − V_old| =
+    0.43 < 0.5 cuts nothing: clipfrac 0 (it counted 1 and flipped between world sizes 1 and 2)."""
+    values, old, returns = (torch.tensor([[x]], dtype=torch.float32) for x in (0.16153105, 0.58914572, 2.11284852))
+    v_clip = old + (values - old).clamp(-0.5, 0.5)
+    assert v_clip != values and (v_clip - returns).square() > (values - returns).square()  # the rounding tie
+    loss, metrics = ppo_value_loss(values, old, returns, torch.ones(1, 1), clip_range=0.5)
+    assert metrics["value/clipfrac"] == 0.0
+    # and a token past the range still counts: V − V_old = 0.6 > 0.5 with the clipped error the larger
+    _, metrics = ppo_value_loss(t64([[0.6]]), t64([[0.0]]), t64([[1.0]]), torch.ones(1, 1), clip_range=0.5)
+    assert metrics["value/clipfrac"] == 1.0
+
+
 # ---------------------------------------------------------------- KL loss
 
 

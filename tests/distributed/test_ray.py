@@ -212,6 +212,40 @@ def test_ray_distillation_equals_local(cluster, tmp_path, extra):
     _check_weights(local, remote, trace, terms)
 
 
+AGENT_CASES = {
+    "kl-in-reward": [],
+    # the k3 KL in the loss, with the KL to go of the later turns' model tokens (tether.algos.kl_to_go_term)
+    "kl-in-loss-to-go": ["kl.placement=loss", "kl.loss_estimator=k3", "kl.loss_to_go=true"],
+    # the critic on the ranks: its value loss and its token counts run over the model's tokens (action_mask)
+    "gae": ["algo.adv_estimator=gae"],
+}
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("extra", list(AGENT_CASES.values()), ids=list(AGENT_CASES))
+def test_ray_agent_equals_local(cluster, tmp_path, extra):
+    """The multi-turn loop on trainer.backend=ray, world size 2 (data.embedded_task=digitsum_tool: the AgentRunner runs
+    on the driver; turn rewards, KL in the reward and returns are the driver's; the ranks get each batch with its
+    loss_mask and generated_mask, and kl.loss_to_go in the spec): three steps give every non-timing metric of the
+    local run, agent/* included, and the same final weights. The observation tokens (the tool's output) stay out of
+    the ranks' losses and counts as locally: a rank without loss_mask (the actor's update_mask) parts at step 1, one
+    without generated_mask (the critic's action_mask) in the gae case, one without kl.loss_to_go in the to-go case.
+    No validation (it enumerates the task's ~744k trajectories per prompt). Error model of
+    test_ray_world_size_2_equals_local: metrics at n·u, weights at AdamTrace's bound."""
+    extra = ["data.embedded_task=digitsum_tool", "trainer.val_freq=0", *extra]
+    local = Trainer(_cfg(tmp_path / "local", *extra))
+    trace, terms = _trace_local(local)
+    local.fit()
+    remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
+    remote.fit()
+    want, got = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
+    steps = [r for r in want if r["step"] > 0]
+    # the loop ran: tool calls made second turns, whose observation tokens are a share of the responses
+    assert all(r["agent/tool_calls"] > 0 and 0.0 < r["agent/observation_frac"] < 1.0 for r in steps)
+    _compare(want, got, tol=reduction_tol(max(terms)))
+    _check_weights(local, remote, trace, terms)
+
+
 #: one epoch, one mini-batch of all 16 responses, KL in the loss: the update's own forward gives old_logprobs
 REUSE = ["algo.mini_batch_size=16", "kl.placement=loss", "kl.estimator=k3", "kl.coef=0.05"]
 

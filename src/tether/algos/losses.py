@@ -275,7 +275,9 @@ def ppo_value_loss(
         old = torch.where(m, old_values, zero)
         v_clip = old + (v - old).clamp(-clip_range, clip_range)
         err_clip = (v_clip - ret).square()
-        loss_tok, clipped = torch.maximum(err, err_clip), err_clip > err
+        # clipped: the cut is active (|V − V_old| > clip_range) and its term the larger; inside the range V_clip is
+        # V up to the rounding of old + (v − old), which alone must not count (it flipped between equal runs)
+        loss_tok, clipped = torch.maximum(err, err_clip), (err_clip > err) & ((v - old).abs() > clip_range)
     loss = 0.5 * agg_loss(
         loss_tok, m, agg_mode, total_tokens=total_tokens, total_seqs=total_seqs, norm_constant=norm_constant
     )
