@@ -119,7 +119,7 @@ def test_reward_function_that_raises_or_returns_nan_drops_and_counts(small_cfg, 
     history = t.fit()
     for rec in history:
         assert math.isfinite(rec["reward/score_mean"])
-        assert rec["reward/invalid_count"] == rec["rollout/dropped_count"] - rec["rollout/empty_count"]
+        assert rec["reward/invalid_count"] == rec["rollout/dropped_count"]  # an empty response is scored, kept
     total_invalid = sum(r["reward/invalid_count"] for r in history)
     assert total_invalid > 0, "the policy starts with digits 1-3 often; some samples must have been invalid"
     assert all(torch.isfinite(p).all() for p in t.roles.actor.model.parameters())
@@ -128,7 +128,9 @@ def test_reward_function_that_raises_or_returns_nan_drops_and_counts(small_cfg, 
     assert errors > 0 and nonfinite > 0, (errors, nonfinite)
 
 
-def test_empty_responses_are_dropped_and_counted(small_cfg):
+def test_empty_responses_are_scored_trained_on_and_counted(small_cfg):
+    """An empty response (EOS at once) is an action: the reward scores it (the digit-sum rule: 0) and it stays in the
+    batch. Dropped, it would carry no reward, no KL and no gradient, and the policy could move mass onto it for free."""
     t = Trainer(small_cfg("trainer.total_steps=1", "trainer.val_freq=0", "trainer.report=false"))
     batch = t.rollout()
     eos = t.tok.eos_token_id
@@ -143,7 +145,8 @@ def test_empty_responses_are_dropped_and_counted(small_cfg):
     assert batch.responses[:3] == ["", "", ""]
     t.score(batch)
     assert batch.extra["reward_metrics"]["rollout/empty_count"] == 3.0
-    assert batch.response_mask[:3].sum() == 0
+    assert batch.response_mask[:3].sum(-1).tolist() == [1, 1, 1]  # the EOS token counts: its log-prob is trained
+    assert batch.scores[:3].tolist() == [0.0, 0.0, 0.0]  # the digit-sum reward of "" (wrong, not invalid)
     assert batch.response_mask[3:].sum(-1).min() >= 1
 
 

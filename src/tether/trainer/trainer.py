@@ -477,7 +477,12 @@ class Trainer:
         return self.roles.engine.rollout(self.train_set, self.sampler.next_batch(), self.cfg.rollout.n)
 
     def score(self, batch: RolloutBatch) -> None:
-        """Sequence scores from the reward function/model; failed or empty samples are dropped and counted.
+        """Sequence scores from the reward function/model; samples the reward cannot score are dropped and counted.
+
+        An empty response (the model ended at once: its EOS is an action with a log-prob) is scored like any other
+        and trained on, counted in ``rollout/empty_count``. Dropping it would leave the policy free to move mass onto
+        ending at once, with no reward, no KL and no gradient against it (on the embedded tool task a run did, and
+        its exact success fell below the reference's).
 
         ``agent.on_prefix_mismatch=split`` (rows are pieces, ``extra["agent_trajectory"]``): each trajectory is scored
         once, whole (``extra["agent_joined"]``: its pieces and the observations between them, as it would be scored
@@ -501,8 +506,9 @@ class Trainer:
         batch.scores = result.scores.to(self.device)
         # a multi-turn trajectory whose environment failed is already dropped (agent/env_errors), not empty
         failed = batch.extra.get("agent_failed", torch.zeros(len(batch), dtype=torch.bool)).to(self.device)
+        # counted, not dropped: an empty response is an action the reward judges
         empty = torch.tensor([not r.strip() for r in batch.responses], device=self.device) & ~failed
-        batch.drop(~result.valid.to(self.device) | empty | failed)
+        batch.drop(~result.valid.to(self.device) | failed)
         batch.extra["reward_metrics"] = (
             dict(result.metrics) | {"rollout/empty_count": float(empty.sum())} | self.penalize_overlong(batch)
         )
@@ -941,7 +947,6 @@ def drop_reasons(batch: RolloutBatch) -> str:
         "reward/nonfinite_count",
         "reward/nonnumeric_count",
         "reward/invalid_count",
-        "rollout/empty_count",
     )
     return ", ".join(f"{k}={m[k]:g}" for k in keys if m.get(k))
 
