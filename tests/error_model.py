@@ -139,6 +139,31 @@ class AdamTrace:
         return worst
 
 
+def trace_updates(trainer) -> tuple[AdamTrace, list[int]]:
+    """A run's error model for comparing its final weights with another run's (:func:`check_final_weights`): its
+    actor's AdamW steps, and the terms each update sums (:func:`update_terms`), recorded while it trains."""
+    trace, terms = AdamTrace(trainer.roles.actor.optimizer, trainer.roles.actor.model), []
+    orig = trainer.roles.actor.update
+
+    def update(batch, *a, **k):
+        terms.append(update_terms(batch, trainer.roles.actor.model.config))
+        return orig(batch, *a, **k)
+
+    trainer.roles.actor.update = update
+    return trace, terms
+
+
+def check_final_weights(want, got, trace: AdamTrace, terms: list[int]) -> None:
+    """The final actor weights of Trainer ``got`` (e.g. the driver's copy of a Ray run's) against traced ``want``'s
+    (:func:`trace_updates`): the trainable ones at :class:`AdamTrace`'s per-element bound (AdamW steps whose gradients
+    were summed in another order), the frozen ones (LoRA's base) bitwise (never updated)."""
+    wl, wr = dict(want.roles.actor.model.named_parameters()), dict(got.roles.actor.model.named_parameters())
+    assert set(wl) == set(wr)
+    trainable = {k for k, p in wl.items() if p.requires_grad}
+    assert all(torch.equal(wl[k], wr[k]) for k in set(wl) - trainable)
+    trace.close().check({k: wr[k] for k in trainable}, {k: wl[k] for k in trainable}, max(terms))
+
+
 def _roles(trainer) -> dict:
     return {r: w for r in ("actor", "critic") if (w := getattr(trainer.roles, r, None)) is not None}
 

