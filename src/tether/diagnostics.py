@@ -1028,7 +1028,10 @@ CHECKS: dict[str, Callable[..., list[Finding]]] = {
 HACKING_CHECKS = ("hacking_gold", "hacking_proxy", "hacking_kl_focus")
 
 #: The hacking checks ``guard.on_hacking`` acts on (rollback, stop). ``hacking_kl_focus`` only warns: on the held-out
-#: honest runs of docs/hacking.md it warned in 2 of 10, too often to roll a run back on.
+#: honest runs of docs/hacking.md it warned in 2 of 10, too often to roll a run back on. ``hacking_proxy`` is acted
+#: on only in a run without a gold reward (:attr:`LiveDiagnostics.gold_seen`): where the gold is measured its check sees
+#: a fall directly, and a proxy warning while the gold holds is a false alarm (docs/hacking.md: held-out ``short_any``,
+#: stopped at guard.max_rollbacks by a 5% length drift while its gold held).
 GUARDED_HACKING_CHECKS = ("hacking_gold", "hacking_proxy")
 
 #: Every metric some check reads (LiveDiagnostics stores only these).
@@ -1397,6 +1400,12 @@ class LiveDiagnostics:
             for s, v in self._head[key] + self._tail[key]:
                 by_step.setdefault(s, {"step": s})[key] = v
         return [by_step[s] for s in sorted(by_step)]
+
+    @property
+    def gold_seen(self) -> bool:
+        """A gold reward was logged (``exact/gold_mean`` or ``val/gold_mean`` at some validation): the run has the
+        gold check, and ``guard.on_hacking`` acts on it alone (:data:`GUARDED_HACKING_CHECKS`)."""
+        return any(self._head[k] or self._tail[k] for k in ("exact/gold_mean", "val/gold_mean"))
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record metrics without a check or a call on the schedule: the step-0 validation (the reference's scores),

@@ -7,7 +7,7 @@ from tether.diagnostics import Finding
 from tether.trainer.trainer import Trainer
 
 
-def trainer_with(on_hacking: str):
+def trainer_with(on_hacking: str, gold: bool = False):
     calls = []
     t = object.__new__(Trainer)
     t.cfg = SimpleNamespace(guard=SimpleNamespace(on_hacking=on_hacking))
@@ -15,6 +15,7 @@ def trainer_with(on_hacking: str):
     t.guard = SimpleNamespace(
         on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta))
     )
+    t.diagnostics = SimpleNamespace(gold_seen=gold)
     return t, calls
 
 
@@ -39,3 +40,27 @@ def test_a_resumed_stop_is_not_applied_again_but_a_rollback_is():
     t, calls = trainer_with("rollback")
     t.react(FOUND, log_them=False, resumed=True)
     assert [c[1] for c in calls] == ["hacking_gold"]
+
+
+def test_with_a_gold_reward_a_proxy_warning_is_logged_not_acted_on(caplog):
+    """The gold check sees a fall directly; hacking_proxy alone (a length drift while the gold holds, held-out
+    short_any in docs/hacking.md) must not roll back or stop a run that measures the gold. Without a gold it does."""
+    proxy = [Finding("hacking_proxy", "kl/ref_mean", "p")]
+    t, calls = trainer_with("stop", gold=True)
+    t.react(proxy)
+    assert calls == [] and "acts on the gold check alone" in caplog.text
+    t.react([Finding("hacking_gold", "val/gold_mean", "g"), *proxy])
+    assert [c[1] for c in calls] == ["hacking_gold"]
+    t, calls = trainer_with("stop", gold=False)
+    t.react(proxy)
+    assert [c[1] for c in calls] == ["hacking_proxy"]
+
+
+def test_gold_seen_once_a_gold_mean_is_logged():
+    from tether.diagnostics import LiveDiagnostics
+
+    d = LiveDiagnostics()
+    d.observe(0, {"reward/score_mean": 0.4})
+    assert not d.gold_seen
+    d.observe(0, {"val/gold_mean": 0.47})
+    assert d.gold_seen

@@ -419,14 +419,18 @@ class Trainer:
         """Log the doctor's new live findings; a reward-hacking one the guard acts on
         (``tether.diagnostics.GUARDED_HACKING_CHECKS``: not the warn-only ``hacking_kl_focus``) goes to the guard
         (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
-        ``guard/*`` are in it and a stop writes it once. On resume the checkpointed step's findings are replayed: a
-        rollback is applied again, a stop is not."""
+        ``guard/*`` are in it and a stop writes it once; in a run that logs a gold reward only the gold check's (a
+        ``hacking_proxy`` warning there is logged, not acted on). On resume the checkpointed step's findings are
+        replayed: a rollback is applied again, a stop is not."""
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
+        gold = self.diagnostics.gold_seen
         for finding in findings:
+            guarded = finding.check in GUARDED_HACKING_CHECKS and not (gold and finding.check == "hacking_proxy")
             if log_them:
                 tail = f"; suggestion: {finding.suggestion}" if finding.suggestion else ""
+                if finding.check == "hacking_proxy" and gold and self.cfg.guard.on_hacking != "warn":
+                    tail += "; guard.on_hacking acts on the gold check alone in a run with a gold reward"
                 log.warning("doctor: %s%s", finding.message.rstrip(". "), tail)
-            guarded = finding.check in GUARDED_HACKING_CHECKS
             if guarded and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
                 acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
