@@ -25,6 +25,7 @@ length counts its EOS token.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ def enumerate_policy(
     batch_size: int = 8192,
     max_responses: int = MAX_RESPONSES,
     prompt_ids: Sequence[int] | None = None,
+    kv_cache: bool = False,
 ) -> ResponseSpace:
     """Enumerate every response of ``prompt`` with its exact log-probability under ``model``.
 
@@ -172,6 +174,9 @@ def enumerate_policy(
         max_responses: refuse larger spaces (see :func:`response_space_size`).
         prompt_ids: the context's token ids in place of ``tokenizer(prompt)``'s (a later turn's context: the
             prompt, the earlier turns and observations as the turn loop appended them).
+        kv_cache: run the context once and each depth's prefixes only on their last token, on the keys/values of
+            the depth before (a Hugging Face causal LM; :func:`enumerate_trajectories` turns it on): ~T times fewer
+            token positions, the same log-probabilities to float32 rounding (~1e-6 nats), not bit for bit.
 
     Returns:
         A :class:`ResponseSpace` with N = ``response_space_size(V, T)`` responses.
@@ -193,17 +198,18 @@ def enumerate_policy(
     if not prompt_ids:
         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
     return _enumerate_contexts(
-        model, tokenizer, prompt, [prompt_ids], max_new_tokens, temperature, batch_size, max_responses
+        model, tokenizer, prompt, [prompt_ids], max_new_tokens, temperature, batch_size, max_responses, kv_cache
     )[0]
 
 
 @torch.inference_mode()
 def _enumerate_contexts(
-    model, tokenizer, prompt, contexts, max_new_tokens, temperature, batch_size, max_responses
+    model, tokenizer, prompt, contexts, max_new_tokens, temperature, batch_size, max_responses, kv_cache=False
 ) -> list[ResponseSpace]:
     """:func:`enumerate_policy` of several contexts of one length at once (a later turn's contexts: the prompt, an
     earlier turn and its observation): the prefix tree is the same for each, so every depth is one batch of
-    contexts × prefixes. One :class:`ResponseSpace` per context, in order."""
+    contexts × prefixes. One :class:`ResponseSpace` per context, in order. ``kv_cache``: each depth runs only the
+    prefixes' last tokens on the keys/values of their parents (:class:`_KVStepper`) in place of whole rows."""
     eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
     was_training = model.training
@@ -211,13 +217,17 @@ def _enumerate_contexts(
     C = len(contexts)
     try:
         p_ids = torch.tensor(contexts, dtype=torch.long, device=device)  # (C, L)
+        stepper = _KVStepper(model, p_ids, temperature, batch_size, max_new_tokens) if kv_cache else None
         vocab = None
         # live prefixes at the current depth d: ids (P, d) and, per context, their token logprobs (C, P, d)
         pre_ids = torch.zeros((1, 0), dtype=torch.long)
         pre_tok = torch.zeros((C, 1, 0), dtype=torch.float64)
         done_ids, done_tok, done_eos = [], [], []
         for _ in range(max_new_tokens):
-            next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (C, P, V)
+            if stepper is None:
+                next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (C, P, V)
+            else:
+                next_lp = stepper(pre_ids)
             if vocab is None:
                 vocab = next_lp.shape[-1]
                 if not 0 <= eos < vocab:
@@ -303,6 +313,62 @@ def _next_token_logprobs(model, contexts, prefixes, temperature, batch_size) -> 
     return torch.cat(out).reshape(C, P, -1)
 
 
+class _KVStepper:
+    """:func:`_next_token_logprobs` of one depth after another with a KV cache: the contexts (C, L) run once, then
+    each prefix of depth d runs only its last token on its parent's keys/values (the same prefix without that
+    token, kept from depth d−1), so a depth costs one token per row in place of L + d. The prefixes of depth d must
+    be those of :func:`_enumerate_contexts`: each parent of depth d−1 followed by the ``B`` non-EOS tokens in turn
+    (row p's parent is p // B). Same numbers as the full rows to float32 rounding (other matmul shapes). Needs a
+    Hugging Face causal LM (``past_key_values`` of a ``DynamicCache``, positions from the cache length)."""
+
+    def __init__(self, model, contexts, temperature, batch_size, max_new_tokens):
+        self.model, self.contexts, self.temperature, self.batch_size = model, contexts, temperature, batch_size
+        self.last_depth = max_new_tokens - 1
+        self.kv = None  # per layer (keys, values) of the previous depth's rows (C·P, H, L + d − 1, D), (c, p) order
+        # transformers 5 names the forward's cache argument ``cache`` (``past_key_values`` deprecated), 4 the latter
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _forward(self, input_ids, past, keep_kv):
+        from transformers import DynamicCache
+
+        cache = DynamicCache() if past is None else DynamicCache(ddp_cache_data=past)
+        logits = self.model(input_ids=input_ids, use_cache=True, **{self.cache_arg: cache}).logits[:, -1, :]
+        kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
+        return torch.log_softmax(logits.double() / self.temperature, dim=-1).cpu(), kv
+
+    def __call__(self, prefixes: torch.Tensor) -> torch.Tensor:
+        C, (P, d) = self.contexts.shape[0], prefixes.shape
+        keep_kv = d < self.last_depth
+        if d == 0:
+            out, kv = zip(
+                *(
+                    self._forward(self.contexts[s : s + self.batch_size], None, keep_kv)
+                    for s in range(0, C, self.batch_size)
+                ),
+                strict=True,
+            )
+        else:
+            P_prev = self.kv[0][0].shape[0] // C
+            B = P // P_prev
+            device = self.contexts.device
+            rows = torch.arange(C * P, device=device)
+            parents = (rows // P) * P_prev + (rows % P) // B
+            last = prefixes[:, -1].to(device).repeat(C)
+            out, kv = [], []
+            for s in range(0, C * P, self.batch_size):
+                idx = parents[s : s + self.batch_size]
+                past = [(k[idx], v[idx]) for k, v in self.kv]
+                lp, chunk_kv = self._forward(last[s : s + self.batch_size, None], past, keep_kv)
+                out.append(lp)
+                kv.append(chunk_kv)
+        self.kv = (
+            [tuple(torch.cat(t) for t in zip(*layer, strict=True)) for layer in zip(*kv, strict=True)]
+            if keep_kv
+            else None
+        )
+        return torch.cat(out).reshape(C, P, -1)
+
+
 # --------------------------------------------------------------------------------------------------
 # multi-turn trajectories with a deterministic environment
 
@@ -339,6 +405,7 @@ def enumerate_trajectories(
     observation_ids: Callable[[Any], Sequence[int]] | None = None,
     temperature: float = 1.0,
     max_responses: int = MAX_RESPONSES,
+    kv_cache: bool | None = None,
 ) -> TrajectorySpace:
     """Enumerate every trajectory of ``prompt``: each model turn over its whole response space
     (:func:`enumerate_policy`, ``max_new_tokens`` per turn), the environment's deterministic answer, the next turn.
@@ -348,7 +415,8 @@ def enumerate_trajectories(
     turn cut by the length limit (no EOS: reward 0 and no step, as :class:`tether.rollout.agent.AgentRunner` does);
     otherwise the next turn's context is the previous context, the turn's tokens (EOS included) and
     ``observation_ids(observation)`` (default: the observation text tokenised without special tokens). Costs one
-    enumeration per context that goes on (the tool task: 2).
+    enumeration per context that goes on (the tool task: 2). ``kv_cache`` as in :func:`enumerate_policy`; None: on
+    for a Hugging Face model (``transformers.PreTrainedModel``), off otherwise.
 
     Raises:
         ValueError: ``max_turns < 1``, and as :func:`enumerate_policy`.
@@ -360,6 +428,10 @@ def enumerate_trajectories(
         def observation_ids(obs):
             return tokenizer(obs, add_special_tokens=False)["input_ids"]
 
+    if kv_cache is None:
+        from transformers import PreTrainedModel
+
+        kv_cache = isinstance(model, PreTrainedModel)
     ctx0 = list(tokenizer(prompt)["input_ids"])
 
     def enumerate_turn(contexts, first):
@@ -373,9 +445,12 @@ def enumerate_trajectories(
                     temperature,
                     max_responses=max_responses,
                     prompt_ids=contexts[0],
+                    kv_cache=kv_cache,
                 )
             ]
-        return _enumerate_contexts(model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses)
+        return _enumerate_contexts(
+            model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses, kv_cache
+        )
 
     # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
     live = [(ctx0, (), np.zeros(0), 0.0, ())]
