@@ -175,8 +175,10 @@ def enumerate_policy(
         prompt_ids: the context's token ids in place of ``tokenizer(prompt)``'s (a later turn's context: the
             prompt, the earlier turns and observations as the turn loop appended them).
         kv_cache: run the context once and each depth's prefixes only on their last token, on the keys/values of
-            the depth before (a Hugging Face causal LM; :func:`enumerate_trajectories` turns it on): ~T times fewer
-            token positions, the same log-probabilities to float32 rounding (~1e-6 nats), not bit for bit.
+            the depth before (:class:`_KVStepper`; a Hugging Face model with ``sdpa`` attention;
+            :func:`enumerate_trajectories` turns it on): the same log-probabilities to the model's float32 rounding
+            (up to ~1e-4 nats on a rare token of the tool task's reference, as far as the float32 no-cache path is
+            from a float64 run), not bit for bit, so off by default.
 
     Returns:
         A :class:`ResponseSpace` with N = ``response_space_size(V, T)`` responses.
@@ -191,6 +193,8 @@ def enumerate_policy(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if kv_cache and not _kv_cache_supported(model):
+        raise ValueError("kv_cache=True needs a transformers model with sdpa or tether attention")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token_id; responses could not end")
@@ -313,54 +317,93 @@ def _next_token_logprobs(model, contexts, prefixes, temperature, batch_size) -> 
     return torch.cat(out).reshape(C, P, -1)
 
 
+def _kv_cache_supported(model) -> bool:
+    """Whether :class:`_KVStepper` can run ``model``: a ``transformers.PreTrainedModel`` with ``sdpa`` or ``tether``
+    attention (a 4D boolean mask passed as is) and transformers 5's ``DynamicCache`` (its ``layers``)."""
+    from transformers import DynamicCache, PreTrainedModel
+
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return isinstance(model, PreTrainedModel) and attn in ("sdpa", "tether") and hasattr(DynamicCache(), "layers")
+
+
 class _KVStepper:
     """:func:`_next_token_logprobs` of one depth after another with a KV cache: the contexts (C, L) run once, then
-    each prefix of depth d runs only its last token on its parent's keys/values (the same prefix without that
-    token, kept from depth d−1), so a depth costs one token per row in place of L + d. The prefixes of depth d must
-    be those of :func:`_enumerate_contexts`: each parent of depth d−1 followed by the ``B`` non-EOS tokens in turn
-    (row p's parent is p // B). Same numbers as the full rows to float32 rounding (other matmul shapes). Needs a
-    Hugging Face causal LM (``past_key_values`` of a ``DynamicCache``, positions from the cache length)."""
+    each parent prefix of depth d−1 runs its ``B`` children's last tokens as one row of B query tokens on the
+    parent's keys/values (kept from depth d−1), all at position L + d − 1 and each attending to the parent's
+    positions and itself only (a 4D mask), so a depth costs one token per prefix in place of L + d and no parent's
+    cache is copied per child. The prefixes of depth d must be those of :func:`_enumerate_contexts`: each parent of
+    depth d−1 followed by the same ``B`` tokens in turn (row p's parent is p // B). Same numbers as the full rows
+    to float32 rounding (other matmul shapes). Needs a Hugging Face causal LM whose attention takes a 4D boolean
+    mask (:func:`_kv_cache_supported`)."""
 
     def __init__(self, model, contexts, temperature, batch_size, max_new_tokens):
         self.model, self.contexts, self.temperature, self.batch_size = model, contexts, temperature, batch_size
         self.last_depth = max_new_tokens - 1
         self.kv = None  # per layer (keys, values) of the previous depth's rows (C·P, H, L + d − 1, D), (c, p) order
+        self.prev = None  # the previous depth's prefixes (P, d − 1)
         # transformers 5 names the forward's cache argument ``cache`` (``past_key_values`` deprecated), 4 the latter
         self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _forward(self, input_ids, past, keep_kv):
+    def _forward(self, input_ids, past, keep_kv, **kwargs):
         from transformers import DynamicCache
 
         cache = DynamicCache() if past is None else DynamicCache(ddp_cache_data=past)
-        logits = self.model(input_ids=input_ids, use_cache=True, **{self.cache_arg: cache}).logits[:, -1, :]
+        logits = self.model(input_ids=input_ids, use_cache=True, **{self.cache_arg: cache}, **kwargs).logits
         kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
         return torch.log_softmax(logits.double() / self.temperature, dim=-1).cpu(), kv
 
     def __call__(self, prefixes: torch.Tensor) -> torch.Tensor:
         C, (P, d) = self.contexts.shape[0], prefixes.shape
         keep_kv = d < self.last_depth
+        out, kv = [], []
         if d == 0:
-            out, kv = zip(
-                *(
-                    self._forward(self.contexts[s : s + self.batch_size], None, keep_kv)
-                    for s in range(0, C, self.batch_size)
-                ),
-                strict=True,
-            )
-        else:
-            P_prev = self.kv[0][0].shape[0] // C
-            B = P // P_prev
-            device = self.contexts.device
-            rows = torch.arange(C * P, device=device)
-            parents = (rows // P) * P_prev + (rows % P) // B
-            last = prefixes[:, -1].to(device).repeat(C)
-            out, kv = [], []
-            for s in range(0, C * P, self.batch_size):
-                idx = parents[s : s + self.batch_size]
-                past = [(k[idx], v[idx]) for k, v in self.kv]
-                lp, chunk_kv = self._forward(last[s : s + self.batch_size, None], past, keep_kv)
-                out.append(lp)
+            for s in range(0, C, self.batch_size):
+                lp, chunk_kv = self._forward(self.contexts[s : s + self.batch_size], None, keep_kv)
+                out.append(lp[:, -1:])
                 kv.append(chunk_kv)
+        else:
+            P_prev = self.prev.shape[0]
+            B = P // P_prev
+            last = prefixes[:, -1].reshape(P_prev, B)
+            if P != P_prev * B or not (
+                torch.equal(prefixes[:, :-1], self.prev.repeat_interleave(B, dim=0)) and bool((last == last[0]).all())
+            ):
+                raise ValueError("prefixes are not the previous depth's, each followed by the same tokens")
+            device = self.contexts.device
+            past_len = self.kv[0][0].shape[2]  # L + d - 1: the children's position
+            input_ids = last[0].to(device).expand(C * P_prev, B)
+            position_ids = torch.full((1, B), past_len, dtype=torch.long, device=device)
+            mask = torch.ones((1, 1, B, past_len + B), dtype=torch.bool, device=device)  # True: attend
+            mask[0, 0, :, past_len:] = torch.eye(B, dtype=torch.bool, device=device)
+            step = max(1, self.batch_size // B)
+            for s in range(0, C * P_prev, step):
+                past = [(k[s : s + step], v[s : s + step]) for k, v in self.kv]
+                n = past[0][0].shape[0]
+                lp, chunk_kv = self._forward(
+                    input_ids[s : s + n],
+                    past,
+                    keep_kv,
+                    position_ids=position_ids.expand(n, B),
+                    attention_mask=mask.expand(n, 1, B, past_len + B),
+                )
+                out.append(lp)
+                if keep_kv:  # each child's cache: its parent's positions, then its own
+                    kv.append(
+                        [
+                            tuple(
+                                torch.cat(
+                                    [
+                                        t[:, :, :past_len].repeat_interleave(B, dim=0),
+                                        t[:, :, past_len:].transpose(1, 2).reshape(n * B, t.shape[1], 1, t.shape[3]),
+                                    ],
+                                    dim=2,
+                                )
+                                for t in layer
+                            )
+                            for layer in chunk_kv
+                        ]
+                    )
+        self.prev = prefixes
         self.kv = (
             [tuple(torch.cat(t) for t in zip(*layer, strict=True)) for layer in zip(*kv, strict=True)]
             if keep_kv
@@ -416,7 +459,8 @@ def enumerate_trajectories(
     otherwise the next turn's context is the previous context, the turn's tokens (EOS included) and
     ``observation_ids(observation)`` (default: the observation text tokenised without special tokens). Costs one
     enumeration per context that goes on (the tool task: 2). ``kv_cache`` as in :func:`enumerate_policy`; None: on
-    for a Hugging Face model (``transformers.PreTrainedModel``), off otherwise.
+    where the model supports it (:func:`_kv_cache_supported`: a Hugging Face model with ``sdpa`` attention), off
+    otherwise.
 
     Raises:
         ValueError: ``max_turns < 1``, and as :func:`enumerate_policy`.
@@ -429,9 +473,7 @@ def enumerate_trajectories(
             return tokenizer(obs, add_special_tokens=False)["input_ids"]
 
     if kv_cache is None:
-        from transformers import PreTrainedModel
-
-        kv_cache = isinstance(model, PreTrainedModel)
+        kv_cache = _kv_cache_supported(model)
     ctx0 = list(tokenizer(prompt)["input_ids"])
 
     def enumerate_turn(contexts, first):
