@@ -208,12 +208,23 @@ def enumerate_policy(
 
 @torch.inference_mode()
 def _enumerate_contexts(
-    model, tokenizer, prompt, contexts, max_new_tokens, temperature, batch_size, max_responses, kv_cache=False
+    model,
+    tokenizer,
+    prompt,
+    contexts,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    max_responses,
+    kv_cache=False,
+    like: ResponseSpace | None = None,
 ) -> list[ResponseSpace]:
     """:func:`enumerate_policy` of several contexts of one length at once (a later turn's contexts: the prompt, an
     earlier turn and its observation): the prefix tree is the same for each, so every depth is one batch of
     contexts × prefixes. One :class:`ResponseSpace` per context, in order. ``kv_cache``: each depth runs only the
-    prefixes' last tokens on the keys/values of their parents (:class:`_KVStepper`) in place of whole rows."""
+    prefixes' last tokens on the keys/values of their parents (:class:`_KVStepper`) in place of whole rows. ``like``:
+    an earlier space of the same tokenizer whose ``token_ids``/``texts`` (the same objects) are reused when it lists
+    the same responses (the response list depends only on V, EOS and T)."""
     eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
     was_training = model.training
@@ -272,8 +283,11 @@ def _enumerate_contexts(
         tok[:, row : row + n, :d] = b.numpy()
         lengths[row : row + n] = d
         row += n
-    token_ids = tuple(tuple(r[:n].tolist()) for r, n in zip(ids, lengths, strict=True))
-    texts = _decode_all(tokenizer, token_ids)
+    if like is not None and np.array_equal(like.ids, ids):
+        token_ids, texts = like.token_ids, like.texts
+    else:
+        token_ids = tuple(tuple(r[:n].tolist()) for r, n in zip(ids, lengths, strict=True))
+        texts = _decode_all(tokenizer, token_ids)
     ended = torch.cat(done_eos).numpy()
     return [
         ResponseSpace(
@@ -437,6 +451,29 @@ class TrajectorySpace:
         return len(self.space)
 
 
+def _turn_outcomes(sp: ResponseSpace, turn: int, last: bool, step, outcomes: dict):
+    """(rewards (N,), ends (N,) bool, {row: observation} of the rows that go on) of one turn's space: ``step(turn,
+    text)`` once per distinct text (memo ``outcomes``); a turn cut at the length limit: reward 0, no step, the end."""
+    rewards = np.zeros(len(sp), dtype=np.float64)
+    ends = ~sp.ended_with_eos
+    observations = {}
+    for i in np.flatnonzero(sp.ended_with_eos).tolist():
+        text = sp.texts[i]
+        got = outcomes.get(text)
+        if got is None:
+            obs, r, end = step(turn, text)
+            r = float(r)
+            if not math.isfinite(r):
+                raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
+            got = outcomes[text] = (obs, r, bool(end))
+        obs, rewards[i], end = got
+        if end or last:
+            ends[i] = True
+        else:
+            observations[i] = obs
+    return rewards, ends, observations
+
+
 def enumerate_trajectories(
     model,
     tokenizer,
@@ -476,9 +513,11 @@ def enumerate_trajectories(
         kv_cache = _kv_cache_supported(model)
     ctx0 = list(tokenizer(prompt)["input_ids"])
 
+    first_space = []  # turn 1's space: later turns reuse its response list (token_ids, texts)
+
     def enumerate_turn(contexts, first):
         if first:  # the prompt alone: enumerate_policy checks the arguments
-            return [
+            first_space[:] = [
                 enumerate_policy(
                     model,
                     tokenizer,
@@ -490,8 +529,18 @@ def enumerate_trajectories(
                     kv_cache=kv_cache,
                 )
             ]
+            return first_space
         return _enumerate_contexts(
-            model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses, kv_cache
+            model,
+            tokenizer,
+            prompt,
+            contexts,
+            max_new_tokens,
+            temperature,
+            8192,
+            max_responses,
+            kv_cache,
+            first_space[0],
         )
 
     # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
@@ -507,24 +556,14 @@ def enumerate_trajectories(
             for j, sp in zip(group, enumerate_turn([live[j][0] for j in group], turn == 1), strict=True):
                 spaces[j] = sp
         outcomes = {}  # the environment is deterministic: one step per distinct text of the turn
+        # ... so one (rewards, ends, observations) per response list: the turn's spaces share turn 1's (``like``)
+        per_list = {}
         for j, (ctx, ids, lps, rsum, texts) in enumerate(live):
             sp = spaces[j]
-            rewards = np.zeros(len(sp), dtype=np.float64)
-            ends = ~sp.ended_with_eos.copy()  # a turn cut at the length limit: reward 0, no step, the end
-            observations = {}
-            for i in np.flatnonzero(sp.ended_with_eos):
-                text = sp.texts[i]
-                if text not in outcomes:
-                    obs, r, end = step(turn, text)
-                    r = float(r)
-                    if not math.isfinite(r):
-                        raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
-                    outcomes[text] = (obs, r, bool(end))
-                obs, rewards[i], end = outcomes[text]
-                if end or turn == max_turns:
-                    ends[i] = True
-                else:
-                    observations[int(i)] = obs
+            key = (id(sp.texts), id(sp.ended_with_eos))  # both held by ``spaces`` for the turn: ids stay unique
+            if key not in per_list:
+                per_list[key] = _turn_outcomes(sp, turn, turn == max_turns, step, outcomes)
+            rewards, ends, observations = per_list[key]
             blocks.append((ids, lps, rsum, texts, sp, np.flatnonzero(ends), rewards))
             for i, obs in observations.items():
                 n = int(sp.lengths[i])
@@ -562,10 +601,13 @@ def enumerate_trajectories(
         rewards[row : row + m] = rsum + r[idx]
         turns[row : row + m] = len(p_texts) + 1
         ended[row : row + m] = sp.ended_with_eos[idx]  # a turn's response is never empty: its last token ends it
-        token_ids += [p_ids + sp.token_ids[i] for i in idx]
+        every = m == len(sp)  # a whole space ends here (a last turn): no indexing
+        t_ids = sp.token_ids if every else [sp.token_ids[i] for i in idx]
+        t_texts = sp.texts if every else [sp.texts[i] for i in idx]
+        token_ids += [p_ids + t for t in t_ids] if p_ids else t_ids
         head = "|".join(p_texts) + "|" if p_texts else ""
-        texts += [head + sp.texts[i] for i in idx]
-        answers += [sp.texts[i] for i in idx]
+        texts += [head + t for t in t_texts] if head else t_texts
+        answers += t_texts
         row += m
     space = ResponseSpace(
         prompt=prompt,
