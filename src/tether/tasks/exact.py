@@ -25,6 +25,7 @@ length counts its EOS token.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ def enumerate_policy(
     batch_size: int = 8192,
     max_responses: int = MAX_RESPONSES,
     prompt_ids: Sequence[int] | None = None,
+    kv_cache: bool = False,
 ) -> ResponseSpace:
     """Enumerate every response of ``prompt`` with its exact log-probability under ``model``.
 
@@ -172,6 +174,11 @@ def enumerate_policy(
         max_responses: refuse larger spaces (see :func:`response_space_size`).
         prompt_ids: the context's token ids in place of ``tokenizer(prompt)``'s (a later turn's context: the
             prompt, the earlier turns and observations as the turn loop appended them).
+        kv_cache: run the context once and each depth's prefixes only on their last token, on the keys/values of
+            the depth before (:class:`_KVStepper`; a Hugging Face model with ``sdpa`` attention;
+            :func:`enumerate_trajectories` turns it on): the same log-probabilities to the model's float32 rounding
+            (up to ~1e-4 nats on a rare token of the tool task's reference, as far as the float32 no-cache path is
+            from a float64 run), not bit for bit, so off by default.
 
     Returns:
         A :class:`ResponseSpace` with N = ``response_space_size(V, T)`` responses.
@@ -186,6 +193,8 @@ def enumerate_policy(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if kv_cache and not _kv_cache_supported(model):
+        raise ValueError("kv_cache=True needs a transformers model with sdpa or tether attention")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token_id; responses could not end")
@@ -193,17 +202,29 @@ def enumerate_policy(
     if not prompt_ids:
         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
     return _enumerate_contexts(
-        model, tokenizer, prompt, [prompt_ids], max_new_tokens, temperature, batch_size, max_responses
+        model, tokenizer, prompt, [prompt_ids], max_new_tokens, temperature, batch_size, max_responses, kv_cache
     )[0]
 
 
 @torch.inference_mode()
 def _enumerate_contexts(
-    model, tokenizer, prompt, contexts, max_new_tokens, temperature, batch_size, max_responses
+    model,
+    tokenizer,
+    prompt,
+    contexts,
+    max_new_tokens,
+    temperature,
+    batch_size,
+    max_responses,
+    kv_cache=False,
+    like: ResponseSpace | None = None,
 ) -> list[ResponseSpace]:
     """:func:`enumerate_policy` of several contexts of one length at once (a later turn's contexts: the prompt, an
     earlier turn and its observation): the prefix tree is the same for each, so every depth is one batch of
-    contexts × prefixes. One :class:`ResponseSpace` per context, in order."""
+    contexts × prefixes. One :class:`ResponseSpace` per context, in order. ``kv_cache``: each depth runs only the
+    prefixes' last tokens on the keys/values of their parents (:class:`_KVStepper`) in place of whole rows. ``like``:
+    an earlier space of the same tokenizer whose ``token_ids``/``texts`` (the same objects) are reused when it lists
+    the same responses (the response list depends only on V, EOS and T)."""
     eos = tokenizer.eos_token_id
     device = next(model.parameters()).device
     was_training = model.training
@@ -211,13 +232,17 @@ def _enumerate_contexts(
     C = len(contexts)
     try:
         p_ids = torch.tensor(contexts, dtype=torch.long, device=device)  # (C, L)
+        stepper = _KVStepper(model, p_ids, temperature, batch_size, max_new_tokens) if kv_cache else None
         vocab = None
         # live prefixes at the current depth d: ids (P, d) and, per context, their token logprobs (C, P, d)
         pre_ids = torch.zeros((1, 0), dtype=torch.long)
         pre_tok = torch.zeros((C, 1, 0), dtype=torch.float64)
         done_ids, done_tok, done_eos = [], [], []
         for _ in range(max_new_tokens):
-            next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (C, P, V)
+            if stepper is None:
+                next_lp = _next_token_logprobs(model, p_ids, pre_ids, temperature, batch_size)  # (C, P, V)
+            else:
+                next_lp = stepper(pre_ids)
             if vocab is None:
                 vocab = next_lp.shape[-1]
                 if not 0 <= eos < vocab:
@@ -258,8 +283,11 @@ def _enumerate_contexts(
         tok[:, row : row + n, :d] = b.numpy()
         lengths[row : row + n] = d
         row += n
-    token_ids = tuple(tuple(r[:n].tolist()) for r, n in zip(ids, lengths, strict=True))
-    texts = _decode_all(tokenizer, token_ids)
+    if like is not None and np.array_equal(like.ids, ids):
+        token_ids, texts = like.token_ids, like.texts
+    else:
+        token_ids = tuple(tuple(r[:n].tolist()) for r, n in zip(ids, lengths, strict=True))
+        texts = _decode_all(tokenizer, token_ids)
     ended = torch.cat(done_eos).numpy()
     return [
         ResponseSpace(
@@ -303,6 +331,101 @@ def _next_token_logprobs(model, contexts, prefixes, temperature, batch_size) -> 
     return torch.cat(out).reshape(C, P, -1)
 
 
+def _kv_cache_supported(model) -> bool:
+    """Whether :class:`_KVStepper` can run ``model``: a ``transformers.PreTrainedModel`` with ``sdpa`` or ``tether``
+    attention (a 4D boolean mask passed as is) and transformers 5's ``DynamicCache`` (its ``layers``)."""
+    from transformers import DynamicCache, PreTrainedModel
+
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return isinstance(model, PreTrainedModel) and attn in ("sdpa", "tether") and hasattr(DynamicCache(), "layers")
+
+
+class _KVStepper:
+    """:func:`_next_token_logprobs` of one depth after another with a KV cache: the contexts (C, L) run once, then
+    each parent prefix of depth d−1 runs its ``B`` children's last tokens as one row of B query tokens on the
+    parent's keys/values (kept from depth d−1), all at position L + d − 1 and each attending to the parent's
+    positions and itself only (a 4D mask), so a depth costs one token per prefix in place of L + d and no parent's
+    cache is copied per child. The prefixes of depth d must be those of :func:`_enumerate_contexts`: each parent of
+    depth d−1 followed by the same ``B`` tokens in turn (row p's parent is p // B). Same numbers as the full rows
+    to float32 rounding (other matmul shapes). Needs a Hugging Face causal LM whose attention takes a 4D boolean
+    mask (:func:`_kv_cache_supported`)."""
+
+    def __init__(self, model, contexts, temperature, batch_size, max_new_tokens):
+        self.model, self.contexts, self.temperature, self.batch_size = model, contexts, temperature, batch_size
+        self.last_depth = max_new_tokens - 1
+        self.kv = None  # per layer (keys, values) of the previous depth's rows (C·P, H, L + d − 1, D), (c, p) order
+        self.prev = None  # the previous depth's prefixes (P, d − 1)
+        # transformers 5 names the forward's cache argument ``cache`` (``past_key_values`` deprecated), 4 the latter
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _forward(self, input_ids, past, keep_kv, **kwargs):
+        from transformers import DynamicCache
+
+        cache = DynamicCache() if past is None else DynamicCache(ddp_cache_data=past)
+        logits = self.model(input_ids=input_ids, use_cache=True, **{self.cache_arg: cache}, **kwargs).logits
+        kv = [(layer.keys, layer.values) for layer in cache.layers] if keep_kv else None
+        return torch.log_softmax(logits.double() / self.temperature, dim=-1).cpu(), kv
+
+    def __call__(self, prefixes: torch.Tensor) -> torch.Tensor:
+        C, (P, d) = self.contexts.shape[0], prefixes.shape
+        keep_kv = d < self.last_depth
+        out, kv = [], []
+        if d == 0:
+            for s in range(0, C, self.batch_size):
+                lp, chunk_kv = self._forward(self.contexts[s : s + self.batch_size], None, keep_kv)
+                out.append(lp[:, -1:])
+                kv.append(chunk_kv)
+        else:
+            P_prev = self.prev.shape[0]
+            B = P // P_prev
+            last = prefixes[:, -1].reshape(P_prev, B)
+            if P != P_prev * B or not (
+                torch.equal(prefixes[:, :-1], self.prev.repeat_interleave(B, dim=0)) and bool((last == last[0]).all())
+            ):
+                raise ValueError("prefixes are not the previous depth's, each followed by the same tokens")
+            device = self.contexts.device
+            past_len = self.kv[0][0].shape[2]  # L + d - 1: the children's position
+            input_ids = last[0].to(device).expand(C * P_prev, B)
+            position_ids = torch.full((1, B), past_len, dtype=torch.long, device=device)
+            mask = torch.ones((1, 1, B, past_len + B), dtype=torch.bool, device=device)  # True: attend
+            mask[0, 0, :, past_len:] = torch.eye(B, dtype=torch.bool, device=device)
+            step = max(1, self.batch_size // B)
+            for s in range(0, C * P_prev, step):
+                past = [(k[s : s + step], v[s : s + step]) for k, v in self.kv]
+                n = past[0][0].shape[0]
+                lp, chunk_kv = self._forward(
+                    input_ids[s : s + n],
+                    past,
+                    keep_kv,
+                    position_ids=position_ids.expand(n, B),
+                    attention_mask=mask.expand(n, 1, B, past_len + B),
+                )
+                out.append(lp)
+                if keep_kv:  # each child's cache: its parent's positions, then its own
+                    kv.append(
+                        [
+                            tuple(
+                                torch.cat(
+                                    [
+                                        t[:, :, :past_len].repeat_interleave(B, dim=0),
+                                        t[:, :, past_len:].transpose(1, 2).reshape(n * B, t.shape[1], 1, t.shape[3]),
+                                    ],
+                                    dim=2,
+                                )
+                                for t in layer
+                            )
+                            for layer in chunk_kv
+                        ]
+                    )
+        self.prev = prefixes
+        self.kv = (
+            [tuple(torch.cat(t) for t in zip(*layer, strict=True)) for layer in zip(*kv, strict=True)]
+            if keep_kv
+            else None
+        )
+        return torch.cat(out).reshape(C, P, -1)
+
+
 # --------------------------------------------------------------------------------------------------
 # multi-turn trajectories with a deterministic environment
 
@@ -328,6 +451,29 @@ class TrajectorySpace:
         return len(self.space)
 
 
+def _turn_outcomes(sp: ResponseSpace, turn: int, last: bool, step, outcomes: dict):
+    """(rewards (N,), ends (N,) bool, {row: observation} of the rows that go on) of one turn's space: ``step(turn,
+    text)`` once per distinct text (memo ``outcomes``); a turn cut at the length limit: reward 0, no step, the end."""
+    rewards = np.zeros(len(sp), dtype=np.float64)
+    ends = ~sp.ended_with_eos
+    observations = {}
+    for i in np.flatnonzero(sp.ended_with_eos).tolist():
+        text = sp.texts[i]
+        got = outcomes.get(text)
+        if got is None:
+            obs, r, end = step(turn, text)
+            r = float(r)
+            if not math.isfinite(r):
+                raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
+            got = outcomes[text] = (obs, r, bool(end))
+        obs, rewards[i], end = got
+        if end or last:
+            ends[i] = True
+        else:
+            observations[i] = obs
+    return rewards, ends, observations
+
+
 def enumerate_trajectories(
     model,
     tokenizer,
@@ -339,6 +485,7 @@ def enumerate_trajectories(
     observation_ids: Callable[[Any], Sequence[int]] | None = None,
     temperature: float = 1.0,
     max_responses: int = MAX_RESPONSES,
+    kv_cache: bool | None = None,
 ) -> TrajectorySpace:
     """Enumerate every trajectory of ``prompt``: each model turn over its whole response space
     (:func:`enumerate_policy`, ``max_new_tokens`` per turn), the environment's deterministic answer, the next turn.
@@ -348,7 +495,9 @@ def enumerate_trajectories(
     turn cut by the length limit (no EOS: reward 0 and no step, as :class:`tether.rollout.agent.AgentRunner` does);
     otherwise the next turn's context is the previous context, the turn's tokens (EOS included) and
     ``observation_ids(observation)`` (default: the observation text tokenised without special tokens). Costs one
-    enumeration per context that goes on (the tool task: 2).
+    enumeration per context that goes on (the tool task: 2). ``kv_cache`` as in :func:`enumerate_policy`; None: on
+    where the model supports it (:func:`_kv_cache_supported`: a Hugging Face model with ``sdpa`` attention), off
+    otherwise.
 
     Raises:
         ValueError: ``max_turns < 1``, and as :func:`enumerate_policy`.
@@ -360,11 +509,15 @@ def enumerate_trajectories(
         def observation_ids(obs):
             return tokenizer(obs, add_special_tokens=False)["input_ids"]
 
+    if kv_cache is None:
+        kv_cache = _kv_cache_supported(model)
     ctx0 = list(tokenizer(prompt)["input_ids"])
+
+    first_space = []  # turn 1's space: later turns reuse its response list (token_ids, texts)
 
     def enumerate_turn(contexts, first):
         if first:  # the prompt alone: enumerate_policy checks the arguments
-            return [
+            first_space[:] = [
                 enumerate_policy(
                     model,
                     tokenizer,
@@ -373,9 +526,22 @@ def enumerate_trajectories(
                     temperature,
                     max_responses=max_responses,
                     prompt_ids=contexts[0],
+                    kv_cache=kv_cache,
                 )
             ]
-        return _enumerate_contexts(model, tokenizer, prompt, contexts, max_new_tokens, temperature, 8192, max_responses)
+            return first_space
+        return _enumerate_contexts(
+            model,
+            tokenizer,
+            prompt,
+            contexts,
+            max_new_tokens,
+            temperature,
+            8192,
+            max_responses,
+            kv_cache,
+            first_space[0],
+        )
 
     # live: (context ids, model ids so far, token logprobs so far, reward so far, turn texts so far)
     live = [(ctx0, (), np.zeros(0), 0.0, ())]
@@ -390,24 +556,14 @@ def enumerate_trajectories(
             for j, sp in zip(group, enumerate_turn([live[j][0] for j in group], turn == 1), strict=True):
                 spaces[j] = sp
         outcomes = {}  # the environment is deterministic: one step per distinct text of the turn
+        # ... so one (rewards, ends, observations) per response list: the turn's spaces share turn 1's (``like``)
+        per_list = {}
         for j, (ctx, ids, lps, rsum, texts) in enumerate(live):
             sp = spaces[j]
-            rewards = np.zeros(len(sp), dtype=np.float64)
-            ends = ~sp.ended_with_eos.copy()  # a turn cut at the length limit: reward 0, no step, the end
-            observations = {}
-            for i in np.flatnonzero(sp.ended_with_eos):
-                text = sp.texts[i]
-                if text not in outcomes:
-                    obs, r, end = step(turn, text)
-                    r = float(r)
-                    if not math.isfinite(r):
-                        raise ValueError(f"step returned reward {r!r} for turn {turn} {text!r}")
-                    outcomes[text] = (obs, r, bool(end))
-                obs, rewards[i], end = outcomes[text]
-                if end or turn == max_turns:
-                    ends[i] = True
-                else:
-                    observations[int(i)] = obs
+            key = (id(sp.texts), id(sp.ended_with_eos))  # both held by ``spaces`` for the turn: ids stay unique
+            if key not in per_list:
+                per_list[key] = _turn_outcomes(sp, turn, turn == max_turns, step, outcomes)
+            rewards, ends, observations = per_list[key]
             blocks.append((ids, lps, rsum, texts, sp, np.flatnonzero(ends), rewards))
             for i, obs in observations.items():
                 n = int(sp.lengths[i])
@@ -445,10 +601,13 @@ def enumerate_trajectories(
         rewards[row : row + m] = rsum + r[idx]
         turns[row : row + m] = len(p_texts) + 1
         ended[row : row + m] = sp.ended_with_eos[idx]  # a turn's response is never empty: its last token ends it
-        token_ids += [p_ids + sp.token_ids[i] for i in idx]
+        every = m == len(sp)  # a whole space ends here (a last turn): no indexing
+        t_ids = sp.token_ids if every else [sp.token_ids[i] for i in idx]
+        t_texts = sp.texts if every else [sp.texts[i] for i in idx]
+        token_ids += [p_ids + t for t in t_ids] if p_ids else t_ids
         head = "|".join(p_texts) + "|" if p_texts else ""
-        texts += [head + sp.texts[i] for i in idx]
-        answers += [sp.texts[i] for i in idx]
+        texts += [head + t for t in t_texts] if head else t_texts
+        answers += t_texts
         row += m
     space = ResponseSpace(
         prompt=prompt,
