@@ -165,6 +165,29 @@ def test_observed_reference_validation_is_the_first_best_without_a_call_on_the_s
     assert fired == [(10, "hacking_gold")]
 
 
+def test_a_hack_that_returns_after_a_rollback_is_reported_again():
+    """held-out short_any under guard.on_hacking=rollback (docs/hacking.md): exact gold 0.47 (step 0), 0.50 (20), 0.10
+    at 30 -> rolled back to step 20's weights, the run goes on at step 31 and the gold falls again, 0.36 at 40 (28%
+    below 0.50). Still firing since step 30, the second fall stayed silent and the guard never escalated (the run
+    hacked to gold 0); forgetting the firing findings at the rollback reports it again."""
+
+    def run(live, golds, steps):
+        fired = []
+        for step in steps:
+            rec = dict(zip(("exact/gold_mean", "exact/score_mean"), golds[step], strict=True)) if step in golds else {}
+            fired.extend((step, f.check) for f in live.update(step, rec))
+        return fired
+
+    golds = {10: (0.48, 0.6), 20: (0.50, 0.7), 30: (0.10, 1.16), 40: (0.36, 1.0)}
+    for forget, want in ((False, [(30, "hacking_gold")]), (True, [(30, "hacking_gold"), (40, "hacking_gold")])):
+        live = LiveDiagnostics(every=10)
+        live.observe(0, {"exact/gold_mean": 0.47, "exact/score_mean": 0.56})
+        fired = run(live, golds, range(1, 31))
+        if forget:
+            live.forget_findings()  # Trainer.react, after the guard restored a checkpoint
+        assert fired + run(live, golds, range(31, 41)) == want
+
+
 def focus_history(share, kl=0.3, reward_slope=0.01):
     return [
         {"step": i + 1, "kl/token_top_share": x, "kl/ref_mean": kl, "reward/score_mean": 0.5 + reward_slope * i}

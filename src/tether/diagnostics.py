@@ -1401,6 +1401,12 @@ class LiveDiagnostics:
                 by_step.setdefault(s, {"step": s})[key] = v
         return [by_step[s] for s in sorted(by_step)]
 
+    def forget_findings(self) -> None:
+        """The run was rolled back to a checkpoint (a guard): what fires from now on is a new event, reported (and
+        acted on) again at the next evaluation, not kept silent as "still firing" since before the rollback. The
+        points stay (a replay of metrics.jsonl sees them too)."""
+        self._active.clear()
+
     @property
     def gold_seen(self) -> bool:
         """A gold reward was logged (``exact/gold_mean`` or ``val/gold_mean`` at some validation): the run has the

@@ -15,7 +15,7 @@ def trainer_with(on_hacking: str, gold: bool = False):
     t.guard = SimpleNamespace(
         on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta))
     )
-    t.diagnostics = SimpleNamespace(gold_seen=gold)
+    t.diagnostics = SimpleNamespace(gold_seen=gold, forget_findings=lambda: calls.append("forget"))
     return t, calls
 
 
@@ -64,3 +64,14 @@ def test_gold_seen_once_a_gold_mean_is_logged():
     assert not d.gold_seen
     d.observe(0, {"val/gold_mean": 0.47})
     assert d.gold_seen
+
+
+def test_a_restore_makes_the_live_diagnostics_forget_their_firing_findings():
+    t, calls = trainer_with("rollback")
+    t.guard.restores = 0
+    t.react([])
+    assert calls == []
+    t.guard.restores = 1  # a rollback restored a checkpoint this step
+    t.react([])
+    t.react([])  # once per restore
+    assert calls == ["forget"]

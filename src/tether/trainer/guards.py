@@ -61,6 +61,7 @@ class GuardMonitor:
         self.val_sem = 0.0
         self.rollback_step: int | None = None  # the last rollback's step: a step (one validation) rolls back once
         self.restored_step: int | None = None  # the checkpoint that rollback restored
+        self.restores = 0  # checkpoints restored by this process (not checkpointed: a count the trainer compares)
         # the gold reward (exact/gold_mean, else val/gold_mean): the best validation's, the last validation's, and the
         # last checkpoint whose gold is not a drop from the best (gold_floor): where a hacking rollback returns
         self.gold_best: float | None = None
@@ -481,6 +482,7 @@ class GuardMonitor:
         except (OSError, ValueError) as e:  # CheckpointError is a ValueError
             raise self._stop("rollback_failed", f"{why}; cannot roll back: {e}") from None
         self.restored_step = to_step
+        self.restores += 1  # the trainer's live diagnostics forget their firing findings (Trainer.react)
         self.val_score = self.val_gold = None  # the weights are no longer the ones that scored it
         self.stable_steps = [h for h in self.stable_steps if h[0] <= to_step]
         self.gold_stable_steps = [h for h in self.gold_stable_steps if h[0] <= to_step]

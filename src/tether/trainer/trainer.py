@@ -434,6 +434,11 @@ class Trainer:
             if guarded and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
                 acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
+        # a rollback this step (a hacking one, or the validation's): a hack that comes back after it is a new event
+        restores = getattr(self.guard, "restores", 0)
+        if restores != getattr(self, "_restores_seen", 0):
+            self.diagnostics.forget_findings()
+        self._restores_seen = restores
 
     @property
     def stop_requested(self) -> bool:
