@@ -161,3 +161,12 @@ def test_every_failing_call_becomes_an_error_observation(tmp_path):
     assert run("add", {"a": 2, "b": 3, "c": 4}) == ("Error: tool 'add' has no parameter(s) c", True)
     assert run_tool(None, ToolCall(None, {}, "bad JSON"), timeout_s=1) == ("Error: malformed tool call: bad JSON", True)
     assert run("secret", {"q": "7"}, row_kwargs={"answer": "7", "q": "ignored"}) == ("yes", False)
+
+
+def test_an_unimportable_tool_module_is_named_as_a_tool_not_a_reward_function():
+    from tether.rewards.registry import load_spec_attribute
+
+    with pytest.raises(ValueError, match=r"^cannot import module 'tether_no_such_module' for tool 'tether_no_such"):
+        load_spec_attribute("tether_no_such_module:add", key="agent.tools", what="tool")
+    with pytest.raises(ValueError, match=r"has no attribute 'nope' \(tool 'tether.agents:nope'\)"):
+        load_spec_attribute("tether.agents:nope", key="agent.tools", what="tool")

@@ -40,7 +40,12 @@ def resolve_model_path(name: str, key: str = "actor.model", *, task: str = "digi
     if not p.is_dir():
         raise ConfigError(f"{key}={name!r}: no such local model directory (tether never downloads models)")
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{key}={name!r}: {p} holds no config.json; is it a Hugging Face model directory?")
+        hint = (
+            "; a tether run or checkpoint directory becomes one with tether export"
+            if (p / "checkpoints").is_dir() or (p / "MANIFEST.json").is_file()
+            else ""
+        )
+        raise ConfigError(f"{key}={name!r}: {p} holds no config.json; is it a Hugging Face model directory?{hint}")
     return p
 
 

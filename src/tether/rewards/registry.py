@@ -119,8 +119,8 @@ GOLD_FUNCTIONS: dict[str, str] = {
 _cache: dict[str, Callable] = {}
 
 
-def resolve_import_path(path: str) -> Callable:
-    """Import ``"package.module:attr"`` and return the attribute (cached).
+def resolve_import_path(path: str, what: str = "reward function") -> Callable:
+    """Import ``"package.module:attr"`` and return the attribute (cached); ``what`` names it in the errors.
 
     Raises:
         ValueError: malformed path, module not importable, attribute missing or not callable.
@@ -129,14 +129,14 @@ def resolve_import_path(path: str) -> Callable:
         return _cache[path]
     mod_name, sep, attr = path.partition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"reward function path {path!r} must look like 'package.module:function'")
+        raise ValueError(f"{what} path {path!r} must look like 'package.module:function'")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise ValueError(f"cannot import module {mod_name!r} for reward function {path!r}: {e}") from e
+        raise ValueError(f"cannot import module {mod_name!r} for {what} {path!r}: {e}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
-        raise ValueError(f"module {mod_name!r} has no attribute {attr!r} (reward function {path!r})")
+        raise ValueError(f"module {mod_name!r} has no attribute {attr!r} ({what} {path!r})")
     if not callable(fn):
         raise ValueError(f"{path!r} is not callable (it is a {type(fn).__name__})")
     _cache[path] = fn
@@ -256,7 +256,7 @@ def load_spec_attribute(spec: str, *, base_dir: str | Path | None = None, key: s
     if not target or not name:
         raise ValueError(f"{what} spec {spec!r} must look like 'path/to/file.py:name' or 'module:name'")
     if not (target.endswith(".py") or "/" in target or "\\" in target):
-        return resolve_import_path(f"{target}:{name}")
+        return resolve_import_path(f"{target}:{name}", what)
 
     path = Path(target).expanduser()
     if not path.is_absolute() and base_dir is not None:

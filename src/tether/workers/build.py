@@ -598,7 +598,8 @@ def check_observations(cfg: TetherConfig, agent: AgentSpec | None, tok) -> None:
     raise ConfigError(
         f"{key}={value}: the tokenizer of actor.model={cfg.actor.model} has no chat template and cannot encode an "
         f"observation ({problem}); use a model whose tokenizer has a chat template (or encodes the plain "
-        "'<observation>' wrapper), e.g. data.embedded_task=digitsum_tool for the embedded multi-turn task"
+        "'<observation>' wrapper); the embedded multi-turn task (data.embedded_task=digitsum_tool) runs its own "
+        "environment"
     )
 
 
