@@ -515,6 +515,13 @@ class AgentConfig(Section):
         description="Agent on: seconds one tool call may run; past it the call is abandoned and the model reads a "
         "timeout error (agent/tool_errors); null = no limit.",
     )
+    step_timeout_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Agent on: seconds an environment's constructor and reset together, or one step, may run "
+        "(agent.environment/environments; a tool set's calls have agent.tool_timeout_s each); past it the call is "
+        "abandoned and the trajectory dropped (agent/env_errors); null = no limit.",
+    )
     tool_format: Literal["auto", "qwen", "plain"] = Field(
         "auto",
         description="Agent on: how tool calls are written: qwen (<tool_call>{json}</tool_call> blocks of Qwen2.5/"

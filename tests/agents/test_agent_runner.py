@@ -3,6 +3,7 @@ the chat template renders them, the prefix check on Qwen2.5-, Qwen3- and Llama 3
 environments stepped concurrently; and one run on the tiny HF model."""
 
 import textwrap
+import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -390,3 +391,117 @@ def test_totals_without_prefix_splits_sum_as_zero_splits():
     total = sum_totals([old, {}, new])
     assert total["prefix_splits"] == 2.0 and total["turns"] == 3.0
     assert agent_metrics(old)["agent/prefix_splits"] == 0.0
+
+
+class Hangs(Echo):
+    """Sleeps far past any small step timeout on sample q1 (its row's interaction_kwargs.hang)."""
+
+    def __init__(self, r: float = 0.0, hang: bool = False):
+        super().__init__(r)
+        self.hang = hang
+
+    def step(self, model_turn):
+        if self.hang:
+            threading.Event().wait(3600)
+        return super().step(model_turn)
+
+
+def test_a_hung_step_is_abandoned_at_step_timeout_s_and_its_trajectory_dropped(tok_dir, caplog):
+    """Sample 1's step never returns: at agent.step_timeout_s it is an environment error (dropped, counted, one
+    warning naming the sample and turn) and the rollout returns, its hung thread a daemon nobody waits on."""
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    agent = AgentSpec(environment=Hangs, max_turns=1, step_timeout_s=0.2)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=agent)
+    rows = [_row("q0", interaction_kwargs={"r": 1.0}), _row("q1", interaction_kwargs={"hang": True})]
+    prompts = _prompts(tok, runner, rows)
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[i], "turns": ["hi"]} for i in range(2)])
+    with caplog.at_level("WARNING", logger="tether"):
+        batch = runner.rollout(prompts, [0, 1], n=1)
+    assert runner.metrics["agent/env_errors"] == 1.0
+    assert batch.response_mask[1].sum().item() == 0 and batch.response_mask[0].sum().item() > 0
+    assert [t.turn_rewards for t in runner.last_trajectories][0] == [1.0]
+    (hung,) = [th for th in threading.enumerate() if th.name == "tether-env-1" and th.is_alive()]
+    assert hung.daemon
+    assert "sample 1, turn 1: TimeoutError: step did not return within 0.2 s (agent.step_timeout_s)" in caplog.text
+
+
+class FirstObs(Echo):
+    def reset(self, row):
+        return "Guess a number."
+
+
+class NeedsArg(Echo):
+    def __init__(self, required_thing):
+        super().__init__()
+
+
+class Says(Echo):
+    """Observes one message of the role its row gives (interaction_kwargs.role; 'none': a message without one)."""
+
+    def __init__(self, role: str):
+        super().__init__()
+        self.role = role
+
+    def step(self, model_turn):
+        m = {"content": "1"} if self.role == "none" else {"role": self.role, "content": "1"}
+        return StepResult([m], 0.0, False)
+
+
+def test_environment_failures_at_reset_construction_and_bad_roles_are_dropped_and_counted(tok_dir, caplog):
+    """A first observation for a plain-string prompt, a constructor missing an argument, and observations whose
+    role is assistant, system or missing: each an environment error (dropped, counted), the run goes on; a tool
+    and a user message pass."""
+    tok = _tok(tok_dir, QWEN25_LIKE)
+    spec = AgentSpec(environment=FirstObs, max_turns=2)
+    runner = AgentRunner(None, tok, torch.device("cpu"), params=SamplingParams(max_new_tokens=64), agent=spec)
+    plain = [SimpleNamespace(prompt="q0", extra_info={}), SimpleNamespace(prompt="q1", extra_info={})]
+    prompts = _Prompts(ids=[tok("q0")["input_ids"], tok("q1")["input_ids"]], texts=["q0", "q1"], rows=plain)
+    runner.engine = Scripted(tok, [])
+    with caplog.at_level("WARNING", logger="tether"):
+        batch = runner.rollout(prompts, [0, 1], n=1)
+    assert runner.metrics["agent/env_errors"] == 2.0 and batch.response_mask.sum().item() == 0
+    assert "sample 0, turn 0 (reset): ValueError: reset gave a first observation, but the prompt is not" in caplog.text
+    # the constructor failed: the warning says so
+    runner.agent = AgentSpec(environment=NeedsArg, max_turns=2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tether"):
+        runner.rollout(prompts, [0, 1], n=1)
+    assert runner.metrics["agent/env_errors"] == 2.0
+    assert "first: sample 0, constructor: TypeError:" in caplog.text and "turn 0" not in caplog.text
+    # observation roles: only tool and user
+    runner.agent = AgentSpec(environment=Says, max_turns=2)
+    roles = ["assistant", "system", "none", "tool", "user"]
+    rows = [_row(f"q{i}", interaction_kwargs={"role": r}) for i, r in enumerate(roles)]
+    prompts = _prompts(tok, runner, rows)
+    runner.engine = Scripted(tok, [{"prompt": prompts.ids[i], "turns": ["a", "b"]} for i in range(5)])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tether"):
+        batch = runner.rollout(prompts, list(range(5)), n=1)
+    assert runner.metrics["agent/env_errors"] == 3.0
+    assert [int(batch.response_mask[i].sum().item() > 0) for i in range(5)] == [0, 0, 0, 1, 1]
+    assert "first: sample 0, turn 1: bad observation: ValueError: observation message 0 has the role 'assistant'" in (
+        caplog.text
+    )
+    assert [t.error is not None and "None" in t.error for t in runner.last_trajectories] == [0, 0, 1, 0, 0]
+
+
+def test_environment_arguments_the_rows_do_not_give_are_refused_before_training(tmp_path):
+    from tether.agents import check_row_environments
+
+    f = tmp_path / "env.py"
+    f.write_text(
+        "class NeedsArg:\n    def __init__(self, required_thing):\n        pass\n    def reset(self, row):\n"
+        "        return None\n    def step(self, t):\n        return None\n\ndef add(a, b):\n    return a + b\n"
+    )
+    agent = SimpleNamespace(environment=f"{f}:NeedsArg", environments={})
+    rows = [{"extra_info": {"interaction_kwargs": {"required_thing": 1}}}, {"extra_info": {}}]
+    with pytest.raises(
+        ValueError,
+        match=r"^agent.environment: NeedsArg\(required_thing\) cannot be made for "
+        r"data.train_files row 1 with extra_info.interaction_kwargs \{\}: missing a required argument",
+    ):
+        check_row_environments(agent, rows, "data.train_files")
+    check_row_environments(agent, rows[:1], "data.train_files")  # the row that gives it passes
+    agent = SimpleNamespace(environment=f"{f}:add", environments={})  # a plain function is no environment factory
+    with pytest.raises(ValueError, match=r"^agent.environment: add\(a, b\) cannot be made for data.val_files row 0"):
+        check_row_environments(agent, [{}], "data.val_files")

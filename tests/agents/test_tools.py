@@ -102,6 +102,9 @@ def test_qwen_and_plain_tool_calls_parse():
     ]
     (bad_plain,) = parse_tool_calls("CALL add [1]", "plain")
     assert bad_plain.error == "the arguments of 'add' must be a JSON object, got list"
+    # a bare CALL, or a JSON fragment where the name goes: a malformed call with no name, not a final answer
+    no_name = ToolCall(None, {}, "the CALL line has no tool name (CALL name {json})")
+    assert parse_tool_calls('CALL\nCALL {"a": 1}\n  CALL  ', "plain") == [no_name, no_name, no_name]
     assert resolve_format("auto", "...<tool_call>...") == "qwen" and resolve_format("auto", None) == "plain"
 
 

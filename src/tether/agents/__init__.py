@@ -24,6 +24,7 @@ from tether.agents.tools import (
     Tool,
     ToolEnvironment,
     ToolOutcome,
+    check_environment_args,
     load_environment,
     load_tools,
     run_tool,
@@ -43,8 +44,10 @@ __all__ = [
     "ToolEnvironment",
     "ToolOutcome",
     "build_agent",
+    "check_environment_args",
     "check_row_environments",
     "check_turn_contexts",
+    "environment_kwargs",
     "first_mismatch",
     "load_environment",
     "load_tools",
@@ -66,7 +69,8 @@ class AgentSpec:
     Attributes:
         tools: the tools (empty with an environment); environment: the environment factory, or None (a row without
         ``extra_info.environment`` runs it); environments: the factories a row picks by name (``agent.environments``);
-        max_turns, max_observation_tokens, tool_timeout_s, tool_format, on_prefix_mismatch: the ``agent.*`` keys.
+        max_turns, max_observation_tokens, tool_timeout_s, tool_format, on_prefix_mismatch, step_timeout_s: the
+        ``agent.*`` keys.
     """
 
     tools: list[Tool] = field(default_factory=list)
@@ -77,6 +81,7 @@ class AgentSpec:
     tool_format: str = "auto"
     on_prefix_mismatch: str = "error"
     environments: dict[str, Callable] = field(default_factory=dict)
+    step_timeout_s: float | None = 60.0
 
     def factory(self, row, index: int) -> Callable | None:
         """The environment factory of ``row`` (sample ``index``): ``environments[extra_info.environment]`` when
@@ -117,18 +122,38 @@ def row_environment(row, index: int, known: list[str], *, has_default: bool, whe
     return name
 
 
-def check_row_environments(agent, rows: list, key: str) -> None:
+def environment_kwargs(row) -> dict:
+    """The keyword arguments an environment is made with for ``row`` (a dict or with ``extra_info``): its
+    ``extra_info.interaction_kwargs`` less ``name`` (verl's interaction name)."""
+    extra = (row.get("extra_info") if isinstance(row, dict) else getattr(row, "extra_info", None)) or {}
+    kwargs = extra.get("interaction_kwargs") if isinstance(extra, dict) else None
+    return {k: v for k, v in (kwargs or {}).items() if k != "name"}
+
+
+def check_row_environments(agent, rows: list, key: str, *, base_dir: str | Path | None = None) -> None:
     """Before training: every row of ``rows`` (from ``key``, e.g. ``data.train_files``) picks a known environment
-    (:func:`row_environment`) when the ``agent`` config section sets ``agent.environments``; else nothing to check.
+    (:func:`row_environment`) when the ``agent`` config section sets ``agent.environments``, and the environment it
+    runs can be called with the row's ``interaction_kwargs`` (:func:`environment_kwargs`) as the runner calls it.
 
     Raises:
-        ValueError: the first bad row, naming ``key``, its index, the name and the known names.
+        ValueError: the first bad row, naming ``key``, its index, the name and the known names; or the first row
+            whose keyword arguments the environment's signature cannot bind, naming its ``agent.environment*`` key.
     """
-    if not agent.environments:
+    if agent.environment is None and not agent.environments:
         return
     known = sorted(agent.environments)
+    specs = {None: agent.environment, **agent.environments}
+    factories: dict = {}
     for i, row in enumerate(rows):
-        row_environment(row, i, known, has_default=agent.environment is not None, where=f"{key} row")
+        name = (
+            row_environment(row, i, known, has_default=agent.environment is not None, where=f"{key} row")
+            if known
+            else None
+        )
+        env_key = "agent.environment" if name is None else f"agent.environments.{name}"
+        if name not in factories:
+            factories[name] = load_environment(specs[name], base_dir=base_dir, key=env_key)
+        check_environment_args(factories[name], environment_kwargs(row), key=env_key, where=f"{key} row {i}")
 
 
 def build_agent(agent, *, base_dir: str | Path | None = None) -> AgentSpec | None:
@@ -156,4 +181,5 @@ def build_agent(agent, *, base_dir: str | Path | None = None) -> AgentSpec | Non
         agent.tool_format,
         agent.on_prefix_mismatch,
         named,
+        agent.step_timeout_s,
     )

@@ -23,7 +23,9 @@ __all__ = ["FORMATS", "ToolCall", "parse_tool_calls", "resolve_format"]
 FORMATS = ("qwen", "plain")
 
 _QWEN = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
-_PLAIN = re.compile(r"^[ \t]*CALL[ \t]+(\S+)[ \t]*(.*?)[ \t]*$", re.M)
+_PLAIN = re.compile(r"^[ \t]*CALL(?:[ \t]+(\S+)[ \t]*(.*?))?[ \t]*$", re.M)
+#: What a tool name starts with: a JSON fragment in its place (``CALL {"a": 1}``) is a call with no name.
+_NOT_A_NAME = tuple('{["')
 
 
 @dataclass(frozen=True)
@@ -83,5 +85,12 @@ def parse_tool_calls(text: str, fmt: str) -> list[ToolCall]:
             calls.append(_call(obj.get("name"), obj.get("arguments", obj.get("parameters")), "the <tool_call> block"))
         return calls
     if fmt == "plain":
-        return [_call(m.group(1), m.group(2), "the CALL line") for m in _PLAIN.finditer(text)]
+        calls = []
+        for m in _PLAIN.finditer(text):
+            name = m.group(1)
+            if not name or name.startswith(_NOT_A_NAME):  # a bare CALL, or CALL {json}: no name
+                calls.append(ToolCall(None, {}, "the CALL line has no tool name (CALL name {json})"))
+            else:
+                calls.append(_call(name, m.group(2), "the CALL line"))
+        return calls
     raise ValueError(f"tool format must be one of {FORMATS}, got {fmt!r}")

@@ -242,6 +242,27 @@ def load_environment(spec: str, *, base_dir: str | Path | None = None, key: str 
     return factory
 
 
+def check_environment_args(factory: Callable, kwargs: dict, *, key: str, where: str) -> None:
+    """The environment ``factory`` can be called with ``kwargs`` (a row's ``interaction_kwargs``), as the runner
+    calls it; a factory whose signature cannot be read is not checked.
+
+    Raises:
+        ValueError: one line naming ``key``, ``where`` (the row) and why the arguments do not bind.
+    """
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        name = getattr(factory, "__name__", type(factory).__name__)
+        raise ValueError(
+            f"{key}: {name}{sig} cannot be made for {where} with extra_info.interaction_kwargs {kwargs!r}: {e}; an "
+            "environment is a class or factory called with the row's interaction_kwargs"
+        ) from None
+
+
 def tool_text(value: Any) -> str:
     """A tool's return value as the text the model reads: a str as is; an int/float/bool as ``str()``; a dict,
     list or tuple as JSON (``json.dumps``, ``ensure_ascii=False``).

@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from tether.agents import (
     StepResult,
     ToolEnvironment,
     check_turn_contexts,
+    environment_kwargs,
     mismatch_message,
     resolve_format,
 )
@@ -121,8 +123,7 @@ class AgentRunner(RolloutRunner):
         extra = getattr(row, "extra_info", None) or {}
         factory = self.agent.factory(row, j)  # agent.environments: the row's extra_info.environment picks one
         if factory is not None:
-            kwargs = {k: v for k, v in (extra.get("interaction_kwargs") or {}).items() if k != "name"}
-            return factory(**kwargs)
+            return factory(**environment_kwargs(row))
         return ToolEnvironment(
             self.agent.tools, fmt=self.fmt, timeout_s=self.agent.tool_timeout_s, tools_kwargs=extra.get("tools_kwargs")
         )
@@ -135,24 +136,36 @@ class AgentRunner(RolloutRunner):
         self.episodes = []
         for j, row in enumerate(rows):  # a row naming an unknown environment: refused, not dropped (a data error)
             self.agent.factory(row, j)
-        for j, (t, row) in enumerate(zip(trajectories, rows, strict=True)):
-            try:
-                env = self._make_env(row, j)
-                first = env.reset(row)
-            except Exception as e:  # noqa: BLE001 - the sample is dropped and counted (agent/env_errors)
-                t.error = f"sample {j}, turn 0 (reset): {type(e).__name__}: {e}"
-                self.episodes.append(Episode(None, None, expected=None))
-                continue
+        stages = ["constructor"] * len(rows)
+
+        def start(j: int):
+            env = self._make_env(rows[j], j)
+            stages[j] = "turn 0 (reset)"
+            return env, env.reset(rows[j])
+
+        timeout = None if self.agent.environment is None and not self.agent.environments else self.agent.step_timeout_s
+        started = _bounded(start, len(rows), timeout, "the constructor and reset")
+        for j, (t, row, r) in enumerate(zip(trajectories, rows, started, strict=True)):
             prompt = getattr(row, "prompt", None)
             chat = isinstance(prompt, list) and self.templated
+            if not isinstance(r, Exception) and r[1] is not None and not chat:
+                r = ValueError(
+                    "reset gave a first observation, but the prompt is not a list of chat messages rendered by a "
+                    "chat template; return None from reset, or use chat prompts"
+                )
+            if isinstance(r, Exception):  # the sample is dropped and counted (agent/env_errors)
+                t.error = f"sample {j}, {stages[j]}: {type(r).__name__}: {r}"
+                self.episodes.append(Episode(None, None, expected=None))
+                continue
+            env, first = r
             messages = [dict(m) for m in prompt] if chat else None
             if first is not None:
-                if not chat:
-                    raise ValueError(
-                        f"agent environment reset gave a first observation for sample {j}, whose prompt is not a list "
-                        "of chat messages rendered by a chat template; return None from reset, or use chat prompts"
-                    )
-                messages += self.render.truncate(_as_messages(first))
+                try:
+                    messages += self.render.truncate(_as_messages(first))
+                except Exception as err:  # noqa: BLE001 - a first observation that is not text or messages
+                    t.error = f"sample {j}, turn 0 (reset): bad observation: {type(err).__name__}: {err}"
+                    self.episodes.append(Episode(None, None, expected=None))
+                    continue
             if chat:
                 t.prompt_ids = self._template_ids(messages)
             self.episodes.append(Episode(env, messages, expected=[] if chat else None))
@@ -188,8 +201,10 @@ class AgentRunner(RolloutRunner):
                 return TypeError(f"step returned {type(r).__name__}, not a StepResult")
             return r
 
-        with ThreadPoolExecutor(max_workers=max(1, min(MAX_STEP_THREADS, len(trajectories)))) as pool:
-            results = list(pool.map(step, range(len(trajectories))))
+        user_env = self.agent.environment is not None or bool(self.agent.environments)
+        # a hung step is abandoned at agent.step_timeout_s (its daemon thread is never waited on); a tool set's
+        # calls are bounded one by one (agent.tool_timeout_s)
+        results = _bounded(step, len(trajectories), self.agent.step_timeout_s if user_env else None, "step")
         out: list[list[int] | None] = []
         for t, e, r in zip(trajectories, episodes, results, strict=True):
             reward = 0.0 if isinstance(r, Exception) or r.reward is None else _finite(r.reward)
@@ -441,9 +456,49 @@ def _finite(reward) -> float | Exception:
     return x if math.isfinite(x) else ValueError(f"step gave the reward {x}, not a finite number")
 
 
+def _bounded(fn, n: int, timeout_s: float | None, what: str) -> list:
+    """``fn(k)`` for ``k < n`` at once, each in a daemon thread (waves of :data:`MAX_STEP_THREADS`): per ``k`` its
+    result, or the exception it raised, or a :class:`TimeoutError` when it ran past ``timeout_s`` seconds (None: no
+    limit). A thread past its time is abandoned, never joined again: the run goes on and the process can exit."""
+    out: list = [None] * n
+
+    def run(k: int) -> None:
+        try:
+            out[k] = fn(k)
+        except Exception as err:  # noqa: BLE001 - reported by the caller with the sample
+            out[k] = err
+
+    for lo in range(0, n, MAX_STEP_THREADS):
+        threads = {
+            k: threading.Thread(target=run, args=(k,), daemon=True, name=f"tether-env-{k}")
+            for k in range(lo, min(n, lo + MAX_STEP_THREADS))
+        }
+        for th in threads.values():
+            th.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for k, th in threads.items():
+            th.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if th.is_alive():
+                out[k] = TimeoutError(f"{what} did not return within {timeout_s:g} s (agent.step_timeout_s); abandoned")
+    return out
+
+
+#: The roles an observation message may have (docs/agents.md).
+OBSERVATION_ROLES = ("tool", "user")
+
+
 def _as_messages(observation) -> list[dict]:
     if observation is None:
         return []
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
-    return [dict(m) for m in observation]
+    if isinstance(observation, dict):
+        raise TypeError("the observation is one message, not a list of messages; return [message]")
+    messages = [dict(m) for m in observation]
+    for i, m in enumerate(messages):
+        if m.get("role") not in OBSERVATION_ROLES:
+            raise ValueError(
+                f"observation message {i} has the role {m.get('role')!r}; an environment's messages are 'tool' or "
+                "'user'"
+            )
+    return messages
