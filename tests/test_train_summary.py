@@ -48,3 +48,27 @@ def test_tether_train_ends_with_the_summary(tmp_path, capsys):
     assert err[-2] == f"done: {out}"
     assert err[-1].startswith(f"  step 2: exact success {final['exact/score_mean']:.3f} (reference ")
     assert err[-1].endswith(f"KL {final['exact/kl_ref_tok']:.3f} nats/token; report: {out / 'report' / 'summary.md'}")
+
+
+def test_with_a_gold_the_success_is_the_gold_and_the_training_reward_is_labelled(tmp_path):
+    # reward.function=tether.tasks.hacks:short_any kl.coef=0: the proxy's exact mean rose while the gold fell to 0
+    run = tmp_path / "run"
+    write(
+        run,
+        [
+            {"step": 0, "exact/score_mean": 0.5634, "exact/gold_mean": 0.4694, "exact/kl_ref_tok": 0.0},
+            {"step": 30, "exact/score_mean": 1.2981, "exact/gold_mean": 0.0, "exact/kl_ref_tok": 2.5},
+        ],
+        report=False,
+    )
+    assert train_summary(run) == (
+        "step 30: exact success (gold) 0.000 (reference 0.469); exact training reward 1.298 (reference 0.563); "
+        "KL 2.500 nats/token"
+    )
+
+
+def test_the_report_summary_lists_the_gold(tmp_path):
+    from tether.report import _summary
+
+    history = [{"step": 0, "exact/gold_mean": 0.5}, {"step": 10, "exact/gold_mean": 0.125}]
+    assert "| `exact/gold_mean` | 0.5 | 0.125 | 0.125 | 0.5 |" in _summary(tmp_path, history)

@@ -151,6 +151,9 @@ def train_summary(run_dir) -> str:
     """One line on how a finished run ended, from its ``metrics.jsonl``: the last validation's exact success rate
     (``exact/score_mean``, the reference's at step 0 beside it) and KL per token (``exact/kl_ref_tok``) on the
     embedded task, else its ``val/score_mean`` and the last step's ``kl/ref_mean``; and where ``report/summary.md`` is.
+    When a gold is logged beside the training reward (``exact/gold_mean``: ``reward.function`` or a hack task, whose
+    ``exact/score_mean`` is the proxy's mean), the success quoted is the gold's and the training reward follows it
+    under its own label.
     "" when the run has no metrics to quote."""
     from pathlib import Path
 
@@ -166,8 +169,15 @@ def train_summary(run_dir) -> str:
     if vals:
         last, ref = vals[-1], vals[0]
         if "exact/score_mean" in last:
-            was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
-            parts.append(f"step {last['step']}: exact success {last['exact/score_mean']:.3f}{was}")
+            if isinstance(last.get("exact/gold_mean"), (int, float)):  # r is a proxy: success is the gold's
+                gold_ref = ref.get("exact/gold_mean") if ref["step"] == 0 and ref is not last else None
+                was = f" (reference {gold_ref:.3f})" if isinstance(gold_ref, (int, float)) else ""
+                parts.append(f"step {last['step']}: exact success (gold) {last['exact/gold_mean']:.3f}{was}")
+                was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
+                parts.append(f"exact training reward {last['exact/score_mean']:.3f}{was}")
+            else:
+                was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
+                parts.append(f"step {last['step']}: exact success {last['exact/score_mean']:.3f}{was}")
             if isinstance(last.get("exact/kl_ref_tok"), (int, float)):
                 parts.append(f"KL {last['exact/kl_ref_tok']:.3f} nats/token")
         else:

@@ -188,8 +188,9 @@ class DistillConfig(Section):
     top_k: int | None = Field(
         None,
         ge=1,
-        description="distill.estimator=reverse|forward|jsd: sum over the teacher's k most likely tokens at each state "
-        "only, both distributions renormalised over them; null = the full vocabulary. Biased: it ignores the "
+        description="distill.estimator=reverse|forward|jsd: sum over the teacher's k ≥ 2 most likely tokens at each "
+        "state only, both distributions renormalised over them (k = 1 is refused: its divergence is 0); null = the "
+        "full vocabulary; k ≥ the vocabulary is the full vocabulary (one warning at startup). Biased: it ignores the "
         "student's mass outside the k tokens and the teacher's tail (docs/distillation.md#top-k).",
     )
 
@@ -1521,6 +1522,11 @@ def _check_distill(cfg) -> None:
         raise ValueError(
             f"distill.jsd_beta={d.jsd_beta} has no effect with distill.estimator={d.estimator}; set "
             "distill.estimator=jsd or leave distill.jsd_beta at its default"
+        )
+    if d.top_k == 1:
+        raise ValueError(
+            "distill.top_k=1: renormalised over one token both distributions are 1, so the divergence is 0 and "
+            "distillation trains nothing; set distill.top_k to at least 2, or null (the full vocabulary)"
         )
     if d.top_k is not None and d.estimator not in FULL_DISTILL_ESTIMATORS:
         raise ValueError(

@@ -209,6 +209,7 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
         "diversity/collapse_rate",
         "perf/tokens_per_s",
         "exact/score_mean",
+        "exact/gold_mean",
         "exact/kl_ref_tok",
         "exact/objective",
         "exact/opt_objective",

@@ -173,3 +173,44 @@ def test_an_unimportable_tool_module_is_named_as_a_tool_not_a_reward_function():
         load_spec_attribute("tether_no_such_module:add", key="agent.tools", what="tool")
     with pytest.raises(ValueError, match=r"has no attribute 'nope' \(tool 'tether.agents:nope'\)"):
         load_spec_attribute("tether.agents:nope", key="agent.tools", what="tool")
+
+
+def test_arguments_are_checked_against_the_advertised_enum_item_types_and_null(tmp_path):
+    f = _write(
+        tmp_path,
+        '''
+        from typing import Literal
+
+        def pick(
+            mode: Literal["a", "b"], ids: list[int], scale: float | None = None, tags: list[str | None] = ()
+        ) -> str:
+            """Echo the arguments."""
+            return f"{mode} {ids} {scale} {list(tags)}"
+        ''',
+    )
+    (tool,) = load_tools([f"{f}:pick"])
+    props = tool.schema["function"]["parameters"]["properties"]
+    assert props["mode"] == {"type": "string", "enum": ["a", "b"]} and props["scale"] == {"type": "number"}
+
+    def run(args):
+        return run_tool(tool, ToolCall("pick", args), timeout_s=5.0)
+
+    assert run({"mode": "b", "ids": [1, 2], "scale": None, "tags": ["x", None]}) == ("b [1, 2] None ['x', None]", False)
+    assert run({"mode": "c", "ids": []}) == (
+        "Error: argument 'mode' of tool 'pick' must be one of 'a', 'b', got 'c'",
+        True,
+    )
+    assert run({"mode": "a", "ids": [1, "x"]}) == (
+        "Error: argument 'ids' of tool 'pick' must be an array whose items are integer (item 1 is 'x'), got [1, 'x']",
+        True,
+    )
+    assert run({"mode": "a", "ids": [1, True]})[1] is True  # a JSON true is not an integer
+    assert run({"mode": "a", "ids": [None]}) == (  # null only where the annotation allows it
+        "Error: argument 'ids' of tool 'pick' must be an array whose items are integer (item 0 is None), got [None]",
+        True,
+    )
+    assert run({"mode": None, "ids": []}) == ("Error: argument 'mode' of tool 'pick' must be string, got None", True)
+    assert run({"mode": "a", "ids": [], "scale": "2"}) == (
+        "Error: argument 'scale' of tool 'pick' must be number, got '2'",
+        True,
+    )

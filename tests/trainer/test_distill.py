@@ -47,6 +47,10 @@ def test_config_refuses_what_distillation_cannot_run_with():
         ),
         (["distill.teacher=x", "distill.estimator=reverse", "distill.top_k=0"], r"distill.top_k"),
         (["distill.teacher=x", "distill.top_k=8"], r"distill.top_k=8 needs the teacher's logits"),
+        (
+            ["distill.teacher=x", "distill.estimator=forward", "distill.top_k=1"],
+            r"config: distill.top_k=1: renormalised over one token both distributions are 1",
+        ),
         (["distill.estimator=reverse"], r"distill.estimator=reverse has no effect without distill.teacher"),
         (["distill.top_k=4"], r"distill.top_k=4 has no effect without distill.teacher"),
         (
@@ -65,6 +69,18 @@ def test_config_refuses_what_distillation_cannot_run_with():
     cfg = load_config(None, [*on, "distill.teacher=x"])
     # the update's own log-probs come too late for λ·k1 in the reward: the reuse gives way, naming why
     assert reuse_logprobs_blockers(cfg, has_critic=False, has_dropout=False) == ["distill.teacher"]
+
+
+def test_top_k_at_least_the_vocabulary_is_said_to_be_the_full_vocabulary():
+    from tether.workers.build import top_k_vocab_note
+
+    vocab = ["tok"] * 16  # len() is what the note reads
+    base = ["distill.teacher=x", "distill.estimator=reverse"]
+    assert top_k_vocab_note(load_config(None, [*base, "distill.top_k=15"]), vocab) is None
+    assert top_k_vocab_note(load_config(None, [*base, "distill.top_k=16"]), vocab) == (
+        "distill.top_k=16 is at least the vocabulary's 16 tokens: it is the full vocabulary, as distill.top_k=null"
+    )
+    assert top_k_vocab_note(load_config(None, base), vocab) is None
 
 
 def test_teacher_equal_to_the_reference_gives_k1_zero_at_step_1_and_the_reference_kl_after(small_cfg, tmp_path):

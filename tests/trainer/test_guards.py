@@ -170,6 +170,7 @@ def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
     assert g.stable_step == 4
     assert g.pop_metrics() == {"guard/coef_scale": 2.0, "guard/rollbacks": 1.0, "guard/rollback": 1.0}
     assert "restored step 4 (rollback 1/2)" in caplog.text and "learning rates ×0.5 → 0.5" in caplog.text
+    assert "(rollback 1/2), β ×2 → 0.1, learning rates" in caplog.text  # 0.05 × 2: the multiplier set β
     t.validate(8, 0.30)
     assert t.restored == [4, 4] and g.coef_scale == 4.0 and t.roles.actor.optimizer.param_groups[0]["lr"] == 0.25
     with pytest.raises(TrainingStopped) as stop:
@@ -269,6 +270,12 @@ def test_repeated_hacking_rollbacks_double_beta_from_zero_never_return_to_the_fl
     validate(20, 0.70, 0.30)  # stable by the score, the gold fell
     hacking(20)
     assert t.restored == [10] and g.beta(t.beta) == 0.05 and g.stable_step == 10  # not step 20, the hacked one
+    # β did not double (0 × 2 = 0): the message says the floor set it
+    assert (
+        "β 0 → floor 0.05 (guard.hacking_coef=0.05, × guard.coef_factor=2 per further hacking rollback; β ×2 alone "
+        "would be 0)" in caplog.text
+    )
+    assert "β ×2" not in caplog.text.replace("β ×2 alone", "")
     validate(30, 0.65, 0.62)  # the gold held (best 0.62): checkpoint 30 is a target for later steps...
     assert g.gold_stable_step == 30 and g.protected_steps() == {10, 30}  # pruning keeps the target before 30
     hacking(30)  # ...but not for a finding at step 30 itself: its weights are the ones flagged
@@ -277,9 +284,7 @@ def test_repeated_hacking_rollbacks_double_beta_from_zero_never_return_to_the_fl
     hacking(40)
     assert t.restored == [10, 10, 10] and (g.coef_scale, g.coef_floor, g.beta(t.beta)) == (8.0, 0.2, 0.2)
     assert t.roles.actor.optimizer.param_groups[0]["lr"] == 0.125
-    assert (
-        "β ×2, at least 0.2 (guard.hacking_coef=0.05, × coef_factor per further hacking rollback) → 0.2" in caplog.text
-    )
+    assert "β 0.1 → floor 0.2 (guard.hacking_coef=0.05, × guard.coef_factor=2 per further hacking" in caplog.text
     validate(50, 0.70, 0.10, save=False)
     with pytest.raises(TrainingStopped) as stop:
         hacking(50)

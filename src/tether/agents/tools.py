@@ -144,7 +144,8 @@ class Tool:
 
     Attributes:
         fn: the function; name: its ``__name__`` (what the model calls); schema: the ``tools`` entry;
-        params: the model's parameters; hidden: keyword-only parameters a row fills (``tools_kwargs``).
+        params: the model's parameters; hidden: keyword-only parameters a row fills (``tools_kwargs``);
+        nullable: the parameters annotated ``X | None``, which accept a JSON ``null``.
     """
 
     fn: Callable
@@ -152,6 +153,7 @@ class Tool:
     schema: dict
     params: tuple[str, ...]
     hidden: tuple[str, ...]
+    nullable: tuple[str, ...] = ()
 
 
 def tool_schema(fn: Callable, *, spec: str = "", key: str = "agent.tools") -> Tool:
@@ -170,7 +172,7 @@ def tool_schema(fn: Callable, *, spec: str = "", key: str = "agent.tools") -> To
     description, arg_docs = _docstring_args(inspect.getdoc(fn) or "")
     if not description:
         raise ValueError(f"{where}: tool {fn.__name__!r} has no docstring; its first line is what the model reads")
-    properties, required, params, hidden = {}, [], [], []
+    properties, required, params, hidden, nullable = {}, [], [], [], []
     for name, p in sig.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise ValueError(f"{where}: tool {fn.__name__!r} takes {p}; a tool's parameters are named and typed")
@@ -183,7 +185,8 @@ def tool_schema(fn: Callable, *, spec: str = "", key: str = "agent.tools") -> To
                 "(e.g. {name}: str) so its JSON schema can be given to the model".replace("{name}", name)
             )
         prop = _json_type(hints[name], f"{where}: parameter {name!r} of tool {fn.__name__!r}")
-        prop.pop("nullable", None)
+        if prop.pop("nullable", False):
+            nullable.append(name)
         if name in arg_docs:
             prop["description"] = arg_docs[name]
         properties[name] = prop
@@ -198,7 +201,7 @@ def tool_schema(fn: Callable, *, spec: str = "", key: str = "agent.tools") -> To
             "parameters": {"type": "object", "properties": properties, "required": required},
         },
     }
-    return Tool(fn, fn.__name__, schema, tuple(params), tuple(hidden))
+    return Tool(fn, fn.__name__, schema, tuple(params), tuple(hidden), tuple(nullable))
 
 
 def load_tools(specs: list[str], *, base_dir: str | Path | None = None, key: str = "agent.tools") -> list[Tool]:
@@ -297,7 +300,8 @@ def run_tool(
     The call runs in a daemon thread joined for ``timeout_s`` seconds (None: no limit); a call past it is
     abandoned (its thread cannot be killed and finishes, or not, on its own) and reported as timed out.
     Failures: a malformed call, an unknown tool, arguments that are not the tool's (unknown, missing, wrong JSON
-    type), an exception, a timeout, a return value that is not text (:func:`tool_text`).
+    type, outside a ``Literal``'s enum, a list item of the wrong type; ``null`` only for ``X | None``), an exception,
+    a timeout, a return value that is not text (:func:`tool_text`).
     """
     if call.error is not None:
         return ToolOutcome(f"Error: malformed tool call: {call.error}", True)
@@ -311,8 +315,10 @@ def run_tool(
     if missing:
         return ToolOutcome(f"Error: tool {tool.name!r} needs {', '.join(missing)}", True)
     for name, value in args.items():
-        want = tool.schema["function"]["parameters"]["properties"][name].get("type")
-        if not _is_json_type(value, want):
+        prop = tool.schema["function"]["parameters"]["properties"][name]
+        if value is None and name in tool.nullable:  # X | None: an explicit null is the None it allows
+            continue
+        if (want := _arg_problem(value, prop)) is not None:
             return ToolOutcome(f"Error: argument {name!r} of tool {tool.name!r} must be {want}, got {value!r}", True)
     kwargs = {**{k: v for k, v in (row_kwargs or {}).items() if k in tool.hidden}, **args}
     box: dict[str, Any] = {}
@@ -335,6 +341,24 @@ def run_tool(
         return ToolOutcome(tool_text(box.get("value")), False)
     except TypeError as e:
         return ToolOutcome(f"Error: tool {tool.name!r} {e}", True)
+
+
+def _arg_problem(value, prop: dict) -> str | None:
+    """What ``value`` must be, when it breaks the advertised schema ``prop``: its JSON type, its ``enum`` (a
+    ``Literal``), and each item of an array against ``items`` (a ``null`` item only where ``items`` is nullable);
+    None when it fits."""
+    want = prop.get("type")
+    if not _is_json_type(value, want):
+        return want
+    if "enum" in prop and value not in prop["enum"]:
+        return "one of " + ", ".join(repr(v) for v in prop["enum"])
+    if want == "array" and "items" in prop:
+        for i, item in enumerate(value):
+            if item is None and prop["items"].get("nullable"):
+                continue
+            if (inner := _arg_problem(item, prop["items"])) is not None:
+                return f"an array whose items are {inner} (item {i} is {item!r})"
+    return None
 
 
 def _is_json_type(value, want: str | None) -> bool:

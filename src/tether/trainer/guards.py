@@ -344,22 +344,24 @@ class GuardMonitor:
             return
         target = self.hacking_target(step)
         if self.rollback_step == step:
+            before = self.beta(controller_beta)
             self.escalate_floor()
             if target is not None and target != self.restored_step:
                 self._restore(ckpt, target, why)
             if self.tried and self.tried[-1][0] == step:
                 self.tried[-1][1:] = [self.restored_step, self.beta(controller_beta)]
+            after = self.beta(controller_beta)
             log.warning(
                 "guard/hacking_rollback: %s; this step already rolled back (rollback %d/%d, not counted again): "
-                "weights of step %s, β at least %g (guard.hacking_coef=%g, × guard.coef_factor per further hacking "
-                "rollback) → %.4g",
+                "weights of step %s, β %s",
                 why,
                 self.rollbacks,
                 self.cfg.max_rollbacks,
                 self.restored_step,
-                self.coef_floor,
-                self.cfg.hacking_coef,
-                self.beta(controller_beta),
+                f"{before:.4g} → floor {after:.4g} (guard.hacking_coef={self.cfg.hacking_coef:g}, × "
+                f"guard.coef_factor={self.cfg.coef_factor:g} per further hacking rollback)"
+                if after > before
+                else f"{after:.4g} (unchanged: above its floor {self.coef_floor:g})",
             )
             return
         if target is None:
@@ -445,6 +447,7 @@ class GuardMonitor:
         self._restore(ckpt, to_step, drop)
         self.rollbacks += 1
         self.rollback_step = step
+        before = self.beta(controller_beta)
         self.coef_scale *= self.cfg.coef_factor
         if event == "hacking_rollback":
             self.escalate_floor()
@@ -454,17 +457,21 @@ class GuardMonitor:
             roles.critic.scale_lr(self.cfg.rollback_lr_factor)
         self._event(
             event,
-            f"{drop}: restored step {to_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), β "
-            f"×{self.cfg.coef_factor:g}{self._floor_text(event)} → {self.beta(controller_beta):.4g}, learning rates "
+            f"{drop}: restored step {to_step} (rollback {self.rollbacks}/{self.cfg.max_rollbacks}), "
+            f"{self._beta_text(before, controller_beta)}, learning rates "
             f"×{self.cfg.rollback_lr_factor:g} → {roles.actor.optimizer.param_groups[0]['lr']:.3g}",
         )
 
-    def _floor_text(self, event: str) -> str:
-        if event != "hacking_rollback":
-            return ""
+    def _beta_text(self, before: float, controller_beta: float) -> str:
+        """What a rollback did to β: ``β ×2 → 0.1`` when the multiplier set it, ``β 0 → floor 0.05 (...)`` when the
+        hacking floor did (β = 0 × coef_factor stays 0: it did not double)."""
+        after, scaled = self.beta(controller_beta), controller_beta * self.coef_scale
+        if after <= scaled:
+            return f"β ×{self.cfg.coef_factor:g} → {after:.4g}"
         return (
-            f", at least {self.coef_floor:g} (guard.hacking_coef={self.cfg.hacking_coef:g}, × coef_factor per further "
-            "hacking rollback)"
+            f"β {before:.4g} → floor {after:.4g} (guard.hacking_coef={self.cfg.hacking_coef:g}, × "
+            f"guard.coef_factor={self.cfg.coef_factor:g} per further hacking rollback; β ×{self.cfg.coef_factor:g} "
+            f"alone would be {scaled:.4g})"
         )
 
     def tried_text(self) -> str:

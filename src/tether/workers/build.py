@@ -376,6 +376,18 @@ def assemble_critic(
     return vm
 
 
+def top_k_vocab_note(cfg: TetherConfig, tokenizer) -> str | None:
+    """One line when ``distill.top_k`` is at least the vocabulary size (``len(tokenizer)``): the top k is then every
+    token, the full divergence (as ``distill.top_k=null``), not a truncation; None otherwise."""
+    k, vocab = cfg.distill.top_k, len(tokenizer)
+    if cfg.distill.teacher is None or k is None or k < vocab:
+        return None
+    return (
+        f"distill.top_k={k} is at least the vocabulary's {vocab} tokens: it is the full vocabulary, as "
+        "distill.top_k=null"
+    )
+
+
 def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
     """``distill.teacher``'s directory, its tokenizer checked against the actor's (vocabulary, special tokens, EOS
     ids) before any weights load; None when distillation is off.
@@ -383,6 +395,8 @@ def teacher_path(cfg: TetherConfig, tokenizer) -> Path | None:
     Raises:
         ConfigError: one line naming ``distill.teacher``: a missing directory or another tokenizer.
     """
+    if note := top_k_vocab_note(cfg, tokenizer):
+        log.warning(note)
     if cfg.distill.teacher in (None, EXACT_TEACHER):  # exact: a lookup table of the shipped reference's π*_β
         return None
     actor_path = resolve_model_path(cfg.actor.model, "actor.model", task=cfg.data.embedded_task)
