@@ -909,9 +909,10 @@ def check_hacking_proxy(
     if not r_tau > min_reward_tau:
         return []
     ratio, at, s_prev, s_now = best
+    before = f"from {_fmt(s_prev)} before" if s_prev > 0 else "where it was flat before"
     msg = (
         f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the "
-        f"last {window} points, {'from ' + _fmt(s_prev) if s_prev > 0 else 'from none'} before) while "
+        f"last {window} points, {before}) while "
         f"response/length_mean drifted {100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new "
         "behaviour is spreading fast; without a gold reward this is a warning sign, not proof"
     )

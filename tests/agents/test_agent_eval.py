@@ -153,3 +153,11 @@ def test_bad_agent_arguments_of_tether_eval_fail_naming_the_key_before_weights_l
     assert _eval(root, model, *args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tether eval: invalid config:") and message in err
+
+
+def test_tools_naming_no_tool_are_refused_not_run_single_turn(setup, capsys):
+    model, root = setup
+    assert _eval(root, model, "--tools= , ") == 2
+    assert capsys.readouterr().err.strip() == (
+        "tether eval: --tools ' , ' names no tool: give 'path/file.py:name[,...]', or leave --tools out"
+    )

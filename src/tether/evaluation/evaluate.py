@@ -1179,6 +1179,16 @@ def write_json(
     return write_text(out, json.dumps(doc, indent=2) + "\n")
 
 
+def _tool_specs(text: str | None) -> list[str] | None:
+    """``--tools a.py:f,b.py:g`` as specs; given but naming none (``--tools ""``) is refused, not run single-turn."""
+    if text is None:
+        return None
+    specs = [t.strip() for t in text.split(",") if t.strip()]
+    if not specs:
+        raise ConfigError(f"--tools {text!r} names no tool: give 'path/file.py:name[,...]', or leave --tools out")
+    return specs
+
+
 def _settings_from_args(args) -> EvalSettings:
     ks = None
     if args.k is not None:
@@ -1206,7 +1216,7 @@ def _settings_from_args(args) -> EvalSettings:
         dtype=args.dtype,
         seed=args.seed,
         progress=not args.no_progress,
-        tools=[t for t in args.tools.split(",") if t.strip()] if args.tools else None,
+        tools=_tool_specs(args.tools),
         environment=args.environment,
         max_turns=args.max_turns,
     )
