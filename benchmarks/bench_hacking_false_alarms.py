@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from tether.diagnostics import gold_fall_flags, read_metrics
+from tether.diagnostics import gold_fall_flags, gold_warn_flags, read_metrics
 
 
 def _monitor():
@@ -45,7 +44,7 @@ def simulate(runs: int, validations: int = 30, seed: int = 0) -> int:
             g.append(float(x.mean()))
             s.append(math.sqrt(float(sum(32 * row.var(ddof=1) for row in x))) / x.size)
         flags = gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations)
-        warned += any(a is not None and b is not None for a, b in itertools.pairwise(flags))
+        warned += any(gold_warn_flags(flags, g, s))
     return warned
 
 

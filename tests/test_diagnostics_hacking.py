@@ -3,13 +3,19 @@ tests/trainer/test_hacking_guard.py)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 
-from tether.diagnostics import LiveDiagnostics, check_hacking_gold, check_hacking_proxy, diagnose, gold_fall_flags
+from tether.diagnostics import (
+    LiveDiagnostics,
+    check_hacking_gold,
+    check_hacking_proxy,
+    diagnose,
+    gold_fall_flags,
+    gold_warn_flags,
+)
 
 
 def vals(gold, proxy, *, every=10, exact=True, sem=None):
@@ -50,17 +56,40 @@ def test_gold_check_stays_quiet(gold, proxy, why):
     assert check_hacking_gold(vals(gold, proxy)) == [], why
 
 
-def test_sampled_gold_compares_confidence_bounds_and_needs_two_falls_in_a_row():
-    # sem 0.02, z 2: best lower bound 0.8 − 0.04 = 0.76; upper bound of 0.55 is 0.59; 0.76 − 0.59 = 0.17 > 10% of 0.76
+def test_sampled_gold_compares_confidence_bounds_and_needs_two_falls_in_a_row_unless_the_fall_is_sharp():
+    # sem 0.04, z 2: best lower bound 0.8 − 0.08 = 0.72; upper bound of 0.55 is 0.63; 0.72 − 0.63 = 0.09 > 10% of 0.72.
+    # Sharp would need 0.8 − 0.55 = 0.25 ≥ 5·hypot(0.04, 0.04) = 0.283: not sharp, so one fall is not yet a warning.
     gold, proxy = [0.6, 0.8, 0.55, 0.55], [0.6, 0.7, 0.75, 0.8]
-    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.02)) == []  # one fall: not yet
-    (f,) = check_hacking_gold(vals(gold, proxy, exact=False, sem=0.02))
+    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.04)) == []
+    (f,) = check_hacking_gold(vals(gold, proxy, exact=False, sem=0.04))
     assert f.evidence["peak_step"] == 10 and f.evidence["persist"] == 2 and "2 validations in a row" in f.message
-    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.02), persist=1)
+    assert not f.evidence["sharp"]
+    assert check_hacking_gold(vals(gold[:3], proxy[:3], exact=False, sem=0.04), persist=1)
+    # 0.8 → 0.45 is 0.35 ≥ 0.283, 0.35 / 0.0566 = 6.2 combined standard errors: a sharp fall warns at once
+    (f,) = check_hacking_gold(vals([0.6, 0.8, 0.45], proxy[:3], exact=False, sem=0.04))
+    assert f.evidence["sharp"] and "a sharp fall of 6.2 standard errors" in f.message
+    assert check_hacking_gold(vals([0.6, 0.8, 0.45], proxy[:3], exact=False, sem=0.04), sharp_z=6.5) == []
+    # without val/gold_sem the size of a fall in standard errors is unknown: only persistence counts
+    bare = [{k: v for k, v in r.items() if k != "val/gold_sem"} for r in vals([0.6, 0.8, 0.45], proxy[:3], exact=False)]
+    assert check_hacking_gold(bare) == [] and check_hacking_gold(bare + [dict(bare[-1], step=30)])
     # sem 0.05: bounds 0.7 and 0.65 differ by 0.05 < 10% of 0.7 = 0.07: within the noise
     assert check_hacking_gold(vals(gold, proxy, exact=False, sem=0.05)) == []
     # an exact gold has no sampling noise: one fall is enough (drop 0.25 > 10% of 0.8)
     assert check_hacking_gold(vals(gold[:3], proxy[:3]))
+
+
+def test_gold_warn_flags_by_hand():
+    # falls at 2 (from 1), 3 (from 1), 5 (from 1); sems 0.01: sharp needs a drop ≥ 5·0.01414 = 0.0707
+    flags = [None, None, 1, 1, None, 1]
+    gold = [0.5, 0.9, 0.85, 0.7, 0.9, 0.8]
+    assert gold_warn_flags(flags, gold, [0.01] * 6) == [False, False, False, True, False, True]
+    assert gold_warn_flags(flags, gold, [0.01] * 6, sharp_z=math.inf) == [False, False, False, True, False, False]
+    every_fall = gold_warn_flags(flags, gold, [0.01] * 6, persist=1, sharp_z=math.inf)
+    assert every_fall == [False, False, True, True, False, True]
+    with pytest.raises(ValueError, match="same length"):
+        gold_warn_flags(flags, gold[:3], [0.01] * 6)
+    with pytest.raises(ValueError, match="persist must be >= 1"):
+        gold_warn_flags(flags, gold, [0.01] * 6, persist=0)
 
 
 def test_gold_fall_flags_by_hand():
@@ -82,7 +111,8 @@ def test_false_alarm_rate_under_a_stationary_sampled_gold():
     """A stationary gold (4 prompts at p = 0.9, 0.8, 0.75, 0.6, 32 samples each, as the docs' runs validate) seen at
     30 validations: the check may warn in at most 1% of runs. The union bound over the 29·28/2 pairs (j < i) gives at
     most Σ_i (i−1)·Φ(−2√2) ≈ 406·0.0023 = 0.95 per run for a single fall (a loose bound; simulated 0.3%), and two falls
-    in a row need two such deviations of the same maximum: in 4000 simulated runs none warned. With 400 runs a true
+    in a row need two such deviations of the same maximum; a sharp single fall (5 combined standard errors) adds at
+    most 406·Φ(−5) ≈ 1.2e-4: in 4000 simulated runs none warned. With 400 runs a true
     rate of 1% would give 4 ± 2 warnings; we allow 4. The former rule (mean drop > 10% and > 2σ of the difference,
     one fall) fails this in most runs: shown with z on the means by persist=1, z=0, which the new rule also rejects."""
     rng = np.random.default_rng(0)
@@ -91,7 +121,7 @@ def test_false_alarm_rate_under_a_stationary_sampled_gold():
     for _ in range(runs):
         g, s = zip(*(_sampled_validation(rng, p, n) for _ in range(validations)), strict=True)
         flags = gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations)
-        warned += any(a is not None and b is not None for a, b in itertools.pairwise(flags))
+        warned += any(gold_warn_flags(flags, g, s))
         warned_one += any(f is not None for f in gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations, z=0))
     assert warned <= 4
     assert warned_one > runs // 2  # without the confidence bounds the maximum of noisy means runs away: most warn

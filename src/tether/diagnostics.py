@@ -35,7 +35,8 @@ Checks (thresholds are keyword arguments of each function, defaults in brackets;
   or |advantage| or the gradient norm stayed ≤ ``tol`` [1e-8].
 * ``hacking_gold`` (``exact/gold_mean`` or ``val/gold_mean`` with the training reward): the gold's upper confidence
   bound (``z`` [2] standard errors) fell more than ``min_rel_drop`` [10 %] below the best earlier lower bound while
-  the training reward held, at ``persist`` [2] validations in a row for a sampled gold (one for an exact gold).
+  the training reward held, at ``persist`` [2] validations in a row for a sampled gold, or once if the fall is
+  ``sharp_z`` [5] standard errors (one fall for an exact gold).
 * ``hacking_proxy`` (``kl/ref_mean`` with ``response/length_mean``): the KL's slope jumped ``kl_accel`` [3]× within the
   last ``lookback`` [20] points (windows of ``window`` [10], at least ``min_kl_slope`` [0.005]/step) and the length's
   median drifted ≥ ``min_len_drift`` [5 %], while ``reward/score_mean`` is not falling (τ > ``min_reward_tau`` [0]).
@@ -84,6 +85,7 @@ __all__ = [
     "cleared_findings",
     "diagnose",
     "gold_fall_flags",
+    "gold_warn_flags",
     "doctor",
     "format_findings",
     "read_metrics",
@@ -766,12 +768,44 @@ def gold_fall_flags(
     return out
 
 
+def gold_warn_flags(
+    flags: Sequence[int | None],
+    gold: Sequence[float],
+    gold_sem: Sequence[float],
+    *,
+    persist: int = 2,
+    sharp_z: float = 5.0,
+) -> list[bool]:
+    """Per validation i, whether the gold check warns there, online, from :func:`gold_fall_flags`' ``flags``.
+
+    Validation i warns when it has fallen and so have the ``persist`` − 1 validations before it, or when its fall is
+    *sharp*: ``gold[j] − gold[i] ≥ sharp_z·hypot(gold_sem[j], gold_sem[i])`` for the validation j it fell from
+    (``flags[i]``). Under a stationary gold with Gaussian errors, a given pair is that far apart with probability
+    Φ(−sharp_z) (2.9e-7 at 5), so the sharp path adds at most C(n, 2)·Φ(−sharp_z) false alarms per n-validation run;
+    ``sharp_z = inf`` turns it off, ``persist = 1`` makes every fall warn (an exact gold). Pure: sequences of equal
+    length. Raises ValueError for unequal lengths or ``persist`` < 1.
+    """
+    n = len(flags)
+    if not (len(gold) == len(gold_sem) == n):
+        raise ValueError("flags, gold and gold_sem must have the same length")
+    if persist < 1:
+        raise ValueError(f"persist must be >= 1, got {persist}")
+    out = [False] * n
+    for i, j in enumerate(flags):
+        if j is None:
+            continue
+        run = i + 1 >= persist and all(f is not None for f in flags[i + 1 - persist : i + 1])
+        out[i] = run or gold[j] - gold[i] >= sharp_z * math.hypot(gold_sem[j], gold_sem[i])
+    return out
+
+
 def check_hacking_gold(
     history: History,
     *,
     min_rel_drop: float = 0.1,
     z: float = 2.0,
     persist: int = 2,
+    sharp_z: float = 5.0,
     config: Any = None,
 ) -> list[Finding]:
     """Reward hacking seen by a gold reward: the gold score fell while the training (proxy) reward held or rose.
@@ -783,14 +817,17 @@ def check_hacking_gold(
     gold is not a falling one). A validation has *fallen* (:func:`gold_fall_flags`) when its gold's upper confidence
     bound (mean + ``z`` standard errors) is more than ``min_rel_drop`` below the best lower confidence bound of the
     earlier validations, while the training reward did not fall by more than ``z`` standard errors from its value
-    there. Fires when the last validation has fallen and, for a sampled gold, so have the ``persist`` − 1 before it
-    (an exact gold has no sampling noise: one fall is enough).
+    there. Fires (:func:`gold_warn_flags`) when the last validation has fallen and, for a sampled gold, so have the
+    ``persist`` − 1 before it, or its fall is *sharp*: its gold is ``sharp_z`` combined standard errors below the
+    earlier validation it fell from (an exact gold has no sampling noise: one fall is enough).
 
     False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
-    persist = 2, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples, against 93.5% for
-    the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``), and in none of the 10 honest runs
-    measured so far (``benchmarks/bench_hacking_false_alarms.py``). Cost: with a sampled gold, a warning comes
-    ``persist`` validations after the fall starts, not one.
+    persist = 2, sharp_z = 5, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples,
+    against 93.5% for the former rule (means, one fall) (``tests/test_diagnostics_hacking.py``); the sharp path adds
+    at most C(30, 2)·Φ(−5) ≈ 1.2e-4 per run (union bound over pairs). Honest runs:
+    ``benchmarks/bench_hacking_false_alarms.py``.
+    Cost: with a sampled gold, a fall within 5 standard errors is reported ``persist`` validations after it starts.
+    The sharp path needs ``val/gold_sem`` at every validation; without it only persistence counts.
 
     Suggests raising ``kl.coef``, ``guard.on_hacking=rollback``, and fixing the reward's flaw.
     """
@@ -818,13 +855,34 @@ def check_hacking_gold(
         z=z,
     )
     need = 1 if exact else max(1, persist)
-    if len(flags) < need or any(f is None for f in flags[-need:]):
+    sharp_ok = not exact and all(s in g_sem for s in steps)  # a sharp fall is judged in known standard errors only
+    warns = gold_warn_flags(
+        flags,
+        [gold[s] for s in steps],
+        [g_sem.get(s, 0.0) for s in steps],
+        persist=need,
+        sharp_z=sharp_z if sharp_ok else math.inf,
+    )
+    if not warns[-1]:
         return []
     last, peak = steps[-1], steps[flags[-1]]
     drop = gold[peak] - gold[last]
     proxy_change = p_by[last] - p_by[peak]
+    run = 1
+    while run < len(flags) and flags[-1 - run] is not None:
+        run += 1
+    se = math.hypot(g_sem.get(peak, 0.0), g_sem.get(last, 0.0))
+    sharp = need > 1 and run < need
     sem_txt = "" if exact else f" (± {_fmt(g_sem.get(peak, 0.0))}, ± {_fmt(g_sem.get(last, 0.0))} standard error)"
-    persist_txt = "" if need == 1 else f", fallen at {need} validations in a row"
+    persist_txt = (
+        ""
+        if need == 1
+        else f", a sharp fall of {drop / se:.1f} standard errors"
+        if sharp and se > 0
+        else ", a sharp fall with no sampling spread"
+        if sharp
+        else f", fallen at {need} validations in a row"
+    )
     msg = (
         f"possible reward hacking: the gold score {g_key} fell from {_fmt(gold[peak])} at step {peak} to "
         f"{_fmt(gold[last])} at step {last}{sem_txt} ({100 * drop / max(abs(gold[peak]), 1e-12):.0f}% down"
@@ -841,6 +899,7 @@ def check_hacking_gold(
         "gold_key": g_key,
         "proxy_key": p_key,
         "persist": need,
+        "sharp": sharp,
         "z": z,
     }
     guard_txt, guard = _hacking_guard(config)
