@@ -1236,7 +1236,9 @@ class GuardConfig(Section):
     on_max_kl: Literal["raise_coef", "skip", "stop"] = Field(
         "raise_coef", description="What exceeding guard.max_kl does."
     )
-    coef_factor: float = Field(2.0, gt=1, description="raise_coef / rollback: β is multiplied by this.")
+    coef_factor: float = Field(
+        2.0, gt=1, description="raise_coef / rollback: β is multiplied by this (raise_coef: the run's β, floor too)."
+    )
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip", description="A non-finite loss/grad-norm/KL: skip the update or stop the run."
     )

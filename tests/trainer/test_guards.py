@@ -60,6 +60,17 @@ def test_raise_coef_at_beta_zero_says_once_that_it_cannot_act(caplog):
     assert "guard.on_max_kl=skip or stop would act" in warnings[0].getMessage()
 
 
+def test_raise_coef_raises_a_beta_held_at_the_hacking_floor(caplog):
+    """After a hacking rollback at kl.coef=0 the run's β is the floor (0.05) while the controller's is 0: a KL explosion
+    under raise_coef takes the run's β to 0.05 × 2 = 0.1 and says so (it had said 0.05 → 0.1 and left β at 0.05)."""
+    g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="raise_coef"))
+    g.escalate_floor()
+    assert g.beta(0.0) == 0.05
+    assert g.before_update(4, 0.8, FINITE, beta=g.beta(0.0)) == "update"
+    assert g.beta(0.0) == pytest.approx(0.1, rel=1e-12) and g.beta(0.2) == pytest.approx(0.4, rel=1e-12)
+    assert "β 0.05 → 0.1 (guard.on_max_kl=raise_coef)" in caplog.text
+
+
 def test_kl_above_max_stop():
     g = GuardMonitor(GuardConfig(max_kl=0.5, on_max_kl="stop"))
     with pytest.raises(

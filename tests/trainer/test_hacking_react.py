@@ -13,7 +13,8 @@ def trainer_with(on_hacking: str, gold: bool = False):
     t.cfg = SimpleNamespace(guard=SimpleNamespace(on_hacking=on_hacking))
     t.step, t.ckpt, t.roles, t.controller = 40, "ckpt", "roles", SimpleNamespace(value=0.0)
     t.guard = SimpleNamespace(
-        on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta))
+        on_hacking=lambda step, finding, ckpt, roles, beta: calls.append((step, finding.check, ckpt, roles, beta)),
+        beta=lambda controller_beta: controller_beta,
     )
     t.diagnostics = SimpleNamespace(gold_seen=gold, forget_findings=lambda: calls.append("forget"))
     return t, calls
@@ -75,3 +76,26 @@ def test_a_restore_makes_the_live_diagnostics_forget_their_firing_findings():
     t.react([])
     t.react([])  # once per restore
     assert calls == ["forget"]
+
+
+def test_a_rollback_replaces_the_doctors_advice_in_its_line(caplog):
+    """The new-user trial: the guard set β to its floor 0.05 while the doctor's line of the same step advised 'set
+    kl.coef=0.05'. Under rollback the guard acts first; a line whose finding it acted on says so, and one it could not
+    act on (no checkpoint to restore, β unchanged) keeps the advice."""
+    gold = [Finding("hacking_gold", "val/gold_mean", "g", suggestion="set kl.coef=0.05 (now 0)")]
+    t, _ = trainer_with("rollback", gold=True)
+    floor = {"v": 0.0}
+
+    def restore(step, finding, ckpt, roles, beta):
+        t.guard.restores, floor["v"] = 1, 0.05
+
+    t.guard.restores, t.guard.on_hacking = 0, restore
+    t.guard.beta = lambda controller_beta: max(controller_beta, floor["v"])
+    t.react(gold)
+    (line,) = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
+    assert "guard.on_hacking=rollback acted on it (β now 0.05)" in line and "set kl.coef" not in line
+    caplog.clear()
+    t.guard.on_hacking = lambda *a: None  # no stable checkpoint yet: the guard only warns
+    t.react(gold)
+    (line,) = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
+    assert "suggestion: set kl.coef=0.05" in line

@@ -244,7 +244,10 @@ class GuardMonitor:
             if action == "stop":
                 raise self._stop("kl_explosion", msg + " (guard.on_max_kl=stop)")
             if action == "raise_coef":
+                # the run's β (``beta``) is max(controller × scale, hacking floor): both are raised, so it becomes
+                # β × coef_factor whichever holds it (a floor-held β at kl.coef=0 would not move with the scale alone)
                 self.coef_scale *= self.cfg.coef_factor
+                self.coef_floor *= self.cfg.coef_factor
                 if beta == 0:  # kl.coef=0: no multiple of 0 contains anything; said once, then counted quietly
                     said = self._zero_beta_said
                     self._zero_beta_said = True

@@ -424,14 +424,24 @@ class Trainer:
         replayed: a rollback is applied again, a stop is not."""
         acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         gold = self.diagnostics.gold_seen
+        mode = self.cfg.guard.on_hacking
         for finding in findings:
             guarded = finding.check in GUARDED_HACKING_CHECKS and not (gold and finding.check == "hacking_proxy")
+            act = guarded and not acted and not (resumed and mode == "stop")
+            handled = False
+            if act and mode == "rollback":  # before the line: a guard that restored and raised β replaces the advice
+                acted = True
+                state = (getattr(self.guard, "restores", 0), self.beta)
+                self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
+                handled = (getattr(self.guard, "restores", 0), self.beta) != state
             if log_them:
-                tail = f"; suggestion: {finding.suggestion}" if finding.suggestion else ""
-                if finding.check == "hacking_proxy" and gold and self.cfg.guard.on_hacking != "warn":
+                tail = f"; suggestion: {finding.suggestion}" if finding.suggestion and not handled else ""
+                if handled:
+                    tail = f"; guard.on_hacking=rollback acted on it (β now {self.beta:.4g})"
+                if finding.check == "hacking_proxy" and gold and mode != "warn":
                     tail += "; guard.on_hacking acts on the gold check alone in a run with a gold reward"
                 log.warning("doctor: %s%s", finding.message.rstrip(". "), tail)
-            if guarded and not acted and not (resumed and self.cfg.guard.on_hacking == "stop"):
+            if act and mode != "rollback":
                 acted = True
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
         # a rollback this step (a hacking one, or the validation's): a hack that comes back after it is a new event
