@@ -9,7 +9,7 @@ A run's exact gold metrics (exact/gold_*) are removed before the replay, so hack
 val/gold_mean with its val/gold_sem, as a run off the embedded prompts would. Every warning of a run that did not hack
 (its exact gold never below the reference's, where logged) is a false alarm; the goal is at most one in 20 runs.
 --simulate counts runs that warn among N simulated 30-validation runs of a stationary gold (4 prompts at
-p = 0.9, 0.8, 0.75, 0.6, 32 samples each).
+p = 0.9, 0.8, 0.75, 0.6, 32 samples each, or --per-prompt M).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tether.diagnostics import gold_fall_flags, gold_warn_flags, read_metrics
+from tether.diagnostics import gold_warn_flags, read_metrics
 
 
 def _monitor():
@@ -33,18 +33,17 @@ def _monitor():
     return mod
 
 
-def simulate(runs: int, validations: int = 30, seed: int = 0) -> int:
+def simulate(runs: int, validations: int = 30, seed: int = 0, per_prompt: int = 32) -> int:
     rng = np.random.default_rng(seed)
     p = np.array([0.9, 0.8, 0.75, 0.6])
     warned = 0
     for _ in range(runs):
         g, s = [], []
         for _ in range(validations):
-            x = (rng.random((4, 32)) < p[:, None]).astype(float)
+            x = (rng.random((4, per_prompt)) < p[:, None]).astype(float)
             g.append(float(x.mean()))
-            s.append(math.sqrt(float(sum(32 * row.var(ddof=1) for row in x))) / x.size)
-        flags = gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations)
-        warned += any(gold_warn_flags(flags, g, s))
+            s.append(math.sqrt(float(sum(per_prompt * row.var(ddof=1) for row in x))) / x.size)
+        warned += any(w is not None for w in gold_warn_flags(g, s, [0.5] * validations, [0.0] * validations))
     return warned
 
 
@@ -52,9 +51,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="*", type=Path)
     ap.add_argument("--simulate", type=int, default=0, metavar="N")
+    ap.add_argument("--per-prompt", type=int, default=32, metavar="M", help="simulated samples per prompt (4 prompts)")
     args = ap.parse_args()
     if args.simulate:
-        print(f"simulated stationary runs that warned: {simulate(args.simulate)} of {args.simulate}")
+        warned = simulate(args.simulate, per_prompt=args.per_prompt)
+        print(f"simulated stationary runs that warned: {warned} of {args.simulate} ({args.per_prompt} a prompt)")
     mon = _monitor()
     total = n = 0
     for run in args.runs:

@@ -79,17 +79,22 @@ def test_sampled_gold_compares_confidence_bounds_and_needs_two_falls_in_a_row_un
 
 
 def test_gold_warn_flags_by_hand():
-    # falls at 2 (from 1), 3 (from 1), 5 (from 1); sems 0.01: sharp needs a drop ≥ 5·0.01414 = 0.0707
-    flags = [None, None, 1, 1, None, 1]
-    gold = [0.5, 0.9, 0.85, 0.7, 0.9, 0.8]
-    assert gold_warn_flags(flags, gold, [0.01] * 6) == [False, False, False, True, False, True]
-    assert gold_warn_flags(flags, gold, [0.01] * 6, sharp_z=math.inf) == [False, False, False, True, False, False]
-    every_fall = gold_warn_flags(flags, gold, [0.01] * 6, persist=1, sharp_z=math.inf)
-    assert every_fall == [False, False, True, True, False, True]
+    """sems 0.01, z 2: lower bounds 0.48, 0.88, ...; a fall (bounds) needs gold + 0.02 < 0.9·0.88 = 0.792, i.e. gold <
+    0.772; a sharp fall needs 0.9 − gold > 0.09 (10% of 0.9) and ≥ 5·hypot(0.01, 0.01) = 0.0707, i.e. gold < 0.81."""
+    proxy, psem = [0.5] * 6, [0.0] * 6
+    gold = [0.5, 0.9, 0.85, 0.79, 0.9, 0.7]
+    # 2: 0.05 down, neither; 3: 0.11 down (12%, 7.8 standard errors) but bounds 0.81 vs 0.792: sharp only; 5: both
+    assert gold_warn_flags(gold, [0.01] * 6, proxy, psem) == [None, None, None, (1, True), None, (1, True)]
+    assert gold_warn_flags(gold, [0.01] * 6, proxy, psem, sharp_z=math.inf) == [None] * 6  # no two falls in a row
+    assert gold_warn_flags(gold, [0.01] * 6, proxy, psem, persist=1, sharp_z=math.inf)[5] == (1, False)
+    two = gold_warn_flags([0.5, 0.9, 0.7, 0.7], [0.01] * 4, [0.5] * 4, [0.0] * 4, sharp_z=math.inf)
+    assert two == [None, None, None, (1, False)]
+    # the training reward fell with the gold: neither path
+    assert gold_warn_flags(gold, [0.01] * 6, [0.5, 0.5, 0.5, 0.1, 0.5, 0.1], psem)[3] is None
     with pytest.raises(ValueError, match="same length"):
-        gold_warn_flags(flags, gold[:3], [0.01] * 6)
+        gold_warn_flags(gold[:3], [0.01] * 6, proxy, psem)
     with pytest.raises(ValueError, match="persist must be >= 1"):
-        gold_warn_flags(flags, gold, [0.01] * 6, persist=0)
+        gold_warn_flags(gold, [0.01] * 6, proxy, psem, persist=0)
 
 
 def test_gold_fall_flags_by_hand():
@@ -120,8 +125,7 @@ def test_false_alarm_rate_under_a_stationary_sampled_gold():
     warned = warned_one = 0
     for _ in range(runs):
         g, s = zip(*(_sampled_validation(rng, p, n) for _ in range(validations)), strict=True)
-        flags = gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations)
-        warned += any(gold_warn_flags(flags, g, s))
+        warned += any(w is not None for w in gold_warn_flags(g, s, [0.5] * validations, [0.0] * validations))
         warned_one += any(f is not None for f in gold_fall_flags(g, s, [0.5] * validations, [0.0] * validations, z=0))
     assert warned <= 4
     assert warned_one > runs // 2  # without the confidence bounds the maximum of noisy means runs away: most warn

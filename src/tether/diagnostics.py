@@ -769,33 +769,45 @@ def gold_fall_flags(
 
 
 def gold_warn_flags(
-    flags: Sequence[int | None],
     gold: Sequence[float],
     gold_sem: Sequence[float],
+    proxy: Sequence[float],
+    proxy_sem: Sequence[float],
     *,
+    min_rel_drop: float = 0.1,
+    z: float = 2.0,
     persist: int = 2,
     sharp_z: float = 5.0,
-) -> list[bool]:
-    """Per validation i, whether the gold check warns there, online, from :func:`gold_fall_flags`' ``flags``.
+) -> list[tuple[int, bool] | None]:
+    """Per validation i, where the gold check warns, online: ``(j, sharp)`` with j the earlier validation the gold fell
+    from, or None.
 
-    Validation i warns when it has fallen and so have the ``persist`` − 1 validations before it, or when its fall is
-    *sharp*: ``gold[j] − gold[i] ≥ sharp_z·hypot(gold_sem[j], gold_sem[i])`` for the validation j it fell from
-    (``flags[i]``). Under a stationary gold with Gaussian errors, a given pair is that far apart with probability
-    Φ(−sharp_z) (2.9e-7 at 5), so the sharp path adds at most C(n, 2)·Φ(−sharp_z) false alarms per n-validation run;
-    ``sharp_z = inf`` turns it off, ``persist = 1`` makes every fall warn (an exact gold). Pure: sequences of equal
-    length. Raises ValueError for unequal lengths or ``persist`` < 1.
+    Validation i warns when (a) it has fallen (:func:`gold_fall_flags`: its upper bound ``min_rel_drop`` below the best
+    earlier lower bound) and so have the ``persist`` − 1 validations before it, or (b) its fall is *sharp*: against the
+    earlier validation j with the best lower bound, ``gold[j] − gold[i]`` is at least ``min_rel_drop·|gold[j]|`` and at
+    least ``sharp_z·hypot(gold_sem[j], gold_sem[i])``, while the training reward held (as in :func:`gold_fall_flags`).
+    (b) asks the means, not the bounds, to differ by ``min_rel_drop``: a 14% fall by 5.6 standard errors warns, where
+    the bounds of (a) are only 7% apart. Under a stationary gold with Gaussian errors a given pair is ``sharp_z``
+    combined standard errors apart with probability Φ(−sharp_z) (2.9e-7 at 5), so (b) adds at most C(n, 2)·Φ(−sharp_z)
+    false alarms per n-validation run. ``sharp_z = inf`` turns (b) off; with standard errors 0 (an exact gold) (b) is
+    (a) with ``persist`` = 1. Pure: sequences of equal length. Raises ValueError for unequal lengths or ``persist`` < 1.
     """
-    n = len(flags)
-    if not (len(gold) == len(gold_sem) == n):
-        raise ValueError("flags, gold and gold_sem must have the same length")
     if persist < 1:
         raise ValueError(f"persist must be >= 1, got {persist}")
-    out = [False] * n
-    for i, j in enumerate(flags):
-        if j is None:
-            continue
-        run = i + 1 >= persist and all(f is not None for f in flags[i + 1 - persist : i + 1])
-        out[i] = run or gold[j] - gold[i] >= sharp_z * math.hypot(gold_sem[j], gold_sem[i])
+    flags = gold_fall_flags(gold, gold_sem, proxy, proxy_sem, min_rel_drop=min_rel_drop, z=z)
+    out: list[tuple[int, bool] | None] = [None] * len(gold)
+    best = None  # index of the best lower bound so far, as in gold_fall_flags
+    for i in range(len(gold)):
+        if i + 1 >= persist and all(f is not None for f in flags[i + 1 - persist : i + 1]):
+            out[i] = (flags[i], False)
+        elif best is not None:
+            drop = gold[best] - gold[i]
+            held = proxy[i] >= proxy[best] - z * math.hypot(proxy_sem[best], proxy_sem[i])
+            big = drop > min_rel_drop * abs(gold[best])
+            if held and big and drop >= sharp_z * math.hypot(gold_sem[best], gold_sem[i]):
+                out[i] = (best, True)
+        if best is None or gold[i] - z * gold_sem[i] > gold[best] - z * gold_sem[best]:
+            best = i
     return out
 
 
@@ -818,8 +830,9 @@ def check_hacking_gold(
     bound (mean + ``z`` standard errors) is more than ``min_rel_drop`` below the best lower confidence bound of the
     earlier validations, while the training reward did not fall by more than ``z`` standard errors from its value
     there. Fires (:func:`gold_warn_flags`) when the last validation has fallen and, for a sampled gold, so have the
-    ``persist`` − 1 before it, or its fall is *sharp*: its gold is ``sharp_z`` combined standard errors below the
-    earlier validation it fell from (an exact gold has no sampling noise: one fall is enough).
+    ``persist`` − 1 before it, or its fall is *sharp*: its gold's mean is ``min_rel_drop`` and ``sharp_z`` combined
+    standard errors below the earlier validation with the best lower bound (an exact gold has no sampling noise: one
+    fall is enough).
 
     False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
     persist = 2, sharp_z = 5, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples,
@@ -846,33 +859,26 @@ def check_hacking_gold(
     gold = dict(zip(g_steps, g_vals, strict=True))
     g_sem = dict(zip(*_series(history, "val/gold_sem"), strict=True)) if not exact else {}
     p_sem = dict(zip(*_series(history, "val/score_sem"), strict=True)) if not exact else {}
-    flags = gold_fall_flags(
+    need = 1 if exact else max(1, persist)
+    warns = gold_warn_flags(
         [gold[s] for s in steps],
         [g_sem.get(s, 0.0) for s in steps],
         [p_by[s] for s in steps],
         [p_sem.get(s, 0.0) for s in steps],
         min_rel_drop=min_rel_drop,
         z=z,
-    )
-    need = 1 if exact else max(1, persist)
-    sharp_ok = not exact and all(s in g_sem for s in steps)  # a sharp fall is judged in known standard errors only
-    warns = gold_warn_flags(
-        flags,
-        [gold[s] for s in steps],
-        [g_sem.get(s, 0.0) for s in steps],
         persist=need,
-        sharp_z=sharp_z if sharp_ok else math.inf,
+        # a sharp fall is judged in known standard errors only
+        sharp_z=sharp_z if exact or all(s in g_sem for s in steps) else math.inf,
     )
-    if not warns[-1]:
+    if warns[-1] is None:
         return []
-    last, peak = steps[-1], steps[flags[-1]]
+    j, sharp = warns[-1]
+    sharp = sharp and not exact
+    last, peak = steps[-1], steps[j]
     drop = gold[peak] - gold[last]
     proxy_change = p_by[last] - p_by[peak]
-    run = 1
-    while run < len(flags) and flags[-1 - run] is not None:
-        run += 1
     se = math.hypot(g_sem.get(peak, 0.0), g_sem.get(last, 0.0))
-    sharp = need > 1 and run < need
     sem_txt = "" if exact else f" (± {_fmt(g_sem.get(peak, 0.0))}, ± {_fmt(g_sem.get(last, 0.0))} standard error)"
     persist_txt = (
         ""
