@@ -44,6 +44,18 @@ def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | 
     return -neg, g, ref
 
 
+def proxy_at_fall(history: list[dict], onset: int | None, ref: float | None) -> tuple[float | None, float | None]:
+    """(exact proxy E_π[r] at the onset, at the first validation after it whose gold is below the reference's): a proxy
+    that fell with the gold marks a run that broke (collapse), not one that hacked (the gold check, by design, stays
+    silent there: it asks the training reward to hold)."""
+    ex = {r["step"]: r for r in history if isinstance(r.get("exact/gold_mean"), float)}
+    if onset is None or onset not in ex or ref is None:
+        return None, None
+    fall = next((s for s in sorted(ex) if s > onset and ex[s]["exact/gold_mean"] < ref), None)
+    at = ex[onset].get("exact/score_mean")
+    return at, (ex[fall].get("exact/score_mean") if fall is not None else None)
+
+
 def warnings(history: list[dict], *, gold: bool | str) -> dict[str, list[int]]:
     """The steps each hacking check reported at on the live schedule (a check reports once while it keeps firing).
     gold: True (every metric), False (no gold metrics) or "sampled" (the exact gold removed: the check reads the
@@ -79,7 +91,13 @@ def analyse(run: Path) -> dict:
     if (run / "exact_final.json").is_file():
         whole = json.loads((run / "exact_final.json").read_text()).get("metrics", {})
     beta = next((r["kl/coef"] for r in h if isinstance(r.get("kl/coef"), float)), None)
+    p_onset, p_fall = proxy_at_fall(h, onset, ref)
+    seed = next((ln.split(":")[-1].strip() for ln in cfg.splitlines() if ln.strip().startswith("seed:")), "")
     return {
+        "seed": seed,
+        "proxy_at_onset": p_onset,
+        "proxy_at_fall": p_fall,
+        "kl_focus_warn": without.get("hacking_kl_focus"),
         "run": run.name,
         "onset": onset,
         "gold_at_onset": g_onset,
@@ -168,18 +186,23 @@ def main() -> None:
     args = ap.parse_args()
     rows = [analyse(r) for r in args.runs if (r / "metrics.jsonl").is_file()]
     print(
-        "| run | exact onset | gold at onset → final (ref) | monitor with exact gold | with sampled gold | "
-        "without gold |"
+        "| run | seed | exact onset | gold at onset → final (ref) | exact proxy at onset → at the fall | "
+        "monitor with exact gold | with sampled gold | without gold: `hacking_proxy` | `hacking_kl_focus` |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for a in rows:
         at = "–" if a["gold_at_onset"] is None else f"{a['gold_at_onset']:.3f}"
         g = "–" if a["final_gold"] is None else f"{at} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
         gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
+        px = "–"
+        if a["proxy_at_onset"] is not None and a["proxy_at_fall"] is not None:
+            fell = " (fell: collapse)" if a["proxy_at_fall"] < a["proxy_at_onset"] else ""
+            px = f"{a['proxy_at_onset']:.3f} → {a['proxy_at_fall']:.3f}{fell}"
         print(
-            f"| `{a['scenario'] or a['run']}` | {a['onset'] if a['onset'] is not None else 'none'} | {g} | "
-            f"{gold_warn} | "
-            f"{lag(a['sampled_warn'], a['onset']) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a['onset'])} |"
+            f"| `{a['scenario'] or a['run']}` | {a['seed']} | {a['onset'] if a['onset'] is not None else 'none'} | "
+            f"{g} | {px} | {gold_warn} | "
+            f"{lag(a['sampled_warn'], a['onset']) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a['onset'])} | "
+            f"{lag(a['kl_focus_warn'], a['onset'])} |"
         )
     by_beta: dict[tuple, list[dict]] = {}
     for a in rows:
