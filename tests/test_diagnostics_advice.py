@@ -19,6 +19,7 @@ OTHER_MODES = [
     ["algo.entropy_target=0.5"],  # refuses algo.entropy_coef above algo.entropy_coef_max
     ["trainer.save_freq=0"],  # refuses guard.on_hacking=rollback
     ["trainer.save_freq=500", "trainer.total_steps=20"],  # so does a save_freq past the run's end
+    ["trainer.val_freq=0"],  # and no validation
     ["guard.on_hacking=rollback", "trainer.save_freq=10"],
     ["kl.controller=adaptive"],
     ["kl.controller=band"],  # kl.high must stay above kl.low

@@ -177,14 +177,20 @@ def test_live_schedule_reports_once_and_diagnose_includes_both():
     assert fired == [(30, "hacking_gold")]  # reported once while it keeps firing
 
 
-def test_a_failing_gold_is_not_a_falling_one():
-    """A validation where the gold could not score some samples (counted 0) is left out: a broken gold never reads as
-    hacking, and never makes guard.on_hacking act."""
-    h = vals([0.54, 0.0], [0.55, 0.6], exact=False, sem=0.01)
-    h[1]["val/gold_unscored_frac"] = 1.0
-    assert check_hacking_gold(h) == []
+def test_a_gold_that_fails_on_some_samples_is_measured_on_the_ones_it_scored():
+    """val/gold_mean is over the samples the gold scored (failures left out, not counted 0: a failing gold is not a
+    falling one), so a validation scored in part is measured, as the guard's rollback measures it, and the message says
+    how much was unscored. The new-user trial: a gold failing on 40% of samples silently turned the check off while the
+    guard kept rolling back on the same partial gold."""
+    h = vals([0.54, 0.2], [0.55, 0.6], exact=False, sem=0.01)
+    h[1]["val/gold_unscored_frac"] = 0.4
+    (f,) = check_hacking_gold(h, persist=1)
+    assert "the gold could not score 40% at step 10: measured over the samples it scored" in f.message
+    assert check_hacking_gold(h)  # 0.34 down at 0.014 combined: a sharp fall
     h[1]["val/gold_unscored_frac"] = 0.0
-    assert check_hacking_gold(h, persist=1)  # scored, the same fall would warn
+    assert "could not score" not in check_hacking_gold(h)[0].message
+    # a validation the gold scored none of logs no gold mean: nothing to compare
+    assert check_hacking_gold([h[0], {"step": 10, "val/score_mean": 0.6, "val/gold_unscored_frac": 1.0}]) == []
 
 
 def test_observed_reference_validation_is_the_first_best_without_a_call_on_the_schedule():
@@ -247,3 +253,32 @@ def test_kl_focus_fires_on_the_median_of_the_last_window():
 
     assert "hacking_kl_focus" in HACKING_CHECKS and "hacking_kl_focus" not in GUARDED_HACKING_CHECKS
     assert [x.check for x in diagnose(focus_history([0.9] * 20))].count("hacking_kl_focus") == 1
+
+
+def test_no_gold_checks_in_a_run_with_a_gold_point_to_the_gold_check_and_not_to_the_guard():
+    """The new-user trial: in a run with reward.val_function, hacking_proxy said 'without a gold reward this is a
+    warning sign' and 'guard.on_hacking=rollback acts on this', though the guard acts on hacking_gold alone there."""
+    kl = [0.005 * i for i in range(20)] + [0.1 + 0.05 * i for i in range(10)]
+    h = proxy_history(kl, [3.9] * 20 + [3.5] * 10)
+    config = {"guard": {"on_hacking": "warn"}, "trainer": {"save_freq": 10, "total_steps": 100}}
+    (bare,) = check_hacking_proxy(h, config=config)
+    assert "without a gold reward" in bare.message and "guard.on_hacking=rollback (now warn) acts on this" in (
+        bare.suggestion
+    )
+    h[5]["val/gold_mean"] = 0.5
+    (f,) = check_hacking_proxy(h, config=config)
+    assert "without a gold reward" not in f.message and "hacking_gold, which compares it, decides" in f.message
+    assert "guard.on_hacking" not in f.suggestion and f.suggestion.startswith("compare the gold")
+    assert all("guard.on_hacking" not in o for o in f.overrides)
+
+
+def test_the_kl_coef_advice_reads_the_beta_a_guard_set():
+    """β now is the last kl/coef_next (the guard's floor included), not the step's kl/coef before the guard acted."""
+    h = vals([0.47, 0.61, 0.69, 0.61], [0.49, 0.64, 0.76, 0.83])
+    for r in h:
+        r["kl/coef"] = 0.0
+    (f,) = check_hacking_gold(h)
+    assert "set kl.coef=0.05 (now 0" in f.suggestion
+    h[-1]["kl/coef_next"] = 0.05  # a hacking rollback at the last step set the floor
+    (f,) = check_hacking_gold(h)
+    assert "raise kl.coef (now 0.05) to 0.1" in f.suggestion and {"kl.coef": 0.1} in f.overrides

@@ -1723,6 +1723,12 @@ class TetherConfig(Section):
                 f"one only at the end (trainer.total_steps={t.total_steps}): set trainer.save_freq below it (no larger "
                 "than the time hacking takes to show, e.g. 10 with trainer.val_freq=10) or guard.on_hacking=warn|stop"
             )
+        if self.guard.on_hacking == "rollback" and not t.val_freq:
+            raise ValueError(
+                "guard.on_hacking=rollback chooses the checkpoint to return to by its validations, and "
+                "trainer.val_freq=0 runs none: set trainer.val_freq (e.g. 10, with trainer.save_freq=10) or "
+                "guard.on_hacking=warn|stop"
+            )
         if self.trainer.backend == "ray":
             _check_distributed(self)
         elif self.actor.tp_size > 1:

@@ -220,9 +220,12 @@ def _now(config: Any, dotted: str, value: Any = None) -> str:
 
 
 def _kl_coef_now(history: History, config: Any) -> float | None:
-    _, coefs = _series(history, "kl/coef")
-    if coefs:
-        return coefs[-1]
+    """β now: the last ``kl/coef_next`` (after the step's controller and any guard: a hacking rollback's floor
+    included), else the last ``kl/coef``, else the config's ``kl.coef``."""
+    for key in ("kl/coef_next", "kl/coef"):
+        _, coefs = _series(history, key)
+        if coefs:
+            return coefs[-1]
     v = _cfg(config, "kl.coef")
     return float(v) if isinstance(v, (int, float)) else None
 
@@ -824,15 +827,15 @@ def check_hacking_gold(
 
     Reads the validations' gold and training-reward means: ``exact/gold_mean`` and ``exact/score_mean`` (exact, the
     embedded prompts) when logged, else ``val/gold_mean`` and ``val/score_mean`` (``reward.val_function`` /
-    ``reward.val_model`` or a built-in gold) with their standard errors ``val/gold_sem`` and ``val/score_sem``,
-    leaving out the validations where the gold could not score every sample (``val/gold_unscored_frac`` > 0: a failing
-    gold is not a falling one). A validation has *fallen* (:func:`gold_fall_flags`) when its gold's upper confidence
-    bound (mean + ``z`` standard errors) is more than ``min_rel_drop`` below the best lower confidence bound of the
-    earlier validations, while the training reward did not fall by more than ``z`` standard errors from its value
-    there. Fires (:func:`gold_warn_flags`) when the last validation has fallen and, for a sampled gold, so have the
-    ``persist`` − 1 before it, or its fall is *sharp*: its gold's mean is ``min_rel_drop`` and ``sharp_z`` combined
-    standard errors below the earlier validation with the best lower bound (an exact gold has no sampling noise: one
-    fall is enough).
+    ``reward.val_model`` or a built-in gold) with their standard errors ``val/gold_sem`` and ``val/score_sem``; the
+    sampled gold's mean and standard error are over the samples it scored (``val/gold_unscored_frac`` the rest: a
+    failing gold is not a falling one), and the message names the fraction it could not score. A validation has *fallen*
+    (:func:`gold_fall_flags`) when its gold's upper confidence bound (mean + ``z`` standard errors) is more than
+    ``min_rel_drop`` below the best lower confidence bound of the earlier validations, while the training reward did not
+    fall by more than ``z`` standard errors from its value there. Fires (:func:`gold_warn_flags`) when the last
+    validation has fallen and, for a sampled gold, so have the ``persist`` − 1 before it, or its fall is *sharp*: its
+    gold's mean is ``min_rel_drop`` and ``sharp_z`` combined standard errors below the earlier validation with the best
+    lower bound (an exact gold has no sampling noise: one fall is enough).
 
     False alarms (``docs/hacking.md``): under a stationary gold with independent sampling noise, the defaults (z = 2,
     persist = 2, sharp_z = 5, 10%) warned in none of 4000 simulated 30-validation runs of 4 prompts × 32 samples,
@@ -846,12 +849,10 @@ def check_hacking_gold(
     """
     g_key, p_key, exact = _gold_keys(history)
     g_steps, g_vals = _series(history, g_key)
-    if not exact:  # a validation where the gold failed on some samples: its scored ones may not stand for the rest
-        failed = {s for s, v in zip(*_series(history, "val/gold_unscored_frac"), strict=True) if v > 0}
-        g_steps, g_vals = (
-            [s for s in g_steps if s not in failed],
-            [v for s, v in zip(g_steps, g_vals, strict=True) if s not in failed],
-        )
+    # val/gold_mean and val/gold_sem are over the samples the gold scored (a failed one is left out, not counted 0), so
+    # a validation the gold scored in part is measured, with its standard error, as the guard's rollback measures it;
+    # one it scored none of logs no mean and is absent here
+    unscored = dict(zip(*_series(history, "val/gold_unscored_frac"), strict=True)) if not exact else {}
     p_by = dict(zip(*_series(history, p_key), strict=True))
     steps = [s for s in g_steps if s in p_by]
     if len(steps) < 2:
@@ -879,7 +880,10 @@ def check_hacking_gold(
     drop = gold[peak] - gold[last]
     proxy_change = p_by[last] - p_by[peak]
     se = math.hypot(g_sem.get(peak, 0.0), g_sem.get(last, 0.0))
-    sem_txt = "" if exact else f" (± {_fmt(g_sem.get(peak, 0.0))}, ± {_fmt(g_sem.get(last, 0.0))} standard error)"
+    sem_txt = "" if exact else f" (standard errors ± {_fmt(g_sem.get(peak, 0.0))}, ± {_fmt(g_sem.get(last, 0.0))})"
+    part = [f"{100 * unscored[s]:.0f}% at step {s}" for s in (peak, last) if unscored.get(s, 0.0) > 0]
+    if part:  # measured over the scored samples only: if the gold fails on what the policy now writes, say so
+        sem_txt += f" (the gold could not score {' and '.join(part)}: measured over the samples it scored)"
     persist_txt = (
         ""
         if need == 1
@@ -979,7 +983,7 @@ def check_hacking_proxy(
         f"possible reward hacking: kl/ref_mean accelerated at step {at} (slope {_fmt(s_now)} nats/token/step over the "
         f"last {window} points, {before}) while "
         f"response/length_mean drifted {100 * drift:+.0f}% (median {_fmt(early)} → {_fmt(recent)} tokens): a new "
-        "behaviour is spreading fast; without a gold reward this is a warning sign, not proof"
+        f"behaviour is spreading fast; {_sign_not_proof(history)}"
     )
     evidence = {
         "steps": k_steps[-(2 * window + lookback) :],
@@ -992,13 +996,34 @@ def check_hacking_proxy(
         "length_drift": drift,
         "reward_kendall_tau": r_tau,
     }
-    guard_txt, guard = _hacking_guard(config)
-    suggestion = (
-        "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
-        f"{_raise_kl_coef(history, config)}" + (f"; {guard_txt} acts on this" if guard_txt else "")
+    gold = _has_gold(history)
+    # with a gold the guard acts on hacking_gold alone (trainer.react): suggesting it for this finding would mislead
+    guard_txt, guard = ("", {}) if gold else _hacking_guard(config)
+    suggestion = f"{_gold_advice(history)}; {_raise_kl_coef(history, config)}" + (
+        f"; {guard_txt} acts on this" if guard_txt else ""
     )
     overrides = tuple(o for o in (_raise_kl_coef_change(history, config), guard) if o)
     return [Finding("hacking_proxy", "kl/ref_mean", msg, evidence, suggestion, overrides=overrides)]
+
+
+def _has_gold(history: History) -> bool:
+    """Whether the run logs a gold reward (``exact/gold_mean`` or ``val/gold_mean``)."""
+    keys = ("exact/gold_mean", "val/gold_mean")
+    return any(_number(r.get(k)) is not None for r in history for k in keys)
+
+
+def _sign_not_proof(history: History) -> str:
+    """The end of a no-gold hacking message: what it is worth, given whether the run has a gold."""
+    if _has_gold(history):
+        return "a warning sign, not proof; this run logs a gold reward, and hacking_gold, which compares it, decides"
+    return "without a gold reward this is a warning sign, not proof"
+
+
+def _gold_advice(history: History) -> str:
+    """The first suggestion of a no-gold hacking finding: add a gold, or read the one the run has."""
+    if _has_gold(history):
+        return "compare the gold (val/gold_mean or exact/gold_mean) with the training reward: hacking_gold sees a fall"
+    return "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning"
 
 
 def check_hacking_kl_focus(
@@ -1039,8 +1064,7 @@ def check_hacking_kl_focus(
     msg = (
         f"possible reward hacking: {100 * share:.0f}% of the KL to the reference sits on one token id (median of the "
         f"last {window} points of kl/token_top_share, at kl/ref_mean {_fmt(kl)} nats/token) while the training reward "
-        "rises: the policy is moving on one token, as when a reward over-pays it; without a gold reward this is a "
-        "warning sign, not proof"
+        f"rises: the policy is moving on one token, as when a reward over-pays it; {_sign_not_proof(history)}"
     )
     evidence = {
         "steps": s_steps[-window:],
@@ -1050,10 +1074,7 @@ def check_hacking_kl_focus(
         "reward_kendall_tau": r_tau,
     }
     # warn-only (not in GUARDED_HACKING_CHECKS): no guard.on_hacking suggestion, which would not act on it
-    suggestion = (
-        "watch a gold reward beside the training reward (reward.val_function) to tell hacking from learning; "
-        f"{_raise_kl_coef(history, config)}"
-    )
+    suggestion = f"{_gold_advice(history)}; {_raise_kl_coef(history, config)}"
     overrides = tuple(o for o in (_raise_kl_coef_change(history, config),) if o)
     return [Finding("hacking_kl_focus", "kl/token_top_share", msg, evidence, suggestion, overrides=overrides)]
 
@@ -1066,14 +1087,16 @@ def _hacking_guard(config: Any) -> tuple[str, dict[str, Any]]:
         return "", {}
     now = _cfg(config, "guard.on_hacking")
     txt = "guard.on_hacking=rollback" + (f" (now {now})" if now else "")
+    change: dict[str, Any] = {"guard.on_hacking": "rollback"}
     save_freq, total = _cfg(config, "trainer.save_freq"), _cfg(config, "trainer.total_steps")
+    every = max(1, min(10, (total or 11) - 1))
     if save_freq == 0 or (isinstance(save_freq, int) and isinstance(total, int) and save_freq >= total):
-        every = max(1, min(10, (total or 11) - 1))
-        return f"{txt} with trainer.save_freq={every} (now {save_freq}: no checkpoint to return to before the end)", {
-            "guard.on_hacking": "rollback",
-            "trainer.save_freq": every,
-        }
-    return txt, {"guard.on_hacking": "rollback"}
+        txt += f" with trainer.save_freq={every} (now {save_freq}: no checkpoint to return to before the end)"
+        change["trainer.save_freq"] = every
+    if _cfg(config, "trainer.val_freq") == 0:  # rollback chooses its checkpoint by validations (refused without)
+        txt += f" and trainer.val_freq={every} (now 0: no validation to choose a checkpoint by)"
+        change["trainer.val_freq"] = every
+    return txt, change
 
 
 #: The checks :func:`diagnose` runs, in report order.

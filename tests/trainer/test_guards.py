@@ -187,12 +187,25 @@ def test_rollback_restores_the_stable_checkpoint_then_stops(caplog):
     with pytest.raises(TrainingStopped) as stop:
         t.validate(10, 0.2)
     msg = str(stop.value)
-    assert "validation score 0.2000 at step 10" in msg and "stable checkpoint's (step 4: 0.5500" in msg
+    assert "validation score 0.2000 at step 10 (val/score_mean) is more than guard.rollback_drop=0.1 below" in msg
+    assert "stable checkpoint's (step 4: 0.5500" in msg
     assert (
         "already rolled back 2 time(s) (guard.max_rollbacks=2)" in msg
         and str(Path("run/checkpoints/step_000004")) in msg
     )
     assert g.stop_record()["guard/rollback_limit"] == 1.0
+
+
+def test_a_rollback_message_names_the_limit_that_set_its_floor(caplog):
+    """The new-user trial: a floor set by guard.rollback_z (sampling noise) was reported as guard.rollback_drop's.
+    Stable 0.70 ± 0.03, now ± 0.03: z = 2 gives 2·0.0424 = 0.085 > 5% of 0.70 = 0.035, so the floor is 0.615."""
+    g = GuardMonitor(GuardConfig(rollback_drop=0.05, rollback_z=2.0))
+    t = _FakeTrainer(g)
+    g.stable_step, g.stable_score, g.stable_sem = 4, 0.70, 0.03
+    t.step, t.last_val = 6, {"val/score_mean": 0.5, "val/score_sem": 0.03}
+    g.after_validation(6, t.last_val, t.ckpt, t.roles, t.beta)
+    want = "more than guard.rollback_z=2 standard errors below the stable checkpoint's (step 4: 0.7000, floor 0.6151)"
+    assert want in caplog.text
 
 
 def test_rollback_without_its_checkpoint_stops_cleanly():
@@ -283,10 +296,10 @@ def test_repeated_hacking_rollbacks_double_beta_from_zero_never_return_to_the_fl
     assert t.restored == [10] and g.beta(t.beta) == 0.05 and g.stable_step == 10  # not step 20, the hacked one
     # β did not double (0 × 2 = 0): the message says the floor set it
     assert (
-        "β 0 → floor 0.05 (guard.hacking_coef=0.05, × guard.coef_factor=2 per further hacking rollback; β ×2 alone "
-        "would be 0)" in caplog.text
+        "β 0 → floor 0.05 (guard.hacking_coef=0.05, × guard.coef_factor=2 per further hacking rollback; the "
+        "controller's β 0 × the guard's scale 2 would be 0)" in caplog.text
     )
-    assert "β ×2" not in caplog.text.replace("β ×2 alone", "")
+    assert "β ×2" not in caplog.text
     validate(30, 0.65, 0.62)  # the gold held (best 0.62): checkpoint 30 is a target for later steps...
     assert g.gold_stable_step == 30 and g.protected_steps() == {10, 30}  # pruning keeps the target before 30
     hacking(30)  # ...but not for a finding at step 30 itself: its weights are the ones flagged
@@ -353,6 +366,10 @@ def test_hacking_rollback_without_checkpoints_is_refused_at_config_time():
     with pytest.raises(ConfigError, match=r"guard.on_hacking=rollback .*trainer.save_freq=0"):
         load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=0"])
     load_config(None, ["guard.on_hacking=stop", "trainer.save_freq=0"])
+    # no validation: no gold check and no stable checkpoint to choose (the new-user trial: it ran and could never act)
+    with pytest.raises(ConfigError, match=r"guard.on_hacking=rollback chooses .* trainer.val_freq=0 runs none"):
+        load_config(None, ["guard.on_hacking=rollback", "trainer.save_freq=10", "trainer.val_freq=0"])
+    load_config(None, ["guard.on_hacking=stop", "trainer.val_freq=0"])
     # a save_freq at or past total_steps also writes only the final checkpoint (the new-user trial's save_freq=500)
     with pytest.raises(
         ConfigError, match=r"trainer.save_freq=20 writes one only at the end \(trainer.total_steps=20\)"

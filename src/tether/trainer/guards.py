@@ -322,9 +322,16 @@ class GuardMonitor:
         floor = self.floor(sem)
         if score >= floor:
             return
+        metric = self.score_key(val_metrics)
+        noise = self.stable_score - floor > self.cfg.rollback_drop * abs(self.stable_score)
+        limit = (
+            f"guard.rollback_z={self.cfg.rollback_z:g} standard errors"
+            if noise
+            else f"guard.rollback_drop={self.cfg.rollback_drop:g}"
+        )
         drop = (
-            f"validation score {score:.4f} at step {step} is more than guard.rollback_drop={self.cfg.rollback_drop:g} "
-            f"below the stable checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
+            f"validation score {score:.4f} at step {step} ({metric}) is more than {limit} below the stable "
+            f"checkpoint's (step {self.stable_step}: {self.stable_score:.4f}, floor {floor:.4f})"
         )
         self.roll_back(drop, ckpt, roles, controller_beta, step=step)
 
@@ -473,8 +480,8 @@ class GuardMonitor:
             return f"β ×{self.cfg.coef_factor:g} → {after:.4g}"
         return (
             f"β {before:.4g} → floor {after:.4g} (guard.hacking_coef={self.cfg.hacking_coef:g}, × "
-            f"guard.coef_factor={self.cfg.coef_factor:g} per further hacking rollback; β ×{self.cfg.coef_factor:g} "
-            f"alone would be {scaled:.4g})"
+            f"guard.coef_factor={self.cfg.coef_factor:g} per further hacking rollback; the controller's β "
+            f"{controller_beta:.4g} × the guard's scale {self.coef_scale:g} would be {scaled:.4g})"
         )
 
     def tried_text(self) -> str:
@@ -516,17 +523,21 @@ class GuardMonitor:
         was unscored (the gold reward failed
         throughout: ``val/gold_unscored_frac`` = 1) has no score, so a failing gold never rolls back.
         """
-        key = self.cfg.rollback_metric
-        if key == "auto":
-            key = "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
-        # exact/gold_mean on the hackable embedded task (no sampling noise), else the sampled val/gold_mean
-        elif key == "gold":
-            key = "exact/gold_mean" if "exact/gold_mean" in last_val else "val/gold_mean"
-            if key == "val/gold_mean" and last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
-                return None, 0.0
+        key = self.score_key(last_val)
+        if key == "val/gold_mean" and last_val.get("val/gold_unscored_frac", 0.0) >= 1.0:
+            return None, 0.0
         score = last_val.get(key)
         sem = 0.0 if key.startswith("exact/") else float(last_val.get(key.replace("_mean", "_sem"), 0.0) or 0.0)
         return score, sem
+
+    def score_key(self, last_val: dict) -> str:
+        """The metric :meth:`validation_score` reads for ``guard.rollback_metric`` in this validation's metrics."""
+        key = self.cfg.rollback_metric
+        if key == "auto":
+            return "exact/score_mean" if "exact/score_mean" in last_val else "val/score_mean"
+        if key == "gold":  # exact/gold_mean on the hackable embedded task (no sampling noise), else the sampled one
+            return "exact/gold_mean" if "exact/gold_mean" in last_val else "val/gold_mean"
+        return key
 
     def floor(self, sem: float) -> float:
         """The lowest score that is not a drop from the stable checkpoint's.
