@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise  # a bug: its traceback
         return _worker_failed(e, trainer, config, overrides)
     print(f"done: {trainer.run_dir}", file=sys.stderr)
-    summary = train_summary(trainer.run_dir)
+    summary = train_summary(trainer.run_dir, trainer.guard.tried)
     if summary:
         print(f"  {summary}", file=sys.stderr)
     return 0
@@ -147,48 +147,83 @@ def _worker_failed(e: BaseException, trainer, config: str | None, overrides: lis
     return WORKER_FAILED_EXIT
 
 
-def train_summary(run_dir) -> str:
+def train_summary(run_dir, rollbacks=None) -> str:
     """One line on how a finished run ended, from its ``metrics.jsonl``: the last validation's exact success rate
     (``exact/score_mean``, the reference's at step 0 beside it) and KL per token (``exact/kl_ref_tok``) on the
-    embedded task, else its ``val/score_mean`` and the last step's ``kl/ref_mean``; and where ``report/summary.md`` is.
+    embedded task, else its ``val/score_mean`` (and the sampled gold ``val/gold_mean`` beside it, named by what
+    scored it: ``reward.val_function``, ``reward.val_model`` or the data's built-in gold, from the run's
+    ``config.yaml``) and the last step's ``kl/ref_mean``; and where ``report/summary.md`` is.
     When a gold is logged beside the training reward (``exact/gold_mean``: ``reward.function`` or a hack task, whose
     ``exact/score_mean`` is the proxy's mean), the success quoted is the gold's and the training reward follows it
     under its own label.
+
+    ``rollbacks``: the guard's ``[step, restored step, β]`` of each rollback (``Guard.tried``). When the last
+    validation rolled back (the run ends on the restored checkpoint's weights, e.g. step 60 → step 50), the line says
+    so and quotes the restored step's validation (``step 60: rolled back to step 50's weights: ...``), not the
+    discarded weights'.
     "" when the run has no metrics to quote."""
     from pathlib import Path
 
-    from tether.diagnostics import read_metrics
+    from tether.diagnostics import load_run_config, read_metrics
 
     try:
         recs = read_metrics(run_dir)
     except OSError:
         return ""
     vals = [r for r in recs if isinstance(r.get("exact/score_mean", r.get("val/score_mean")), (int, float))]
-    kls = [r["kl/ref_mean"] for r in recs if isinstance(r.get("kl/ref_mean"), (int, float))]
+    kls = [r for r in recs if isinstance(r.get("kl/ref_mean"), (int, float))]
     parts = []
+    kl_note = "last training batch"
     if vals:
         last, ref = vals[-1], vals[0]
-        if "exact/score_mean" in last:
+        head = f"step {last['step']}"
+        back = next((int(r[1]) for r in rollbacks or () if r[0] == last["step"]), None)
+        if back is not None:  # the weights it validated were discarded: describe the restored ones
+            head += f": rolled back to step {back}'s weights"
+            kept = [r for r in vals[:-1] if r["step"] == back]
+            last = kept[-1] if kept else None
+            kls = [r for r in kls if r["step"] == back]
+            kl_note = f"step {back}'s training batch"
+        if last is None:
+            parts.append(f"{head} (no validation of them logged)")
+        elif "exact/score_mean" in last:
             if isinstance(last.get("exact/gold_mean"), (int, float)):  # r is a proxy: success is the gold's
                 gold_ref = ref.get("exact/gold_mean") if ref["step"] == 0 and ref is not last else None
                 was = f" (reference {gold_ref:.3f})" if isinstance(gold_ref, (int, float)) else ""
-                parts.append(f"step {last['step']}: exact success (gold) {last['exact/gold_mean']:.3f}{was}")
+                parts.append(f"{head}: exact success (gold) {last['exact/gold_mean']:.3f}{was}")
                 was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
                 parts.append(f"exact training reward {last['exact/score_mean']:.3f}{was}")
             else:
                 was = f" (reference {ref['exact/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
-                parts.append(f"step {last['step']}: exact success {last['exact/score_mean']:.3f}{was}")
+                parts.append(f"{head}: exact success {last['exact/score_mean']:.3f}{was}")
             if isinstance(last.get("exact/kl_ref_tok"), (int, float)):
                 parts.append(f"KL {last['exact/kl_ref_tok']:.3f} nats/token")
         else:
             was = f" (reference {ref['val/score_mean']:.3f})" if ref["step"] == 0 and ref is not last else ""
-            parts.append(f"step {last['step']}: validation score {last['val/score_mean']:.3f}{was}")
+            text = f"{head}: validation score {last['val/score_mean']:.3f}{was}"
+            if isinstance(last.get("val/gold_mean"), (int, float)):  # a sampled gold: beside the proxy's score
+                gold_ref = ref.get("val/gold_mean") if ref["step"] == 0 and ref is not last else None
+                was = f" (reference {gold_ref:.3f})" if isinstance(gold_ref, (int, float)) else ""
+                text += f", gold{_gold_source(load_run_config(Path(run_dir)))} {last['val/gold_mean']:.3f}{was}"
+            parts.append(text)
     if kls and not any("KL" in p for p in parts):
-        parts.append(f"KL {kls[-1]:.3f} nats/token (last training batch)")
+        parts.append(f"KL {kls[-1]['kl/ref_mean']:.3f} nats/token ({kl_note})")
     report = Path(run_dir) / "report" / "summary.md"
     if report.is_file():
         parts.append(f"report: {report}")
     return "; ".join(parts)
+
+
+def _gold_source(cfg) -> str:
+    """`` (reward.val_function)``, `` (reward.val_model)`` or `` (the data's built-in gold)``: what scored a run's
+    ``val/gold_mean``, from its config mapping; "" when the config is missing."""
+    reward = cfg.get("reward") if cfg is not None else None
+    if not isinstance(reward, dict):
+        return ""
+    for key in ("val_function", "val_model"):
+        if reward.get(key):
+            return f" (reward.{key})"
+    return " (the data's built-in gold)"
 
 
 def resume_command(config: str | None, overrides: list[str], run_dir) -> str:
