@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise  # a bug: its traceback
         return _worker_failed(e, trainer, config, overrides)
     print(f"done: {trainer.run_dir}", file=sys.stderr)
-    summary = train_summary(trainer.run_dir, trainer.guard.tried)
+    summary = train_summary(trainer.run_dir, getattr(getattr(trainer, "guard", None), "tried", None))
     if summary:
         print(f"  {summary}", file=sys.stderr)
     return 0
