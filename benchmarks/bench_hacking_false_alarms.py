@@ -7,7 +7,10 @@ honest runs' metrics.jsonl (no run is started here) and prints the warnings per 
 
 A run's exact gold metrics (exact/gold_*) are removed before the replay, so hacking_gold reads the sampled
 val/gold_mean with its val/gold_sem, as a run off the embedded prompts would. Every warning of a run that did not hack
-(its exact gold never below the reference's, where logged) is a false alarm; the goal is at most one in 20 runs.
+(its exact gold never below the reference's, where logged) is a false alarm; the goal is at most one in 20 runs. A run
+that hacked (an exact onset) is not an honest run, nor one whose guard rolled back or stopped (guard.on_hacking=
+rollback|stop: whether it would have hacked is unknown): both are left out of the count, and the total says how many.
+Paths that are plain files are skipped; a missing path or a directory without metrics.jsonl is an error (exit 2).
 --simulate counts runs that warn among N simulated 30-validation runs of a stationary gold (4 prompts at
 p = 0.9, 0.8, 0.75, 0.6, 32 samples each, or --per-prompt M).
 """
@@ -47,32 +50,68 @@ def simulate(runs: int, validations: int = 30, seed: int = 0, per_prompt: int = 
     return warned
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="*", type=Path)
-    ap.add_argument("--simulate", type=int, default=0, metavar="N")
-    ap.add_argument("--per-prompt", type=int, default=32, metavar="M", help="simulated samples per prompt (4 prompts)")
-    args = ap.parse_args()
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {low}, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {v}")
+        return v
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
+    mon = _monitor()
+    ap = argparse.ArgumentParser(prog=Path(__file__).name, description=mon.description(__doc__))
+    ap.add_argument("runs", nargs="*", type=Path, help="run directories (plain files among them are skipped)")
+    ap.add_argument(
+        "--simulate", type=_at_least(0), default=0, metavar="N", help="simulated stationary runs (default 0: none)"
+    )
+    ap.add_argument(
+        "--per-prompt",
+        type=_at_least(2),
+        default=32,
+        metavar="M",
+        help="simulated samples per prompt, 4 prompts (default 32; at least 2 for a standard error)",
+    )
+    args = ap.parse_args(argv)
+    if not args.runs and not args.simulate:
+        ap.error("give run directories or --simulate N")
     if args.simulate:
         warned = simulate(args.simulate, per_prompt=args.per_prompt)
         print(f"simulated stationary runs that warned: {warned} of {args.simulate} ({args.per_prompt} a prompt)")
-    mon = _monitor()
-    total = n = 0
-    for run in args.runs:
-        if not (run / "metrics.jsonl").is_file():
-            continue
+    runs = mon.read_runs(ap.prog, args.runs) if args.runs else []
+    total = n = hacked = guarded = 0
+    for run in runs:
         h = read_metrics(run)
         if not any("val/gold_sem" in r for r in h):
             print(f"{run.name}: no sampled gold (val/gold_sem): skipped", file=sys.stderr)
             continue
         onset = mon.exact_onset(h)[0]
+        exact = any(isinstance(r.get("exact/gold_mean"), float) for r in h)
         steps = mon.warnings(h, gold="sampled")["hacking_gold"]
-        last = max(r.get("step", 0) for r in h)
-        n += 1
-        total += len(steps) if onset is None else 0
-        print(f"{run.name}: {last} steps, exact onset {onset or 'none'}, sampled-gold warnings at {steps or 'none'}")
-    if n:
-        print(f"false alarms with a sampled gold: {total} in {n} honest runs")
+        last = max((r["step"] for r in h), default=0)
+        at = "n/a (no exact gold)" if not exact else "none" if onset is None else onset
+        acted = sorted(mon.guard_actions(h)) if mon.guard_mode(run) else []
+        if onset is not None:  # it hacked: its warnings are not false alarms, and it is not an honest run
+            hacked += 1
+            note = ": hacked, not counted"
+        elif acted:  # its guard rolled back or stopped: whether it would have hacked is unknown
+            guarded += 1
+            note = f": guard.on_hacking={mon.guard_mode(run)}, guard rolled back or stopped at {acted}, not counted"
+        else:
+            n += 1
+            total += len(steps)
+            note = ""
+        print(f"{run.name}: {last} steps, exact onset {at}, sampled-gold warnings at {steps or 'none'}{note}")
+    if runs:
+        left = [f"{hacked} that hacked by the exact onset"] if hacked else []
+        left += [f"{guarded} whose guard rolled back or stopped"] if guarded else []
+        left = f" (runs left out: {'; '.join(left)})" if left else ""
+        print(f"false alarms with a sampled gold: {total} in {n} honest runs{left}")
 
 
 if __name__ == "__main__":

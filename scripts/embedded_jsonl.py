@@ -17,7 +17,7 @@ from tether.tasks import embedded_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=Path(__file__).name, description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("out", type=Path, help="the directory for train.jsonl and val.jsonl")
     ap.add_argument("--task", default="digitsum", help="data.embedded_task (default digitsum)")
     ap.add_argument("--seed", type=int, default=0, help="trainer.seed the rows are drawn with (default 0)")

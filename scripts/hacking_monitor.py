@@ -9,6 +9,12 @@ the reference's (exact/ref_gold_mean); a run whose gold never falls below the re
 "none"). The monitor is replayed on each run's metrics.jsonl on the trainer's live schedule
 (tether.diagnostics.LiveDiagnostics, every 10 steps): "with gold" sees every metric; "without gold" has the gold
 metrics (val/gold_*, exact/gold_*) removed, as a run with no gold reward would log.
+
+A warning on a run that did not hack is a false alarm, except on a guarded run (guard.on_hacking=rollback|stop):
+"guard acted; no onset" where its guard rolled back or stopped at that step (the guard may be why the gold never fell).
+A run without exact gold (a user's data files) has no exact onset: "n/a (no exact gold)", and it stays out of the β
+table. Paths that are plain files are skipped (a sweep's glob also matches its sweep.yaml, table.md, *.png); a missing
+path or a directory without metrics.jsonl is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -16,12 +22,63 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from tether.diagnostics import HACKING_CHECKS, LIVE_EVERY, LiveDiagnostics, read_metrics
 
 GOLD_KEYS = ("val/gold_", "exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
 EXACT_GOLD_KEYS = ("exact/gold_", "exact/ref_gold_", "exact/opt_gold_")
+
+
+def run_dirs(paths: list[Path]) -> tuple[list[Path], list[str]]:
+    """(the run directories among ``paths``, one message per path that cannot be one). A plain file is skipped
+    silently (a sweep directory's glob, ``runs/hacking/fresh2/*``, also matches its ``sweep.yaml``, ``table.md``,
+    ``*.png``); a missing path, or a directory without ``metrics.jsonl``, is a problem that names it."""
+    runs, problems = [], []
+    for p in paths:
+        if (p / "metrics.jsonl").is_file():
+            runs.append(p)
+        elif p.is_dir():
+            problems.append(f"cannot read run directory {p}: no metrics.jsonl")
+        elif not p.exists():
+            problems.append(f"cannot read run directory {p}: no such directory")
+    if not problems and not runs:
+        problems.append(f"no run directory among {' '.join(map(str, paths))}: give directories holding metrics.jsonl")
+    return runs, problems
+
+
+def read_runs(prog: str, paths: list[Path]) -> list[Path]:
+    """:func:`run_dirs`, or each problem on a line of stderr (``PROG: ...``) and exit 2, as ``tether doctor`` does."""
+    runs, problems = run_dirs(paths)
+    for line in problems:
+        print(f"{prog}: {line}", file=sys.stderr)
+    if problems:
+        raise SystemExit(2)
+    return runs
+
+
+def description(doc: str) -> str:
+    """A script's ``--help`` description: the first paragraph of its docstring, its lines joined."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def guard_actions(history: list[dict]) -> set[int]:
+    """The steps at which the guard acted: rolled back (``guard/rollback``) or stopped (``guard/stop``)."""
+    return {
+        r["step"]
+        for r in history
+        if isinstance(r.get("step"), int) and (r.get("guard/rollback", 0) or r.get("guard/stop", 0))
+    }
+
+
+def guard_mode(run: Path) -> str:
+    """The run's guard.on_hacking when it acts on a warning (``rollback`` or ``stop``, from its config.yaml), else
+    ``""`` (``warn``, or no config.yaml)."""
+    cfg = run / "config.yaml"
+    lines = cfg.read_text().splitlines() if cfg.is_file() else []
+    mode = next((ln.split(":")[-1].strip() for ln in lines if ln.strip().startswith("on_hacking:")), "")
+    return mode if mode in ("rollback", "stop") else ""
 
 
 def exact_onset(history: list[dict]) -> tuple[int | None, float | None, float | None]:
@@ -112,7 +169,9 @@ def analyse(run: Path) -> dict:
         "proxy_warn": without["hacking_proxy"],
         "hackable": "digitsum_hack" in cfg or "tether.tasks.hacks:" in cfg,
         "beta": beta,
-        "guard": "on_hacking: rollback" in cfg,
+        "guard": guard_mode(run),
+        "guard_steps": guard_actions(h),
+        "exact_gold": any(isinstance(r.get("exact/gold_mean"), float) for r in h),
         "all_gold": whole.get("exact/gold_mean"),
         "all_proxy": whole.get("exact/score_mean"),
         "all_ref_gold": whole.get("exact/ref_gold_mean"),
@@ -120,12 +179,20 @@ def analyse(run: Path) -> dict:
     }
 
 
-def lag(warn: int | None, onset: int | None) -> str:
+def lag(warn: int | None, a: dict) -> str:
+    """A warning's cell: its step and its lag behind the exact onset of run ``a`` (an :func:`analyse` row). A warning
+    on a run that did not hack is a false alarm, except on a guarded run (guard.on_hacking=rollback|stop), whose
+    guard may have kept the gold from falling ("guard acted" where it rolled back or stopped at that step); without
+    exact gold there is no onset to measure against."""
     if warn is None:
         return "never"
-    if onset is None:
-        return f"{warn} (false alarm)"
-    return f"{warn} ({warn - onset:+d})"
+    if not a["exact_gold"]:
+        return f"{warn} (no exact onset)"
+    if a["onset"] is not None:
+        return f"{warn} ({warn - a['onset']:+d})"
+    if a["guard"]:
+        return f"{warn} ({'guard acted' if warn in a['guard_steps'] else 'guarded run'}; no onset)"
+    return f"{warn} (false alarm)"
 
 
 def figure(run: Path, path: Path) -> None:
@@ -178,13 +245,13 @@ def figure(run: Path, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--figure", type=Path)
-    ap.add_argument("--figure-run", type=Path)
-    args = ap.parse_args()
-    rows = [analyse(r) for r in args.runs if (r / "metrics.jsonl").is_file()]
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=Path(__file__).name, description=description(__doc__))
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories (plain files among them are skipped)")
+    ap.add_argument("--figure", type=Path, help="write the --figure-run's exact proxy, gold and warnings here")
+    ap.add_argument("--figure-run", type=Path, help="the run directory the --figure plots")
+    args = ap.parse_args(argv)
+    rows = [analyse(r) for r in read_runs(ap.prog, args.runs)]
     print(
         "| run | seed | exact onset | gold at onset → final (ref) | exact proxy at onset → at the fall | "
         "monitor with exact gold | with sampled gold | without gold: `hacking_proxy` | `hacking_kl_focus` |"
@@ -193,20 +260,23 @@ def main() -> None:
     for a in rows:
         at = "–" if a["gold_at_onset"] is None else f"{a['gold_at_onset']:.3f}"
         g = "–" if a["final_gold"] is None else f"{at} → {a['final_gold']:.3f} ({a['ref_gold']:.3f})"
-        gold_warn = lag(a["gold_warn"], a["onset"]) if a["hackable"] else "(no gold)"
+        gold_warn = lag(a["gold_warn"], a) if a["hackable"] else "(no gold)"
+        if not a["exact_gold"]:  # the replay with every metric reads the sampled gold: not this column's
+            gold_warn = "n/a (no exact gold)"
         px = "–"
         if a["proxy_at_onset"] is not None and a["proxy_at_fall"] is not None:
             fell = " (fell: collapse)" if a["proxy_at_fall"] < a["proxy_at_onset"] else ""
             px = f"{a['proxy_at_onset']:.3f} → {a['proxy_at_fall']:.3f}{fell}"
+        onset = "n/a (no exact gold)" if not a["exact_gold"] else a["onset"] if a["onset"] is not None else "none"
         print(
-            f"| `{a['scenario'] or a['run']}` | {a['seed']} | {a['onset'] if a['onset'] is not None else 'none'} | "
+            f"| `{a['scenario'] or a['run']}` | {a['seed']} | {onset} | "
             f"{g} | {px} | {gold_warn} | "
-            f"{lag(a['sampled_warn'], a['onset']) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a['onset'])} | "
-            f"{lag(a['kl_focus_warn'], a['onset'])} |"
+            f"{lag(a['sampled_warn'], a) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a)} | "
+            f"{lag(a['kl_focus_warn'], a)} |"
         )
     by_beta: dict[tuple, list[dict]] = {}
-    for a in rows:
-        if a["hackable"] and a["beta"] is not None:
+    for a in rows:  # an onset is exact: runs without exact gold have none to count
+        if a["hackable"] and a["exact_gold"] and a["beta"] is not None:
             by_beta.setdefault((a["guard"], a["beta"]), []).append(a)
     if by_beta:
         print(
@@ -240,12 +310,16 @@ def main() -> None:
                 return f"{span(sorted(lags))}{never}{f', {false} false' if false else ''}"
 
             print(
-                f"| {beta:g}{' + guard.on_hacking=rollback' if guard else ''} | {len(group)} | "
+                f"| {beta:g}{f' + guard.on_hacking={guard}' if guard else ''} | {len(group)} | "
                 f"{len(hacked)}/{len(group)} | {span(onsets, '{:d}')} | {lags_cell(lg, false_g)} | "
                 f"{lags_cell(lp, false_p)} | {mean('all_gold')} | {mean('all_proxy')} | {mean('all_kl_tok')} |"
             )
         refs = {round(a["all_ref_gold"], 4) for a in rows if a["all_ref_gold"] is not None}
-        print(f"\nthe reference's gold on the 20 prompts: {', '.join(map(str, refs))}")
+        if refs:
+            print(f"\nthe reference's gold on the 20 prompts: {', '.join(map(str, sorted(refs)))}")
+    no_exact = sum(a["hackable"] and not a["exact_gold"] for a in rows)
+    if no_exact:
+        print(f"\n{no_exact} run(s) without exact gold (exact/gold_mean) have no exact onset: not in the β table")
     lags = [a["proxy_warn"] - a["onset"] for a in rows if a["onset"] is not None and a["proxy_warn"] is not None]
     if lags:
         print(
