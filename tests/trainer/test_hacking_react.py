@@ -99,3 +99,35 @@ def test_a_rollback_replaces_the_doctors_advice_in_its_line(caplog):
     t.react(gold)
     (line,) = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
     assert "suggestion: set kl.coef=0.05" in line
+
+
+def test_a_rollback_supersedes_the_other_advice_of_its_step(caplog):
+    """A user trying docs/hacking.md's box saw, in the step a rollback set β to 0.1, a kl_rising line (logged before
+    the guard's) and a hacking_kl_focus line (after it) each advising 'raise kl.coef (now 0.05) to 0.1': advice written
+    before the restore. Under rollback the guard acts before any line of the step; the line it acted on says so and
+    every other line of the step says the rollback superseded its advice, in the order the doctor found them."""
+    found = [
+        Finding("kl_rising", "kl/ref_mean", "k", suggestion="raise kl.coef (now 0.05) to 0.1"),
+        Finding("hacking_gold", "val/gold_mean", "g", suggestion="raise kl.coef (now 0.05) to 0.1"),
+        Finding("hacking_kl_focus", "kl/token_top_share", "f", suggestion="raise kl.coef (now 0.05) to 0.1"),
+    ]
+    t, _ = trainer_with("rollback", gold=True)
+    floor = {"v": 0.05}
+
+    def restore(step, finding, ckpt, roles, beta):
+        t.guard.restores, floor["v"] = 1, 0.1
+
+    t.guard.restores, t.guard.on_hacking = 0, restore
+    t.guard.beta = lambda controller_beta: max(controller_beta, floor["v"])
+    t.react(found)
+    lines = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
+    assert [ln.split(";")[0] for ln in lines] == ["doctor: k", "doctor: g", "doctor: f"]
+    assert "guard.on_hacking=rollback acted on it (β now 0.1)" in lines[1]
+    for ln in (lines[0], lines[2]):
+        assert "superseded: guard.on_hacking=rollback restored an earlier checkpoint this step (β now 0.1)" in ln
+        assert "raise kl.coef" not in ln
+    caplog.clear()
+    t.guard.on_hacking = lambda *a: None  # no stable checkpoint: nothing superseded, every advice kept
+    t.react(found)
+    lines = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
+    assert all("suggestion: raise kl.coef (now 0.05) to 0.1" in ln for ln in lines)

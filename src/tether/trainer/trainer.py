@@ -420,29 +420,37 @@ class Trainer:
         (``tether.diagnostics.GUARDED_HACKING_CHECKS``: not the warn-only ``hacking_kl_focus``) goes to the guard
         (``guard.on_hacking``: warn, rollback or stop; once a step), before the step's line is logged, so a rollback's
         ``guard/*`` are in it and a stop writes it once; in a run that logs a gold reward only the gold check's (a
-        ``hacking_proxy`` warning there is logged, not acted on). On resume the checkpointed step's findings are
+        ``hacking_proxy`` warning there is logged, not acted on). Under ``rollback`` the guard acts before any line of
+        the step is logged: the line of the finding it acted on says so, and every other line of the step says the
+        rollback superseded its advice (written before the restore). On resume the checkpointed step's findings are
         replayed: a rollback is applied again, a stop is not."""
-        acted = False  # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         gold = self.diagnostics.gold_seen
         mode = self.cfg.guard.on_hacking
+        guarded = [
+            f for f in findings if f.check in GUARDED_HACKING_CHECKS and not (gold and f.check == "hacking_proxy")
+        ]
+        # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
+        target = guarded[0] if guarded and not (resumed and mode == "stop") else None
+        handled = None  # the finding a rollback acted on (restored, raised β): it replaces the step's advice
+        if target is not None and mode == "rollback":  # before any line, so each line of the step can say so
+            state = (getattr(self.guard, "restores", 0), self.beta)
+            self.guard.on_hacking(self.step, target, self.ckpt, self.roles, self.controller.value)
+            if (getattr(self.guard, "restores", 0), self.beta) != state:
+                handled = target
         for finding in findings:
-            guarded = finding.check in GUARDED_HACKING_CHECKS and not (gold and finding.check == "hacking_proxy")
-            act = guarded and not acted and not (resumed and mode == "stop")
-            handled = False
-            if act and mode == "rollback":  # before the line: a guard that restored and raised β replaces the advice
-                acted = True
-                state = (getattr(self.guard, "restores", 0), self.beta)
-                self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
-                handled = (getattr(self.guard, "restores", 0), self.beta) != state
             if log_them:
-                tail = f"; suggestion: {finding.suggestion}" if finding.suggestion and not handled else ""
-                if handled:
+                tail = f"; suggestion: {finding.suggestion}" if finding.suggestion else ""
+                if finding is handled:
                     tail = f"; guard.on_hacking=rollback acted on it (β now {self.beta:.4g})"
+                elif handled is not None:  # its advice (a larger β, say) was written before the restore
+                    tail = (
+                        "; superseded: guard.on_hacking=rollback restored an earlier checkpoint this step"
+                        f" (β now {self.beta:.4g})"
+                    )
                 if finding.check == "hacking_proxy" and gold and mode != "warn":
                     tail += "; guard.on_hacking acts on the gold check alone in a run with a gold reward"
                 log.warning("doctor: %s%s", finding.message.rstrip(". "), tail)
-            if act and mode != "rollback":
-                acted = True
+            if finding is target and mode != "rollback":
                 self.guard.on_hacking(self.step, finding, self.ckpt, self.roles, self.controller.value)
         # a rollback this step (a hacking one, or the validation's): a hack that comes back after it is a new event
         restores = getattr(self.guard, "restores", 0)
