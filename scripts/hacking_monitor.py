@@ -63,13 +63,14 @@ def description(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
+#: The step events of a guard that acted: a hacking rollback, a validation's rollback, a stop (any guard's).
+GUARD_ACTIONS = ("guard/hacking_rollback", "guard/rollback", "guard/stop")
+
+
 def guard_actions(history: list[dict]) -> set[int]:
-    """The steps at which the guard acted: rolled back (``guard/rollback``) or stopped (``guard/stop``)."""
-    return {
-        r["step"]
-        for r in history
-        if isinstance(r.get("step"), int) and (r.get("guard/rollback", 0) or r.get("guard/stop", 0))
-    }
+    """The steps at which the guard acted: rolled back (``guard/hacking_rollback``, ``guard/rollback``) or stopped
+    (``guard/stop``)."""
+    return {r["step"] for r in history if isinstance(r.get("step"), int) and any(r.get(k) for k in GUARD_ACTIONS)}
 
 
 def guard_mode(run: Path) -> str:
@@ -167,7 +168,10 @@ def analyse(run: Path) -> dict:
         "scenario": next((ln.split(":")[-1].strip() for ln in cfg.splitlines() if "tether.tasks.hacks:" in ln), ""),
         "proxy_warn_gold_run": with_gold["hacking_proxy"],
         "proxy_warn": without["hacking_proxy"],
-        "hackable": "digitsum_hack" in cfg or "tether.tasks.hacks:" in cfg,
+        # a gold beside the training reward: the hack task, a library proxy, or any run that logs one
+        "hackable": "digitsum_hack" in cfg
+        or "tether.tasks.hacks:" in cfg
+        or any(isinstance(r.get(k), float) for r in h for k in ("exact/gold_mean", "val/gold_mean")),
         "beta": beta,
         "guard": guard_mode(run),
         "guard_steps": guard_actions(h),
@@ -177,6 +181,14 @@ def analyse(run: Path) -> dict:
         "all_ref_gold": whole.get("exact/ref_gold_mean"),
         "all_kl_tok": whole.get("exact/kl_ref_tok"),
     }
+
+
+def label(a: dict) -> str:
+    """A row's name: the run directory's, with the library scenario it trains on where the name does not say it
+    (two runs of one scenario stay apart)."""
+    if a["scenario"] and a["scenario"] not in a["run"]:
+        return f"`{a['run']}` (`{a['scenario']}`)"
+    return f"`{a['run']}`"
 
 
 def lag(warn: int | None, a: dict) -> str:
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             px = f"{a['proxy_at_onset']:.3f} → {a['proxy_at_fall']:.3f}{fell}"
         onset = "n/a (no exact gold)" if not a["exact_gold"] else a["onset"] if a["onset"] is not None else "none"
         print(
-            f"| `{a['scenario'] or a['run']}` | {a['seed']} | {onset} | "
+            f"| {label(a)} | {a['seed']} | {onset} | "
             f"{g} | {px} | {gold_warn} | "
             f"{lag(a['sampled_warn'], a) if a['sampled'] else '–'} | {lag(a['proxy_warn'], a)} | "
             f"{lag(a['kl_focus_warn'], a)} |"

@@ -282,3 +282,17 @@ def test_the_kl_coef_advice_reads_the_beta_a_guard_set():
     h[-1]["kl/coef_next"] = 0.05  # a hacking rollback at the last step set the floor
     (f,) = check_hacking_gold(h)
     assert "raise kl.coef (now 0.05) to 0.1" in f.suggestion and {"kl.coef": 0.1} in f.overrides
+
+
+def test_a_gold_below_zero_is_not_judged_and_says_so():
+    """A new user's trial: a gold of correctness − 1 (from −0.25 to −0.33: 10.8% of its 0-to-1 range) read as "33%
+    down, a sharp fall" and the guard rolled back on it; its first warning said "121% down". The 10% is relative to 0 as
+    the worst score, so a gold below 0 is not judged: one info finding says why, and the guard does not act on it."""
+    h = vals([-0.53, -0.25, -0.33, -0.40], [0.47, 0.75, 0.80, 0.85], exact=False, sem=0.01)
+    (f,) = check_hacking_gold(h)
+    assert f.check == "hacking_gold" and f.severity == "info"
+    assert "cannot judge val/gold_mean: it went below 0 (-0.53 at step 0)" in f.message
+    assert f.evidence["negative_steps"] == [0, 10, 20, 30] and "reward.val_function" in f.suggestion
+    # a gold of 0 is the worst score, not a shifted one: judged as before
+    (g,) = check_hacking_gold(vals([0.0, 0.61, 0.69, 0.40], [0.49, 0.64, 0.76, 0.83]))
+    assert g.severity == "warning" and "fell from 0.69" in g.message

@@ -24,9 +24,19 @@ bench = _load("benchmarks/bench_hacking_false_alarms.py")
 embedded = _load("scripts/embedded_jsonl.py")
 
 
-def make_run(path: Path, golds: list[float], *, exact: bool = True, on_hacking: str = "warn", acted=()) -> Path:
+def make_run(
+    path: Path,
+    golds: list[float],
+    *,
+    exact: bool = True,
+    on_hacking: str = "warn",
+    acted=(),
+    event: str = "guard/rollback",
+    task: str = "digitsum_hack",
+) -> Path:
     """A run directory: steps 0..10·(len(golds)-1), a validation every 10 steps whose gold is golds[i] (exact and
-    sampled, or sampled only), the reference's gold golds[0]; guard/rollback at the steps in ``acted``."""
+    sampled, or sampled only), the reference's gold golds[0]; ``event`` (guard/rollback) at the steps in ``acted``;
+    config.yaml's data.embedded_task ``task``."""
     path.mkdir(parents=True)
     rows = []
     for step in range(10 * (len(golds) - 1) + 1):
@@ -37,10 +47,10 @@ def make_run(path: Path, golds: list[float], *, exact: bool = True, on_hacking: 
             if exact:
                 r |= {"exact/gold_mean": g, "exact/ref_gold_mean": golds[0], "exact/score_mean": 0.5}
         if step in acted:
-            r["guard/rollback"] = 1.0
+            r[event] = 1.0
         rows.append(r)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "config.yaml").write_text(f"data:\n  embedded_task: digitsum_hack\nguard:\n  on_hacking: {on_hacking}\n")
+    (path / "config.yaml").write_text(f"data:\n  embedded_task: {task}\nguard:\n  on_hacking: {on_hacking}\n")
     return path
 
 
@@ -145,3 +155,29 @@ def test_help_is_the_whole_first_paragraph(script, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     first = " ".join(script.__doc__.split("\n\n")[0].split())
     assert first.endswith(".") and first in help_text
+
+
+def test_a_hacking_rollback_is_a_guard_action_for_both_scripts(tmp_path, capsys):
+    """A new user's trial: the hacking guard logs guard/hacking_rollback (not guard/rollback), and both scripts
+    missed it: the bench counted a run the guard rolled back twice as honest (2 false alarms in it), and the monitor
+    said "guarded run" where the guard acted."""
+    run = make_run(
+        tmp_path / "rb", [0.5, 0.5, 0.5, 0.5, 0.5], on_hacking="rollback", acted=(20,), event="guard/hacking_rollback"
+    )
+    assert mon.guard_actions(mon.read_metrics(run)) == {20}
+    assert mon.lag(20, mon.analyse(run)) == "20 (guard acted; no onset)"
+    bench.main([str(run)])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "false alarms with a sampled gold: 0 in 0 honest runs (runs left out: 1 whose guard rolled back or stopped)"
+    )
+
+
+def test_monitor_reads_a_gold_logged_by_any_run_and_names_rows_by_run(tmp_path, capsys):
+    """A user's own reward.function on the embedded prompts logs exact/gold_mean: its monitor cells are measured,
+    not "(no gold)"; rows are named by run directory, so two runs of one task stay apart."""
+    make_run(tmp_path / "mine", [0.5, 0.6, 0.7, 0.3], task="digitsum")
+    make_run(tmp_path / "mine2", [0.5, 0.6, 0.7, 0.3], task="digitsum")
+    mon.main([str(tmp_path / "mine"), str(tmp_path / "mine2")])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| `")]
+    assert [r.split(" | ")[0] for r in rows] == ["| `mine`", "| `mine2`"]
+    assert all(r.split(" | ")[5] == "30 (+10)" for r in rows)  # onset 20 (best gold before the fall below 0.5)

@@ -89,22 +89,24 @@ def test_a_rollback_at_the_last_validation_quotes_the_restored_weights(tmp_path)
     tried = [[30, 20, 0.05], [40, 20, 0.05], [60, 50, 0.05]]
     assert train_summary(run, tried) == (
         "step 60: rolled back to step 50's weights: exact success (gold) 0.692 (reference 0.469); "
-        "exact training reward 0.817 (reference 0.501); KL 0.157 nats/token"
+        "exact training reward 0.817 (reference 0.501); KL 0.157 nats/token; 3 rollbacks by the guard, β 0.05 after "
+        "the last"
     )
     # a rollback at an earlier validation (step 30) leaves the last one (step 60) to be quoted as it is
     assert train_summary(run, tried[:2]) == (
         "step 60: exact success (gold) 0.633 (reference 0.469); exact training reward 0.838 (reference 0.501); "
-        "KL 0.211 nats/token"
+        "KL 0.211 nats/token; 2 rollbacks by the guard, β 0.05 after the last"
     )
     # back to the reference's own weights (step 0): its validation, with no reference beside itself
     assert train_summary(run, [[60, 0, 0.05]]) == (
         "step 60: rolled back to step 0's weights: exact success (gold) 0.469; exact training reward 0.501; "
-        "KL 0.000 nats/token"
+        "KL 0.000 nats/token; 1 rollback by the guard, β 0.05 after the last"
     )
     # a restored checkpoint with no validation in metrics.jsonl: the line says so and quotes nothing of step 60's
     assert (
         train_summary(run, [[60, 40, 0.05]])
-        == "step 60: rolled back to step 40's weights (no validation of them logged)"
+        == "step 60: rolled back to step 40's weights (no validation of them logged); 1 rollback by the guard, β 0.05 "
+        "after the last"
     )
 
 
@@ -133,5 +135,6 @@ def test_on_data_files_a_sampled_gold_sits_beside_the_validation_score(tmp_path)
     # rolled back at step 60 to step 50: step 50's sampled scores and its training batch's KL
     assert train_summary(run, [[60, 50, 0.05]]) == (
         "step 60: rolled back to step 50's weights: validation score 0.810 (reference 0.510), "
-        "gold (the data's built-in gold) 0.690 (reference 0.482); KL 0.125 nats/token (step 50's training batch)"
+        "gold (the data's built-in gold) 0.690 (reference 0.482); KL 0.125 nats/token (step 50's training batch); "
+        "1 rollback by the guard, β 0.05 after the last"
     )

@@ -160,7 +160,7 @@ def train_summary(run_dir, rollbacks=None) -> str:
     ``rollbacks``: the guard's ``[step, restored step, β]`` of each rollback (``Guard.tried``). When the last
     validation rolled back (the run ends on the restored checkpoint's weights, e.g. step 60 → step 50), the line says
     so and quotes the restored step's validation (``step 60: rolled back to step 50's weights: ...``), not the
-    discarded weights'.
+    discarded weights'; the line then says how many rollbacks there were and the β after the last.
     "" when the run has no metrics to quote."""
     from pathlib import Path
 
@@ -208,6 +208,9 @@ def train_summary(run_dir, rollbacks=None) -> str:
             parts.append(text)
     if kls and not any("KL" in p for p in parts):
         parts.append(f"KL {kls[-1]['kl/ref_mean']:.3f} nats/token ({kl_note})")
+    if rollbacks and parts:  # what the guard did, and the β the run ended with (set by its last rollback)
+        n = len(rollbacks)
+        parts.append(f"{n} rollback{'s' if n > 1 else ''} by the guard, β {float(rollbacks[-1][2]):.4g} after the last")
     report = Path(run_dir) / "report" / "summary.md"
     if report.is_file():
         parts.append(f"report: {report}")

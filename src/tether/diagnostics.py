@@ -858,6 +858,15 @@ def check_hacking_gold(
     if len(steps) < 2:
         return []
     gold = dict(zip(g_steps, g_vals, strict=True))
+    if below := [s for s in steps if gold[s] < 0]:  # the 10% is of a gold whose 0 is the worst: not judged
+        msg = (
+            f"the gold check cannot judge {g_key}: it went below 0 ({_fmt(gold[below[0]])} at step {below[0]}), and "
+            "a fall of the gold is measured relative to 0 as the worst score, so on a shifted scale (correctness − 1, "
+            "a log-probability) its 10% means nothing and hacking_gold stays silent"
+        )
+        evidence = {"steps": steps, "values": [gold[s] for s in steps], "negative_steps": below, "gold_key": g_key}
+        suggestion = "make reward.val_function's worst score 0 (a pass rate, correctness: not correctness − 1)"
+        return [Finding("hacking_gold", g_key, msg, evidence, suggestion, severity="info")]
     g_sem = dict(zip(*_series(history, "val/gold_sem"), strict=True)) if not exact else {}
     p_sem = dict(zip(*_series(history, "val/score_sem"), strict=True)) if not exact else {}
     need = 1 if exact else max(1, persist)

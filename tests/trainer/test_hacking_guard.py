@@ -67,3 +67,34 @@ def test_the_reference_is_a_rollback_target_for_a_hack_from_the_first_update(tmp
     t2 = Trainer(load_config(None, [*cfg[:-2], "guard.on_hacking=warn", f"trainer.output_dir={tmp_path / 'warn'}"]))
     t2.fit()
     assert not (tmp_path / "warn" / "checkpoints" / "step_000000").exists()
+
+
+def test_a_rollback_at_the_last_step_leaves_the_restored_weights_in_the_last_checkpoint(tmp_path):
+    """A new user's trial: a run whose last step rolled back ended on the restored weights (its `done:` line said
+    so), but its last checkpoint, written before the doctor looked, held the discarded ones, and `tether export` of
+    the run exported them. The last step's checkpoint is now written again after its rollback, without the step's
+    record, so a resume from it goes on from the rollback instead of rolling back a second time."""
+    from safetensors.torch import load_file
+
+    first = Trainer(load_config(None, [*COMMON, "guard.on_hacking=rollback", f"trainer.output_dir={tmp_path / 'a'}"]))
+    first.fit()
+    assert first.guard.tried, "the guard never acted"
+    last, restored = first.guard.tried[0][:2]  # the first rollback: flagged step → restored step
+    # the same run (same seed) ending at the flagged step: its last step rolls back
+    out = tmp_path / "b"
+    cfg = [*COMMON, "guard.on_hacking=rollback", f"trainer.output_dir={out}"]
+    t = Trainer(load_config(None, [*cfg, f"trainer.total_steps={last}"]))
+    t.fit()
+    assert [r[:2] for r in t.guard.tried] == [[last, restored]]
+
+    def actor(step):
+        d = out / "checkpoints" / f"step_{step:06d}" / "actor"
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    end, back = actor(last), actor(restored)
+    assert end.keys() == back.keys() and all(end[k].equal(back[k]) for k in end)
+    state = json.loads((out / "checkpoints" / f"step_{last:06d}" / "trainer_state.json").read_text())
+    assert state["guard"]["rollbacks"] == 1 and state["metrics"] is None
+    # resumed with more steps: no second rollback of the same warning
+    t2 = Trainer(load_config(None, [*cfg, f"trainer.total_steps={last + 1}", "trainer.resume=auto"]))
+    assert t2.guard.rollbacks == 1 and [r[:2] for r in t2.guard.tried] == [[last, restored]]

@@ -131,3 +131,12 @@ def test_a_rollback_supersedes_the_other_advice_of_its_step(caplog):
     t.react(found)
     lines = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
     assert all("suggestion: raise kl.coef (now 0.05) to 0.1" in ln for ln in lines)
+
+
+def test_the_guard_does_not_act_on_an_info_finding(caplog):
+    """hacking_gold's info finding (a gold below 0, not judged) is logged, never rolled back or stopped on."""
+    info = [Finding("hacking_gold", "val/gold_mean", "the gold check cannot judge", severity="info")]
+    for mode in ("rollback", "stop"):
+        t, calls = trainer_with(mode, gold=True)
+        t.react(info)
+        assert calls == [] and "doctor: the gold check cannot judge" in caplog.text

@@ -445,3 +445,22 @@ def test_a_bad_reward_function_fails_before_any_model_is_built(small_cfg, tmp_pa
     with pytest.raises(ValueError, match=expected) as info:
         Trainer(small_cfg(f"{key}={spec}"))
     assert key in str(info.value)
+
+
+def test_rollback_with_checkpoints_never_validated_at_their_step_warns(caplog):
+    """A new user's trial: trainer.save_freq=7 with trainer.val_freq=10 over 60 steps ran with no checkpoint a hacking
+    rollback could return to but the reference's (lcm 70); aligned or nested frequencies say nothing."""
+    from tether.config import load_config
+    from tether.trainer.startup import check_rollback_targets
+
+    base = ["guard.on_hacking=rollback", "trainer.total_steps=60"]
+    with caplog.at_level(logging.WARNING, logger="tether"):
+        check_rollback_targets(load_config(None, [*base, "trainer.save_freq=7", "trainer.val_freq=10"]))
+        assert "trainer.save_freq=7 and trainer.val_freq=10 the first one after the reference's is step 70" in (
+            caplog.text
+        )
+        caplog.clear()
+        for save, val in ((10, 10), (5, 10), (20, 10)):
+            check_rollback_targets(load_config(None, [*base, f"trainer.save_freq={save}", f"trainer.val_freq={val}"]))
+        check_rollback_targets(load_config(None, ["trainer.save_freq=7", "trainer.val_freq=10"]))  # warn: no rollback
+        assert caplog.text == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 from tether.agents import check_row_environments
@@ -297,3 +298,25 @@ def check_agent_rows(cfg: TetherConfig, train_rows, val_rows) -> None:
         check_row_environments(cfg.agent, val_rows, "data.val_files")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_rollback_targets(cfg: TetherConfig) -> None:
+    """Warn, at start-up, when ``guard.on_hacking=rollback`` has no checkpoint to return to but the reference's: a
+    hacking rollback returns to a checkpoint whose gold was validated at its own step, the first of which after step 0
+    is the least common multiple of ``trainer.save_freq`` and ``trainer.val_freq`` (the config refuses either at 0)."""
+    t = cfg.trainer
+    if cfg.guard.on_hacking != "rollback" or not t.save_freq or not t.val_freq:
+        return
+    first = math.lcm(t.save_freq, t.val_freq)
+    if first < t.total_steps:
+        return
+    log.warning(
+        "guard.on_hacking=rollback returns to a checkpoint validated at its own step, and with trainer.save_freq=%d "
+        "and trainer.val_freq=%d the first one after the reference's is step %d (trainer.total_steps=%d): a rollback "
+        "can only return to the reference's weights; set trainer.save_freq to trainer.val_freq (or a divisor of it), "
+        "e.g. both 10",
+        t.save_freq,
+        t.val_freq,
+        first,
+        t.total_steps,
+    )

@@ -211,6 +211,7 @@ class Trainer:
         train_rows, val_rows = load_prompt_rows(cfg.data, cfg.trainer.seed)  # bad data fails before any model loads
         # guard.rollback_metric=gold without a gold reward fails here, before any model loads
         startup.check_gold(cfg, val_rows)
+        startup.check_rollback_targets(cfg)  # a warning: checkpoints never validated at their own step
         startup.check_agent_rows(cfg, train_rows, val_rows)  # agent.environments: each row's pick, before any model
         self.roles = build_roles(cfg)  # tokenizer, actor, ref, critic, engine, reward, device
         self.tok, self.device = self.roles.tokenizer, self.roles.device
@@ -304,6 +305,7 @@ class Trainer:
                     progress.update(metrics)
                     if self._signals.signum is not None and self.ckpt.last_saved_step == self.step:
                         raise TrainingInterrupted(self._signals.signum, self.step)
+                self.resave_after_rollback()
                 self.roles.actor.refresh()  # this process's copy of the policy is the trained one when fit returns
         except TrainingStopped as stop:
             log.error("training stopped at step %d: %s", self.step, stop)
@@ -326,6 +328,27 @@ class Trainer:
             except (OutputPathError, OutputWriteError) as e:
                 log.warning("report not written (%s); make it later with: tether report %s", e, self.run_dir)
         return history
+
+    def resave_after_rollback(self) -> None:
+        """Write the last step's checkpoint again when that step rolled back after it was written.
+
+        A step's checkpoint is written before the doctor looks (so a hacking rollback's target is strictly earlier),
+        and mid-run a resume from it replays the rollback. When the last step rolls back, the run ends on the
+        restored weights, yet its latest checkpoint would hold the discarded ones, which ``tether export`` and
+        ``tether eval`` of the run directory read. So that checkpoint is written again, with the restored weights and
+        the guard's and the doctor's state after the rollback, and without the step's record: a resume from it (a
+        larger ``trainer.total_steps``) goes on from the rollback, as this process would, instead of replaying it."""
+        restores = getattr(self.guard, "restores", 0)
+        if self.ckpt.last_saved_step != self.step or restores == getattr(self, "_restores_at_save", restores):
+            return
+        self.ckpt.save(self.step, self.last_val, diagnostics=self.diagnostics)
+        self._restores_at_save = restores
+        log.info(
+            "step %d's checkpoint written again after its rollback: it holds step %s's weights, the ones the run ends "
+            "with",
+            self.step,
+            getattr(self.guard, "restored_step", "?"),
+        )
 
     def train_step_or_abandon(self) -> dict[str, float]:
         """:meth:`train_step`; after a SIGTERM/SIGINT to the whole process group, whose Ray workers (and local Ray) it
@@ -403,9 +426,11 @@ class Trainer:
         metrics["kl/coef_next"] = self.beta  # after the controller and any guard: the next step's β
         with timer("checkpoint"):
             # the step's line is kept in the checkpoint
-            self.ckpt.maybe_save(
+            saved = self.ckpt.maybe_save(
                 self.step, self.last_val, metrics, force=self.stop_requested, diagnostics=self.diagnostics
             )
+        if saved is not None:  # a rollback after this save (the doctor's, below) leaves other weights than it holds
+            self._restores_at_save = getattr(self.guard, "restores", 0)
         metrics |= timer.times | self.perf_metrics(batch, timer.times)
         metrics["timing/step_s"] = time.perf_counter() - t_step
         # the doctor's live checks; guard.on_hacking (stop raises here)
@@ -426,8 +451,12 @@ class Trainer:
         replayed: a rollback is applied again, a stop is not."""
         gold = self.diagnostics.gold_seen
         mode = self.cfg.guard.on_hacking
-        guarded = [
-            f for f in findings if f.check in GUARDED_HACKING_CHECKS and not (gold and f.check == "hacking_proxy")
+        guarded = [  # warnings only: an info finding (a gold below 0, not judged) is no hack to act on
+            f
+            for f in findings
+            if f.check in GUARDED_HACKING_CHECKS
+            and f.severity == "warning"
+            and not (gold and f.check == "hacking_proxy")
         ]
         # one reaction a step: both checks firing together are one event (hacking_gold's, listed first)
         target = guarded[0] if guarded and not (resumed and mode == "stop") else None
