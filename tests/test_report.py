@@ -141,3 +141,16 @@ def test_coinciding_kl_lines_are_both_visible():
         "kl/k3_mean",
     ]
     _close(figs)
+
+
+def test_guard_events_are_counted_and_the_state_gauges_left_out(tmp_path):
+    """A new user's trial: the summary said "`guard/coef_floor` × 1", the floor β (0.05 over 20 steps, 0.1 over 1)
+    summed as if it were an event; gauges (β's scale and floor, the rollback count) are state, not events."""
+    rows = [
+        {"step": s, "guard/coef_scale": 2.0, "guard/rollbacks": 1.0, "guard/coef_floor": 0.05} for s in range(1, 21)
+    ]
+    rows[9]["guard/hacking_rollback"] = 1.0
+    rows[19] |= {"guard/hacking_rollback": 1.0, "guard/coef_floor": 0.1, "guard/rollbacks": 2.0}
+    text = report._summary(tmp_path, rows)
+    assert "Guard events: `guard/hacking_rollback` × 2\n" in text
+    assert "coef_floor" not in text.split("Guard events")[1] and "coef_scale` ×" not in text

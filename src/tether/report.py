@@ -235,7 +235,7 @@ def _summary(run_dir: Path, history: list[dict]) -> str:
         for k, v in rec.items():
             if (
                 k.startswith("guard/")
-                and k not in ("guard/coef_scale", "guard/rollbacks")
+                and k not in ("guard/coef_scale", "guard/coef_floor", "guard/rollbacks")
                 and isinstance(v, (int, float))
             ):
                 guard[k] = guard.get(k, 0.0) + v

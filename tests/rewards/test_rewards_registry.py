@@ -120,6 +120,9 @@ def test_load_user_function_from_module(tmp_path, monkeypatch):
     assert per_sample_keywords(fn) == ("solution_str", "ground_truth", "extra_info")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
         load_user_function("tether.rewards.math:nope")
+    # the module's own public callables are listed, as for a file (a new user's trial: tether.tasks.hacks:nope)
+    with pytest.raises(ValueError, match=r"\); it defines: .*descending, .*short_nine, .*trailing_zero$"):
+        load_user_function("tether.tasks.hacks:nope")
     with pytest.raises(ValueError, match="cannot import module"):
         load_user_function("no_such_pkg.mod:f")
 

@@ -136,7 +136,16 @@ def resolve_import_path(path: str, what: str = "reward function") -> Callable:
         raise ValueError(f"cannot import module {mod_name!r} for {what} {path!r}: {e}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
-        raise ValueError(f"module {mod_name!r} has no attribute {attr!r} ({what} {path!r})")
+        defined = sorted(
+            k
+            for k, v in vars(mod).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod.__name__
+        )
+        shown = ", ".join(defined[:30]) + (f" (+{len(defined) - 30} more)" if len(defined) > 30 else "")
+        raise ValueError(
+            f"module {mod_name!r} has no attribute {attr!r} ({what} {path!r}); "
+            f"it defines: {shown or 'nothing callable'}"
+        )
     if not callable(fn):
         raise ValueError(f"{path!r} is not callable (it is a {type(fn).__name__})")
     _cache[path] = fn
