@@ -20,6 +20,20 @@ def trainer_with(on_hacking: str, gold: bool = False):
     return t, calls
 
 
+def trainer_whose_rollback_sets_the_floor(before: float, after: float):
+    """A guard.on_hacking=rollback trainer (run with a gold) whose guard, on a hacking finding, restores a checkpoint
+    and raises β's floor from ``before`` to ``after`` (β = max(controller's, floor))."""
+    t, _ = trainer_with("rollback", gold=True)
+    floor = {"v": before}
+
+    def restore(step, finding, ckpt, roles, beta):
+        t.guard.restores, floor["v"] = 1, after
+
+    t.guard.restores, t.guard.on_hacking = 0, restore
+    t.guard.beta = lambda controller_beta: max(controller_beta, floor["v"])
+    return t
+
+
 FOUND = [
     Finding("kl_rising", "kl/ref_mean", "m"),
     Finding("hacking_gold", "exact/gold_mean", "g"),
@@ -83,14 +97,7 @@ def test_a_rollback_replaces_the_doctors_advice_in_its_line(caplog):
     kl.coef=0.05'. Under rollback the guard acts first; a line whose finding it acted on says so, and one it could not
     act on (no checkpoint to restore, β unchanged) keeps the advice."""
     gold = [Finding("hacking_gold", "val/gold_mean", "g", suggestion="set kl.coef=0.05 (now 0)")]
-    t, _ = trainer_with("rollback", gold=True)
-    floor = {"v": 0.0}
-
-    def restore(step, finding, ckpt, roles, beta):
-        t.guard.restores, floor["v"] = 1, 0.05
-
-    t.guard.restores, t.guard.on_hacking = 0, restore
-    t.guard.beta = lambda controller_beta: max(controller_beta, floor["v"])
+    t = trainer_whose_rollback_sets_the_floor(0.0, 0.05)
     t.react(gold)
     (line,) = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
     assert "guard.on_hacking=rollback acted on it (β now 0.05)" in line and "set kl.coef" not in line
@@ -111,14 +118,7 @@ def test_a_rollback_supersedes_the_other_advice_of_its_step(caplog):
         Finding("hacking_gold", "val/gold_mean", "g", suggestion="raise kl.coef (now 0.05) to 0.1"),
         Finding("hacking_kl_focus", "kl/token_top_share", "f", suggestion="raise kl.coef (now 0.05) to 0.1"),
     ]
-    t, _ = trainer_with("rollback", gold=True)
-    floor = {"v": 0.05}
-
-    def restore(step, finding, ckpt, roles, beta):
-        t.guard.restores, floor["v"] = 1, 0.1
-
-    t.guard.restores, t.guard.on_hacking = 0, restore
-    t.guard.beta = lambda controller_beta: max(controller_beta, floor["v"])
+    t = trainer_whose_rollback_sets_the_floor(0.05, 0.1)
     t.react(found)
     lines = [r.getMessage() for r in caplog.records if "doctor:" in r.getMessage()]
     assert [ln.split(";")[0] for ln in lines] == ["doctor: k", "doctor: g", "doctor: f"]

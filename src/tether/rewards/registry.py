@@ -119,6 +119,16 @@ GOLD_FUNCTIONS: dict[str, str] = {
 _cache: dict[str, Callable] = {}
 
 
+def _public_callables(mod) -> list[str]:
+    """The sorted public names of the callables ``mod`` defines itself (not those it imports), for the error that a
+    name is missing from it."""
+    return sorted(
+        k
+        for k, v in vars(mod).items()
+        if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod.__name__
+    )
+
+
 def resolve_import_path(path: str, what: str = "reward function") -> Callable:
     """Import ``"package.module:attr"`` and return the attribute (cached); ``what`` names it in the errors.
 
@@ -136,11 +146,7 @@ def resolve_import_path(path: str, what: str = "reward function") -> Callable:
         raise ValueError(f"cannot import module {mod_name!r} for {what} {path!r}: {e}") from e
     fn = getattr(mod, attr, None)
     if fn is None:
-        defined = sorted(
-            k
-            for k, v in vars(mod).items()
-            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod.__name__
-        )
+        defined = _public_callables(mod)
         shown = ", ".join(defined[:30]) + (f" (+{len(defined) - 30} more)" if len(defined) > 30 else "")
         raise ValueError(
             f"module {mod_name!r} has no attribute {attr!r} ({what} {path!r}); "
@@ -287,12 +293,8 @@ def load_spec_attribute(spec: str, *, base_dir: str | Path | None = None, key: s
         raise ValueError(f"{what} file {path} failed to import: {type(e).__name__}: {e}") from e
     fn = getattr(mod, name, None)
     if fn is None:
-        defined = sorted(
-            k
-            for k, v in vars(mod).items()
-            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == mod_name
-        )
-        raise ValueError(f"{what} file {path} has no {name!r}; it defines: {', '.join(defined) or 'nothing callable'}")
+        defined = ", ".join(_public_callables(mod))
+        raise ValueError(f"{what} file {path} has no {name!r}; it defines: {defined or 'nothing callable'}")
     if not callable(fn):
         raise ValueError(f"{name!r} in {path} is not callable (it is a {type(fn).__name__})")
     return fn
